@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Sets up .venv (torch, transformers, test tools) and builds torchkvops._C into it. Idempotent and cheap
+# when nothing changed: it installs only what is missing and rebuilds only when a C++/CUDA source,
+# setup.py or the torch version changed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export MAX_JOBS="${MAX_JOBS:-2}"
+
+if [ ! -x .venv/bin/python ]; then
+  python3 -m venv .venv
+fi
+py=.venv/bin/python
+
+# torch 2.14.1 (a CUDA build, so the CUDA kernels compile here) lies on this machine's disk.
+if ! "$py" -c "import torch, transformers, ninja, pytest, expecttest, hypothesis" >/dev/null 2>&1; then
+  "$py" -m pip install -q --disable-pip-version-check "torch>=2.11,<=2.14.1" "transformers>=5.0" ninja pytest expecttest hypothesis
+fi
+
+stamp=build/.torchkvops-built
+want="$("$py" -c 'import torch; print(torch.__version__)') $(cat setup.py torchkvops/csrc/*.* torchkvops/csrc/*/*.* | sha1sum)"
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ] || ! ls torchkvops/_C*.so >/dev/null 2>&1; then
+  "$py" -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps -e .
+  mkdir -p build && echo "$want" > "$stamp"
+fi
+"$py" -c "import torchkvops; print('torchkvops ready: torch', torchkvops.torch.__version__, '| CUDA kernels compiled in:', torchkvops.has_cuda_kernels())"

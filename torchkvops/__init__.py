@@ -1,0 +1,25 @@
+"""torchkvops: prefill each prompt once, expand its KV cache to N samples with a custom operator."""
+
+import torch
+
+try:
+    # Loading the compiled library registers the schemas and kernels; ops.py registers against them.
+    from . import _C  # noqa: F401
+except ImportError as e:  # pragma: no cover - exercised only on a broken install
+    raise ImportError(
+        "torchkvops: the compiled library torchkvops._C is missing or broken "
+        f"({e}); build it with: pip install --no-build-isolation -e ."
+    ) from None
+
+from . import ops  # noqa: E402
+from .ops import repeat_kv_cache, repeat_kv_cache_  # noqa: E402
+
+__version__ = "0.1.0"
+
+
+def has_cuda_kernels() -> bool:
+    """True when the CUDA kernels were compiled into torchkvops._C (whether or not a GPU is present)."""
+    return torch._C._dispatch_has_kernel_for_dispatch_key("torchkvops::repeat_kv_cache_", "CUDA")
+
+
+__all__ = ["repeat_kv_cache", "repeat_kv_cache_", "has_cuda_kernels", "ops", "__version__"]

@@ -1,0 +1,21 @@
+// Every torchkvops schema lives in this one TORCH_LIBRARY block. Kernels register against these
+// schemas from cpu/*.cpp and cuda/*.cu; fake kernels and autograd are registered in Python (ops.py).
+#include <Python.h>
+#include <torch/library.h>
+
+extern "C" {
+// `import torchkvops._C` only needs a module object: loading the shared library runs the static
+// registrations below. No pybind11: every entry point goes through the dispatcher.
+PyObject* PyInit__C(void) {
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  return PyModule_Create(&module_def);
+}
+}
+
+TORCH_LIBRARY(torchkvops, m) {
+  // In place: rows [0, batch) hold `batch` prompts' KV at positions [0, num_tokens); afterwards rows
+  // [0, batch*repeats) hold them in repeat_interleave order. Rows at dim -4, positions at dim -2.
+  m.def("repeat_kv_cache_(Tensor(a!) cache, int batch, int repeats, int num_tokens) -> ()");
+  // Functional: cache.repeat_interleave(repeats, dim=-4) as a new contiguous tensor.
+  m.def("repeat_kv_cache(Tensor cache, int repeats) -> Tensor");
+}

@@ -1,0 +1,45 @@
+"""Typed Python face of the torchkvops operators, plus their fake kernels and autograd formulas."""
+
+import torch
+from torch import Tensor
+
+__all__ = ["repeat_kv_cache_", "repeat_kv_cache"]
+
+
+def repeat_kv_cache_(cache: Tensor, batch: int, repeats: int, num_tokens: int) -> None:
+    """Expand the prompt KV of `batch` rows to `batch * repeats` rows, in place.
+
+    `cache` holds rows at dim -4 and token positions at dim -2, with any leading dims: a whole buffer
+    `[layers, 2, rows, kv_heads, max_tokens, head_dim]` or one layer's `[rows, kv_heads, max_tokens,
+    head_dim]`. Before the call rows `[0, batch)` hold the prompts at positions `[0, num_tokens)`;
+    afterwards row `r < batch * repeats` holds old row `r // repeats` there (repeat_interleave
+    order). Nothing else changes, and no temporary copy of the cache is made.
+    """
+    torch.ops.torchkvops.repeat_kv_cache_.default(cache, batch, repeats, num_tokens)
+
+
+def repeat_kv_cache(cache: Tensor, repeats: int) -> Tensor:
+    """Return `cache.repeat_interleave(repeats, dim=-4)` as a new contiguous tensor (differentiable)."""
+    return torch.ops.torchkvops.repeat_kv_cache.default(cache, repeats)
+
+
+@torch.library.register_fake("torchkvops::repeat_kv_cache")
+def _repeat_kv_cache_fake(cache: Tensor, repeats: int) -> Tensor:
+    torch._check(cache.dim() >= 4, lambda: f"repeat_kv_cache: cache must have at least 4 dims, got {cache.dim()}")
+    torch._check(repeats >= 1, lambda: f"repeat_kv_cache: repeats must be >= 1, got {repeats}")
+    shape = list(cache.shape)
+    shape[-4] = shape[-4] * repeats
+    return cache.new_empty(shape)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    _, ctx.repeats = inputs
+
+
+def _backward(ctx, grad: Tensor):
+    # Output row r came from input row r // repeats: sum each group of `repeats` rows.
+    rows = grad.shape[-4] // ctx.repeats
+    return grad.unflatten(-4, (rows, ctx.repeats)).sum(dim=-4), None
+
+
+torch.library.register_autograd("torchkvops::repeat_kv_cache", _backward, setup_context=_setup_context)
