@@ -1,0 +1,111 @@
+"""What the rollout needs to know about a Hugging Face causal LM, and the checks that refuse models it
+cannot run correctly. Works with transformers 5.x, whose cache argument is `cache` in newer releases
+and `past_key_values` in older ones."""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from torch import nn
+
+from .kv_cache import KVShape
+
+__all__ = ["ModelAdapter"]
+
+_ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention"}
+
+
+def _as_id_list(value) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    return [int(v) for v in value]
+
+
+class ModelAdapter:
+    """Reads a decoder-only model's shape and forward signature once, at construction."""
+
+    def __init__(self, model: nn.Module):
+        config = getattr(model, "config", None)
+        if config is None or not callable(model):
+            raise TypeError(f"torchkvops: model must be a Hugging Face causal LM, got {type(model).__name__}")
+        if getattr(config, "is_encoder_decoder", False):
+            raise ValueError(
+                f"torchkvops: {type(model).__name__} is an encoder-decoder model; only decoder-only causal LMs are supported"
+            )
+        layer_types = getattr(config, "layer_types", None) or []
+        other = sorted(set(layer_types) - _ATTENTION_LAYER_TYPES)
+        if other:
+            raise ValueError(
+                f"torchkvops: {type(model).__name__} has layers of type {other}; only models whose every layer "
+                "is attention with a plain per-layer KV cache are supported"
+            )
+        params = inspect.signature(model.forward).parameters
+        if "cache" in params:
+            self.cache_kwarg = "cache"
+        elif "past_key_values" in params:
+            self.cache_kwarg = "past_key_values"
+        else:
+            raise ValueError(f"torchkvops: {type(model).__name__}.forward takes no KV cache argument")
+        self.takes_cache_position = "cache_position" in params
+        self.takes_logits_to_keep = "logits_to_keep" in params
+        self.model, self.config = model, config
+        self.kv_shape = KVShape.from_config(config)
+        self.max_positions = getattr(config, "max_position_embeddings", None)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    def sliding_window(self) -> int | None:
+        """The attention window that binds some layer, or None when every layer sees all tokens."""
+        c = self.config
+        if getattr(c, "use_sliding_window", True) is False:
+            return None
+        layer_types = getattr(c, "layer_types", None)
+        if layer_types is not None and "sliding_attention" not in layer_types:
+            return None
+        return getattr(c, "sliding_window", None)
+
+    def check_length(self, total_length: int) -> None:
+        if self.max_positions is not None and total_length > self.max_positions:
+            raise ValueError(
+                f"torchkvops: prompt length + max_new_tokens = {total_length} exceeds the model's "
+                f"{self.max_positions} positions (max_position_embeddings)"
+            )
+        window = self.sliding_window()
+        if window is not None and total_length > window:
+            raise ValueError(
+                f"torchkvops: prompt length + max_new_tokens = {total_length} exceeds the model's sliding "
+                f"window of {window}; sliding-window attention is not supported beyond its window"
+            )
+
+    def eos_ids(self, configured) -> list[int]:
+        if configured is not None:
+            return _as_id_list(configured)
+        gen = getattr(self.model, "generation_config", None)
+        ids = _as_id_list(getattr(gen, "eos_token_id", None))
+        return ids or _as_id_list(getattr(self.config, "eos_token_id", None))
+
+    def pad_id(self, configured, eos_ids: list[int]) -> int:
+        for value in (configured, getattr(getattr(self.model, "generation_config", None), "pad_token_id", None),
+                      getattr(self.config, "pad_token_id", None)):
+            if value is not None:
+                return int(value)
+        return eos_ids[0] if eos_ids else 0
+
+    def last_logits(self, cache, input_ids, attention_mask, position_ids, cache_position) -> torch.Tensor:
+        """One forward; returns the logits of the last position only: [rows, vocab]."""
+        kwargs = {self.cache_kwarg: cache, "attention_mask": attention_mask, "position_ids": position_ids,
+                  "use_cache": True}
+        if self.takes_cache_position:
+            kwargs["cache_position"] = cache_position
+        if self.takes_logits_to_keep:
+            kwargs["logits_to_keep"] = 1
+        return self.model(input_ids=input_ids, **kwargs).logits[:, -1, :]

@@ -1,0 +1,88 @@
+"""Stage timing for rollouts: `RolloutProfile` and the timer that fills it.
+
+Every stage is always wrapped in `torch.profiler.record_function("torchkvops.<stage>")`, so a user's
+own profiler trace shows it. Timing is on only when asked: CUDA events recorded at stage boundaries
+and read after one synchronize at the end (perf_counter on CPU, where work is synchronous).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from collections.abc import Iterator
+
+import torch
+
+__all__ = ["RolloutProfile", "StageTimer", "STAGES"]
+
+STAGES = ("prompt_expansion", "prefill", "kv_expand", "decode", "post_processing")
+
+
+@dataclasses.dataclass
+class RolloutProfile:
+    """Where one `Rollout.generate()` call spent its time. Times in milliseconds."""
+
+    prompt_expansion_ms: float
+    prefill_ms: float
+    kv_expand_ms: float
+    decode_ms: float
+    generation_ms: float  # prefill + kv_expand + decode
+    post_processing_ms: float
+    total_ms: float  # the whole call, first stage to last
+    generated_tokens: int  # real response tokens (response_mask ones)
+    tokens_per_second: float  # generated_tokens / total time
+    decode_steps: int
+    batch_size: int
+    samples_per_prompt: int
+    prompt_length: int
+    response_length: int
+    peak_memory_bytes: int | None  # the accelerator's peak during the call; None on CPU
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+class StageTimer:
+    """Marks stage boundaries; `enabled=False` makes it record nothing and never synchronize."""
+
+    def __init__(self, device: torch.device, enabled: bool):
+        self.device, self.enabled = device, enabled
+        self.is_cuda = device.type == "cuda"
+        self._marks: list[tuple[str, object, object]] = []  # (stage, start, end)
+
+    def _now(self):
+        if self.is_cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def start(self) -> None:
+        if self.enabled and self.is_cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    @contextlib.contextmanager
+    def stage(self, name: str) -> Iterator[None]:
+        with torch.profiler.record_function(f"torchkvops.{name}"):
+            start = self._now() if self.enabled else None
+            yield
+            if self.enabled:
+                self._marks.append((name, start, self._now()))
+
+    def elapsed_ms(self) -> dict[str, float]:
+        """Milliseconds per stage (0 for stages not run) and `total`, from the first start to the
+        last end. Synchronizes once, on CUDA."""
+        if self.is_cuda:
+            torch.cuda.synchronize(self.device)
+            span = lambda a, b: a.elapsed_time(b)  # noqa: E731
+        else:
+            span = lambda a, b: (b - a) * 1e3  # noqa: E731
+        out = dict.fromkeys(STAGES, 0.0)
+        for name, start, end in self._marks:
+            out[name] += span(start, end)
+        out["total"] = span(self._marks[0][1], self._marks[-1][2]) if self._marks else 0.0
+        return out
+
+    def peak_memory_bytes(self) -> int | None:
+        return torch.cuda.max_memory_allocated(self.device) if self.is_cuda else None
