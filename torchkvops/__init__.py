@@ -13,6 +13,7 @@ except ImportError as e:  # pragma: no cover - exercised only on a broken instal
 
 from . import ops  # noqa: E402
 from .ops import repeat_kv_cache, repeat_kv_cache_  # noqa: E402
+from .rollout import Rollout, RolloutConfig, RolloutOutput, RolloutProfile  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -22,4 +23,14 @@ def has_cuda_kernels() -> bool:
     return torch._C._dispatch_has_kernel_for_dispatch_key("torchkvops::repeat_kv_cache_", "CUDA")
 
 
-__all__ = ["repeat_kv_cache", "repeat_kv_cache_", "has_cuda_kernels", "ops", "__version__"]
+__all__ = [
+    "Rollout",
+    "RolloutConfig",
+    "RolloutOutput",
+    "RolloutProfile",
+    "repeat_kv_cache",
+    "repeat_kv_cache_",
+    "has_cuda_kernels",
+    "ops",
+    "__version__",
+]
