@@ -27,6 +27,9 @@ __all__ = ["Rollout", "RolloutConfig", "RolloutOutput", "RolloutProfile"]
 
 # The all-rows-ended check syncs with the host, so decode makes it only every this many steps.
 FINISHED_CHECK_INTERVAL = 8
+# Compiled decode is specialized to the KV length; rounding it up to a multiple of this lets prompts of
+# nearby lengths share one graph, at the cost of attending over a few more (masked) slots.
+COMPILED_KV_LENGTH_MULTIPLE = 64
 
 
 @dataclasses.dataclass
@@ -130,6 +133,8 @@ class Rollout:
         rows, new_tokens = batch * n, cfg.max_new_tokens
         self.adapter.check_length(prompt_len + new_tokens)
         max_len = prompt_len + new_tokens - 1  # the last sampled token is never fed back
+        if cfg.compile:
+            max_len = -(-max_len // COMPILED_KV_LENGTH_MULTIPLE) * COMPILED_KV_LENGTH_MULTIPLE
         seed = cfg.seed if cfg.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
 
         timer = StageTimer(self.device, cfg.enable_profiling)

@@ -1,0 +1,297 @@
+"""Rollout against Hugging Face's own generate (the oracle), shared against expanded prefill, EOS and
+masks, profiling, compiled decode, and the errors for what is not supported."""
+
+import pytest
+import torch
+from transformers import BartConfig, BartForConditionalGeneration
+
+from models import FAMILIES, prompts
+from torchkvops import Rollout, RolloutConfig, RolloutOutput, RolloutProfile
+
+NO_EOS = []  # never stop early: every response has exactly max_new_tokens tokens
+
+
+@pytest.fixture(scope="module")
+def family_models():
+    return {name: build() for name, build in FAMILIES.items()}
+
+
+@pytest.fixture(scope="module")
+def llama(family_models):
+    return family_models["llama"]
+
+
+def hf_greedy(model, ids, mask, new_tokens):
+    """HF generate's greedy response tokens for each prompt: [B, new_tokens]. No EOS, like NO_EOS here
+    (min_new_tokens would instead forbid the EOS token, changing the argmax)."""
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens,
+                             eos_token_id=None, pad_token_id=0)
+    return out[:, ids.shape[1]:]
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "left-padded"])
+def test_greedy_matches_hf_generate(family_models, family, padded):
+    model = family_models[family]
+    ids, mask = prompts(3, 11, seed=1, left_pad=[0, 4, 1] if padded else None)
+    n, new = 2, 12
+    out = Rollout(model, RolloutConfig(samples_per_prompt=n, max_new_tokens=new, eos_token_id=NO_EOS)).generate(ids, mask)
+    # Oracle 1: each prompt alone, unpadded.
+    for row in range(ids.shape[0]):
+        alone = ids[row : row + 1, mask[row].bool()]
+        expected = hf_greedy(model, alone, torch.ones_like(alone), new)[0]
+        for sample in range(n):
+            assert torch.equal(out.responses[row * n + sample], expected), (family, row, sample)
+    # Oracle 2: the padded batch as HF runs it.
+    assert torch.equal(out.responses, hf_greedy(model, ids, mask, new).repeat_interleave(n, dim=0))
+
+
+def test_output_layout(llama):
+    ids, mask = prompts(2, 7, seed=2, left_pad=[0, 3])
+    out = Rollout(llama, RolloutConfig(samples_per_prompt=3, max_new_tokens=5, eos_token_id=NO_EOS)).generate(ids, mask)
+    assert isinstance(out, RolloutOutput)
+    assert out.prompt_length == 7
+    assert out.sequences.shape == (6, 12) and out.responses.shape == (6, 5) and out.response_mask.shape == (6, 5)
+    assert torch.equal(out.sequences[:, :7], ids.repeat_interleave(3, dim=0))  # row r answers prompt r // N
+    assert torch.equal(out.sequences[:, 7:], out.responses)
+    assert bool(out.response_mask.eq(1).all())
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("n", [1, 2, 4])
+@pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=0.9, top_k=20, top_p=0.9, seed=7)],
+                         ids=["greedy", "sampled"])
+def test_shared_and_expanded_give_identical_tokens(llama, batch, n, sampling):
+    ids, mask = prompts(batch, 9, seed=batch, left_pad=[2, 0, 5][:batch])
+    outs = [
+        Rollout(llama, RolloutConfig(samples_per_prompt=n, max_new_tokens=10, shared_prefill=shared,
+                                     eos_token_id=NO_EOS, **sampling)).generate(ids, mask)
+        for shared in (True, False)
+    ]
+    assert torch.equal(outs[0].sequences, outs[1].sequences)
+
+
+def test_seeded_sampling_is_reproducible_and_rows_differ(llama):
+    ids, mask = prompts(1, 8, seed=3)
+    cfg = dict(samples_per_prompt=8, max_new_tokens=16, temperature=1.5, seed=11, eos_token_id=NO_EOS)
+    a = Rollout(llama, RolloutConfig(**cfg)).generate(ids, mask).responses
+    b = Rollout(llama, RolloutConfig(**cfg)).generate(ids, mask).responses
+    c = Rollout(llama, RolloutConfig(**{**cfg, "seed": 12})).generate(ids, mask).responses
+    assert torch.equal(a, b)
+    assert not torch.equal(a, c)
+    assert len({tuple(r.tolist()) for r in a}) > 1  # the N samples of one prompt are not copies
+
+
+def test_row_randomness_does_not_depend_on_other_rows(llama):
+    """A row's draws depend on (seed, row index, step) alone: adding prompts after it changes nothing."""
+    ids, mask = prompts(3, 8, seed=4)
+    cfg = dict(samples_per_prompt=2, max_new_tokens=8, temperature=1.0, seed=5, eos_token_id=NO_EOS)
+    one = Rollout(llama, RolloutConfig(**cfg)).generate(ids[:1], mask[:1]).responses
+    three = Rollout(llama, RolloutConfig(**cfg)).generate(ids, mask).responses
+    assert torch.equal(one, three[:2])
+
+
+def test_top_k_one_is_greedy(llama):
+    ids, mask = prompts(2, 8, seed=6)
+    greedy = Rollout(llama, RolloutConfig(samples_per_prompt=2, max_new_tokens=8, eos_token_id=NO_EOS)).generate(ids, mask)
+    top1 = Rollout(llama, RolloutConfig(samples_per_prompt=2, max_new_tokens=8, eos_token_id=NO_EOS, temperature=1.0,
+                                        top_k=1, seed=3)).generate(ids, mask)
+    assert torch.equal(greedy.responses, top1.responses)
+
+
+def test_top_p_keeps_only_the_nucleus(llama):
+    """With a tiny top_p only the most likely token survives, whatever the noise: greedy again."""
+    ids, mask = prompts(2, 8, seed=6)
+    greedy = Rollout(llama, RolloutConfig(samples_per_prompt=2, max_new_tokens=8, eos_token_id=NO_EOS)).generate(ids, mask)
+    nucleus = Rollout(llama, RolloutConfig(samples_per_prompt=2, max_new_tokens=8, eos_token_id=NO_EOS, temperature=2.0,
+                                           top_p=1e-6, seed=3)).generate(ids, mask)
+    assert torch.equal(greedy.responses, nucleus.responses)
+
+
+def test_eos_stops_rows_and_masks_the_rest(llama):
+    ids, mask = prompts(2, 8, seed=8, left_pad=[0, 2])
+    free = Rollout(llama, RolloutConfig(samples_per_prompt=1, max_new_tokens=12, eos_token_id=NO_EOS)).generate(ids, mask)
+    eos = int(free.responses[0, 3])  # row 0 produces this token at step 3 (maybe earlier too)
+    pad = 0
+    out = Rollout(llama, RolloutConfig(samples_per_prompt=1, max_new_tokens=12, eos_token_id=eos,
+                                       pad_token_id=pad)).generate(ids, mask)
+    for row in range(2):
+        reference = free.responses[row]
+        hits = (reference == eos).nonzero()
+        end = int(hits[0]) + 1 if len(hits) else reference.numel()  # tokens up to and including the first EOS
+        got = out.responses[row]
+        assert torch.equal(got[:end], reference[:end])
+        assert bool((got[end:] == pad).all())  # pad_token_id 0 is kept as 0
+        assert got[:end].numel() == int(out.response_mask[row].sum())
+        assert bool(out.response_mask[row, :end].eq(1).all()) and bool(out.response_mask[row, end:].eq(0).all())
+
+
+def test_generation_stops_early_when_every_row_ended(llama):
+    ids, mask = prompts(1, 8, seed=9)
+    free = Rollout(llama, RolloutConfig(samples_per_prompt=3, max_new_tokens=40, eos_token_id=NO_EOS)).generate(ids, mask)
+    eos = int(free.responses[0, 0])  # greedy: every sample's first token
+    out = Rollout(llama, RolloutConfig(samples_per_prompt=3, max_new_tokens=40, eos_token_id=[eos, 95])).generate(ids, mask)
+    assert out.responses.shape[1] < 40
+    assert bool((out.responses[:, 0] == eos).all())
+    assert bool(out.response_mask[:, 0].eq(1).all()) and bool(out.response_mask[:, 1:].eq(0).all())
+
+
+def test_eos_and_pad_default_to_the_generation_config(llama):
+    r = Rollout(llama, RolloutConfig())
+    assert r.eos_ids == [llama.generation_config.eos_token_id]
+    assert r.pad_id == 0  # the model's pad id 0 is kept, not treated as missing
+
+
+def test_variable_length_prompts_across_calls_reuse_the_buffer(llama):
+    r = Rollout(llama, RolloutConfig(samples_per_prompt=2, max_new_tokens=6, eos_token_id=NO_EOS))
+    long_ids, long_mask = prompts(2, 20, seed=10)
+    short_ids, short_mask = prompts(1, 5, seed=11)
+    r.generate(long_ids, long_mask)
+    storage = r.cache.kv.untyped_storage().data_ptr()
+    short = r.generate(short_ids, short_mask)
+    assert r.cache.kv.untyped_storage().data_ptr() == storage  # smaller request: same allocation
+    assert torch.equal(short.responses, hf_greedy(llama, short_ids, short_mask, 6).repeat_interleave(2, dim=0))
+
+
+def test_release_frees_the_buffer(llama):
+    r = Rollout(llama, RolloutConfig(samples_per_prompt=2, max_new_tokens=4, eos_token_id=NO_EOS))
+    ids, mask = prompts(1, 6)
+    first = r.generate(ids, mask)
+    assert r.cache.allocated_bytes > 0
+    r.release()
+    assert r.cache.allocated_bytes == 0 and r.cache.kv is None
+    assert torch.equal(r.generate(ids, mask).responses, first.responses)  # usable again afterwards
+
+
+def test_profile_fields_are_consistent(llama):
+    ids, mask = prompts(2, 10, seed=12, left_pad=[0, 3])
+    eos = 5
+    r = Rollout(llama, RolloutConfig(samples_per_prompt=4, max_new_tokens=9, enable_profiling=True, eos_token_id=eos))
+    out = r.generate(ids, mask)
+    p = r.get_last_profile()
+    assert isinstance(p, RolloutProfile)
+    assert p.total_ms >= p.prefill_ms + p.kv_expand_ms + p.decode_ms
+    assert p.generation_ms == pytest.approx(p.prefill_ms + p.kv_expand_ms + p.decode_ms)
+    assert p.generated_tokens == int(out.response_mask.sum())
+    assert p.tokens_per_second == pytest.approx(p.generated_tokens / (p.total_ms / 1e3))
+    assert (p.batch_size, p.samples_per_prompt, p.prompt_length) == (2, 4, 10)
+    assert p.response_length == out.responses.shape[1] and p.decode_steps == p.response_length - 1
+    assert p.peak_memory_bytes is None  # CPU: no accelerator peak to report
+    assert set(p.to_dict()) >= {"prefill_ms", "kv_expand_ms", "decode_ms", "total_ms", "tokens_per_second"}
+
+
+def test_profiling_off_gives_none_never_synchronizes_and_changes_nothing(llama, monkeypatch):
+    ids, mask = prompts(2, 10, seed=13)
+    cfg = dict(samples_per_prompt=2, max_new_tokens=6, temperature=0.8, seed=1, eos_token_id=NO_EOS)
+    profiled = Rollout(llama, RolloutConfig(enable_profiling=True, **cfg)).generate(ids, mask)
+
+    def no_sync(*args, **kwargs):
+        raise AssertionError("synchronize called with profiling off")
+
+    monkeypatch.setattr(torch.cuda, "synchronize", no_sync)
+    r = Rollout(llama, RolloutConfig(**cfg))
+    plain = r.generate(ids, mask)
+    assert r.get_last_profile() is None
+    assert torch.equal(plain.sequences, profiled.sequences)
+
+
+def test_stages_show_in_a_torch_profiler_trace(llama):
+    ids, mask = prompts(1, 6)
+    r = Rollout(llama, RolloutConfig(samples_per_prompt=2, max_new_tokens=3, eos_token_id=NO_EOS))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        r.generate(ids, mask)
+    names = {e.name for e in prof.events()}
+    for stage in ("prompt_expansion", "prefill", "kv_expand", "decode", "post_processing"):
+        assert f"torchkvops.{stage}" in names
+    assert "torchkvops::repeat_kv_cache_" in names  # the expansion is one visible operator call
+
+
+def test_prefill_never_builds_full_logits(llama, monkeypatch):
+    """Prefill asks the model for the last position's logits only."""
+    seen = []
+    original = llama.lm_head.forward
+    monkeypatch.setattr(llama.lm_head, "forward", lambda h: seen.append(h.shape[1]) or original(h))
+    ids, mask = prompts(2, 15)
+    Rollout(llama, RolloutConfig(samples_per_prompt=2, max_new_tokens=3, eos_token_id=NO_EOS)).generate(ids, mask)
+    assert seen and max(seen) == 1
+
+
+@pytest.fixture(scope="module")
+def compiled_llama(llama):
+    return Rollout(llama, RolloutConfig(samples_per_prompt=2, max_new_tokens=10, compile=True, eos_token_id=NO_EOS))
+
+
+@pytest.mark.parametrize("length,pads", [(9, [0, 3]), (14, [2, 0])])
+def test_compiled_rollout_gives_the_eager_tokens(llama, compiled_llama, length, pads):
+    ids, mask = prompts(2, length, seed=length, left_pad=pads)
+    eager = Rollout(llama, RolloutConfig(samples_per_prompt=2, max_new_tokens=10, eos_token_id=NO_EOS)).generate(ids, mask)
+    assert torch.equal(compiled_llama.generate(ids, mask).sequences, eager.sequences)
+
+
+# --- errors ------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "field,value",
+    [("samples_per_prompt", 0), ("samples_per_prompt", 2.0), ("max_new_tokens", 0), ("temperature", -0.1),
+     ("temperature", float("nan")), ("top_k", -1), ("top_p", 0.0), ("top_p", 1.5), ("seed", -3),
+     ("eos_token_id", -1), ("eos_token_id", "2"), ("pad_token_id", -1), ("shared_prefill", 1), ("compile", "yes")],
+)
+def test_bad_config_names_the_field(field, value):
+    with pytest.raises(ValueError, match=f"RolloutConfig.{field}"):
+        RolloutConfig(**{field: value})
+
+
+@pytest.mark.parametrize(
+    "ids,mask,error,match",
+    [
+        (torch.zeros(0, 5, dtype=torch.long), None, ValueError, "empty"),
+        (torch.zeros(2, 0, dtype=torch.long), None, ValueError, "empty"),
+        (torch.zeros(5, dtype=torch.long), None, ValueError, "2-D"),
+        (torch.zeros(2, 5), None, TypeError, "integer token ids"),
+        ([[1, 2]], None, TypeError, "torch.Tensor"),
+        (torch.ones(2, 5, dtype=torch.long), torch.ones(2, 4, dtype=torch.long), ValueError, "shape"),
+        (torch.ones(1, 5, dtype=torch.long), torch.tensor([[1, 1, 1, 0, 0]]), ValueError, "left-padded"),
+        (torch.ones(1, 3, dtype=torch.long), torch.tensor([[0, 2, 1]]), ValueError, "only 0 and 1"),
+        (torch.ones(1, 3, dtype=torch.long), torch.tensor([[0, 0, 0]]), ValueError, "at least one token"),
+    ],
+)
+def test_bad_inputs_raise_clear_errors(llama, ids, mask, error, match):
+    r = Rollout(llama, RolloutConfig(max_new_tokens=2))
+    with pytest.raises(error, match=match):
+        r.generate(ids, mask)
+
+
+def test_too_long_for_the_model_positions(llama):
+    r = Rollout(llama, RolloutConfig(max_new_tokens=20))
+    ids, mask = prompts(1, 120)
+    with pytest.raises(ValueError, match="exceeds the model's 128 positions"):
+        r.generate(ids, mask)
+
+
+def test_beyond_a_sliding_window_is_refused(family_models):
+    r = Rollout(family_models["mistral"], RolloutConfig(max_new_tokens=10))
+    ids, mask = prompts(1, 60)
+    with pytest.raises(ValueError, match="sliding window of 64"):
+        r.generate(ids, mask)
+
+
+def test_encoder_decoder_is_refused():
+    model = BartForConditionalGeneration(BartConfig(vocab_size=64, d_model=32, encoder_layers=1, decoder_layers=1,
+                                                    encoder_attention_heads=2, decoder_attention_heads=2,
+                                                    encoder_ffn_dim=32, decoder_ffn_dim=32))
+    with pytest.raises(ValueError, match="encoder-decoder"):
+        Rollout(model, RolloutConfig())
+
+
+def test_hybrid_layers_are_refused(llama):
+    llama.config.layer_types = ["full_attention", "linear_attention"]
+    try:
+        with pytest.raises(ValueError, match="linear_attention"):
+            Rollout(llama, RolloutConfig())
+    finally:
+        del llama.config.layer_types
+
+
+def test_non_model_is_refused():
+    with pytest.raises(TypeError, match="Hugging Face causal LM"):
+        Rollout(torch.nn.Linear(2, 2), RolloutConfig())
