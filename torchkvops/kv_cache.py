@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import Cache
 
-from .ops import repeat_kv_cache_
+from .ops import repeat_kv_cache_, write_kv_
 
 __all__ = ["RolloutKVCache", "KVShape"]
 
@@ -47,8 +47,10 @@ class RolloutKVCache(Cache):
         self.kv: Tensor | None = None  # [layers, 2, rows, kv_heads, max_len, head_dim] view in use
         # Where the next decode step writes; a tensor so that compiled decode never recompiles on it.
         self.write_pos = torch.zeros(1, dtype=torch.long, device=self.device)
+        self._prefill_start = torch.zeros(1, dtype=torch.long, device=self.device)
         self.decoding = False
         torch._dynamo.mark_static_address(self.write_pos)
+        torch._dynamo.mark_static_address(self._prefill_start)
 
     # --- buffer management ---------------------------------------------------------------------
     def prepare(self, rows: int, max_len: int) -> None:
@@ -100,13 +102,11 @@ class RolloutKVCache(Cache):
                 f"tokens, {kv.shape[5]}]: models with other KV layouts are not supported"
             )
         if not self.decoding:
-            kv[layer_idx, 0, :rows, :, :q_len].copy_(key_states)
-            kv[layer_idx, 1, :rows, :, :q_len].copy_(value_states)
+            # Prefill writes positions [0, P) and attends to exactly those, no padding to max_len.
+            write_kv_(kv, key_states, value_states, layer_idx, self._prefill_start)
             return key_states, value_states
-        keys, values = kv[layer_idx, 0], kv[layer_idx, 1]
-        keys.index_copy_(2, self.write_pos, key_states)
-        values.index_copy_(2, self.write_pos, value_states)
-        return keys, values
+        write_kv_(kv, key_states, value_states, layer_idx, self.write_pos)
+        return kv[layer_idx, 0], kv[layer_idx, 1]
 
     def get_seq_length(self, layer_idx: int = 0):
         return self.write_pos[0] if self.decoding else 0

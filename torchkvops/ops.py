@@ -3,7 +3,7 @@
 import torch
 from torch import Tensor
 
-__all__ = ["repeat_kv_cache_", "repeat_kv_cache"]
+__all__ = ["repeat_kv_cache_", "repeat_kv_cache", "write_kv_"]
 
 
 def repeat_kv_cache_(cache: Tensor, batch: int, repeats: int, num_tokens: int) -> None:
@@ -43,3 +43,14 @@ def _backward(ctx, grad: Tensor):
 
 
 torch.library.register_autograd("torchkvops::repeat_kv_cache", _backward, setup_context=_setup_context)
+
+
+def write_kv_(cache: Tensor, key: Tensor, value: Tensor, layer: int, start: Tensor) -> None:
+    """Store one layer's keys and values in a whole KV buffer, in place.
+
+    `cache` is `[layers, 2, rows, kv_heads, max_tokens, head_dim]`; `key` and `value` are
+    `[r, kv_heads, q, head_dim]` with r <= rows; `start` is a 1-element int64 tensor on the cache's
+    device. Afterwards `cache[layer, 0, :r, :, start:start+q] == key` (index 1 for `value`). Pass the
+    whole buffer: under torch.compile the write stays one in-place call on it.
+    """
+    torch.ops.torchkvops.write_kv_.default(cache, key, value, layer, start)

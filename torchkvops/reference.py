@@ -10,3 +10,9 @@ def repeat_kv_cache_(cache: Tensor, batch: int, repeats: int, num_tokens: int) -
 
 def repeat_kv_cache(cache: Tensor, repeats: int) -> Tensor:
     return cache.repeat_interleave(repeats, dim=-4)
+
+
+def write_kv_(cache: Tensor, key: Tensor, value: Tensor, layer: int, start: Tensor) -> None:
+    rows, tokens, first = key.shape[0], key.shape[2], int(start.reshape(()))
+    cache[layer, 0, :rows, :, first : first + tokens] = key
+    cache[layer, 1, :rows, :, first : first + tokens] = value
