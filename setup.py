@@ -5,6 +5,7 @@ ninja; TORCH_CUDA_ARCH_LIST overrides the default sm_80;sm_90+PTX when no GPU is
 import glob
 import os
 import shutil
+import sys
 
 from setuptools import setup
 
@@ -56,14 +57,26 @@ def extensions():
     here = os.path.dirname(os.path.abspath(__file__))
     csrc = os.path.join("torchkvops", "csrc")
     sources = sorted(glob.glob(os.path.join(csrc, "*.cpp")) + glob.glob(os.path.join(csrc, "cpu", "*.cpp")))
-    extra = {"cxx": opt}  # the C++ standard is the one torch asks for
+    # at::parallel_for is a header template: without -fopenmp it compiles to a serial loop, and the
+    # CPU kernels would run on one thread whatever torch.get_num_threads() says. Linking -fopenmp
+    # resolves to the libgomp that torch has already loaded (same soname), as torchao does.
+    openmp = ["-fopenmp"] if sys.platform.startswith("linux") else []
+    extra = {"cxx": opt + openmp}  # the C++ standard is the one torch asks for
     if use_cuda:
         sources += sorted(glob.glob(os.path.join(csrc, "cuda", "*.cu")))
         extra["nvcc"] = opt + ["-lineinfo"]
         ext_class = CUDAExtension
     else:
         ext_class = CppExtension
-    return [ext_class("torchkvops._C", sources, extra_compile_args=extra, include_dirs=[os.path.join(here, csrc)])]
+    return [
+        ext_class(
+            "torchkvops._C",
+            sources,
+            extra_compile_args=extra,
+            extra_link_args=openmp,
+            include_dirs=[os.path.join(here, csrc)],
+        )
+    ]
 
 
 def build_ext_class():

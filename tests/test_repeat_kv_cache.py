@@ -7,6 +7,7 @@ nothing outside rows [0, batch*repeats) x positions [0, num_tokens) may change.
 """
 
 import os
+import sys
 
 import pytest
 import torch
@@ -211,6 +212,16 @@ def test_inplace_unaligned_one_byte(dtype, offset):
     cache = buf[offset : offset + 9 * 2 * 10 * 13].view(9, 2, 10, 13)
     check_inplace(cache, 2, 4, 9)
     check_functional(cache, 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("layout", ["contiguous", "token_slice", "heads_inner", "rows_inner"])
+def test_rows_of_several_copy_tiles(dtype, layout):
+    # Rows whose prompt region spans several of the CPU kernel's 256 KiB copy tiles, the last one
+    # partial (e.g. fp32 contiguous: 36 runs of 16.5 KiB per row in tiles of 15, 15 and 6 runs).
+    gen = torch.Generator().manual_seed(11)
+    check_inplace(make_cache([3, 2, 7, 6, 40, 128], dtype, layout, gen=gen), 2, 3, 33)
+    check_functional(make_cache([3, 2, 3, 6, 33, 128], dtype, layout, gen=gen), 3)
 
 
 def test_every_batch_and_repeats_level_order():
@@ -597,3 +608,13 @@ def test_cuda_graph_capture_and_replay():
         graph.replay()
         torch.cuda.synchronize()
         assert_same_bytes(static, expected)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="OpenMP build flag is set on Linux only")
+def test_cpu_kernels_are_built_with_openmp():
+    # at::parallel_for is a header template that compiles to a plain serial loop unless the extension
+    # itself is built with -fopenmp; then the CPU kernels silently use one thread. The library must
+    # call into the OpenMP runtime.
+    with open(torchkvops._C.__file__, "rb") as fh:
+        blob = fh.read()
+    assert b"GOMP_parallel" in blob or b"__kmpc_fork_call" in blob

@@ -15,17 +15,31 @@ namespace {
 // Each parallel task copies at least this many bytes, so small copies don't pay for thread wake-ups.
 constexpr int64_t kMinBytesPerTask = 256 * 1024;
 
+// Items (destination row, run) are ordered tile by tile: a tile is up to kTileBytes of consecutive
+// runs, and every destination row of the call is written from it before the next tile. So each
+// source tile is read from memory once and served from the core's L2 for its other repeats - 1
+// destinations. Row by row, a source row bigger than the last-level cache was read again from
+// memory for each of its destinations (0.8x of a Tensor.copy_'s bandwidth at a 1 GiB cache).
+constexpr int64_t kTileBytes = 256 * 1024;
+
 // Destination rows [d0, d1) of `dst` receive source row d / repeats of `src`.
 void copy_rows(const RowCopyPlan& plan, const char* src, char* dst, int64_t d0, int64_t d1,
                int64_t repeats) {
-  const int64_t items = (d1 - d0) * plan.runs_per_row;
+  const int64_t rows = d1 - d0;
+  const int64_t items = rows * plan.runs_per_row;
   if (items <= 0 || plan.run_bytes == 0) return;
   const int64_t grain = std::max<int64_t>(1, kMinBytesPerTask / plan.run_bytes);
+  const int64_t tile = std::clamp<int64_t>(kTileBytes / plan.run_bytes, 1, plan.runs_per_row);  // runs
   at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t d = d0 + item / plan.runs_per_row;
+      // Every tile but the last holds `tile` runs, so tile t's items start at t * rows * tile.
+      const int64_t t = item / (rows * tile);
+      const int64_t first_run = t * tile;
+      const int64_t runs_in_tile = std::min(tile, plan.runs_per_row - first_run);
+      const int64_t k = item - t * rows * tile;
+      const int64_t d = d0 + k / runs_in_tile;
       int64_t src_off, dst_off;
-      plan.run_offsets(item % plan.runs_per_row, &src_off, &dst_off);
+      plan.run_offsets(first_run + k % runs_in_tile, &src_off, &dst_off);
       std::memcpy(dst + d * plan.dst_row_stride + dst_off,
                   src + (d / repeats) * plan.src_row_stride + src_off, plan.run_bytes);
     }
