@@ -1,0 +1,44 @@
+"""Smoke test of the repeat_kv_cache_ bandwidth benchmark (torchkvops.bench_op): tiny sizes, one
+timed round; checks the byte accounting and the table, not the speed."""
+
+import json
+
+import pytest
+
+from torchkvops import bench_op
+
+
+def test_cache_shape_hits_the_target_size():
+    for mib in (1, 4, 16, 64, 256, 1024):
+        shape = bench_op.cache_shape(mib << 20, rows=32, kv_heads=8, head_dim=128, itemsize=2)
+        layers, two, rows, heads, tokens, hd = shape
+        assert (two, rows, heads, hd) == (2, 32, 8, 128)
+        nbytes = layers * two * rows * heads * tokens * hd * 2
+        assert nbytes == mib << 20
+
+
+def test_run_and_main_cpu(tmp_path, capsys):
+    argv = ["--device", "cpu", "--max-mib", "4", "--warmup", "1", "--iters", "2", "--batch", "3", "--repeats", "2"]
+    rows = bench_op.run(argv)
+    assert [r["cache_mib"] for r in rows] == pytest.approx([1, 4], rel=0.05)
+    for r in rows:
+        layers, _, nrows, heads, _, hd = r["shape"]
+        assert nrows == 6
+        assert r["bytes"] == 2 * (6 - 1) * layers * 2 * heads * r["num_tokens"] * hd * 2
+        for m in ("op", "copy", "interleave", "loop"):
+            assert r[f"{m}_gbps"] > 0 and r[f"{m}_s"] > 0
+        assert r["op_over_copy"] == pytest.approx(r["op_gbps"] / r["copy_gbps"])
+
+    out = tmp_path / "bench.json"
+    assert bench_op.main(argv + ["--methods", "op,copy", "--output", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "| cache MiB |" in printed and "op/copy" in printed
+    saved = json.loads(out.read_text())
+    assert len(saved) == 2 and "op_gbps" in saved[0] and "loop_gbps" not in saved[0]
+
+
+def test_bad_arguments():
+    with pytest.raises(SystemExit):
+        bench_op.run(["--device", "cpu", "--methods", "op,nope"])
+    with pytest.raises(SystemExit):
+        bench_op.run(["--device", "cpu", "--repeats", "1"])
