@@ -1,0 +1,481 @@
+"""The A/B matrix behind `torchkvops bench`: expanded prefill vs shared prefill vs Hugging Face generate.
+
+For every case (batch size B, samples per prompt N, prompt length P, response length R) each mode
+generates exactly R tokens for the same synthetic prompts:
+
+  expanded     Rollout(shared_prefill=False): the prompts are repeated N times, then prefilled
+  shared       Rollout(shared_prefill=True): each prompt is prefilled once, its KV expanded N times
+  hf-generate  model.generate(num_return_sequences=N) (greedy: the prompts repeat_interleave'd N times)
+
+Warm-up calls are excluded; the rollout's own profile gives the stage times of every timed call,
+hf-generate is timed as a whole with a device synchronize around perf_counter. Cases run largest
+B*N first (the allocator then serves the smaller ones from what the first reserved, and an
+out-of-memory shows up at once), but the results keep the requested order.
+
+Peak memory: on CUDA the allocator's peak over each timed call (weights included); on the CPU one
+extra call under torch.profiler(profile_memory=True), whose "[memory]" events (+bytes on allocation,
+-bytes on free) are summed in time order; the peak of that running sum is the most memory the call
+held at once beyond what was allocated when it began (weights excluded; the rollout's KV buffer is
+released before that call so that its allocation is counted, as hf-generate's cache is).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import hashlib
+import itertools
+import math
+import os
+import time
+import zlib
+from collections.abc import Callable, Iterable, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from .profiling import RolloutProfile
+from .rollout import Rollout, RolloutConfig
+
+__all__ = [
+    "MODES", "PROFILE_FIELDS", "Case", "plan_cases", "run_order", "summarize", "summarize_profiles",
+    "tokens_sha256", "synthetic_prompts", "cpu_peak_memory_bytes", "token_agreement", "run_matrix",
+    "format_case_table", "plot_stage_times",
+]
+
+MODES = ("expanded", "shared", "hf-generate")
+PROFILE_FIELDS = tuple(f.name for f in dataclasses.fields(RolloutProfile))
+STAGE_FIELDS = ("prompt_expansion_ms", "prefill_ms", "kv_expand_ms", "decode_ms", "post_processing_ms")
+NOT_COMPARABLE = ("not comparable: hf-generate samples with torch's generator, the rollout with its own "
+                  "counter-based sampler; only greedy tokens can agree across them")
+
+
+# --- the matrix ----------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Case:
+    batch_size: int
+    samples_per_prompt: int
+    prompt_length: int
+    response_length: int
+
+    @property
+    def name(self) -> str:
+        return f"B{self.batch_size}_N{self.samples_per_prompt}_P{self.prompt_length}_R{self.response_length}"
+
+    @property
+    def rows(self) -> int:
+        return self.batch_size * self.samples_per_prompt
+
+
+def plan_cases(batch_sizes: Iterable[int], samples_per_prompt: Iterable[int], prompt_lengths: Iterable[int],
+               response_lengths: Iterable[int]) -> list[Case]:
+    """Every combination, in the requested order (duplicates dropped)."""
+    cases = [Case(*c) for c in itertools.product(batch_sizes, samples_per_prompt, prompt_lengths, response_lengths)]
+    return list(dict.fromkeys(cases))
+
+
+def run_order(cases: Sequence[Case]) -> list[int]:
+    """Indices of `cases` in the order they run: most rows (B*N) first, then longest P+R; ties keep
+    the requested order."""
+    return sorted(range(len(cases)), key=lambda i: (-cases[i].rows, -(cases[i].prompt_length + cases[i].response_length)))
+
+
+# --- statistics ----------------------------------------------------------------------------------
+def summarize(values: Sequence[float | int | None]) -> dict | None:
+    """mean, p50 (the median) and p95 (nearest rank: the value at rank ceil(0.95 n) of the sorted
+    values). None when every value is None; a mix of None and numbers is an error."""
+    values = list(values)
+    if not values:
+        raise ValueError("summarize: no values")
+    nones = sum(v is None for v in values)
+    if nones == len(values):
+        return None
+    if nones:
+        raise ValueError(f"summarize: {nones} of {len(values)} values are None and the others are numbers")
+    s = sorted(values)
+    n = len(s)
+    mid = n // 2
+    p50 = s[mid] if n % 2 else (s[mid - 1] + s[mid]) / 2
+    return {"mean": math.fsum(s) / n, "p50": p50, "p95": s[math.ceil(0.95 * n) - 1]}
+
+
+def summarize_profiles(profiles: Sequence[dict]) -> dict[str, dict | None]:
+    """summarize() of every field of the per-iteration profiles."""
+    return {field: summarize([p[field] for p in profiles]) for field in profiles[0]}
+
+
+def tokens_sha256(responses: Tensor) -> str:
+    """sha256 of the responses' bytes as int64 (row-major, host byte order)."""
+    return hashlib.sha256(responses.detach().to("cpu", torch.int64).contiguous().numpy().tobytes()).hexdigest()
+
+
+def token_agreement(hashes: dict[str, str | None], greedy: bool) -> dict:
+    """For each pair of modes that ran: True/False when their tokens should be identical (greedy, or
+    shared vs expanded with the same seed), None when they are not comparable."""
+    pairs, notes = {}, {}
+    modes = [m for m in hashes if hashes[m] is not None]
+    for a, b in itertools.combinations(modes, 2):
+        key = f"{a} vs {b}"
+        if greedy or {a, b} <= {"expanded", "shared"}:
+            pairs[key] = hashes[a] == hashes[b]
+        else:
+            pairs[key] = None
+            notes[key] = NOT_COMPARABLE
+    compared = [v for v in pairs.values() if v is not None]
+    return {"pairs": pairs, "notes": notes, "all_agree": all(compared) if compared else None}
+
+
+# --- inputs --------------------------------------------------------------------------------------
+def synthetic_prompts(case: Case, vocab_size: int, special_ids: Iterable[int], seed: int,
+                      device: torch.device) -> Tensor:
+    """[B, P] random token ids, none of them special, the same for a given seed and case."""
+    special = {int(i) for i in special_ids if i is not None and 0 <= int(i) < vocab_size}
+    allowed = torch.tensor([i for i in range(vocab_size) if i not in special], dtype=torch.long)
+    if allowed.numel() == 0:
+        raise ValueError("synthetic_prompts: every token id of the vocabulary is special")
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{case.name}".encode()))
+    idx = torch.randint(allowed.numel(), (case.batch_size, case.prompt_length), generator=gen)
+    return allowed[idx].to(device)
+
+
+# --- the modes -----------------------------------------------------------------------------------
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@dataclasses.dataclass
+class Settings:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int = 0
+    compile: bool = False
+    warmup: int = 5
+    iterations: int = 20
+    trace_dir: str | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class _RolloutMode:
+    def __init__(self, model: nn.Module, case: Case, shared: bool, s: Settings, prompts: Tensor):
+        self.prompts = prompts
+        self.rollout = Rollout(model, RolloutConfig(
+            samples_per_prompt=case.samples_per_prompt, max_new_tokens=case.response_length, shared_prefill=shared,
+            enable_profiling=True, compile=s.compile, temperature=s.temperature, top_p=s.top_p, seed=s.seed,
+            eos_token_id=[],  # never stop early: every mode generates exactly R tokens
+        ))
+
+    def __call__(self) -> tuple[dict, Tensor]:
+        out = self.rollout.generate(self.prompts)
+        return self.rollout.get_last_profile().to_dict(), out.responses
+
+    def free(self) -> None:
+        self.rollout.release()
+
+
+class _HFGenerateMode:
+    """model.generate timed as a whole; only total_ms and throughput are known."""
+
+    def __init__(self, model: nn.Module, case: Case, s: Settings, prompts: Tensor, pad_token_id: int):
+        self.model, self.case, self.s = model, case, s
+        self.device = prompts.device
+        n = case.samples_per_prompt
+        self.kwargs = dict(max_new_tokens=case.response_length, min_new_tokens=case.response_length,
+                           pad_token_id=pad_token_id, use_cache=True,
+                           # No EOS at all, as the rollout's eos_token_id=[]: with an EOS, min_new_tokens
+                           # would mask its logit and greedy tokens could differ from the rollout's.
+                           eos_token_id=None)
+        if s.greedy:
+            # HF refuses greedy search with num_return_sequences > 1: repeat the prompts instead
+            # (repeat_interleave, the rollout's row order).
+            self.input_ids = prompts.repeat_interleave(n, dim=0)
+            self.kwargs.update(do_sample=False)
+        else:
+            self.input_ids = prompts
+            self.kwargs.update(do_sample=True, num_return_sequences=n, temperature=s.temperature, top_p=s.top_p,
+                               top_k=0)  # top_k=0: off, as in the rollout (HF's default is 50)
+        self.attention_mask = torch.ones_like(self.input_ids)
+
+    def __call__(self) -> tuple[dict, Tensor]:
+        torch.manual_seed(self.s.seed)
+        cuda = self.device.type == "cuda"
+        _sync(self.device)
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        t0 = time.perf_counter()
+        out = self.model.generate(self.input_ids, attention_mask=self.attention_mask, **self.kwargs)
+        _sync(self.device)
+        ms = (time.perf_counter() - t0) * 1e3
+        c = self.case
+        responses = out[:, c.prompt_length:]
+        if tuple(responses.shape) != (c.rows, c.response_length):
+            raise RuntimeError(f"hf-generate returned responses of shape {tuple(responses.shape)}, "
+                               f"expected {(c.rows, c.response_length)}")
+        profile = dict.fromkeys(PROFILE_FIELDS)  # the stages it cannot report stay None
+        profile.update(total_ms=ms, generated_tokens=responses.numel(),
+                       tokens_per_second=responses.numel() / (ms / 1e3) if ms > 0 else 0.0,
+                       batch_size=c.batch_size, samples_per_prompt=c.samples_per_prompt,
+                       prompt_length=c.prompt_length, response_length=responses.shape[1],
+                       peak_memory_bytes=torch.cuda.max_memory_allocated(self.device) if cuda else None)
+        return profile, responses
+
+    def free(self) -> None:
+        pass
+
+
+# --- memory and traces ---------------------------------------------------------------------------
+def _quiet_kineto() -> None:
+    # Without this the profiler logs "gpuGetDeviceCount failed" on every CPU-only run.
+    os.environ.setdefault("KINETO_LOG_LEVEL", "5")
+
+
+def cpu_peak_memory_bytes(fn: Callable[[], object]) -> int:
+    """Run fn once under the profiler with profile_memory=True and return the peak of the running
+    sum of its CPU "[memory]" events (+bytes allocated, -bytes freed) in time order.
+
+    The raw kineto events are read: `prof.events()` folds allocations made inside an op into that op
+    and keeps as "[memory]" only those made outside any op (checked on torch 2.14)."""
+    from torch.autograd.profiler_util import MEMORY_EVENT_NAME
+    from torch.profiler import ProfilerActivity, profile
+
+    _quiet_kineto()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    cpu_types = {torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.MKLDNN, torch.autograd.DeviceType.IDEEP}
+    events = [e for e in prof.profiler.kineto_results.events()
+              if e.name() == MEMORY_EVENT_NAME and e.device_type() in cpu_types]
+    running = peak = 0
+    for e in sorted(events, key=lambda e: e.start_ns()):
+        running += e.nbytes()
+        peak = max(peak, running)
+    return peak
+
+
+def export_trace(fn: Callable[[], object], path: str, device: torch.device) -> None:
+    """Run fn once under torch.profiler and write a Chrome trace (the torchkvops.* stages show as
+    user annotations)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    _quiet_kineto()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        fn()
+        _sync(device)
+    prof.export_chrome_trace(path)
+
+
+# --- running -------------------------------------------------------------------------------------
+def _one_line(e: BaseException) -> str:
+    return f"{type(e).__name__}: {' '.join(str(e).split())}"
+
+
+def _run_mode(mode: str, model, case: Case, prompts: Tensor, s: Settings, pad_token_id: int,
+              device: torch.device, tick: Callable[[int], None]) -> dict:
+    calls = s.warmup + s.iterations + (device.type != "cuda") + (s.trace_dir is not None)
+    entry = {"mode": mode, "error": None, "iterations": [], "summary": None, "peak_memory_bytes": None,
+             "peak_memory_method": "cuda_allocator" if device.type == "cuda" else "cpu_profiler",
+             "tokens_sha256": None, "trace": None}
+    done = 0
+    runner = None
+    try:
+        if mode == "hf-generate":
+            runner = _HFGenerateMode(model, case, s, prompts, pad_token_id)
+        else:
+            runner = _RolloutMode(model, case, mode == "shared", s, prompts)
+        for _ in range(s.warmup):
+            runner()
+            done += 1
+            tick(1)
+        responses = None
+        for _ in range(s.iterations):
+            profile, responses = runner()
+            entry["iterations"].append(profile)
+            done += 1
+            tick(1)
+        entry["summary"] = summarize_profiles(entry["iterations"])
+        entry["tokens_sha256"] = tokens_sha256(responses)
+        if device.type == "cuda":
+            entry["peak_memory_bytes"] = max(p["peak_memory_bytes"] for p in entry["iterations"])
+        else:
+            runner.free()  # so that the measured call allocates its KV buffer, as hf-generate does
+            entry["peak_memory_bytes"] = cpu_peak_memory_bytes(runner)
+            done += 1
+            tick(1)
+        if s.trace_dir is not None:
+            path = os.path.join(s.trace_dir, f"{case.name}_{mode}.json")
+            export_trace(runner, path, device)
+            entry["trace"] = path
+            done += 1
+            tick(1)
+    except Exception as e:  # noqa: BLE001 - a failed case is a result; the run goes on
+        entry["error"] = _one_line(e)
+        tick(calls - done)
+    finally:
+        if runner is not None:
+            runner.free()
+        del runner
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return entry
+
+
+def run_matrix(model: nn.Module, cases: Sequence[Case], modes: Sequence[str], settings: Settings, *,
+               vocab_size: int, special_ids: Iterable[int], pad_token_id: int,
+               progress: bool = True) -> list[dict]:
+    """Run every case and mode; one result per case, in the requested order."""
+    device = next(model.parameters()).device
+    special_ids = list(special_ids)
+    if settings.trace_dir is not None:
+        os.makedirs(settings.trace_dir, exist_ok=True)
+    per_mode = settings.warmup + settings.iterations + (device.type != "cuda") + (settings.trace_dir is not None)
+    bar = _progress_bar(len(cases) * len(modes) * per_mode, progress)
+    results: list[dict | None] = [None] * len(cases)
+    try:
+        for k, i in enumerate(run_order(cases)):
+            case = cases[i]
+            result = {"case": case.name, **dataclasses.asdict(case), "run_order": k, "error": None, "modes": {}}
+            try:
+                prompts = synthetic_prompts(case, vocab_size, special_ids, settings.seed, device)
+            except Exception as e:  # noqa: BLE001
+                result["error"] = _one_line(e)
+                bar.update(len(modes) * per_mode)
+                prompts = None
+            if prompts is not None:
+                for mode in modes:
+                    bar.set_description(f"{case.name} {mode}")
+                    result["modes"][mode] = _run_mode(mode, model, case, prompts, settings, pad_token_id,
+                                                      device, bar.update)
+            hashes = {m: e["tokens_sha256"] for m, e in result["modes"].items()}
+            result["tokens_agree"] = token_agreement(hashes, settings.greedy)
+            failed = [m for m, e in result["modes"].items() if e["error"]]
+            if failed and not result["error"]:
+                result["error"] = "; ".join(f"{m}: {result['modes'][m]['error']}" for m in failed)
+            results[i] = result
+    finally:
+        bar.close()
+    return results
+
+
+class _NoBar:
+    def update(self, n=1):
+        pass
+
+    def set_description(self, desc):
+        pass
+
+    def close(self):
+        pass
+
+
+def _progress_bar(total: int, enabled: bool):
+    if not enabled:
+        return _NoBar()
+    try:
+        from tqdm import tqdm
+    except ImportError:  # tqdm comes with transformers; without it, no bar
+        return _NoBar()
+    return tqdm(total=total, unit="call", leave=False, dynamic_ncols=True)
+
+
+# --- output --------------------------------------------------------------------------------------
+def _median(entry: dict, field: str):
+    s = (entry.get("summary") or {}).get(field)
+    return None if s is None else s["p50"]
+
+
+def format_case_table(result: dict, iterations: int) -> str:
+    """Medians per mode of one case, as a Markdown table."""
+    head = (f"{result['case']}: B={result['batch_size']} N={result['samples_per_prompt']} "
+            f"P={result['prompt_length']} R={result['response_length']} (rows {result['batch_size'] * result['samples_per_prompt']}), "
+            f"median of {iterations} iterations")
+    lines = [head, "| mode | prefill ms | kv_expand ms | decode ms | total ms | tokens/s | peak MiB | total / expanded |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    base = result["modes"].get("expanded")
+    base_total = _median(base, "total_ms") if base and not base["error"] else None
+
+    def f(v, fmt="{:.1f}"):
+        return "-" if v is None else fmt.format(v)
+
+    for mode, e in result["modes"].items():
+        if e["error"]:
+            lines.append(f"| {mode} | failed: {e['error']} |")
+            continue
+        total = _median(e, "total_ms")
+        peak = e["peak_memory_bytes"]
+        ratio = total / base_total if base_total and total is not None else None
+        lines.append(
+            f"| {mode} | {f(_median(e, 'prefill_ms'))} | {f(_median(e, 'kv_expand_ms'), '{:.2f}')} "
+            f"| {f(_median(e, 'decode_ms'))} | {f(total)} | {f(_median(e, 'tokens_per_second'))} "
+            f"| {f(None if peak is None else peak / 2**20)} | {f(ratio, '{:.2f}')} |")
+    if result["error"] and not result["modes"]:
+        lines.append(f"| (case) | failed: {result['error']} |")
+    agree = result.get("tokens_agree") or {}
+    if agree.get("pairs"):
+        parts = [f"{k}: {'same' if v else 'DIFFERENT' if v is False else 'not comparable'}"
+                 for k, v in agree["pairs"].items()]
+        lines.append("tokens: " + ", ".join(parts))
+    return "\n".join(lines)
+
+
+def plot_stage_times(results: Sequence[dict], path: str, title: str) -> None:
+    """A PNG of the median stage times, stacked, per mode (bars) and case (panels). hf-generate
+    reports only its total, drawn hatched."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results = [r for r in results if r["modes"]]
+    n = max(1, len(results))
+    cols = min(n, 4)
+    rows = math.ceil(n / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.8 * rows), squeeze=False)
+    colors = dict(zip(STAGE_FIELDS + ("total_ms",), ("#bbbbbb", "#4c72b0", "#dd8452", "#55a868", "#8172b2", "#c44e52")))
+    labelled = set()
+    for ax, result in zip(axes.flat, results):
+        names = list(result["modes"])
+        for x, mode in enumerate(names):
+            e = result["modes"][mode]
+            if e["error"]:
+                ax.text(x, 0, "failed", ha="center", va="bottom", rotation=90, fontsize=8)
+                continue
+            fields = [f for f in STAGE_FIELDS if _median(e, f) is not None] or ["total_ms"]
+            bottom = 0.0
+            for field in fields:
+                v = _median(e, field)
+                label = field.removesuffix("_ms") if field != "total_ms" else "total (not split)"
+                ax.bar(x, v, bottom=bottom, color=colors[field], hatch="//" if field == "total_ms" else None,
+                       label=label if label not in labelled else None)
+                labelled.add(label)
+                bottom += v
+        ax.set_xticks(range(len(names)), names, fontsize=8)
+        ax.set_title(result["case"], fontsize=9)
+        ax.set_ylabel("median ms")
+    for ax in list(axes.flat)[len(results):]:
+        ax.axis("off")
+    fig.suptitle(title, fontsize=10)
+    fig.legend(loc="lower center", ncol=6, fontsize=8)
+    fig.tight_layout(rect=(0, 0.06, 1, 0.95))
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+@contextlib.contextmanager
+def recompile_headroom(enabled: bool, limit: int = 64):
+    """Every case and mode compiles its own rollout; raise dynamo's per-function recompile limit."""
+    if not enabled:
+        yield
+        return
+    cfg = torch._dynamo.config
+    name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
+    old = getattr(cfg, name)
+    setattr(cfg, name, max(old, limit))
+    try:
+        yield
+    finally:
+        setattr(cfg, name, old)
