@@ -18,22 +18,25 @@ namespace {
 
 constexpr int kThreadsPerBlock = 256;
 
-// Destination rows [first_dst_row, first_dst_row + num_items / runs_per_row) of dst receive source
-// row d / repeats of src. An item is one (destination row, run) pair. threadIdx.y picks the item
-// within the block, threadIdx.x walks the run's vectors. Sources and destinations never overlap
-// within one launch (the level order guarantees it), hence __restrict__.
+// Destination rows [first_dst_row, first_dst_row + num_rows) of dst receive source row d / repeats of
+// src. An item is one (destination row, run) pair, numbered run-major: the destinations of one run
+// are neighbours, so blocks running at the same time read the same source run and it comes from L2
+// for all but the first of its `repeats` copies, even when a row is larger than L2. threadIdx.y
+// picks the item within the block, threadIdx.x walks the run's vectors. Sources and destinations
+// never overlap within one launch (the level order guarantees it), hence __restrict__.
 template <typename Vec>
 __global__ void copy_rows_kernel(const RowCopyPlan plan,
                                  const char* __restrict__ src,  // row d/repeats, runs per plan
                                  char* __restrict__ dst,        // row d, runs per plan
-                                 int64_t first_dst_row, int64_t num_items, int64_t repeats) {
+                                 int64_t first_dst_row, int64_t num_rows, int64_t num_items,
+                                 int64_t repeats) {
   const int64_t vecs_per_run = plan.run_bytes / static_cast<int64_t>(sizeof(Vec));
   const int64_t item_stride = static_cast<int64_t>(gridDim.x) * blockDim.y;
   for (int64_t item = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y; item < num_items;
        item += item_stride) {
-    const int64_t d = first_dst_row + item / plan.runs_per_row;
+    const int64_t d = first_dst_row + item % num_rows;
     int64_t src_off, dst_off;
-    plan.run_offsets(item % plan.runs_per_row, &src_off, &dst_off);
+    plan.run_offsets(item / num_rows, &src_off, &dst_off);
     const Vec* s = reinterpret_cast<const Vec*>(src + (d / repeats) * plan.src_row_stride + src_off);
     Vec* t = reinterpret_cast<Vec*>(dst + d * plan.dst_row_stride + dst_off);
 #pragma unroll 4
@@ -60,7 +63,7 @@ int64_t multiprocessor_count() {
 }
 
 template <typename Vec>
-void launch(const RowCopyPlan& plan, const char* src, char* dst, int64_t d0, int64_t items,
+void launch(const RowCopyPlan& plan, const char* src, char* dst, int64_t d0, int64_t rows, int64_t items,
             int64_t repeats, cudaStream_t stream) {
   const int64_t vecs = plan.run_bytes / static_cast<int64_t>(sizeof(Vec));
   int tx = 32;  // one warp at least; grow to cover the run with one pass when it is short
@@ -69,7 +72,7 @@ void launch(const RowCopyPlan& plan, const char* src, char* dst, int64_t d0, int
   const int64_t sms = multiprocessor_count();
   const int64_t wanted = (items + block.y - 1) / block.y;
   const dim3 grid(static_cast<unsigned>(std::min<int64_t>(wanted, sms * 16)));
-  copy_rows_kernel<Vec><<<grid, block, 0, stream>>>(plan, src, dst, d0, items, repeats);
+  copy_rows_kernel<Vec><<<grid, block, 0, stream>>>(plan, src, dst, d0, rows, items, repeats);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -78,11 +81,11 @@ void copy_rows(const RowCopyPlan& plan, const char* src, char* dst, int64_t d0, 
   const int64_t items = (d1 - d0) * plan.runs_per_row;
   if (items <= 0 || plan.run_bytes == 0) return;
   switch (vector_width(plan, src, dst)) {
-    case 16: return launch<uint4>(plan, src, dst, d0, items, repeats, stream);
-    case 8: return launch<uint2>(plan, src, dst, d0, items, repeats, stream);
-    case 4: return launch<uint32_t>(plan, src, dst, d0, items, repeats, stream);
-    case 2: return launch<uint16_t>(plan, src, dst, d0, items, repeats, stream);
-    default: return launch<uint8_t>(plan, src, dst, d0, items, repeats, stream);
+    case 16: return launch<uint4>(plan, src, dst, d0, d1 - d0, items, repeats, stream);
+    case 8: return launch<uint2>(plan, src, dst, d0, d1 - d0, items, repeats, stream);
+    case 4: return launch<uint32_t>(plan, src, dst, d0, d1 - d0, items, repeats, stream);
+    case 2: return launch<uint16_t>(plan, src, dst, d0, d1 - d0, items, repeats, stream);
+    default: return launch<uint8_t>(plan, src, dst, d0, d1 - d0, items, repeats, stream);
   }
 }
 
