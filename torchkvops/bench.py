@@ -28,6 +28,7 @@ import hashlib
 import itertools
 import math
 import os
+import sys
 import time
 import zlib
 from collections.abc import Callable, Iterable, Sequence
@@ -228,9 +229,29 @@ class _HFGenerateMode:
 
 
 # --- memory and traces ---------------------------------------------------------------------------
-def _quiet_kineto() -> None:
-    # Without this the profiler logs "gpuGetDeviceCount failed" on every CPU-only run.
-    os.environ.setdefault("KINETO_LOG_LEVEL", "5")
+@contextlib.contextmanager
+def _profiling(prof):
+    """Run the body under `prof`. The profiler's native library prints "profiler_start/stop" (and on
+    CPU-only machines "gpuGetDeviceCount failed") to the process's stderr whatever KINETO_LOG_LEVEL
+    says, so stderr's file descriptor points at /dev/null while it starts and stops, and only then:
+    the body's own errors still show."""
+
+    def quietly(action):
+        sys.stderr.flush()
+        saved = os.dup(2)
+        try:
+            with open(os.devnull, "w") as null:
+                os.dup2(null.fileno(), 2)
+                action()
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+
+    quietly(prof.start)
+    try:
+        yield prof
+    finally:
+        quietly(prof.stop)
 
 
 def cpu_peak_memory_bytes(fn: Callable[[], object]) -> int:
@@ -242,8 +263,7 @@ def cpu_peak_memory_bytes(fn: Callable[[], object]) -> int:
     from torch.autograd.profiler_util import MEMORY_EVENT_NAME
     from torch.profiler import ProfilerActivity, profile
 
-    _quiet_kineto()
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with _profiling(profile(activities=[ProfilerActivity.CPU], profile_memory=True)) as prof:
         fn()
     cpu_types = {torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.MKLDNN, torch.autograd.DeviceType.IDEEP}
     events = [e for e in prof.profiler.kineto_results.events()
@@ -260,9 +280,8 @@ def export_trace(fn: Callable[[], object], path: str, device: torch.device) -> N
     user annotations)."""
     from torch.profiler import ProfilerActivity, profile
 
-    _quiet_kineto()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
+    with _profiling(profile(activities=activities)) as prof:
         fn()
         _sync(device)
     prof.export_chrome_trace(path)
