@@ -66,7 +66,9 @@ template <typename Vec>
 void launch(const RowCopyPlan& plan, const char* src, char* dst, int64_t d0, int64_t rows, int64_t items,
             int64_t repeats, cudaStream_t stream) {
   const int64_t vecs = plan.run_bytes / static_cast<int64_t>(sizeof(Vec));
-  int tx = 32;  // one warp at least; grow to cover the run with one pass when it is short
+  // Just enough threads to cover a run in one pass (up to the block): a short run leaves the rest of
+  // the warp to neighbouring items (each still a contiguous, coalesced stretch) instead of idling.
+  int tx = 1;
   while (tx < kThreadsPerBlock && tx < vecs) tx *= 2;
   const dim3 block(tx, kThreadsPerBlock / tx);
   const int64_t sms = multiprocessor_count();
