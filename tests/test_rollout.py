@@ -47,6 +47,18 @@ def test_greedy_matches_hf_generate(family_models, family, padded):
     assert torch.equal(out.responses, hf_greedy(model, ids, mask, new).repeat_interleave(n, dim=0))
 
 
+def test_eager_attention_matches_hf_generate(llama):
+    """eager attention takes an additive float mask (SDPA a boolean one): both must hide the pads."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM._from_config(llama.config, attn_implementation="eager").eval()
+    model.load_state_dict(llama.state_dict())
+    ids, mask = prompts(3, 11, seed=1, left_pad=[0, 4, 1])
+    out = Rollout(model, RolloutConfig(samples_per_prompt=2, max_new_tokens=8, eos_token_id=NO_EOS)).generate(ids, mask)
+    assert torch.equal(out.responses, hf_greedy(model, ids, mask, 8).repeat_interleave(2, dim=0))
+
+
 def test_output_layout(llama):
     ids, mask = prompts(2, 7, seed=2, left_pad=[0, 3])
     out = Rollout(llama, RolloutConfig(samples_per_prompt=3, max_new_tokens=5, eos_token_id=NO_EOS)).generate(ids, mask)
@@ -222,7 +234,7 @@ def compiled_llama(llama):
     return Rollout(llama, RolloutConfig(samples_per_prompt=2, max_new_tokens=10, compile=True, eos_token_id=NO_EOS))
 
 
-@pytest.mark.parametrize("length,pads", [(9, [0, 3]), (14, [2, 0])])
+@pytest.mark.parametrize("length,pads", [(9, [0, 3]), (14, [2, 0]), (12, None)])
 def test_compiled_rollout_gives_the_eager_tokens(llama, compiled_llama, length, pads):
     ids, mask = prompts(2, length, seed=length, left_pad=pads)
     eager = Rollout(llama, RolloutConfig(samples_per_prompt=2, max_new_tokens=10, eos_token_id=NO_EOS)).generate(ids, mask)
@@ -290,6 +302,12 @@ def test_hybrid_layers_are_refused(llama):
             Rollout(llama, RolloutConfig())
     finally:
         del llama.config.layer_types
+
+
+def test_unsupported_attention_implementation_is_refused(llama, monkeypatch):
+    monkeypatch.setattr(llama.config, "_attn_implementation", "flex_attention")
+    with pytest.raises(ValueError, match="attention implementation 'flex_attention' is not supported"):
+        Rollout(llama, RolloutConfig())
 
 
 def test_non_model_is_refused():

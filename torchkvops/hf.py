@@ -14,6 +14,9 @@ from .kv_cache import KVShape
 __all__ = ["ModelAdapter"]
 
 _ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention"}
+# Attention implementations that take an arbitrary 4-D mask as we build it: SDPA a boolean one
+# (True = may attend), eager an additive one.
+_MASK_FORMATS = {"sdpa": "bool", "eager": "additive"}
 
 
 def _as_id_list(value) -> list[int]:
@@ -42,6 +45,14 @@ class ModelAdapter:
                 f"torchkvops: {type(model).__name__} has layers of type {other}; only models whose every layer "
                 "is attention with a plain per-layer KV cache are supported"
             )
+        attn = getattr(config, "_attn_implementation", None) or "eager"
+        if attn not in _MASK_FORMATS:
+            raise ValueError(
+                f"torchkvops: attention implementation {attn!r} is not supported; load the model with "
+                f"attn_implementation='sdpa' or 'eager'"
+            )
+        self.mask_format = _MASK_FORMATS[attn]
+        self.mask_dtype = next(model.parameters()).dtype  # of additive masks: the model's compute dtype
         params = inspect.signature(model.forward).parameters
         if "cache" in params:
             self.cache_kwarg = "cache"
@@ -99,6 +110,13 @@ class ModelAdapter:
             if value is not None:
                 return int(value)
         return eos_ids[0] if eos_ids else 0
+
+    def attention_mask(self, allowed: torch.Tensor) -> torch.Tensor:
+        """[rows, q, kv] booleans (True = may attend) -> the [rows, 1, q, kv] mask this model takes."""
+        if self.mask_format == "bool":
+            return allowed[:, None]
+        mask = torch.zeros(allowed.shape, dtype=self.mask_dtype, device=allowed.device)
+        return mask.masked_fill(~allowed, torch.finfo(self.mask_dtype).min)[:, None]
 
     def last_logits(self, cache, input_ids, attention_mask, position_ids, cache_position) -> torch.Tensor:
         """One forward; returns the logits of the last position only: [rows, vocab]."""

@@ -111,6 +111,11 @@ class RolloutKVCache(Cache):
     def get_seq_length(self, layer_idx: int = 0):
         return self.write_pos[0] if self.decoding else 0
 
+    def get_mask_sizes(self, query_length, layer_idx: int = 0) -> tuple[int, int]:
+        """Asked only when the model builds its own mask, which happens in an unpadded prefill (decode
+        always passes its own 4-D mask): keys are then exactly the prompt's positions."""
+        return int(query_length), 0
+
     def get_max_cache_shape(self, layer_idx: int = 0) -> int:
         return -1 if self.kv is None else self.kv.shape[4]
 
@@ -121,6 +126,15 @@ class RolloutKVCache(Cache):
     def is_compileable(self) -> bool:
         return True
 
+    # Per-layer kinds that transformers' mask builders read: every layer is plain full attention.
     @property
     def is_sliding(self) -> list[bool]:
+        return [False] * self.shape.layers
+
+    @property
+    def is_linear(self) -> list[bool]:
+        return [False] * self.shape.layers
+
+    @property
+    def is_dummy(self) -> list[bool]:
         return [False] * self.shape.layers

@@ -113,7 +113,6 @@ class Rollout:
         self._params = SamplingParams(float(self.config.temperature), self.config.top_k, float(self.config.top_p))
         self._state: _DecodeState | None = None
         self._last_profile: RolloutProfile | None = None
-        self._mask_min = torch.finfo(self.dtype).min
         self._use_cuda_graphs = self.config.compile and self.config.cuda_graphs and self.device.type == "cuda"
         if self.config.compile:
             self._prefill_fn = torch.compile(self._prefill, dynamic=True)
@@ -204,8 +203,7 @@ class Rollout:
         """Feed each row's last token, sample the next; everything static, no host sync."""
         s, cache = self._state, self.cache
         s.valid.index_fill_(1, cache.write_pos, True)
-        mask = torch.zeros(s.valid.shape, dtype=self.dtype, device=s.valid.device).masked_fill(
-            ~s.valid, self._mask_min)[:, None, None, :]
+        mask = self.adapter.attention_mask(s.valid[:, None, :])
         logits = self.adapter.last_logits(cache, s.tokens, mask, s.position_ids, cache.write_pos)
         self._accept(sample(logits, self._params, s.keys, s.step))
         s.position_ids.add_(1)
@@ -247,15 +245,18 @@ class Rollout:
         return RolloutOutput(torch.cat([prompts, responses], dim=1), responses, response_mask, input_ids.shape[1])
 
     # --- inputs --------------------------------------------------------------------------------
-    def _prefill_attention_mask(self, prompt_mask: Tensor) -> Tensor:
-        """[rows, 1, P, P] additive mask: causal, pads hidden as keys. A pad query sees itself only,
-        so that no softmax row is empty; pad positions' outputs are never used."""
+    def _prefill_attention_mask(self, prompt_mask: Tensor) -> Tensor | None:
+        """None when no prompt is padded: the model then builds its own causal mask, which lets SDPA
+        use its causal fast path instead of materializing [rows, P, P]. Otherwise a mask that is causal
+        and hides pads as keys; a pad query sees itself only, so that no softmax row is empty (pad
+        positions' outputs are never used)."""
+        if bool(prompt_mask.all()):
+            return None
         p = prompt_mask.shape[1]
         causal = torch.ones(p, p, dtype=torch.bool, device=prompt_mask.device).tril()
         allowed = causal[None] & prompt_mask.bool()[:, None, :]
         allowed |= torch.eye(p, dtype=torch.bool, device=prompt_mask.device)[None]
-        mask = torch.zeros(allowed.shape, dtype=self.dtype, device=allowed.device)
-        return mask.masked_fill(~allowed, self._mask_min)[:, None]
+        return self.adapter.attention_mask(allowed)
 
     def _check_inputs(self, input_ids, attention_mask) -> tuple[Tensor, Tensor]:
         if not isinstance(input_ids, Tensor):
