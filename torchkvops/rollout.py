@@ -13,7 +13,6 @@ dynamic shapes, decode with fullgraph=True, under CUDA graphs on CUDA.
 from __future__ import annotations
 
 import dataclasses
-import random
 
 import torch
 from torch import Tensor, nn
