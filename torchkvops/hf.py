@@ -52,7 +52,8 @@ class ModelAdapter:
                 f"attn_implementation='sdpa' or 'eager'"
             )
         self.mask_format = _MASK_FORMATS[attn]
-        self.mask_dtype = next(model.parameters()).dtype  # of additive masks: the model's compute dtype
+        first_param = next(model.parameters())
+        self.device, self.dtype = first_param.device, first_param.dtype  # where and in what the model computes
         params = inspect.signature(model.forward).parameters
         if "cache" in params:
             self.cache_kwarg = "cache"
@@ -65,14 +66,6 @@ class ModelAdapter:
         self.model, self.config = model, config
         self.kv_shape = KVShape.from_config(config)
         self.max_positions = getattr(config, "max_position_embeddings", None)
-
-    @property
-    def device(self) -> torch.device:
-        return next(self.model.parameters()).device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return next(self.model.parameters()).dtype
 
     def sliding_window(self) -> int | None:
         """The attention window that binds some layer, or None when every layer sees all tokens."""
@@ -115,8 +108,8 @@ class ModelAdapter:
         """[rows, q, kv] booleans (True = may attend) -> the [rows, 1, q, kv] mask this model takes."""
         if self.mask_format == "bool":
             return allowed[:, None]
-        mask = torch.zeros(allowed.shape, dtype=self.mask_dtype, device=allowed.device)
-        return mask.masked_fill(~allowed, torch.finfo(self.mask_dtype).min)[:, None]
+        mask = torch.zeros(allowed.shape, dtype=self.dtype, device=allowed.device)
+        return mask.masked_fill(~allowed, torch.finfo(self.dtype).min)[:, None]
 
     def last_logits(self, cache, input_ids, attention_mask, position_ids, cache_position) -> torch.Tensor:
         """One forward; returns the logits of the last position only: [rows, vocab]."""
