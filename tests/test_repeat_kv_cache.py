@@ -11,6 +11,7 @@ import sys
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.profiler import ProfilerActivity, profile
@@ -486,6 +487,55 @@ def test_inplace_bad_inputs(case):
 def test_functional_bad_inputs(make, repeats, exc, match):
     with pytest.raises(exc, match=match):
         torchkvops.repeat_kv_cache(make(), repeats)
+
+
+@pytest.mark.parametrize("repeats", [2**62 + 1, 2**61, 2**59], ids=["2^62+1", "2^61", "bytes-2^65"])
+def test_functional_refuses_sizes_that_overflow(repeats):
+    """rows * repeats (and its bytes) must fit in int64: no wrapped-around shape, no bogus error."""
+    cache = torch.randn(1, 4, 1, 2, 2)
+    with pytest.raises(ValueError, match=f"repeat_kv_cache: repeats={repeats} .*more bytes than int64"):
+        torchkvops.repeat_kv_cache(cache, repeats)
+    with FakeTensorMode() as fake, pytest.raises(ValueError, match="more bytes than int64"):  # torch.compile's view
+        torchkvops.repeat_kv_cache(fake.from_tensor(cache), repeats)
+
+
+# ----------------------------------------------------------------------------------------------------
+# autograd: the in-place op behaves like a built-in in-place op
+
+
+def test_inplace_bumps_the_version_so_a_stale_backward_raises():
+    weight = torch.randn(4, 1, 2, 2, requires_grad=True)
+    cache = torch.randn(4, 1, 2, 2)
+    loss = (weight * cache).sum()  # saves `cache` for the backward
+    version = cache._version
+    torchkvops.repeat_kv_cache_(cache, 2, 2, 2)
+    assert cache._version > version
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+def test_inplace_refuses_an_inference_tensor_outside_inference_mode():
+    with torch.inference_mode():
+        cache = torch.randn(4, 1, 2, 2)
+    before = cache.clone()
+    with pytest.raises(RuntimeError, match="repeat_kv_cache_: cache is an inference tensor"):
+        torchkvops.repeat_kv_cache_(cache, 2, 2, 2)
+    assert torch.equal(cache, before)  # refused before anything was written
+    with torch.inference_mode():  # inside inference mode it is fine, as for built-in ops
+        torchkvops.repeat_kv_cache_(cache, 2, 2, 2)
+    assert torch.equal(cache[:, :, :2], before[:2].repeat_interleave(2, dim=0)[:, :, :2])
+
+
+@pytest.mark.parametrize("leaf", [True, False], ids=["leaf", "non-leaf"])
+def test_inplace_refuses_a_tensor_that_requires_grad(leaf):
+    base = torch.randn(4, 1, 2, 2, requires_grad=True)
+    cache = base if leaf else base * 1
+    with pytest.raises(RuntimeError, match="repeat_kv_cache_: cache requires grad, but this in-place op has no derivative"):
+        torchkvops.repeat_kv_cache_(cache, 2, 2, 2)
+    with torch.no_grad():  # as optimizers update parameters in place
+        version = cache._version
+        torchkvops.repeat_kv_cache_(cache, 2, 2, 2)
+        assert cache._version > version
 
 
 def test_functional_expanded_input_is_fine():

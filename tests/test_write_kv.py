@@ -60,8 +60,60 @@ def test_compiled_write_stays_in_place():
         (lambda a: (a[0], a[1].half(), a[2].half(), *a[3:]), "dtype"),
         (lambda a: (*a[:4], torch.tensor([1, 2])), "start must be a 1-element int64"),
         (lambda a: (*a[:4], torch.tensor([1.0])), "start must be a 1-element int64"),
+        (lambda a: (*a[:4], torch.tensor([9])), r"start must be in \[0, 8\] so that its 4 token\(s\) fit .* got 9"),
+        (lambda a: (*a[:4], torch.tensor([-1])), r"start must be in \[0, 8\].* got -1"),
     ],
 )
-def test_bad_inputs(change, match):
+def test_bad_inputs_raise_before_anything_is_written(change, match):
+    args = change(make("cpu"))
+    before = args[0].clone()
     with pytest.raises((ValueError, TypeError), match=match):
-        torchkvops.ops.write_kv_(*change(make("cpu")))
+        torchkvops.ops.write_kv_(*args)
+    assert torch.equal(args[0], before)
+
+
+def test_issue_example_writes_nothing_when_start_is_out_of_range():
+    cache = torch.zeros(2, 2, 4, 2, 8, 4)
+    with pytest.raises(ValueError, match="start must be in"):
+        torchkvops.ops.write_kv_(cache, torch.ones(2, 2, 3, 4), torch.ones(2, 2, 3, 4), 0, torch.tensor([6]))
+    assert not cache.any()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("moved", ["key", "value", "start"])
+def test_a_tensor_on_another_device_is_refused_before_writing(moved):
+    cache, key, value, layer, start = make("cuda")
+    args = {"key": key, "value": value, "start": start}
+    args[moved] = args[moved].cpu()
+    before = cache.clone()
+    with pytest.raises(ValueError, match="write_kv_: .*device"):
+        torchkvops.ops.write_kv_(cache, args["key"], args["value"], layer, args["start"])
+    assert torch.equal(cache, before)
+
+
+@pytest.mark.parametrize("device", [pytest.param(d, marks=pytest.mark.cuda) if d == "cuda" else d for d in DEVICES])
+@pytest.mark.parametrize("layout", ["head_dim_strided", "permuted"])
+def test_non_contiguous_key_and_value(device, layout):
+    cache, key, value, layer, start = make(device, torch.float16)
+    if layout == "head_dim_strided":
+        key = torch.randn(3, 3, 4, 16, device=device, dtype=torch.float16)[..., ::2]
+        value = torch.randn(3, 3, 4, 16, device=device, dtype=torch.float16)[..., 1::2]
+    else:  # [rows, tokens, heads, dim] transposed, as projections come out before .transpose(1, 2)
+        key = torch.randn(3, 4, 3, 8, device=device, dtype=torch.float16).transpose(1, 2)
+        value = torch.randn(3, 4, 3, 8, device=device, dtype=torch.float16).transpose(1, 2)
+    expected = cache.clone()
+    reference.write_kv_(expected, key, value, layer, start)
+    torchkvops.ops.write_kv_(cache, key, value, layer, start)
+    assert torch.equal(cache, expected)
+
+
+def test_write_bumps_the_version_and_refuses_inference_tensors_outside_inference_mode():
+    cache, key, value, layer, start = make("cpu")
+    version = cache._version
+    torchkvops.ops.write_kv_(cache, key, value, layer, start)
+    assert cache._version > version
+    with torch.inference_mode():
+        frozen = cache.clone()
+    with pytest.raises(RuntimeError, match="write_kv_: cache is an inference tensor"):
+        torchkvops.ops.write_kv_(frozen, key, value, layer, start)

@@ -27,6 +27,9 @@ def repeat_kv_cache(cache: Tensor, repeats: int) -> Tensor:
 def _repeat_kv_cache_fake(cache: Tensor, repeats: int) -> Tensor:
     torch._check(cache.dim() >= 4, lambda: f"repeat_kv_cache: cache must have at least 4 dims, got {cache.dim()}")
     torch._check(repeats >= 1, lambda: f"repeat_kv_cache: repeats must be >= 1, got {repeats}")
+    torch._check_value(cache.numel() * repeats * cache.element_size() < 2**63,
+                 lambda: f"repeat_kv_cache: repeats={repeats} makes an output of {cache.shape[-4]} x {repeats} rows "
+                         f"of shape {tuple(cache.shape)}, more bytes than int64 can count")
     shape = list(cache.shape)
     shape[-4] = shape[-4] * repeats
     return cache.new_empty(shape)
@@ -51,6 +54,9 @@ def write_kv_(cache: Tensor, key: Tensor, value: Tensor, layer: int, start: Tens
     `cache` is `[layers, 2, rows, kv_heads, max_tokens, head_dim]`; `key` and `value` are
     `[r, kv_heads, q, head_dim]` with r <= rows; `start` is a 1-element int64 tensor on the cache's
     device. Afterwards `cache[layer, 0, :r, :, start:start+q] == key` (index 1 for `value`). Pass the
-    whole buffer: under torch.compile the write stays one in-place call on it.
+    whole buffer: under torch.compile the write stays one in-place call on it. Every argument is
+    checked before anything is written; on CUDA, `start` stays on the device and the kernel checks its
+    range (an out-of-range start writes nothing and raises a device-side assert, as torch's own
+    indexing kernels do) instead of syncing with the host on every call.
     """
     torch.ops.torchkvops.write_kv_.default(cache, key, value, layer, start)

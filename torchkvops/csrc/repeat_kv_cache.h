@@ -6,8 +6,10 @@
 #include <ATen/MemoryOverlap.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
+#include <c10/util/safe_numerics.h>
 
 #include <cstdint>
+#include <limits>
 #include <string>
 
 namespace torchkvops {
@@ -96,12 +98,20 @@ inline void check_repeat_args(const at::Tensor& cache, int64_t batch, int64_t re
 inline void check_functional_args(const at::Tensor& cache, int64_t repeats) {
   check_cache(cache, "repeat_kv_cache");
   TORCH_CHECK_VALUE(repeats >= 1, "repeat_kv_cache: repeats must be >= 1, got ", repeats);
+  // The output holds numel * repeats elements: that product (and its bytes) must fit in int64.
+  uint64_t bytes = 0;
+  const bool overflows =
+      c10::mul_overflows(static_cast<uint64_t>(cache.numel()), static_cast<uint64_t>(repeats), &bytes) ||
+      c10::mul_overflows(bytes, static_cast<uint64_t>(cache.element_size()), &bytes) ||
+      bytes > static_cast<uint64_t>(std::numeric_limits<int64_t>::max());
+  TORCH_CHECK_VALUE(!overflows, "repeat_kv_cache: repeats=", repeats, " makes an output of ", cache.size(kRowDim),
+                    " x ", repeats, " rows of shape ", cache.sizes(), ", more bytes than int64 can count");
 }
 
 // The functional op's output: `cache`'s shape with rows * repeats rows, contiguous.
 inline at::Tensor empty_repeated(const at::Tensor& cache, int64_t repeats) {
   auto sizes = cache.sizes().vec();
-  sizes[sizes.size() + kRowDim] *= repeats;
+  sizes[static_cast<int64_t>(sizes.size()) + kRowDim] *= repeats;
   return at::empty(sizes, cache.options());
 }
 

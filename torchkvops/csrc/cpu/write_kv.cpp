@@ -1,0 +1,56 @@
+// CPU kernel of write_kv_: every (K/V, row, head, token) is one head_dim run, copied with memcpy when
+// head_dim is contiguous on both sides (always, for the rollout), element by element otherwise.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+
+#include <cstring>
+
+#include "../write_kv.h"
+
+namespace torchkvops {
+namespace {
+
+// Each parallel task copies at least this many runs, so a decode step's small write stays on one thread.
+constexpr int64_t kMinRunsPerTask = 512;
+
+void write_kv_cpu_(at::Tensor& cache, const at::Tensor& key, const at::Tensor& value, int64_t layer,
+                   const at::Tensor& start) {
+  const KVWritePlan p = check_write_kv_args(cache, key, value, layer, start);
+  const int64_t first = start.data_ptr<int64_t>()[0];
+  check_write_kv_start(first, p);
+  const int64_t elem = static_cast<int64_t>(cache.element_size());
+  char* dst_base = static_cast<char*>(cache.data_ptr()) + layer * cache.stride(0) * elem;
+  const char* src_base[2] = {static_cast<const char*>(key.data_ptr()), static_cast<const char*>(value.data_ptr())};
+  const bool dense = p.dst_strides[3] == 1 && p.src_strides[0][3] == 1 && p.src_strides[1][3] == 1;
+  const int64_t runs = 2 * p.rows * p.heads * p.tokens;
+  at::parallel_for(0, runs, kMinRunsPerTask, [&](int64_t begin, int64_t end) {
+    for (int64_t run = begin; run < end; ++run) {
+      int64_t i = run;
+      const int64_t t = i % p.tokens;
+      i /= p.tokens;
+      const int64_t h = i % p.heads;
+      i /= p.heads;
+      const int64_t r = i % p.rows;
+      const int64_t kv = i / p.rows;
+      const int64_t* ss = p.src_strides[kv];
+      const char* src = src_base[kv] + (r * ss[0] + h * ss[1] + t * ss[2]) * elem;
+      char* dst = dst_base + (kv * p.dst_kv_stride + r * p.dst_strides[0] + h * p.dst_strides[1] +
+                              (first + t) * p.dst_strides[2]) * elem;
+      if (dense) {
+        std::memcpy(dst, src, p.head_dim * elem);
+      } else {
+        for (int64_t d = 0; d < p.head_dim; ++d)
+          std::memcpy(dst + d * p.dst_strides[3] * elem, src + d * ss[3] * elem, elem);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(torchkvops, CPU, m) {
+  m.impl("write_kv_", &write_kv_cpu_);
+}
+
+}  // namespace torchkvops

@@ -1,0 +1,67 @@
+// Shared by the CPU and CUDA kernels of write_kv_: the argument checks (all made before anything is
+// written) and the description of one write as two strided 4-D copies.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+
+#include <cstdint>
+
+namespace torchkvops {
+
+// key/value [rows, kv_heads, tokens, head_dim] go to cache[layer, 0/1, :rows, :, start:start+tokens].
+// Strides in elements; passed by value to CUDA.
+struct KVWritePlan {
+  int64_t rows = 0, heads = 0, tokens = 0, head_dim = 0;
+  int64_t src_strides[2][4] = {};  // [key, value][row, head, token, dim]
+  int64_t dst_strides[4] = {};     // cache strides at dims 2..5 (row, head, token, dim)
+  int64_t dst_kv_stride = 0;       // cache.stride(1): K -> V
+  int64_t max_tokens = 0;          // cache.size(4): `start + tokens` may not exceed it
+};
+
+inline KVWritePlan check_write_kv_args(const at::Tensor& cache, const at::Tensor& key, const at::Tensor& value,
+                                       int64_t layer, const at::Tensor& start) {
+  const char* op = "write_kv_";
+  TORCH_CHECK_VALUE(cache.dim() == 6 && cache.size(1) == 2, op,
+                    ": cache must be [layers, 2, rows, kv_heads, max_tokens, head_dim], got shape ", cache.sizes());
+  TORCH_CHECK_VALUE(key.dim() == 4 && key.sizes() == value.sizes(), op,
+                    ": key and value must both be [rows, kv_heads, tokens, head_dim], got ", key.sizes(), " and ",
+                    value.sizes());
+  TORCH_CHECK_VALUE(key.size(0) <= cache.size(2) && key.size(1) == cache.size(3) && key.size(2) <= cache.size(4) &&
+                        key.size(3) == cache.size(5),
+                    op, ": key ", key.sizes(), " does not fit the cache ", cache.sizes());
+  TORCH_CHECK_VALUE(layer >= 0 && layer < cache.size(0), op, ": layer must be in [0, ", cache.size(0), "), got ",
+                    layer);
+  TORCH_CHECK_TYPE(key.scalar_type() == cache.scalar_type() && value.scalar_type() == cache.scalar_type(), op,
+                   ": key and value must have the cache's dtype ", cache.scalar_type(), ", got ", key.scalar_type(),
+                   " and ", value.scalar_type());
+  TORCH_CHECK_VALUE(key.device() == cache.device() && value.device() == cache.device(), op,
+                    ": key and value must be on the cache's device ", cache.device(), ", got ", key.device(),
+                    " and ", value.device());
+  TORCH_CHECK_VALUE(start.numel() == 1 && start.scalar_type() == at::kLong && start.device() == cache.device(), op,
+                    ": start must be a 1-element int64 tensor on the cache's device, got ", start.scalar_type(),
+                    " of ", start.numel(), " elements on ", start.device());
+  KVWritePlan plan;
+  plan.rows = key.size(0);
+  plan.heads = key.size(1);
+  plan.tokens = key.size(2);
+  plan.head_dim = key.size(3);
+  for (int d = 0; d < 4; ++d) {
+    plan.src_strides[0][d] = key.stride(d);
+    plan.src_strides[1][d] = value.stride(d);
+    plan.dst_strides[d] = cache.stride(d + 2);
+  }
+  plan.dst_kv_stride = cache.stride(1);
+  plan.max_tokens = cache.size(4);
+  return plan;
+}
+
+// The start position's range, for kernels that can read it on the host (the CPU one). On CUDA it lives
+// on the device and the kernel checks it instead (reading it here would cost a sync per call).
+inline void check_write_kv_start(int64_t first, const KVWritePlan& plan) {
+  TORCH_CHECK_VALUE(first >= 0 && first <= plan.max_tokens - plan.tokens, "write_kv_: start must be in [0, ",
+                    plan.max_tokens - plan.tokens, "] so that its ", plan.tokens, " token(s) fit the cache's ",
+                    plan.max_tokens, " positions, got ", first);
+}
+
+}  // namespace torchkvops
