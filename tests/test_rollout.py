@@ -160,9 +160,9 @@ def test_variable_length_prompts_across_calls_reuse_the_buffer(llama):
     long_ids, long_mask = prompts(2, 20, seed=10)
     short_ids, short_mask = prompts(1, 5, seed=11)
     r.generate(long_ids, long_mask)
-    storage = r.cache.kv.untyped_storage().data_ptr()
+    storage = r.cache.decode_kv.untyped_storage().data_ptr()
     short = r.generate(short_ids, short_mask)
-    assert r.cache.kv.untyped_storage().data_ptr() == storage  # smaller request: same allocation
+    assert r.cache.decode_kv.untyped_storage().data_ptr() == storage  # smaller request: same allocation
     assert torch.equal(short.responses, hf_greedy(llama, short_ids, short_mask, 6).repeat_interleave(2, dim=0))
 
 
@@ -172,7 +172,7 @@ def test_release_frees_the_buffer(llama):
     first = r.generate(ids, mask)
     assert r.cache.allocated_bytes > 0
     r.release()
-    assert r.cache.allocated_bytes == 0 and r.cache.kv is None
+    assert r.cache.allocated_bytes == 0 and r.cache.decode_kv is None
     assert torch.equal(r.generate(ids, mask).responses, first.responses)  # usable again afterwards
 
 
@@ -313,3 +313,124 @@ def test_unsupported_attention_implementation_is_refused(llama, monkeypatch):
 def test_non_model_is_refused():
     with pytest.raises(TypeError, match="Hugging Face causal LM"):
         Rollout(torch.nn.Linear(2, 2), RolloutConfig())
+
+
+# --- robustness (issue #7) -----------------------------------------------------------------------
+def test_compiled_rollout_survives_many_batch_sizes_and_lengths(llama, compiled_llama):
+    """Every batch size and prompt length an RL loop sees, with a bounded number of compiled graphs:
+    no FailOnRecompileLimitHit, and the eager tokens."""
+    from torch._dynamo.utils import counters
+
+    eager = Rollout(llama, RolloutConfig(samples_per_prompt=2, max_new_tokens=10, eos_token_id=NO_EOS))
+    compiled_llama.generate(*prompts(2, 9, seed=0))  # graphs of the shared fixture exist from here on
+    graphs_before = counters["stats"]["unique_graphs"]
+    for b in range(1, 11):
+        ids, mask = prompts(b, 4 + 3 * b, seed=b, left_pad=[b % 3] * b)
+        assert torch.equal(compiled_llama.generate(ids, mask).sequences, eager.generate(ids, mask).sequences), b
+    # Rows and key length are dynamic: at most the size-1 specializations of prefill and decode are new.
+    assert counters["stats"]["unique_graphs"] - graphs_before <= 4
+
+
+def test_compiled_decode_past_the_recompile_limit_runs_eagerly_with_a_warning(llama, compiled_llama):
+    """Dynamo's recompile limit counts every graph of the decode step in the process (every Rollout,
+    every sampling config): past it, a rollout must still finish, eagerly, and say so."""
+    import torch._dynamo
+
+    cfg = dict(samples_per_prompt=2, max_new_tokens=10, eos_token_id=NO_EOS, temperature=0.7, top_k=3, seed=4)
+    ids, mask = prompts(3, 7, seed=5)
+    compiled_llama.generate(ids, mask)  # the fixture's decode graph exists: any other config is a recompile
+    compiled = Rollout(llama, RolloutConfig(compile=True, **cfg))
+    with torch._dynamo.config.patch(recompile_limit=1), pytest.warns(RuntimeWarning, match="recompile limit"):
+        out = compiled.generate(ids, mask)
+    assert torch.equal(out.sequences, Rollout(llama, RolloutConfig(**cfg)).generate(ids, mask).sequences)
+
+
+def test_outputs_are_ordinary_tensors_that_can_be_trained_on(llama):
+    ids, mask = prompts(2, 6, seed=3)
+    out = Rollout(llama, RolloutConfig(samples_per_prompt=2, max_new_tokens=4, eos_token_id=NO_EOS)).generate(ids, mask)
+    for t in (out.sequences, out.responses, out.response_mask):
+        assert not t.is_inference()
+    llama.zero_grad()
+    llama(input_ids=out.sequences, labels=out.sequences).loss.backward()
+    assert llama.lm_head.weight.grad is not None
+    llama.zero_grad(set_to_none=True)
+
+
+def test_one_rollout_from_two_threads_gives_the_sequential_results(llama):
+    import threading
+
+    r = Rollout(llama, RolloutConfig(samples_per_prompt=2, max_new_tokens=8, eos_token_id=NO_EOS))
+    inputs = [prompts(1 + i % 3, 5 + i, seed=i) for i in range(6)]
+    expected = [r.generate(ids, mask).sequences for ids, mask in inputs]
+    results, errors = {}, []
+
+    def worker(indices):
+        try:
+            for i in indices:
+                results[i] = r.generate(*inputs[i]).sequences
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(range(k, 6, 2),)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors and not any(t.is_alive() for t in threads)
+    for i in range(6):
+        assert torch.equal(results[i], expected[i]), i
+
+
+@pytest.mark.parametrize(
+    "config,match",
+    [
+        (dict(pad_token_id=96), "pad_token_id 96 is outside the model's vocabulary of 96"),
+        (dict(pad_token_id=10**6), "pad_token_id 1000000 is outside"),
+        (dict(eos_token_id=[2, 500]), "eos_token_id 500 is outside the model's vocabulary of 96"),
+    ],
+)
+def test_special_ids_outside_the_vocabulary_are_refused_at_construction(llama, config, match):
+    with pytest.raises(ValueError, match=match):
+        Rollout(llama, RolloutConfig(**config))
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [("temperature", 1e-44), ("temperature", 1e-7), ("eos_token_id", 2**64), ("eos_token_id", [1, 2**63]),
+     ("pad_token_id", 2**63), ("seed", 2**64), ("kv_sharing", "paged")],
+)
+def test_config_values_that_used_to_fail_later(field, value):
+    with pytest.raises(ValueError, match=f"RolloutConfig.{field}"):
+        RolloutConfig(**{field: value})
+
+
+def test_smallest_allowed_temperature_is_greedy(llama):
+    ids, mask = prompts(2, 8, seed=6)
+    greedy = Rollout(llama, RolloutConfig(samples_per_prompt=2, max_new_tokens=8, eos_token_id=NO_EOS)).generate(ids, mask)
+    cold = Rollout(llama, RolloutConfig(samples_per_prompt=2, max_new_tokens=8, eos_token_id=NO_EOS,
+                                        temperature=1e-6, seed=1)).generate(ids, mask)
+    assert torch.equal(greedy.sequences, cold.sequences)
+
+
+@pytest.mark.parametrize(
+    "ids,mask,match",
+    [
+        (torch.tensor([[5, 96, 7]]), None, r"input_ids must be token ids in \[0, 96\).*got 96"),
+        (torch.tensor([[5, -1, 7]]), None, r"got -1"),
+        (torch.tensor([[5, 6, 7]]), torch.tensor([[0.0, 0.5, 1.0]]), "only 0 and 1"),
+        (torch.tensor([[5, 6, 7]]), torch.tensor([[0.0, 1.0, 1.7]]), "only 0 and 1"),
+    ],
+    ids=["id-at-vocab", "negative-id", "mask-0.5", "mask-1.7"],
+)
+def test_inputs_checked_against_the_model_before_any_work(llama, ids, mask, match):
+    r = Rollout(llama, RolloutConfig(max_new_tokens=2))
+    with pytest.raises(ValueError, match=match):
+        r.generate(ids, mask)
+
+
+def test_float_and_bool_masks_of_zeros_and_ones_are_accepted(llama):
+    ids, mask = prompts(2, 7, seed=2, left_pad=[0, 3])
+    cfg = RolloutConfig(samples_per_prompt=1, max_new_tokens=4, eos_token_id=NO_EOS)
+    expected = Rollout(llama, cfg).generate(ids, mask).sequences
+    for as_type in (torch.float32, torch.bool, torch.int32):
+        assert torch.equal(Rollout(llama, cfg).generate(ids, mask.to(as_type)).sequences, expected)

@@ -66,6 +66,11 @@ class ModelAdapter:
         self.model, self.config = model, config
         self.kv_shape = KVShape.from_config(config)
         self.max_positions = getattr(config, "max_position_embeddings", None)
+        # Token ids the model can embed (inputs, and the pad id fed back after EOS) and produce (EOS ids).
+        embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+        self.input_vocab = getattr(embeddings, "num_embeddings", None) or getattr(config, "vocab_size", None)
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        self.output_vocab = getattr(head, "out_features", None) or getattr(config, "vocab_size", None)
 
     def sliding_window(self) -> int | None:
         """The attention window that binds some layer, or None when every layer sees all tokens."""
@@ -111,12 +116,24 @@ class ModelAdapter:
         mask = torch.zeros(allowed.shape, dtype=self.dtype, device=allowed.device)
         return mask.masked_fill(~allowed, torch.finfo(self.dtype).min)[:, None]
 
-    def last_logits(self, cache, input_ids, attention_mask, position_ids, cache_position) -> torch.Tensor:
-        """One forward; returns the logits of the last position only: [rows, vocab]."""
+    def weight_addresses(self) -> tuple[int, ...]:
+        """Where every parameter and buffer lives now: a CUDA graph replays on these addresses, so a
+        change (parameters gathered into new storage, load_state_dict(assign=True), .to()) means
+        re-capture. Cheap: no device work."""
+        return tuple(t.data_ptr() for t in self.model.parameters()) + tuple(t.data_ptr() for t in self.model.buffers())
+
+    def forward_kwargs(self, cache, attention_mask, position_ids, cache_position) -> dict:
+        """The model's forward arguments besides input_ids, for one call that keeps the last
+        position's logits only."""
         kwargs = {self.cache_kwarg: cache, "attention_mask": attention_mask, "position_ids": position_ids,
                   "use_cache": True}
         if self.takes_cache_position:
             kwargs["cache_position"] = cache_position
         if self.takes_logits_to_keep:
             kwargs["logits_to_keep"] = 1
+        return kwargs
+
+    def last_logits(self, cache, input_ids, attention_mask, position_ids, cache_position) -> torch.Tensor:
+        """One forward; returns the logits of the last position only: [rows, vocab]."""
+        kwargs = self.forward_kwargs(cache, attention_mask, position_ids, cache_position)
         return self.model(input_ids=input_ids, **kwargs).logits[:, -1, :]

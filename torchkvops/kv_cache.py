@@ -1,18 +1,29 @@
-"""The rollout's KV cache: one preallocated buffer, presented to Hugging Face models as a `Cache`.
+"""The rollout's KV cache: preallocated buffers reused across rollouts, presented to Hugging Face models
+as a `Cache`.
 
-The buffer is `[layers, 2, rows, kv_heads, max_len, head_dim]` (K at index 0, V at 1), so one call of
-`repeat_kv_cache_` expands every layer's prompt KV at once. Compiled graphs only ever see the whole
-buffer as an input and take their per-layer views inside the graph: separate view inputs that alias
-one storage would make AOTAutograd build a synthetic base and copy it.
+Buffers are `[layers, 2, rows, kv_heads, tokens, head_dim]` (K at index 0, V at 1), so one
+`repeat_kv_cache_` call expands every layer's prompt KV at once and one `write_kv_` call per layer
+stores a step's K and V. Two layouts (`RolloutConfig.kv_sharing`):
+
+- "copy": one buffer of B*N rows x (P + R - 1) positions. Prefill writes the B prompts into rows
+  [0, B), `repeat_kv_cache_` copies each prompt to its N rows, decode appends at column P + step.
+- "prefix": the B prompts' KV stays where prefill wrote it, once per prompt (`prefix_kv`, B rows x P
+  positions), and each of the B*N rows owns only its response KV (`suffix_kv`, R - 1 positions). The
+  decode attention (`torchkvops.attention`) reads both and merges them; nothing is copied.
 
 Two phases, chosen by the caller:
-- prefill: the prompt's K/V (positions [0, P)) are written into the first rows, and attention uses
-  those K/V directly (no padding to max_len);
-- decode: each step writes one position at `write_pos` for every row, and attention reads the
-  whole, statically shaped [rows, kv_heads, max_len, head_dim] view, masked by the caller.
+- prefill: the prompt's K/V (positions [0, P)) go into the prompt rows, and attention uses those K/V
+  directly (no padding to the buffer's length);
+- decode: each step writes one position at `write_pos` for every row, and attention reads the whole,
+  statically shaped decode buffer of that layer, masked by the caller.
+
+All views are carved out of one flat allocation that is kept while it is big enough, and every view is
+contiguous, so compiled graphs see the same strides for the same shapes.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import Tensor
@@ -20,7 +31,9 @@ from transformers.cache_utils import Cache
 
 from .ops import repeat_kv_cache_, write_kv_
 
-__all__ = ["RolloutKVCache", "KVShape"]
+__all__ = ["RolloutKVCache", "KVShape", "KV_LAYOUTS"]
+
+KV_LAYOUTS = ("copy", "prefix")
 
 
 class KVShape:
@@ -36,47 +49,63 @@ class KVShape:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         return cls(config.num_hidden_layers, kv_heads, head_dim)
 
+    def buffer_shape(self, rows: int, tokens: int) -> tuple[int, ...]:
+        return (self.layers, 2, rows, self.kv_heads, tokens, self.head_dim)
+
 
 class RolloutKVCache(Cache):
-    """A static KV buffer reused across rollouts; `prepare()` sizes it, `release()` frees it."""
+    """Static KV buffers reused across rollouts; `prepare_copy()` / `prepare_prefix()` size them,
+    `release()` frees them."""
 
     def __init__(self, shape: KVShape, dtype: torch.dtype, device: torch.device):
         super().__init__(layers=[])
         self.shape, self.dtype, self.device = shape, dtype, torch.device(device)
-        self._storage: Tensor | None = None  # the allocation, possibly larger than the current view
-        self.kv: Tensor | None = None  # [layers, 2, rows, kv_heads, max_len, head_dim] view in use
-        # Where the next decode step writes; a tensor so that compiled decode never recompiles on it.
+        self._storage: Tensor | None = None  # flat; the views below are carved out of it
+        self.layout: str | None = None
+        self.prompt_kv: Tensor | None = None  # where prefill writes the prompts
+        self.decode_kv: Tensor | None = None  # where decode writes, and what its attention reads
+        # Where the next decode step writes; a tensor, so that graphs never re-specialize on it.
         self.write_pos = torch.zeros(1, dtype=torch.long, device=self.device)
         self._prefill_start = torch.zeros(1, dtype=torch.long, device=self.device)
         self.decoding = False
-        torch._dynamo.mark_static_address(self.write_pos)
-        torch._dynamo.mark_static_address(self._prefill_start)
 
     # --- buffer management ---------------------------------------------------------------------
-    def prepare(self, rows: int, max_len: int) -> None:
-        """Make `kv` a [layers, 2, rows, kv_heads, max_len, head_dim] view, reusing the allocation
-        when it is big enough. Reusing the same view object keeps compiled graphs' guards stable."""
-        s = self.shape
-        if self.kv is not None and self.kv.shape[2] == rows and self.kv.shape[4] == max_len:
-            return
-        if self._storage is None or self._storage.shape[2] < rows or self._storage.shape[4] < max_len:
-            self._storage = None  # free the old one before allocating the new
-            self.kv = None
-            self._storage = torch.zeros(
-                (s.layers, 2, rows, s.kv_heads, max_len, s.head_dim), dtype=self.dtype, device=self.device
-            )
-            torch._dynamo.mark_static_address(self._storage)
-        self.kv = self._storage[:, :, :rows, :, :max_len]
-        torch._dynamo.mark_static_address(self.kv)
+    def prepare_copy(self, rows: int, tokens: int) -> None:
+        """One [layers, 2, rows, kv_heads, tokens, head_dim] buffer for prefill and decode."""
+        (kv,) = self._views([self.shape.buffer_shape(rows, tokens)])
+        self.layout, self.prompt_kv, self.decode_kv = "copy", kv, kv
+
+    def prepare_prefix(self, prompts: int, prompt_tokens: int, rows: int, response_tokens: int) -> None:
+        """The prompts' KV once ([..., prompts, ..., prompt_tokens, ...]) and each row's response KV
+        ([..., rows, ..., response_tokens, ...])."""
+        prefix, suffix = self._views([self.shape.buffer_shape(prompts, prompt_tokens),
+                                      self.shape.buffer_shape(rows, response_tokens)])
+        self.layout, self.prompt_kv, self.decode_kv = "prefix", prefix, suffix
+
+    def _views(self, shapes: list[tuple[int, ...]]) -> list[Tensor]:
+        sizes = [math.prod(s) for s in shapes]
+        if self._storage is None or self._storage.numel() < sum(sizes):
+            self.release()  # free the old allocation before making the new one
+            self._storage = torch.zeros(sum(sizes), dtype=self.dtype, device=self.device)
+        views, offset = [], 0
+        for shape, size in zip(shapes, sizes):
+            views.append(self._storage[offset: offset + size].view(shape))
+            offset += size
+        return views
 
     def release(self) -> None:
-        """Free the buffer; the next `prepare()` allocates a new one."""
-        self._storage = None
-        self.kv = None
+        """Free the buffers; the next `prepare_*()` allocates new ones."""
+        self._storage = self.prompt_kv = self.decode_kv = self.layout = None
 
     @property
     def allocated_bytes(self) -> int:
         return 0 if self._storage is None else self._storage.numel() * self._storage.element_size()
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes of KV storage the current layout uses (the allocation may be larger, from an earlier call)."""
+        views = [] if self.layout is None else [self.prompt_kv] + ([self.decode_kv] if self.layout == "prefix" else [])
+        return sum(v.numel() * v.element_size() for v in views)
 
     # --- phases --------------------------------------------------------------------------------
     def start_prefill(self) -> None:
@@ -87,26 +116,31 @@ class RolloutKVCache(Cache):
         self.write_pos.fill_(first_position)
 
     def expand_prompts(self, batch: int, repeats: int, num_tokens: int) -> None:
-        """Rows [0, batch) hold the prompts; make rows [0, batch*repeats) hold them, in
+        """Copy layout: rows [0, batch) hold the prompts; make rows [0, batch*repeats) hold them, in
         repeat_interleave order, with one operator call over every layer's K and V."""
-        repeat_kv_cache_(self.kv, batch, repeats, num_tokens)
+        repeat_kv_cache_(self.prompt_kv, batch, repeats, num_tokens)
 
     # --- the transformers Cache interface ------------------------------------------------------
     def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs):
-        kv = self.kv
-        rows, heads, q_len, head_dim = key_states.shape
+        if not self.decoding:
+            self._check_layout(key_states, value_states, layer_idx)
+            # Prefill writes positions [0, P) and attends to exactly those, no padding to the buffer.
+            write_kv_(self.prompt_kv, key_states, value_states, layer_idx, self._prefill_start)
+            return key_states, value_states
+        # Decode: no Python checks here (prefill made them for this model): a step is what a graph replays.
+        kv = self.decode_kv
+        write_kv_(kv, key_states, value_states, layer_idx, self.write_pos)
+        return kv[layer_idx, 0], kv[layer_idx, 1]
+
+    def _check_layout(self, key_states: Tensor, value_states: Tensor, layer_idx: int) -> None:
+        kv = self.prompt_kv
+        heads, head_dim = key_states.shape[1], key_states.shape[3]
         if (heads, head_dim) != (kv.shape[3], kv.shape[5]) or value_states.shape != key_states.shape:
             raise ValueError(
                 f"torchkvops: layer {layer_idx} produced keys {tuple(key_states.shape)} and values "
                 f"{tuple(value_states.shape)}, but the KV buffer holds [rows, {kv.shape[3]} kv_heads, "
                 f"tokens, {kv.shape[5]}]: models with other KV layouts are not supported"
             )
-        if not self.decoding:
-            # Prefill writes positions [0, P) and attends to exactly those, no padding to max_len.
-            write_kv_(kv, key_states, value_states, layer_idx, self._prefill_start)
-            return key_states, value_states
-        write_kv_(kv, key_states, value_states, layer_idx, self.write_pos)
-        return kv[layer_idx, 0], kv[layer_idx, 1]
 
     def get_seq_length(self, layer_idx: int = 0):
         return self.write_pos[0] if self.decoding else 0
@@ -117,7 +151,7 @@ class RolloutKVCache(Cache):
         return int(query_length), 0
 
     def get_max_cache_shape(self, layer_idx: int = 0) -> int:
-        return -1 if self.kv is None else self.kv.shape[4]
+        return -1 if self.decode_kv is None else self.decode_kv.shape[4]
 
     def __len__(self) -> int:
         return self.shape.layers

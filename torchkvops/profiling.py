@@ -38,6 +38,7 @@ class RolloutProfile:
     prompt_length: int
     response_length: int
     peak_memory_bytes: int | None  # the accelerator's peak during the call; None on CPU
+    kv_cache_bytes: int  # bytes of KV storage the call used (prompt and response KV, either layout)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

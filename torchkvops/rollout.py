@@ -4,21 +4,27 @@
     out = rollout.generate(input_ids, attention_mask=None)   # input_ids: LongTensor [B, P]
 
 Stages: prompt expansion (the expanded baseline repeats prompts N times; shared prefill does not),
-prefill (one forward over the prompts, last-position logits only), kv_expand (one repeat_kv_cache_
-call over the whole KV buffer, shared prefill only), decode (statically shaped steps over B*N rows)
-and post-processing. With `compile=True` prefill and decode are compiled separately: prefill with
-dynamic shapes, decode with fullgraph=True, under CUDA graphs on CUDA.
+prefill (one forward over the prompts, last-position logits only), kv_expand (with kv_sharing="copy",
+one repeat_kv_cache_ call over the whole KV buffer), decode (statically shaped steps over B*N rows,
+`torchkvops.decode`) and post-processing. With `compile=True` prefill and decode are compiled
+separately: prefill with dynamic shapes, decode with fullgraph=True and dynamic row and key-length
+dims. On CUDA, decode steps are replayed from CUDA graphs, compiled or not (`cuda_graphs=True`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import threading
+import weakref
 
 import torch
 from torch import Tensor, nn
 
+from . import attention
+from .decode import DecodeRunner, DecodeState, DecodeStep
 from .hf import ModelAdapter
-from .kv_cache import RolloutKVCache
+from .kv_cache import KV_LAYOUTS, RolloutKVCache
 from .profiling import RolloutProfile, StageTimer
 from .sampling import SamplingParams, row_keys, sample
 
@@ -26,9 +32,16 @@ __all__ = ["Rollout", "RolloutConfig", "RolloutOutput", "RolloutProfile"]
 
 # The all-rows-ended check syncs with the host, so decode makes it only every this many steps.
 FINISHED_CHECK_INTERVAL = 8
-# Compiled decode is specialized to the KV length; rounding it up to a multiple of this lets prompts of
-# nearby lengths share one graph, at the cost of attending over a few more (masked) slots.
-COMPILED_KV_LENGTH_MULTIPLE = 64
+# Decode buffers are rounded up to a multiple of this many positions: nearby prompt lengths then share
+# one decode shape (graph), and the attention kernels get aligned mask widths.
+KV_LENGTH_MULTIPLE = 64
+# A positive temperature below this would overflow logits / temperature in float32 (1e-44 did): use 0.
+MIN_TEMPERATURE = 1e-6
+_INT64_MAX = 2**63 - 1
+
+
+def round_up(n: int, multiple: int = KV_LENGTH_MULTIPLE) -> int:
+    return max(1, -(-n // multiple)) * multiple
 
 
 @dataclasses.dataclass
@@ -38,13 +51,14 @@ class RolloutConfig:
     shared_prefill: bool = True
     enable_profiling: bool = False
     compile: bool = False
-    cuda_graphs: bool = True  # decode under CUDA graphs when compiled on CUDA
+    cuda_graphs: bool = True  # on CUDA, replay decode steps from CUDA graphs (eager or compiled)
     temperature: float = 0.0  # 0 means greedy
     top_k: int = 0  # 0 means off
     top_p: float = 1.0
     seed: int | None = None
     eos_token_id: int | list[int] | None = None  # None: the model's generation config; []: none
     pad_token_id: int | None = None  # None: the model's generation config; 0 is a valid id
+    kv_sharing: str = "copy"  # "copy": each row holds its prompt's KV; "prefix": one copy per prompt
 
     def __post_init__(self):
         def need(ok: bool, field: str, what: str):
@@ -54,22 +68,30 @@ class RolloutConfig:
         def is_int(v):
             return isinstance(v, int) and not isinstance(v, bool)
 
+        def is_id(v):
+            return is_int(v) and 0 <= v <= _INT64_MAX
+
         need(is_int(self.samples_per_prompt) and self.samples_per_prompt >= 1, "samples_per_prompt", "must be an int >= 1")
         need(is_int(self.max_new_tokens) and self.max_new_tokens >= 1, "max_new_tokens", "must be an int >= 1")
         for flag in ("shared_prefill", "enable_profiling", "compile", "cuda_graphs"):
             need(isinstance(getattr(self, flag), bool), flag, "must be a bool")
-        need(isinstance(self.temperature, (int, float)) and not isinstance(self.temperature, bool)
-             and 0.0 <= self.temperature < float("inf"), "temperature", "must be a finite number >= 0")
+        t = self.temperature
+        need(isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t)
+             and (t == 0 or t >= MIN_TEMPERATURE), "temperature",
+             f"must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE:g} (smaller ones overflow the scaled "
+             "logits)")
         need(is_int(self.top_k) and self.top_k >= 0, "top_k", "must be an int >= 0")
         need(isinstance(self.top_p, (int, float)) and not isinstance(self.top_p, bool) and 0.0 < self.top_p <= 1.0,
              "top_p", "must be in (0, 1]")
-        need(self.seed is None or (is_int(self.seed) and self.seed >= 0), "seed", "must be None or an int >= 0")
+        need(self.seed is None or is_id(self.seed), "seed", "must be None or an int in [0, 2**63)")
         eos = self.eos_token_id
-        need(eos is None or (is_int(eos) and eos >= 0)
-             or (isinstance(eos, (list, tuple)) and all(is_int(e) and e >= 0 for e in eos)),
-             "eos_token_id", "must be None, an int >= 0 or a list of them (empty: never stop early)")
-        need(self.pad_token_id is None or (is_int(self.pad_token_id) and self.pad_token_id >= 0),
-             "pad_token_id", "must be None or an int >= 0")
+        need(eos is None or is_id(eos) or (isinstance(eos, (list, tuple)) and all(is_id(e) for e in eos)),
+             "eos_token_id", "must be None, a token id (an int in [0, 2**63)) or a list of them (empty: never stop early)")
+        need(self.pad_token_id is None or is_id(self.pad_token_id), "pad_token_id",
+             "must be None or a token id (an int in [0, 2**63))")
+        need(self.kv_sharing in KV_LAYOUTS, "kv_sharing", f"must be one of {', '.join(map(repr, KV_LAYOUTS))}")
+        need(self.kv_sharing == "copy" or self.shared_prefill, "kv_sharing",
+             "'prefix' needs shared_prefill=True (the expanded baseline has no shared prompt to keep once)")
 
 
 @dataclasses.dataclass
@@ -80,21 +102,18 @@ class RolloutOutput:
     prompt_length: int  # P
 
 
-class _DecodeState:
-    """Statically shaped tensors that the decode step reads and updates in place."""
+# A rollout switches its model's attention implementation while it decodes: one rollout per model at a
+# time, whichever Rollout object or thread runs it (a second caller waits).
+_model_locks: weakref.WeakKeyDictionary[nn.Module, threading.RLock] = weakref.WeakKeyDictionary()
+_model_locks_guard = threading.Lock()
 
-    def __init__(self, rows: int, max_len: int, max_new_tokens: int, device: torch.device):
-        self.shape = (rows, max_len, max_new_tokens)
-        self.tokens = torch.zeros(rows, 1, dtype=torch.long, device=device)  # the token fed next
-        self.position_ids = torch.zeros(rows, 1, dtype=torch.long, device=device)
-        self.valid = torch.zeros(rows, max_len, dtype=torch.bool, device=device)  # keys a row may see
-        self.finished = torch.zeros(rows, dtype=torch.bool, device=device)
-        self.step = torch.zeros(1, dtype=torch.long, device=device)  # index of the token sampled next
-        self.keys = torch.zeros(rows, dtype=torch.long, device=device)  # per-row sampling keys
-        self.responses = torch.zeros(rows, max_new_tokens, dtype=torch.long, device=device)
-        for t in vars(self).values():
-            if isinstance(t, Tensor):
-                torch._dynamo.mark_static_address(t)
+
+def _lock_for(model: nn.Module) -> threading.RLock:
+    with _model_locks_guard:
+        lock = _model_locks.get(model)
+        if lock is None:
+            lock = _model_locks[model] = threading.RLock()
+        return lock
 
 
 class Rollout:
@@ -108,32 +127,53 @@ class Rollout:
         self.cache = RolloutKVCache(self.adapter.kv_shape, self.dtype, self.device)
         self.eos_ids = self.adapter.eos_ids(self.config.eos_token_id)
         self.pad_id = self.adapter.pad_id(self.config.pad_token_id, self.eos_ids)
-        self._eos = torch.tensor(self.eos_ids, dtype=torch.long, device=self.device)
+        self._check_special_ids()
+        self._eos = torch.tensor(self.eos_ids, dtype=torch.long, device=self.device) if self.eos_ids else None
         self._params = SamplingParams(float(self.config.temperature), self.config.top_k, float(self.config.top_p))
-        self._state: _DecodeState | None = None
+        self._state: DecodeState | None = None
         self._last_profile: RolloutProfile | None = None
-        self._use_cuda_graphs = self.config.compile and self.config.cuda_graphs and self.device.type == "cuda"
-        if self.config.compile:
-            self._prefill_fn = torch.compile(self._prefill, dynamic=True)
-            self._decode_fn = torch.compile(
-                self._decode_step, fullgraph=True, mode="reduce-overhead" if self._use_cuda_graphs else None
-            )
-        else:
-            self._prefill_fn, self._decode_fn = self._prefill, self._decode_step
+        self._lock = _lock_for(model)
+        self._attention = attention.DecodeAttention(self.config.kv_sharing)
+        self._step = DecodeStep(self.adapter, self.cache, self._params, self.pad_id, self._eos)
+        self._runner = DecodeRunner(self._step, self.config.compile, self.config.cuda_graphs, self.device)
+        self._prefill_fn = torch.compile(self._prefill, dynamic=True) if self.config.compile else self._prefill
 
     # --- public API ----------------------------------------------------------------------------
-    @torch.inference_mode()
     def generate(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> RolloutOutput:
+        """N samples for each of the B left-padded prompts `input_ids` [B, P]: row r of the output
+        answers prompt r // N. Returns ordinary tensors (not inference tensors), on the model's device."""
+        return self._generate(input_ids, attention_mask)
+
+    def get_last_profile(self) -> RolloutProfile | None:
+        """The profile of the last `generate()` call, or None when profiling was off."""
+        return self._last_profile
+
+    def release(self) -> None:
+        """Free the KV buffer, decode state and CUDA graphs; the next `generate()` makes them again."""
+        with self._lock:
+            self.cache.release()
+            self._state = None
+            self._runner.reset()
+
+    # --- the stages ----------------------------------------------------------------------------
+    def _generate(self, input_ids: Tensor, attention_mask: Tensor | None, first_row: int = 0) -> RolloutOutput:
+        """`generate`, with the sampling keys of rows [first_row, first_row + B*N) (a data-parallel
+        shard's place among all rows)."""
+        with self._lock, torch.inference_mode():
+            out = self._run(input_ids, attention_mask, first_row)
+        # Outside inference mode, so that RL code can train on the sequences (inference tensors
+        # cannot be saved for backward).
+        return RolloutOutput(out.sequences.clone(), out.responses.clone(), out.response_mask.clone(), out.prompt_length)
+
+    def _run(self, input_ids: Tensor, attention_mask: Tensor | None, first_row: int) -> RolloutOutput:
         cfg = self.config
         input_ids, attention_mask = self._check_inputs(input_ids, attention_mask)
         batch, prompt_len = input_ids.shape
-        n = cfg.samples_per_prompt
-        rows, new_tokens = batch * n, cfg.max_new_tokens
+        n, new_tokens = cfg.samples_per_prompt, cfg.max_new_tokens
+        rows = batch * n
         self.adapter.check_length(prompt_len + new_tokens)
-        max_len = prompt_len + new_tokens - 1  # the last sampled token is never fed back
-        if cfg.compile:
-            max_len = -(-max_len // COMPILED_KV_LENGTH_MULTIPLE) * COMPILED_KV_LENGTH_MULTIPLE
         seed = cfg.seed if cfg.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
+        prefix = cfg.kv_sharing == "prefix"
 
         timer = StageTimer(self.device, cfg.enable_profiling)
         timer.start()
@@ -146,25 +186,23 @@ class Rollout:
             prefill_attn = self._prefill_attention_mask(prefill_mask)
 
         with timer.stage("prefill"):
-            self.cache.prepare(rows, max_len)
+            # The last sampled token is never fed back: decode writes new_tokens - 1 positions.
+            if prefix:
+                self.cache.prepare_prefix(batch, round_up(prompt_len), rows, round_up(new_tokens - 1))
+            else:
+                self.cache.prepare_copy(rows, round_up(prompt_len + new_tokens - 1))
             self.cache.start_prefill()
             logits = self._prefill_fn(prefill_ids, prefill_attn, prefill_positions)
 
         with timer.stage("kv_expand"):
             if cfg.shared_prefill and n > 1:
-                self.cache.expand_prompts(batch, n, prompt_len)
+                if not prefix:
+                    self.cache.expand_prompts(batch, n, prompt_len)
                 logits = logits.repeat_interleave(n, dim=0)
 
         with timer.stage("decode"):
-            state = self._start_decode(rows, max_len, attention_mask, seed, logits)
-            steps = 0
-            while steps + 1 < new_tokens:
-                if self._use_cuda_graphs:
-                    torch.compiler.cudagraph_mark_step_begin()
-                self._decode_fn()
-                steps += 1
-                if steps % FINISHED_CHECK_INTERVAL == 0 and bool(state.finished.all()):
-                    break
+            state = self._start_decode(attention_mask, seed, logits, first_row)
+            steps = self._decode(state, new_tokens)
             response_len = steps + 1
 
         with timer.stage("post_processing"):
@@ -181,65 +219,71 @@ class Rollout:
                 tokens_per_second=generated / (ms["total"] / 1e3) if ms["total"] > 0 else 0.0,
                 decode_steps=steps, batch_size=batch, samples_per_prompt=n, prompt_length=prompt_len,
                 response_length=response_len, peak_memory_bytes=timer.peak_memory_bytes(),
+                kv_cache_bytes=self.cache.used_bytes,
             )
         return out
 
-    def get_last_profile(self) -> RolloutProfile | None:
-        """The profile of the last `generate()` call, or None when profiling was off."""
-        return self._last_profile
-
-    def release(self) -> None:
-        """Free the KV buffer and decode state; the next `generate()` allocates them again."""
-        self.cache.release()
-        self._state = None
-
-    # --- stages --------------------------------------------------------------------------------
     def _prefill(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor) -> Tensor:
         cache_position = torch.arange(input_ids.shape[1], device=input_ids.device)
         return self.adapter.last_logits(self.cache, input_ids, attention_mask, position_ids, cache_position)
 
-    def _decode_step(self) -> None:
-        """Feed each row's last token, sample the next; everything static, no host sync."""
-        s, cache = self._state, self.cache
-        s.valid.index_fill_(1, cache.write_pos, True)
-        mask = self.adapter.attention_mask(s.valid[:, None, :])
-        logits = self.adapter.last_logits(cache, s.tokens, mask, s.position_ids, cache.write_pos)
-        self._accept(sample(logits, self._params, s.keys, s.step))
-        s.position_ids.add_(1)
-        cache.write_pos.add_(1)
-
-    def _accept(self, sampled: Tensor) -> None:
-        """Record sampled tokens [rows] at index `step`: rows that already ended get the pad id."""
-        s = self._state
-        token = torch.where(s.finished, self.pad_id, sampled)
-        s.responses.index_copy_(1, s.step, token[:, None])
-        s.finished.logical_or_(torch.isin(token, self._eos))
-        s.tokens.copy_(token[:, None])
-        s.step.add_(1)
-
-    def _start_decode(self, rows, max_len, prompt_mask, seed, first_logits) -> _DecodeState:
-        n, new_tokens = self.config.samples_per_prompt, self.config.max_new_tokens
-        if self._state is None or self._state.shape != (rows, max_len, new_tokens):
-            self._state = _DecodeState(rows, max_len, new_tokens, self.device)
+    def _start_decode(self, prompt_mask: Tensor, seed: int, first_logits: Tensor, first_row: int) -> DecodeState:
+        """Reset the decode state for this rollout and sample every row's first token."""
+        cfg, cache = self.config, self.cache
+        n = cfg.samples_per_prompt
+        batch, prompt_len = prompt_mask.shape
+        rows = batch * n
+        mask_len = cache.decode_kv.shape[4]
+        shape = (rows, mask_len, cfg.max_new_tokens, self.dtype)
+        if self._state is None or self._state.shape != shape:
+            self._state = DecodeState(rows, mask_len, cfg.max_new_tokens, self.dtype, self.device)
         s = self._state
         row_mask = prompt_mask.repeat_interleave(n, dim=0).bool()
-        prompt_len = prompt_mask.shape[1]
-        s.valid.zero_()
-        s.valid[:, :prompt_len] = row_mask
+        s.bias.fill_(float("-inf"))
+        if cfg.kv_sharing == "copy":  # the decode buffer starts with each row's copy of its prompt
+            s.bias[:, 0, 0, :prompt_len].masked_fill_(row_mask, 0.0)
+            self._attention.prompt_kv = self._attention.prompt_bias = None
+        else:  # the rows' own buffers start empty; the prompts are seen through the prefix part
+            prompt_bias = torch.full((batch, 1, 1, cache.prompt_kv.shape[4]), float("-inf"), dtype=self.dtype,
+                                     device=self.device)
+            prompt_bias[:, 0, 0, :prompt_len].masked_fill_(prompt_mask.bool(), 0.0)
+            self._attention.prompt_kv, self._attention.prompt_bias = cache.prompt_kv, prompt_bias
         s.position_ids.copy_(row_mask.sum(dim=1, keepdim=True))
         s.finished.zero_()
         s.step.zero_()
-        s.keys.copy_(row_keys(seed, rows, self.device))
-        self._accept(sample(first_logits, self._params, s.keys, s.step))
-        self.cache.start_decode(prompt_len)
+        s.keys.copy_(row_keys(seed, torch.arange(first_row, first_row + rows, device=self.device)))
+        self._step.bind(s)
+        self._step.accept(sample(first_logits, self._params, s.keys, s.step))
+        cache.start_decode(prompt_len if cfg.kv_sharing == "copy" else 0)
         return s
 
-    def _finish(self, input_ids: Tensor, state: _DecodeState, response_len: int) -> RolloutOutput:
+    def _decode(self, state: DecodeState, new_tokens: int) -> int:
+        """Decode steps until every row has new_tokens tokens or has ended; returns the step count."""
+        cache, ctx = self.cache, self._attention
+        dynamic = [(t, (0,)) for t in state.tensors()] + [(state.bias, (0, 3)), (cache.decode_kv, (2, 4))]
+        if ctx.prompt_kv is not None:
+            dynamic += [(ctx.prompt_kv, (2, 4)), (ctx.prompt_bias, (0, 3))]
+        addresses = tuple(t.data_ptr() for t, _ in dynamic)
+        self._runner.start(dynamic, graph_key=(state.shape, self.config.kv_sharing, addresses,
+                                               self.adapter.weight_addresses()))
+        steps = 0
+        with attention.decode_attention(self.model, ctx):
+            while steps + 1 < new_tokens:
+                self._runner()
+                steps += 1
+                # Host sync: reads `finished` every few steps to stop early; not needed without EOS ids.
+                if self._eos is not None and steps % FINISHED_CHECK_INTERVAL == 0 and bool(state.finished.all()):
+                    break
+        return steps
+
+    def _finish(self, input_ids: Tensor, state: DecodeState, response_len: int) -> RolloutOutput:
         n = self.config.samples_per_prompt
         responses = state.responses[:, :response_len].clone()
-        is_eos = torch.isin(responses, self._eos).long()
-        ended_before = (is_eos.cumsum(dim=1) - is_eos) > 0
-        response_mask = (~ended_before).long()
+        if self._eos is None:
+            response_mask = torch.ones_like(responses)
+        else:
+            is_eos = torch.isin(responses, self._eos).long()
+            response_mask = ((is_eos.cumsum(dim=1) - is_eos) == 0).long()  # up to and including the first EOS
         prompts = input_ids.repeat_interleave(n, dim=0)
         return RolloutOutput(torch.cat([prompts, responses], dim=1), responses, response_mask, input_ids.shape[1])
 
@@ -257,26 +301,46 @@ class Rollout:
         allowed |= torch.eye(p, dtype=torch.bool, device=prompt_mask.device)[None]
         return self.adapter.attention_mask(allowed)
 
+    def _check_special_ids(self) -> None:
+        """EOS and pad ids must be tokens of this model: a pad id is fed back after EOS, an EOS id
+        outside the vocabulary could never end a row."""
+        vocab_in, vocab_out = self.adapter.input_vocab, self.adapter.output_vocab
+        if vocab_in is not None and not 0 <= self.pad_id < vocab_in:
+            raise ValueError(f"Rollout: pad_token_id {self.pad_id} is outside the model's vocabulary of {vocab_in} "
+                             "token ids (set RolloutConfig.pad_token_id)")
+        bad = [e for e in self.eos_ids if vocab_out is not None and not 0 <= e < vocab_out]
+        if bad:
+            raise ValueError(f"Rollout: eos_token_id {bad[0]} is outside the model's vocabulary of {vocab_out} "
+                             "token ids (set RolloutConfig.eos_token_id)")
+
     def _check_inputs(self, input_ids, attention_mask) -> tuple[Tensor, Tensor]:
+        where = "Rollout.generate"
         if not isinstance(input_ids, Tensor):
-            raise TypeError(f"Rollout.generate: input_ids must be a torch.Tensor, got {type(input_ids).__name__}")
+            raise TypeError(f"{where}: input_ids must be a torch.Tensor, got {type(input_ids).__name__}")
         if input_ids.dim() != 2:
-            raise ValueError(f"Rollout.generate: input_ids must be 2-D [batch, prompt_length], got shape {tuple(input_ids.shape)}")
-        if input_ids.dtype not in (torch.long, torch.int32):
-            raise TypeError(f"Rollout.generate: input_ids must hold integer token ids, got {input_ids.dtype}")
+            raise ValueError(f"{where}: input_ids must be 2-D [batch, prompt_length], got shape {tuple(input_ids.shape)}")
+        if input_ids.dtype not in (torch.long, torch.int32, torch.int16, torch.int8, torch.uint8):
+            raise TypeError(f"{where}: input_ids must hold integer token ids, got {input_ids.dtype}")
         if input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
-            raise ValueError(f"Rollout.generate: input_ids is empty (shape {tuple(input_ids.shape)}); need batch >= 1 and prompt_length >= 1")
+            raise ValueError(f"{where}: input_ids is empty (shape {tuple(input_ids.shape)}); need batch >= 1 and prompt_length >= 1")
         input_ids = input_ids.to(self.device, torch.long)
+        vocab = self.adapter.input_vocab
+        low, high = int(input_ids.min()), int(input_ids.max())  # host sync: input checks, once per call
+        if low < 0 or (vocab is not None and high >= vocab):
+            raise ValueError(f"{where}: input_ids must be token ids in [0, {vocab}) (the model's vocabulary), "
+                             f"got {low if low < 0 else high}")
         if attention_mask is None:
             return input_ids, torch.ones_like(input_ids)
         if not isinstance(attention_mask, Tensor) or attention_mask.shape != input_ids.shape:
             got = tuple(attention_mask.shape) if isinstance(attention_mask, Tensor) else type(attention_mask).__name__
-            raise ValueError(f"Rollout.generate: attention_mask must have input_ids' shape {tuple(input_ids.shape)}, got {got}")
-        mask = attention_mask.to(self.device, torch.long)
-        if not bool(((mask == 0) | (mask == 1)).all()):
-            raise ValueError("Rollout.generate: attention_mask must hold only 0 and 1")
+            raise ValueError(f"{where}: attention_mask must have input_ids' shape {tuple(input_ids.shape)}, got {got}")
+        if attention_mask.dtype.is_complex:
+            raise TypeError(f"{where}: attention_mask must hold 0 and 1, got dtype {attention_mask.dtype}")
+        mask = attention_mask.to(self.device)
+        if not bool(((mask == 0) | (mask == 1)).all()):  # before any conversion: 0.5 must not become 0
+            raise ValueError(f"{where}: attention_mask must hold only 0 and 1")
+        mask = mask.long()
         if not bool((mask[:, 1:] >= mask[:, :-1]).all()) or not bool(mask[:, -1].all()):
-            raise ValueError(
-                "Rollout.generate: attention_mask must be left-padded (zeros first, then ones) with at least one token per row"
-            )
+            raise ValueError(f"{where}: attention_mask must be left-padded (zeros first, then ones) with at least "
+                             "one token per row")
         return input_ids, mask

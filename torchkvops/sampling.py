@@ -16,8 +16,9 @@ __all__ = ["SamplingParams", "sample", "row_keys"]
 _MASK32 = 0xFFFFFFFF
 
 
-def _hash32(x: Tensor) -> Tensor:
-    """A 32-bit integer mix (multipliers below 2**31, so int64 products never overflow)."""
+def _hash32(x):
+    """A 32-bit integer mix of a tensor or a Python int (multipliers below 2**31, so int64 products
+    never overflow)."""
     x = x & _MASK32
     x = x ^ (x >> 16)
     x = (x * 0x7FEB352D) & _MASK32
@@ -27,13 +28,12 @@ def _hash32(x: Tensor) -> Tensor:
     return x
 
 
-def row_keys(seed: int, rows: int, device: torch.device) -> Tensor:
-    """One 32-bit key per row, from the seed and the row index: [rows] int64."""
-    seed_mix = _hash32(torch.tensor([seed & _MASK32], dtype=torch.long)) ^ _hash32(
-        torch.tensor([(seed >> 32) & _MASK32], dtype=torch.long) + 0x3C6EF372
-    )
-    row = torch.arange(rows, dtype=torch.long)
-    return _hash32(_hash32(row + 0x1B873593) ^ seed_mix).to(device)
+def row_keys(seed: int, row_ids: Tensor) -> Tensor:
+    """One 32-bit key per row, from the seed and each row's index (`row_ids`, int64, on the device the
+    keys are wanted on): [rows] int64. A row's key depends on its index alone, so a row keeps its
+    samples when other rows are added before or after it (another shard, another prompt)."""
+    seed_mix = _hash32(seed & _MASK32) ^ _hash32(((seed >> 32) & _MASK32) + 0x3C6EF372)  # Python ints
+    return _hash32(_hash32(row_ids + 0x1B873593) ^ seed_mix)
 
 
 def _gumbel(keys: Tensor, step: Tensor, vocab: int) -> Tensor:

@@ -1,0 +1,139 @@
+"""The rollout's decode attention, plugged into Hugging Face models through transformers'
+`AttentionInterface` under the name "torchkvops".
+
+While a rollout decodes, the model's `config._attn_implementation` is "torchkvops" (restored afterwards,
+see `decode_attention`), so every attention layer of any supported decoder-only model calls
+`torchkvops_attention` with one query token per row. Two things make it read each layer's KV once a step:
+
+- Grouped-query attention without `repeat_kv`: the query heads that share a KV head are folded into the
+  query length ([rows, kv_heads, group, head_dim]), so the kernel sees as many heads as K and V have
+  and never copies them.
+- With `kv_sharing="prefix"`, the N rows of a prompt attend to ONE copy of its prompt KV: their queries
+  are stacked into one [prompts, kv_heads, N * group, head_dim] matrix against it (Hydragen's trick),
+  each row attends to its own response KV separately, and the two partial attentions are merged with
+  their log-sum-exps (`merge_attention_states`).
+
+The kernel is torch's own fused attention that also returns the log-sum-exp: the CPU flash kernel on
+CPU, the memory-efficient kernel on CUDA (plain matmul + softmax elsewhere). Masks are additive biases
+([rows, 1, 1, keys], 0 or -inf, in the model's dtype), kept and updated by the decode loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+
+import torch
+from torch import Tensor, nn
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from . import ops
+
+__all__ = ["NAME", "DecodeAttention", "decode_attention", "attend"]
+
+NAME = "torchkvops"
+
+
+@dataclasses.dataclass
+class DecodeAttention:
+    """What the attention layers need during one rollout's decode, besides the K/V of this step."""
+
+    layout: str  # "copy" or "prefix"
+    # Prefix layout: rows [i*N, (i+1)*N) answer prompt i, whose KV is prompt_kv[:, :, i].
+    prompt_kv: Tensor | None = None  # [layers, 2, B, kv_heads, P, head_dim]
+    prompt_bias: Tensor | None = None  # [B, 1, 1, P]: 0 where prompt i has a token, -inf elsewhere
+
+
+_active: DecodeAttention | None = None
+
+
+@contextlib.contextmanager
+def decode_attention(model: nn.Module, context: DecodeAttention) -> Iterator[None]:
+    """Route the model's attention through `torchkvops_attention` with `context` for the block.
+
+    The switch is on the model's config, which every attention layer reads at each call, so it holds
+    for eager, CUDA-graphed and compiled decode alike (a compiled graph guards on it). Callers hold the
+    rollout's per-model lock: two rollouts never switch one model at once."""
+    global _active
+    config = model.config
+    # The setter also sets every sub-config; restore each to what it was.
+    original = {"": config._attn_implementation}
+    for key in getattr(config, "sub_configs", {}) or {}:
+        sub = getattr(config, key, None)
+        if sub is not None:
+            original[key] = getattr(sub, "_attn_implementation", None)
+    config._attn_implementation = NAME
+    _active = context
+    try:
+        yield
+    finally:
+        _active = None
+        config._attn_implementation = original if len(original) > 1 else original[""]
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scale: float | None, with_lse: bool):
+    """Attention of q [X, H, M, D] over k, v [X, H, L, D] with an additive bias [X, 1, 1, L]:
+    (out [X, H, M, D], lse [X, H, M] float32 natural log, or None)."""
+    if q.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, False, attn_mask=bias, scale=scale)
+        return out, lse if with_lse else None
+    if q.device.type == "cuda":
+        x, h, m, _ = q.shape
+        out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
+            q, k, v, bias.expand(x, h, m, bias.shape[-1]), with_lse, scale=scale)
+        return out, lse[..., :m] if with_lse else None  # the kernel pads lse's last dim to 32
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * (q.shape[-1] ** -0.5 if scale is None else scale)
+    scores = scores + bias.float()
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.matmul(torch.exp(scores - lse[..., None]).to(v.dtype), v)
+    return out, lse if with_lse else None
+
+
+def torchkvops_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor,
+                         dropout: float = 0.0, scaling: float | None = None, **kwargs) -> tuple[Tensor, None]:
+    """query [rows, heads, 1, head_dim]; key, value: this layer's decode buffer [rows, kv_heads, T,
+    head_dim]; attention_mask: its bias [rows, 1, 1, T]. Returns ([rows, 1, heads, head_dim], None)."""
+    context = _active
+    if context is None:
+        raise RuntimeError("torchkvops attention is only used inside a torchkvops rollout's decode")
+    for unsupported in ("softcap", "s_aux", "position_bias"):
+        if kwargs.get(unsupported) is not None:
+            raise ValueError(f"torchkvops: this model's attention uses {unsupported!r}, which the rollout's "
+                             "decode attention does not support")
+    rows, heads, q_len, head_dim = query.shape
+    kv_heads = key.shape[1]
+    group = heads // kv_heads
+    if q_len != 1 or group * kv_heads != heads:
+        raise ValueError(f"torchkvops: decode attention expects one query token and heads divisible by "
+                         f"kv_heads, got query {tuple(query.shape)} and keys {tuple(key.shape)}")
+    q = query.reshape(rows, kv_heads, group, head_dim)  # the heads of one KV head, as query length
+    if context.layout == "copy":
+        out, _ = attend(q, key, value, attention_mask, scaling, with_lse=False)
+        return out.reshape(rows, 1, heads, head_dim), None
+
+    # B and N from shapes, not Python ints: a compiled decode then keeps them symbolic (no recompile).
+    prompts = context.prompt_kv.shape[2]
+    samples = rows // prompts
+    layer = module.layer_idx
+    # Prefix: the N rows' queries of each prompt, stacked, against that prompt's KV (read once).
+    stacked = q.view(prompts, samples, kv_heads, group, head_dim).transpose(1, 2)
+    stacked = stacked.reshape(prompts, kv_heads, samples * group, head_dim)
+    prefix_k, prefix_v = context.prompt_kv[layer, 0], context.prompt_kv[layer, 1]
+    out_p, lse_p = attend(stacked, prefix_k, prefix_v, context.prompt_bias, scaling, with_lse=True)
+    # Suffix: each row's own response KV, written up to and including this step.
+    out_s, lse_s = attend(q, key, value, attention_mask, scaling, with_lse=True)
+    # Merge, in the rows' layout [B, N, kv_heads, group, ...] (the prefix part as a strided view).
+    out_p = out_p.view(prompts, kv_heads, samples, group, head_dim).transpose(1, 2)
+    lse_p = lse_p.view(prompts, kv_heads, samples, group).transpose(1, 2)
+    out, _ = ops.merge_attention_states(out_p, lse_p, out_s.view(prompts, samples, kv_heads, group, head_dim),
+                                    lse_s.view(prompts, samples, kv_heads, group))
+    return out.reshape(rows, 1, heads, head_dim), None
+
+
+AttentionInterface.register(NAME, torchkvops_attention)
+# Decode always passes its own 4-D mask (mask creation then returns it as it is); a mask function is
+# registered anyway so that transformers' mask builders know the name.
+AttentionMaskInterface.register(NAME, sdpa_mask)

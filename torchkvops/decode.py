@@ -1,0 +1,180 @@
+"""The decode loop: one statically shaped step, run eagerly, compiled, or replayed from a CUDA graph.
+
+A step feeds every row's last token, writes its K/V at `write_pos`, samples the next token with the
+`sample_tokens` operator and records it; it reads and updates only tensors that keep their addresses
+for the whole rollout (`DecodeState`, the KV buffers, the model's parameters) and never syncs with the
+host, so on CUDA it is captured once per decode shape and replayed (`DecodeRunner`).
+
+Graph keys. A captured graph replays kernels on fixed addresses: it is keyed by the decode shape and
+by the address of every tensor it reads, the model's parameters and buffers included, so that a
+parameter replaced by a new tensor (FSDP/ZeRO-3 gathering weights into new storage,
+`load_state_dict(assign=True)`, `model.to(...)`) re-captures instead of replaying on stale memory.
+Parameters updated in place (an optimizer step) keep their addresses, and the graph reads the new
+values.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import OrderedDict
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from .hf import ModelAdapter
+from .kv_cache import RolloutKVCache
+from .sampling import SamplingParams, sample
+
+__all__ = ["DecodeState", "DecodeStep", "DecodeRunner"]
+
+# How many captured graphs a rollout keeps (least recently used dropped first); each holds its
+# activations in the shared memory pool.
+MAX_CUDA_GRAPHS = 16
+_RecompileLimitHit = getattr(torch._dynamo.exc, "FailOnRecompileLimitHit", RuntimeError)
+
+
+class DecodeState:
+    """Statically shaped tensors that the decode step reads and updates in place."""
+
+    def __init__(self, rows: int, mask_len: int, max_new_tokens: int, dtype: torch.dtype, device: torch.device):
+        self.shape = (rows, mask_len, max_new_tokens, dtype)
+        self.tokens = torch.zeros(rows, 1, dtype=torch.long, device=device)  # the token fed next
+        self.position_ids = torch.zeros(rows, 1, dtype=torch.long, device=device)
+        # Additive bias over the decode buffer's keys: 0 where a row may attend, -inf elsewhere.
+        self.bias = torch.zeros(rows, 1, 1, mask_len, dtype=dtype, device=device)
+        self.finished = torch.zeros(rows, dtype=torch.bool, device=device)
+        self.step = torch.zeros(1, dtype=torch.long, device=device)  # index of the token sampled next
+        self.keys = torch.zeros(rows, dtype=torch.long, device=device)  # per-row sampling keys
+        self.responses = torch.zeros(rows, max_new_tokens, dtype=torch.long, device=device)
+
+    def tensors(self) -> list[Tensor]:
+        return [t for t in vars(self).values() if isinstance(t, Tensor)]
+
+
+class DecodeStep:
+    """One decode step over every row; `bind()` points it at a rollout's state first."""
+
+    def __init__(self, adapter: ModelAdapter, cache: RolloutKVCache, params: SamplingParams, pad_id: int,
+                 eos: Tensor | None):
+        self.adapter, self.cache, self.params, self.pad_id, self.eos = adapter, cache, params, pad_id, eos
+        self.state: DecodeState | None = None
+        self.kwargs: dict = {}
+
+    def bind(self, state: DecodeState) -> None:
+        self.state = state
+        # Built once per rollout, not per step: the same tensors every step.
+        self.kwargs = self.adapter.forward_kwargs(self.cache, state.bias, state.position_ids, self.cache.write_pos)
+
+    def __call__(self) -> None:
+        s, cache = self.state, self.cache
+        s.bias.index_fill_(-1, cache.write_pos, 0.0)  # the key written this step becomes visible
+        logits = self.adapter.model(input_ids=s.tokens, **self.kwargs).logits[:, -1, :]
+        self.accept(sample(logits, self.params, s.keys, s.step))
+        s.position_ids.add_(1)
+        cache.write_pos.add_(1)
+
+    def accept(self, sampled: Tensor) -> None:
+        """Record sampled tokens [rows] at index `step`; rows that already ended get the pad id."""
+        s = self.state
+        token = sampled if self.eos is None else torch.where(s.finished, self.pad_id, sampled)
+        s.responses.index_copy_(1, s.step, token[:, None])
+        if self.eos is not None:
+            s.finished.logical_or_(torch.isin(token, self.eos))
+        s.tokens.copy_(token[:, None])
+        s.step.add_(1)
+
+
+class DecodeRunner:
+    """Runs `DecodeStep`s eagerly, compiled (torch.compile, fullgraph, with the row and key-length dims
+    dynamic so that new batch sizes and lengths reuse the graph) and, on CUDA, from captured graphs."""
+
+    def __init__(self, step: DecodeStep, compile: bool, cuda_graphs: bool, device: torch.device):
+        self.step = step
+        self.fn: Callable[[], None] = torch.compile(step.__call__, fullgraph=True) if compile else step.__call__
+        self.compiled = compile
+        self.use_graphs = cuda_graphs and device.type == "cuda"
+        self.graphs: OrderedDict[tuple, torch.cuda.CUDAGraph] = OrderedDict()
+        self.warmed: set[tuple] = set()
+        self.eager_keys: set[tuple] = set()  # shapes whose compile or capture failed: run eagerly
+        self._pool = None
+        self._stream = None
+        self.key: tuple | None = None
+
+    def start(self, dynamic_tensors: list[tuple[Tensor, tuple[int, ...]]], graph_key: tuple) -> None:
+        """Before a rollout's first step: mark the dims that vary between rollouts as dynamic for the
+        compiler, and pick the graph key (shape and addresses) of this rollout."""
+        if self.compiled:
+            for t, dims in dynamic_tensors:
+                for d in dims:
+                    torch._dynamo.maybe_mark_dynamic(t, d)
+        self.key = graph_key if self.use_graphs else None
+
+    def __call__(self) -> None:
+        key = self.key
+        if key in self.eager_keys:
+            return self.step()
+        if not self.use_graphs:
+            return self._run_compiled_or_eager(key)
+        graph = self.graphs.get(key)
+        if graph is not None:
+            self.graphs.move_to_end(key)
+            return graph.replay()
+        if key not in self.warmed:  # the first step of a new key runs for real, on the capture stream
+            self._on_side_stream(lambda: self._run_compiled_or_eager(key))
+            self.warmed.add(key)
+            return None
+        graph = self._capture(key)
+        if graph is None:
+            return self.step()
+        graph.replay()  # capturing recorded the step without running it
+        return None
+
+    def _run_compiled_or_eager(self, key) -> None:
+        if not self.compiled:
+            return self.step()
+        try:
+            return self.fn()
+        except _RecompileLimitHit as e:
+            # Dynamo refuses to compile this shape again (its recompile limit, counted over every
+            # rollout compiled in this process): never fail a rollout for it; run it eagerly.
+            warnings.warn(f"torchkvops: compiled decode hit torch._dynamo's recompile limit ({e}); this decode "
+                          "shape runs eagerly. Raise torch._dynamo.config.recompile_limit to compile it.",
+                          RuntimeWarning, stacklevel=3)
+            self.eager_keys.add(key)
+            return self.step()
+
+    def _on_side_stream(self, fn: Callable[[], None]) -> None:
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+        current = torch.cuda.current_stream()
+        self._stream.wait_stream(current)
+        with torch.cuda.stream(self._stream):
+            fn()
+        current.wait_stream(self._stream)
+
+    def _capture(self, key) -> torch.cuda.CUDAGraph | None:
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, pool=self._pool, stream=self._stream):
+                self._run_compiled_or_eager(key)
+        except Exception as e:  # noqa: BLE001 - any failure to capture means: run this shape eagerly
+            warnings.warn(f"torchkvops: CUDA-graph capture of the decode step failed, so it runs without a graph "
+                          f"(for example, the model syncs with the host in its forward): "
+                          f"{type(e).__name__}: {' '.join(str(e).split())[:300]}", RuntimeWarning, stacklevel=3)
+            self.use_graphs = False
+            self.eager_keys.add(key)
+            torch.cuda.synchronize()
+            return None
+        self.graphs[key] = graph
+        while len(self.graphs) > MAX_CUDA_GRAPHS:
+            self.graphs.popitem(last=False)
+        return graph
+
+    def reset(self) -> None:
+        """Forget every captured graph (their pool memory is freed once no graph uses it)."""
+        self.graphs.clear()
+        self.warmed.clear()
+        self._pool = None
