@@ -1,0 +1,127 @@
+"""kv_sharing="prefix": one copy of each prompt's KV, shared-prefix attention merged with the rows' own
+response KV. The oracle is Hugging Face's greedy generate; seeded sampling must equal kv_sharing="copy"."""
+
+import pytest
+import torch
+
+from models import FAMILIES, prompts
+from torchkvops import Rollout, RolloutConfig
+
+NO_EOS = []
+
+
+@pytest.fixture(scope="module")
+def family_models():
+    return {name: build() for name, build in FAMILIES.items()}
+
+
+def hf_greedy(model, ids, mask, new_tokens):
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens,
+                             eos_token_id=None, pad_token_id=0)
+    return out[:, ids.shape[1]:]
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "left-padded"])
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_prefix_greedy_matches_hf_generate(family_models, family, padded, batch, n):
+    model = family_models[family]
+    pads = [0, 4, 1][:batch] if padded else None
+    if padded and batch == 1:
+        pads = [3]
+    ids, mask = prompts(batch, 11, seed=batch + n, left_pad=pads)
+    new = 9
+    out = Rollout(model, RolloutConfig(samples_per_prompt=n, max_new_tokens=new, eos_token_id=NO_EOS,
+                                       kv_sharing="prefix")).generate(ids, mask)
+    assert torch.equal(out.responses, hf_greedy(model, ids, mask, new).repeat_interleave(n, dim=0))
+    assert torch.equal(out.sequences[:, :11], ids.repeat_interleave(n, dim=0))
+
+
+@pytest.mark.parametrize("family", ["llama", "opt"])
+@pytest.mark.parametrize("sampling", [dict(temperature=1.0, seed=3), dict(temperature=0.7, top_k=20, top_p=0.9, seed=9)],
+                         ids=["temperature", "top-k-top-p"])
+def test_prefix_sampling_equals_copy_sampling(family_models, family, sampling):
+    ids, mask = prompts(3, 10, seed=7, left_pad=[2, 0, 5])
+    outs = [Rollout(family_models[family], RolloutConfig(samples_per_prompt=4, max_new_tokens=12, eos_token_id=NO_EOS,
+                                                         kv_sharing=sharing, **sampling)).generate(ids, mask)
+            for sharing in ("copy", "prefix")]
+    assert torch.equal(outs[0].sequences, outs[1].sequences)
+    assert len({tuple(r.tolist()) for r in outs[1].responses[:4]}) > 1  # the samples of a prompt differ
+
+
+def test_prefix_eos_and_response_masks_equal_copy(family_models):
+    model = family_models["llama"]
+    ids, mask = prompts(2, 8, seed=8, left_pad=[0, 2])
+    free = Rollout(model, RolloutConfig(samples_per_prompt=3, max_new_tokens=12, eos_token_id=NO_EOS, temperature=1.0,
+                                        seed=2)).generate(ids, mask)
+    eos = int(free.responses[0, 3])
+    cfg = dict(samples_per_prompt=3, max_new_tokens=12, eos_token_id=eos, pad_token_id=0, temperature=1.0, seed=2)
+    copy = Rollout(model, RolloutConfig(**cfg)).generate(ids, mask)
+    prefix = Rollout(model, RolloutConfig(kv_sharing="prefix", **cfg)).generate(ids, mask)
+    assert torch.equal(prefix.sequences, copy.sequences)
+    assert torch.equal(prefix.response_mask, copy.response_mask)
+    assert int(prefix.response_mask[0].sum()) <= 4  # row 0 ended at its EOS
+
+
+def test_prefix_buffer_reuse_across_lengths_and_kv_cache_bytes(family_models):
+    model = family_models["qwen3"]
+    r = Rollout(model, RolloutConfig(samples_per_prompt=4, max_new_tokens=6, eos_token_id=NO_EOS, kv_sharing="prefix",
+                                     enable_profiling=True))
+    long_ids, long_mask = prompts(2, 40, seed=1)
+    short_ids, short_mask = prompts(3, 7, seed=2, left_pad=[0, 3, 1])
+    for ids, mask in ((long_ids, long_mask), (short_ids, short_mask), (long_ids, long_mask)):
+        out = r.generate(ids, mask)
+        assert torch.equal(out.responses, hf_greedy(model, ids, mask, 6).repeat_interleave(4, dim=0))
+    # The bytes it used: B prompts of P positions (rounded to 64) + B*N rows of R-1 positions (rounded).
+    shape = r.cache.shape
+    per_position = shape.layers * 2 * shape.kv_heads * shape.head_dim * 4  # float32
+    p = r.get_last_profile()
+    assert p.kv_cache_bytes == per_position * (2 * 64 + 8 * 64)
+    copy = Rollout(model, RolloutConfig(samples_per_prompt=4, max_new_tokens=6, eos_token_id=NO_EOS,
+                                        enable_profiling=True))
+    copy.generate(long_ids, long_mask)
+    assert copy.get_last_profile().kv_cache_bytes == per_position * 8 * 64  # B*N rows of P+R-1 = 45 -> 64
+
+
+def test_prefix_kv_bytes_shrink_as_the_formula_says(family_models):
+    """(B*P + B*N*R) / (B*N*(P+R)) at lengths that are multiples of the 64-position rounding."""
+    model = family_models["llama"]
+    b, n, p, r = 2, 8, 128, 65  # decode writes r - 1 = 64 positions
+    ids, _ = prompts(b, p, seed=3)
+    used = {}
+    for sharing in ("copy", "prefix"):
+        rollout = Rollout(model, RolloutConfig(samples_per_prompt=n, max_new_tokens=r, eos_token_id=NO_EOS,
+                                               kv_sharing=sharing, enable_profiling=True))
+        rollout.generate(ids)
+        used[sharing] = rollout.get_last_profile().kv_cache_bytes
+    assert used["prefix"] / used["copy"] == pytest.approx((b * p + b * n * (r - 1)) / (b * n * (p + r - 1)))
+
+
+def test_prefix_needs_shared_prefill():
+    with pytest.raises(ValueError, match="RolloutConfig.kv_sharing 'prefix' needs shared_prefill=True"):
+        RolloutConfig(kv_sharing="prefix", shared_prefill=False)
+
+
+@pytest.fixture(scope="module")
+def compiled_prefix(family_models):
+    return Rollout(family_models["llama"], RolloutConfig(samples_per_prompt=2, max_new_tokens=8, compile=True,
+                                                         eos_token_id=NO_EOS, kv_sharing="prefix"))
+
+
+@pytest.mark.parametrize("batch,length,pads", [(2, 9, [0, 3]), (3, 14, [2, 0, 1]), (1, 12, None)])
+def test_prefix_compiled_equals_eager(family_models, compiled_prefix, batch, length, pads):
+    ids, mask = prompts(batch, length, seed=length, left_pad=pads)
+    eager = Rollout(family_models["llama"], RolloutConfig(samples_per_prompt=2, max_new_tokens=8, eos_token_id=NO_EOS,
+                                                          kv_sharing="prefix")).generate(ids, mask)
+    assert torch.equal(compiled_prefix.generate(ids, mask).sequences, eager.sequences)
+
+
+def test_decode_restores_the_models_attention_implementation(family_models):
+    model = family_models["opt"]
+    before = model.config._attn_implementation
+    Rollout(model, RolloutConfig(samples_per_prompt=2, max_new_tokens=4, kv_sharing="prefix")).generate(prompts(1, 5)[0])
+    assert model.config._attn_implementation == before
+    out = model(input_ids=prompts(1, 5)[0])  # the model itself still works as before
+    assert out.logits.shape == (1, 5, 96)
