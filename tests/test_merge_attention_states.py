@@ -179,6 +179,43 @@ def test_empty_parts_and_underflow(device, dtype_a, dtype_b):
     torch.testing.assert_close(lse, ref_lse)
 
 
+def every_value(dtype: torch.dtype) -> torch.Tensor:
+    """Every 16-bit pattern of a 16-bit float dtype; for float32, random bit patterns plus every
+    float16 and bfloat16 value and the float32 values next to them and halfway between them (the
+    rounding boundaries of a cast to 16 bits). Shaped [rows, 2, 64]."""
+    if dtype.itemsize == 2:
+        values = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
+    else:
+        g = torch.Generator().manual_seed(0)
+        words = [torch.randint(-(2**31), 2**31, (1 << 16,), generator=g, dtype=torch.int64).to(torch.int32)]
+        for d in (torch.float16, torch.bfloat16):
+            exact = every_value(d).reshape(-1).float().view(torch.int32)
+            half_ulp = 1 << (12 if d == torch.float16 else 15)
+            words += [exact + k for k in (-1, 1, half_ulp - 1, half_ulp, half_ulp + 1)]
+        values = torch.cat(words).view(torch.float32)
+        values = values[: values.numel() // 128 * 128]
+    return values.reshape(-1, 2, 64)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype_a", DTYPES, ids=str)
+@pytest.mark.parametrize("dtype_b", DTYPES, ids=str)
+def test_lone_part_is_cast_exactly(device, dtype_a, dtype_b):
+    # With lse_a = -inf the result is out_b cast to out_a's dtype, bit for bit (NaNs as NaNs): every
+    # 16-bit value, and float32 values at every rounding boundary of a cast to 16 bits.
+    out_b = every_value(dtype_b).to(device)
+    out_a = torch.full(out_b.shape, float("nan"), dtype=dtype_a, device=device)
+    lse_a = torch.full(out_b.shape[:-1], float("-inf"), device=device)
+    lse_b = torch.randn(out_b.shape[:-1], device=device)
+    out, lse = torchkvops.merge_attention_states(out_a, lse_a, out_b, lse_b)
+    expected = out_b.to(dtype_a)
+    nan = expected.isnan()
+    assert torch.equal(out.isnan(), nan)
+    bits = torch.int32 if dtype_a == torch.float32 else torch.int16
+    assert torch.equal(out.view(bits)[~nan], expected.view(bits)[~nan])
+    assert torch.equal(lse, lse_b)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_nan_and_inf_lse(device):
     # Documented: a NaN or +inf lse on either side gives NaN out and NaN lse for that (row, head) only.
