@@ -295,6 +295,47 @@ def test_many_strided_leading_dims(device):
     torch.testing.assert_close(lse, ref_lse)
 
 
+def aten_ops_called(fn) -> set[str]:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return {e.name for e in prof.events() if e.name.startswith("aten::")}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_strided_inputs_read_in_place(device):
+    # SDPA-style permuted views (head_dim stride 1) are read where they are: no copy. A strided
+    # head_dim is made contiguous first (and the profiler sees that copy, so the check can fail).
+    inputs, _ = attention_case([2, 3], 4, 24, torch.bfloat16, torch.float32, True, device, seed=6)
+    assert not inputs[0].is_contiguous()
+    copies = {"aten::copy_", "aten::clone", "aten::contiguous"}
+    assert not aten_ops_called(lambda: torchkvops.merge_attention_states(*inputs)) & copies
+    strided = relayout(inputs[0], "head_dim_strided", False)
+    assert aten_ops_called(lambda: torchkvops.merge_attention_states(strided, *inputs[1:])) & copies
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU")
+def test_cuda_no_host_sync_and_graph_capture():
+    inputs, expected = attention_case([4, 8], 4, 128, torch.bfloat16, torch.bfloat16, True, "cuda", seed=12)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out, lse = torchkvops.merge_attention_states(*inputs)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.testing.assert_close(out.cpu().double(), expected[0], atol=TOL[torch.bfloat16], rtol=TOL[torch.bfloat16])
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up off the capture stream, as torch.cuda.graphs advises
+        torchkvops.merge_attention_states(*inputs)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graph_out, graph_lse = torchkvops.merge_attention_states(*inputs)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(graph_out, out) and torch.equal(graph_lse, lse)
+
+
 # ----------------------------------------------------------------------------------------------------
 # opcheck and torch.compile
 
