@@ -257,7 +257,7 @@ def relayout(t: torch.Tensor, layout: str, is_lse: bool) -> torch.Tensor:
     raise ValueError(layout)
 
 
-LAYOUTS = ["contiguous", "heads_outer", "heads_strided", "head_offset", "head_dim_strided", "expanded"]
+LAYOUTS = ["contiguous", "heads_outer", "heads_strided", "head_offset", "head_dim_strided", "expanded", "mixed"]
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -265,11 +265,15 @@ LAYOUTS = ["contiguous", "heads_outer", "heads_strided", "head_offset", "head_di
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_layouts_match_reference(device, dtype, layout):
     out_a, lse_a, out_b, lse_b = random_states([3, 5, 4, 16], dtype, dtype, device, seed=2)
-    args = (
-        relayout(out_a, layout if layout != "expanded" else "contiguous", False),
-        relayout(lse_a, layout if layout != "expanded" else "contiguous", True),
-        relayout(out_b, layout, False),
-        relayout(lse_b, layout, True),
+    if layout == "mixed":  # each input laid out differently
+        layouts = ["heads_outer", "contiguous", "head_offset", "heads_strided"]
+    elif layout == "expanded":  # only out_b and lse_b are broadcast
+        layouts = ["contiguous", "contiguous", "expanded", "expanded"]
+    else:
+        layouts = [layout] * 4
+    args = tuple(
+        relayout(t, lay, is_lse)
+        for t, lay, is_lse in zip((out_a, lse_a, out_b, lse_b), layouts, (False, True, False, True))
     )
     if layout != "contiguous":
         assert not all(t.is_contiguous() for t in args)

@@ -1,6 +1,6 @@
-// CPU kernel of merge_attention_states: (row, head) items spread over threads with at::parallel_for;
-// each item's head_dim elements are merged in one flat loop over contiguous memory, which the
-// compiler vectorizes.
+// CPU kernel of merge_attention_states: (row, head) items, enumerated in the inputs' memory order,
+// spread over threads with at::parallel_for; each item's head_dim elements are merged in one flat
+// loop over contiguous memory, which the compiler vectorizes.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
@@ -100,16 +100,17 @@ void merge_cpu(const merge::Inputs& in, at::Tensor& out, at::Tensor& lse) {
   const float* lb = in.lse_b.const_data_ptr<float>();
   TA* o = out.mutable_data_ptr<TA>();
   float* l = lse.mutable_data_ptr<float>();
-  const ItemPlan plan = in.plan;
+  const ItemPlan plan = merge::in_input_order(in.plan);
   const int64_t grain = std::max<int64_t>(1, kMinElementsPerTask / std::max<int64_t>(1, head_dim));
   at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      int64_t oa, ob, ola, olb;
-      plan.offsets(i, &oa, &ob, &ola, &olb);
-      const merge::Weights w = merge::merge_weights(la[ola], lb[olb]);
+    for (int64_t k = begin; k < end; ++k) {
+      int64_t off[ItemPlan::kTensors];
+      plan.offsets(k, off);
+      const int64_t i = off[ItemPlan::kOut];
+      const merge::Weights w = merge::merge_weights(la[off[ItemPlan::kLseA]], lb[off[ItemPlan::kLseB]]);
       l[i] = w.lse;
-      const TA* __restrict__ ai = a + oa;
-      const TB* __restrict__ bi = b + ob;
+      const TA* __restrict__ ai = a + off[ItemPlan::kOutA];
+      const TB* __restrict__ bi = b + off[ItemPlan::kOutB];
       TA* __restrict__ oi = o + i * head_dim;
       const float ca = w.ca, cb = w.cb;
       switch (w.kind) {

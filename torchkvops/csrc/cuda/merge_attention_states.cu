@@ -40,12 +40,12 @@ __global__ void merge_kernel(const ItemPlan plan,
   const int64_t vecs = head_dim / VEC;
   const int64_t item_stride = static_cast<int64_t>(gridDim.x) * blockDim.y;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y; i < items; i += item_stride) {
-    int64_t oa, ob, ola, olb;
-    plan.offsets(i, &oa, &ob, &ola, &olb);
-    const merge::Weights w = merge::merge_weights(lse_a[ola], lse_b[olb]);
+    int64_t off[ItemPlan::kTensors];
+    plan.offsets(i, off);  // a row-major plan: off[kOut] == i
+    const merge::Weights w = merge::merge_weights(lse_a[off[ItemPlan::kLseA]], lse_b[off[ItemPlan::kLseB]]);
     if (threadIdx.x == 0) lse[i] = w.lse;
-    const auto* a = reinterpret_cast<const Pack<TA, VEC>*>(out_a + oa);
-    const auto* b = reinterpret_cast<const Pack<TB, VEC>*>(out_b + ob);
+    const auto* a = reinterpret_cast<const Pack<TA, VEC>*>(out_a + off[ItemPlan::kOutA]);
+    const auto* b = reinterpret_cast<const Pack<TB, VEC>*>(out_b + off[ItemPlan::kOutB]);
     auto* o = reinterpret_cast<Pack<TA, VEC>*>(out + i * head_dim);
     // w.kind is the same for the whole group: no divergence inside it.
     for (int64_t v = threadIdx.x; v < vecs; v += blockDim.x) {
