@@ -12,7 +12,7 @@ except ImportError as e:  # pragma: no cover - exercised only on a broken instal
     ) from None
 
 from . import ops  # noqa: E402
-from .ops import repeat_kv_cache, repeat_kv_cache_  # noqa: E402
+from .ops import merge_attention_states, repeat_kv_cache, repeat_kv_cache_  # noqa: E402
 from .rollout import Rollout, RolloutConfig, RolloutOutput, RolloutProfile  # noqa: E402
 
 __version__ = "0.1.0"
@@ -30,6 +30,7 @@ __all__ = [
     "RolloutProfile",
     "repeat_kv_cache",
     "repeat_kv_cache_",
+    "merge_attention_states",
     "has_cuda_kernels",
     "ops",
     "__version__",

@@ -3,7 +3,7 @@
 import torch
 from torch import Tensor
 
-__all__ = ["repeat_kv_cache_", "repeat_kv_cache", "write_kv_"]
+__all__ = ["repeat_kv_cache_", "repeat_kv_cache", "write_kv_", "merge_attention_states"]
 
 
 def repeat_kv_cache_(cache: Tensor, batch: int, repeats: int, num_tokens: int) -> None:
@@ -60,3 +60,88 @@ def write_kv_(cache: Tensor, key: Tensor, value: Tensor, layer: int, start: Tens
     indexing kernels do) instead of syncing with the host on every call.
     """
     torch.ops.torchkvops.write_kv_.default(cache, key, value, layer, start)
+
+
+_MERGE_OUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def merge_attention_states(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> tuple[Tensor, Tensor]:
+    """Merge two partial attentions over disjoint key sets A and B into the attention over A ∪ B.
+
+    `out_a`, `out_b` are the partial outputs, `[..., heads, head_dim]` (any leading dims, same shape),
+    float32, float16 or bfloat16 (they may differ); `lse_a`, `lse_b` are their log-sum-exps of the
+    scores, `[..., heads]` (= `out_a.shape[:-1]`), float32, in NATURAL log (as `torch.logsumexp` and
+    SDPA's `logsumexp` give; FlashInfer's merge_state takes base-2 lse, ours does not). Returns
+    `(out, lse)`, both new contiguous tensors, out in out_a's dtype and lse float32 `[..., heads]`:
+
+        out = (e^lse_a * out_a + e^lse_b * out_b) / (e^lse_a + e^lse_b),  lse = log(e^lse_a + e^lse_b)
+
+    computed in float32 and stably (relative to m = max(lse_a, lse_b)). Per (row, head):
+
+    - an lse of -inf marks an empty part: it contributes nothing and its output is never read (it may
+      be NaN). If only lse_a is -inf the result is exactly out_b (cast to out_a's dtype) and lse_b,
+      and the other way round. A part whose weight underflows to 0 is dropped in the same way.
+    - both -inf: out = 0 and lse = -inf.
+    - a NaN or +inf lse on either side: out = NaN and lse = NaN (as attention over scores holding a
+      NaN or +inf would give).
+
+    All four tensors must be on one device; any strides are accepted (e.g. `[B, L, H, D]` views of a
+    `[B, H, L, D]` buffer), read in place when head_dim has stride 1. Not differentiable: there is no
+    autograd formula, and a backward pass through it raises NotImplementedError (rather than leaving
+    the inputs' gradients silently unset).
+    """
+    return torch.ops.torchkvops.merge_attention_states.default(out_a, lse_a, out_b, lse_b)
+
+
+def _check_merge_args(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> None:
+    """The checks of merge_attention_states.h, with the same exception types and messages."""
+    op = "merge_attention_states"
+    for name, out in (("out_a", out_a), ("out_b", out_b)):
+        torch._check_value(
+            out.dim() >= 2,
+            lambda: f"{op}: {name} must have at least 2 dims [..., heads, head_dim], got shape {list(out.shape)}",
+        )
+        torch._check_type(
+            out.dtype in _MERGE_OUT_DTYPES,
+            lambda: f"{op}: {name} dtype {out.dtype} is not supported; use float32, float16 or bfloat16",
+        )
+    torch._check_value(
+        out_b.dim() == out_a.dim(),
+        lambda: f"{op}: out_b must have out_a's shape {list(out_a.shape)}, got {list(out_b.shape)}",
+    )
+    for sb, sa in zip(out_b.shape, out_a.shape):
+        torch._check_value(
+            sb == sa, lambda: f"{op}: out_b must have out_a's shape {list(out_a.shape)}, got {list(out_b.shape)}"
+        )
+    want = out_a.shape[:-1]
+    for name, lse in (("lse_a", lse_a), ("lse_b", lse_b)):
+        msg = lambda: f"{op}: {name} must have shape out_a.shape[:-1] = {list(want)}, got {list(lse.shape)}"  # noqa: E731
+        torch._check_value(lse.dim() == len(want), msg)
+        for sl, sw in zip(lse.shape, want):
+            torch._check_value(sl == sw, msg)
+        torch._check_type(
+            lse.dtype == torch.float32,
+            lambda: f"{op}: {name} must be float32 (natural-log log-sum-exp), got {lse.dtype}",
+        )
+    for name, t in (("lse_a", lse_a), ("out_b", out_b), ("lse_b", lse_b)):
+        torch._check_value(
+            t.device == out_a.device,
+            lambda: f"{op}: {name} must be on out_a's device {out_a.device}, got {t.device}",
+        )
+
+
+@torch.library.register_fake("torchkvops::merge_attention_states")
+def _merge_attention_states_fake(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> tuple[Tensor, Tensor]:
+    _check_merge_args(out_a, lse_a, out_b, lse_b)
+    # Like the kernels' at::empty: contiguous, out_a's dtype and device.
+    out = out_a.new_empty(out_a.shape)
+    lse = out_a.new_empty(out_a.shape[:-1], dtype=torch.float32)
+    return out, lse
+
+
+def _merge_attention_states_backward(ctx, grad_out: Tensor, grad_lse: Tensor):
+    # Without an autograd kernel PyTorch only warns and leaves the inputs' gradients unset.
+    raise NotImplementedError("merge_attention_states: not differentiable (it has no backward formula)")
+
+
+torch.library.register_autograd("torchkvops::merge_attention_states", _merge_attention_states_backward)

@@ -24,4 +24,9 @@ TORCH_LIBRARY(torchkvops, m) {
   // Taking the whole buffer (not a per-layer view) keeps Inductor from rewriting the buffer around
   // the write.
   m.def("write_kv_(Tensor(a!) cache, Tensor key, Tensor value, int layer, Tensor start) -> ()");
+  // Functional: merge two partial attentions over disjoint key sets into the attention over their
+  // union. out_a, out_b: [..., heads, head_dim] (float32/16, bfloat16; may differ); lse_a, lse_b:
+  // [..., heads] float32, natural log. Returns (out in out_a's dtype, lse float32), both contiguous:
+  // out = (e^lse_a out_a + e^lse_b out_b) / (e^lse_a + e^lse_b), lse = log(e^lse_a + e^lse_b).
+  m.def("merge_attention_states(Tensor out_a, Tensor lse_a, Tensor out_b, Tensor lse_b) -> (Tensor, Tensor)");
 }
