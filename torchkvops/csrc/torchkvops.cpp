@@ -24,4 +24,9 @@ TORCH_LIBRARY(torchkvops, m) {
   // Taking the whole buffer (not a per-layer view) keeps Inductor from rewriting the buffer around
   // the write.
   m.def("write_kv_(Tensor(a!) cache, Tensor key, Tensor value, int layer, Tensor start) -> ()");
+  // Functional: the next token of each row of logits [rows, vocab] -> int64 [rows], by Gumbel-max
+  // with noise hashed from (keys[row], step, token): greedy when temperature == 0, else
+  // argmax(logits / temperature + noise) over the tokens that top_k (0 = off) and top_p (1 = off)
+  // keep. `step` is a 1-element int64 tensor, so a compiled decode step never recompiles on it.
+  m.def("sample_tokens(Tensor logits, Tensor keys, Tensor step, float temperature, int top_k, float top_p) -> Tensor");
 }
