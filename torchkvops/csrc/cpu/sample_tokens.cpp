@@ -3,7 +3,7 @@
 // scaled logits go to a per-thread scratch buffer once, each threshold is found by radix selection
 // (one pass over the row for the first digit, the other three over the shrinking bucket that holds
 // the threshold), and a last pass draws the token. What a row computes: see sample_tokens.h.
-#include <ATen/Dispatch.h>
+#include <ATen/Dispatch_v2.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -167,7 +167,7 @@ at::Tensor sample_tokens_cpu(const at::Tensor& logits, const at::Tensor& keys, c
   const int64_t key_stride = keys.stride(0);
   int64_t* out_ptr = out.data_ptr<int64_t>();
   const int64_t row_stride = logits.stride(0), col_stride = logits.stride(1);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "sample_tokens_cpu", [&] {
+  AT_DISPATCH_V2(logits.scalar_type(), "sample_tokens_cpu", AT_WRAP([&] {
     const scalar_t* base = logits.data_ptr<scalar_t>();
     at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
       Scratch scratch;
@@ -176,7 +176,7 @@ at::Tensor sample_tokens_cpu(const at::Tensor& logits, const at::Tensor& keys, c
                                 params, scratch);
       }
     });
-  });
+  }), at::kFloat, at::kHalf, at::kBFloat16);
   return out;
 }
 
