@@ -49,13 +49,19 @@ int walk_digits(const uint64_t* hist, uint64_t target, uint64_t& above) {
 template <typename WeightFn, typename TargetFn>
 uint32_t select_threshold(const float* values, int64_t vocab, uint32_t lower, WeightFn weight,
                           TargetFn target_of, std::vector<Candidate>& bucket) {
-  uint64_t hist[256] = {};
+  // Four interleaved histograms: most tokens fall in a few bins (sign and exponent), and increments
+  // of one bin in consecutive iterations would wait on each other through memory.
+  uint64_t hists[4][256] = {};
   for (int64_t i = 0; i < vocab; ++i) {
     const uint32_t key = order_key(values[i]);
-    if (key >= lower) hist[key >> 24] += weight(values[i]);
+    if (key >= lower) hists[i & 3][key >> 24] += weight(values[i]);
   }
+  uint64_t hist[256];
   uint64_t total = 0;
-  for (const uint64_t h : hist) total += h;
+  for (int d = 0; d < 256; ++d) {
+    hist[d] = hists[0][d] + hists[1][d] + hists[2][d] + hists[3][d];
+    total += hist[d];
+  }
   const uint64_t target = target_of(total);
   uint64_t above = 0;
   const uint32_t top = static_cast<uint32_t>(walk_digits(hist, target, above));
@@ -132,11 +138,13 @@ int64_t sample_row(const scalar_t* row, int64_t col_stride, int64_t vocab, int64
 
   scratch.values.resize(vocab);
   float* values = scratch.values.data();
-  float max_value = -kInf;
-  for (int64_t i = 0; i < vocab; ++i) {
-    values[i] = logit(i) / p.temperature;
-    max_value = std::max(max_value, values[i]);  // NaN is skipped: max(a, NaN) is a
+  if (col_stride == 1) {  // a loop the compiler vectorizes
+    for (int64_t i = 0; i < vocab; ++i) values[i] = static_cast<float>(row[i]) / p.temperature;
+  } else {
+    for (int64_t i = 0; i < vocab; ++i) values[i] = logit(i) / p.temperature;
   }
+  float max_value = -kInf;
+  for (int64_t i = 0; i < vocab; ++i) max_value = values[i] > max_value ? values[i] : max_value;  // skips NaN
   uint32_t threshold = 0;  // keep the tokens with order_key(l) >= threshold
   if (p.top_k > 0) {
     threshold = select_threshold(
