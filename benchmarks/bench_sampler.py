@@ -2,6 +2,7 @@
 (torchkvops.reference.sample_tokens, ~55 ATen ops and a full-vocabulary sort for top-p).
 
     python benchmarks/bench_sampler.py --device cpu --rows 64 8 --vocab 151936 50272 --dtype bf16 --iters 10
+    python benchmarks/bench_sampler.py --device cuda --rows 64 8 --vocab 151936 50272 --iters 50
 
 Each (rows, vocab) pair is timed in five modes: greedy, temperature 0.8, top-k 50, top-p 0.9 and
 top-k 50 + top-p 0.9 (temperature 0.8 in all but greedy). After one warm-up call of each, op and
@@ -41,11 +42,16 @@ def parse_args(argv=None):
                    help="vocab of each case, paired with --rows (default: 151936 50272)")
     p.add_argument("--dtype", choices=DTYPES, default="bf16", help="logits dtype (default: bf16)")
     p.add_argument("--iters", type=int, default=10, help="timed calls of each side per mode (default: 10)")
+    p.add_argument("--threads", type=int, help="torch.set_num_threads for both sides (default: torch's)")
     args = p.parse_args(argv)
     if len(args.rows) != len(args.vocab):
         p.error(f"--rows and --vocab must have the same number of values, got {len(args.rows)} and {len(args.vocab)}")
+    if min(args.rows) < 1 or min(args.vocab) < 1:
+        p.error(f"--rows and --vocab must be >= 1, got {args.rows} and {args.vocab}")
     if args.iters < 1:
         p.error(f"--iters must be >= 1, got {args.iters}")
+    if args.threads is not None and args.threads < 1:
+        p.error(f"--threads must be >= 1, got {args.threads}")
     return args
 
 
@@ -93,6 +99,8 @@ def bench_case(rows: int, vocab: int, dtype: torch.dtype, device: torch.device, 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     dtype = DTYPES[args.dtype]
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"

@@ -23,6 +23,9 @@ namespace {
 using namespace sampling;
 
 constexpr float kInf = std::numeric_limits<float>::infinity();
+// Each parallel task samples rows holding at least this many logits, so that small calls run on the
+// calling thread instead of paying for waking the others.
+constexpr int64_t kMinLogitsPerTask = 64 * 1024;
 
 struct Candidate {
   uint32_t key;     // order_key of the token's l
@@ -177,7 +180,8 @@ at::Tensor sample_tokens_cpu(const at::Tensor& logits, const at::Tensor& keys, c
   const int64_t row_stride = logits.stride(0), col_stride = logits.stride(1);
   AT_DISPATCH_V2(logits.scalar_type(), "sample_tokens_cpu", AT_WRAP([&] {
     const scalar_t* base = logits.data_ptr<scalar_t>();
-    at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    const int64_t grain = std::max<int64_t>(1, kMinLogitsPerTask / vocab);
+    at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
       Scratch scratch;
       for (int64_t r = begin; r < end; ++r) {
         out_ptr[r] = sample_row(base + r * row_stride, col_stride, vocab, key_ptr[r * key_stride], step_value,
