@@ -49,9 +49,8 @@ constexpr int64_t kMaxVocab = int64_t{1} << 23;
 // exp(d) * 2^40 < 1 for d < -28 (e^-28 = 6.9e-13 < 2^-40 = 9.1e-13): such a token's fixed-point mass
 // is 0 and its exp need not be computed.
 constexpr float kMassCutoff = -28.0f;
-// The largest finite Gumbel noise is -log(-log(1 - 2^-24)) = 16.64, so a token whose l + 17 is below
-// the best score so far cannot win (rounding is monotone) and its noise need not be computed.
-constexpr float kMaxFiniteNoise = 17.0f;
+// The largest finite Gumbel noise is -log(-log(1 - 2^-24)) = 16.64 < 17.
+constexpr int kMaxFiniteNoise = 17;
 
 // A 32-bit integer mix (sampling.py's _hash32).
 TORCHKVOPS_HD uint32_t hash32(uint32_t x) {
@@ -97,6 +96,32 @@ TORCHKVOPS_HD uint32_t order_key(float v) {
   bits = bits == 0x80000000u ? 0u : bits;                             // -0.0 -> +0.0
   const uint32_t flip = (bits >> 31) ? 0xFFFFFFFFu : 0x80000000u;     // negative: reverse the order
   return v != v ? 0xFFFFFFFFu : bits ^ flip;
+}
+
+// Skipping the noise of tokens that cannot win. A token D below the best score so far needs noise
+// g >= D to beat it, i.e. u >= exp(-exp(-D)): most tokens fail that test on u alone, and their two
+// logs are never computed. noise_reach_threshold(D), D = 0..17, is the smallest float at or above
+// exp(-exp(-(D - 0.01))): for u below it the exact noise is below D - 0.01, and the computed one
+// (log's error is ~1e-6) below D. (D = 17 gives 1.0f: only u == 1, infinite noise, can gain 17.)
+constexpr int kNoiseSteps = kMaxFiniteNoise + 1;
+
+TORCHKVOPS_HD float noise_reach_threshold(int d) {
+  const double t = exp(-exp(-(static_cast<double>(d) - 0.01)));
+  float f = static_cast<float>(t);
+  if (static_cast<double>(f) < t) f = nextafterf(f, 2.0f);
+  return f;
+}
+
+// True when a kept token (scaled logit l, uniform u) certainly does not beat `best`, the score of a
+// token with a lower index: with D the largest whole number <= 17 such that fl(l + D) <= best and
+// u < reach[D], the computed noise is below D, so fl(l + g) <= fl(l + D) <= best (rounding is
+// monotone) and a tie goes to the lower index. False whenever l, best or the gap is NaN.
+TORCHKVOPS_HD bool cannot_beat(float l, float u, float best, const float* reach) {
+  const float gap = best - l;
+  if (!(gap >= 0.0f)) return false;  // l > best, or NaN
+  int d = gap >= static_cast<float>(kMaxFiniteNoise) ? kMaxFiniteNoise : static_cast<int>(gap);
+  while (d > 0 && !(l + static_cast<float>(d) <= best)) --d;  // the rounded gap may overshoot
+  return l + static_cast<float>(d) <= best && u < reach[d];
 }
 
 // The fixed-point mass of a token d = l - max below the row's maximum (d <= 0).

@@ -10,6 +10,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -91,15 +92,25 @@ uint32_t select_threshold(const float* values, int64_t vocab, uint32_t lower, We
   return prefix;
 }
 
+// noise_reach_threshold(0..17), computed once.
+const float* noise_reach() {
+  static const auto table = [] {
+    std::array<float, kNoiseSteps> t{};
+    for (int d = 0; d < kNoiseSteps; ++d) t[d] = noise_reach_threshold(d);
+    return t;
+  }();
+  return table.data();
+}
+
 // The running Gumbel-max draw of one row. Tokens must be offered in increasing index order.
 class Draw {
  public:
-  explicit Draw(uint32_t step_key) : step_key_(step_key) {}
+  explicit Draw(uint32_t step_key) : step_key_(step_key), reach_(noise_reach()) {}
 
   void offer(int64_t token, float l, bool kept) {
     const float u = uniform(step_key_, token);
     // u == 1 gives infinite noise: that token scores +inf (or NaN when not kept) and must be seen.
-    if (u < 1.0f && (!kept || l + kMaxFiniteNoise < best_)) return;  // cannot beat best_
+    if (u < 1.0f && (!kept || cannot_beat(l, u, best_, reach_))) return;
     const float score = (kept ? l : -kInf) + gumbel(u);
     if (beats(score, token, best_, best_token_)) {
       best_ = score;
@@ -111,6 +122,7 @@ class Draw {
 
  private:
   uint32_t step_key_;
+  const float* reach_;
   // Every token scores at least -inf, so (-inf, 0) is what argmax returns when nothing beats it.
   float best_ = -kInf;
   int64_t best_token_ = 0;

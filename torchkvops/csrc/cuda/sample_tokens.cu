@@ -63,6 +63,7 @@ struct SharedStorage {
   unsigned long long above;        // broadcast: the weight of the digits above the chosen one
   unsigned int digit;              // broadcast: the chosen digit
   float max_value;                 // broadcast: the row's largest l
+  float reach[kNoiseSteps];        // noise_reach_threshold(0..17)
 };
 
 // Reads one row of logits as float: thread t visits tokens t, t + blockDim.x, ... (in vectors of 16
@@ -184,6 +185,9 @@ __global__ void __launch_bounds__(kThreads) sample_tokens_kernel(
     return;
   }
 
+  if (threadIdx.x < kNoiseSteps) smem.reach[threadIdx.x] = noise_reach_threshold(threadIdx.x);
+  __syncthreads();
+
   // torch's CUDA division by a CPU scalar multiplies by its reciprocal; __fmul_rn keeps the product
   // from being fused into a later add (an FMA would round differently from the reference).
   const float inv_t = p.inv_temperature;
@@ -219,7 +223,7 @@ __global__ void __launch_bounds__(kThreads) sample_tokens_kernel(
     const bool kept = order_key(l) >= threshold;
     const float u = uniform(sk, i);
     // u == 1 gives infinite noise: that token scores +inf (or NaN when not kept) and must be seen.
-    if (u < 1.0f && (!kept || l + kMaxFiniteNoise < best.score)) return;  // cannot beat best
+    if (u < 1.0f && (!kept || cannot_beat(l, u, best.score, smem.reach))) return;
     const float score = (kept ? l : -kInf) + gumbel(u);
     if (beats(score, i, best.score, best.token)) best = {score, i};
   });
