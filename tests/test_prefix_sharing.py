@@ -85,9 +85,14 @@ def test_prefix_buffer_reuse_across_lengths_and_kv_cache_bytes(family_models):
     assert copy.get_last_profile().kv_cache_bytes == per_position * 8 * 64  # B*N rows of P+R-1 = 45 -> 64
 
 
-def test_prefix_kv_bytes_shrink_as_the_formula_says(family_models):
+def test_prefix_kv_bytes_shrink_as_the_formula_says():
     """(B*P + B*N*R) / (B*N*(P+R)) at lengths that are multiples of the 64-position rounding."""
-    model = family_models["llama"]
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
+                                         pad_token_id=0, bos_token_id=1, eos_token_id=2)).eval()
     b, n, p, r = 2, 8, 128, 65  # decode writes r - 1 = 64 positions
     ids, _ = prompts(b, p, seed=3)
     used = {}

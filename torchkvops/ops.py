@@ -3,7 +3,7 @@
 import torch
 from torch import Tensor
 
-__all__ = ["repeat_kv_cache_", "repeat_kv_cache", "write_kv_", "merge_attention_states"]
+__all__ = ["repeat_kv_cache_", "repeat_kv_cache", "write_kv_", "merge_attention_states", "sample_tokens"]
 
 
 def repeat_kv_cache_(cache: Tensor, batch: int, repeats: int, num_tokens: int) -> None:
@@ -145,3 +145,32 @@ def _merge_attention_states_backward(ctx, grad_out: Tensor, grad_lse: Tensor):
 
 
 torch.library.register_autograd("torchkvops::merge_attention_states", _merge_attention_states_backward)
+
+
+def sample_tokens(logits: Tensor, keys: Tensor, step: Tensor, temperature: float, top_k: int, top_p: float) -> Tensor:
+    """The next token of each row, by Gumbel-max sampling with counter-based noise: [rows] int64.
+
+    `logits` is `[rows, vocab]` float32, float16 or bfloat16 with any strides (a row-strided view such
+    as `hidden[:, -1, :]` is read in place); `keys` is `[rows]` int64 (one 32-bit key per row, see
+    `sampling.row_keys`) and `step` a 1-element int64 tensor, both on logits' device. `temperature ==
+    0` is greedy (`logits.argmax(-1)`; keys and step are not used); otherwise the result is
+    `argmax(logits / temperature + noise)` over the tokens kept by `top_k` (0 or >= vocab: off; ties
+    with the k-th largest value are kept) and then `top_p` (1: off; a token is dropped when the tokens
+    with a larger value already hold top_p of the probability), with Gumbel noise hashed from (key,
+    step, token). Equals `torchkvops.reference.sample_tokens` except for near-ties of the perturbed
+    scores (the kernels' log may differ from torch's in the last bit) and tokens tied at the top-p
+    threshold value (all kept here). No host sync, nothing allocated but the output. Not
+    differentiable: the output is an integer tensor.
+    """
+    return torch.ops.torchkvops.sample_tokens.default(logits, keys, step, temperature, top_k, top_p)
+
+
+@torch.library.register_fake("torchkvops::sample_tokens")
+def _sample_tokens_fake(logits: Tensor, keys: Tensor, step: Tensor, temperature: float, top_k: int,
+                        top_p: float) -> Tensor:
+    torch._check(logits.dim() == 2, lambda: f"sample_tokens: logits must be 2-D [rows, vocab], got {logits.dim()} dims")
+    torch._check(keys.dim() == 1, lambda: f"sample_tokens: keys must be 1-D, got {keys.dim()} dims")
+    torch._check(keys.shape[0] == logits.shape[0],
+                 lambda: f"sample_tokens: keys must have one key per row ({logits.shape[0]}), got {keys.shape[0]}")
+    torch._check(step.numel() == 1, lambda: f"sample_tokens: step must be a 1-element int64 tensor, got {step.numel()}")
+    return logits.new_empty((logits.shape[0],), dtype=torch.long)

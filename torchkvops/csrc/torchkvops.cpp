@@ -29,4 +29,9 @@ TORCH_LIBRARY(torchkvops, m) {
   // [..., heads] float32, natural log. Returns (out in out_a's dtype, lse float32), both contiguous:
   // out = (e^lse_a out_a + e^lse_b out_b) / (e^lse_a + e^lse_b), lse = log(e^lse_a + e^lse_b).
   m.def("merge_attention_states(Tensor out_a, Tensor lse_a, Tensor out_b, Tensor lse_b) -> (Tensor, Tensor)");
+  // Functional: the next token of each row of logits [rows, vocab] -> int64 [rows], by Gumbel-max
+  // with noise hashed from (keys[row], step, token): greedy when temperature == 0, else
+  // argmax(logits / temperature + noise) over the tokens that top_k (0 = off) and top_p (1 = off)
+  // keep. `step` is a 1-element int64 tensor, so a compiled decode step never recompiles on it.
+  m.def("sample_tokens(Tensor logits, Tensor keys, Tensor step, float temperature, int top_k, float top_p) -> Tensor");
 }

@@ -1,0 +1,366 @@
+"""sample_tokens against the Python sampler (reference.sample_tokens), its distribution, opcheck,
+torch.compile and its errors.
+
+How the op may differ from the reference, and what these tests allow for it:
+- The op computes each token's Gumbel noise with the C library's (or CUDA's) logf, torch with its own
+  vectorized log, so the noise can differ in the last bit: two tokens whose perturbed scores are
+  within TIE_TOL can come out in either order.
+- The top-p cut is summed differently (exact 64-bit fixed point in the op, a float32 softmax and
+  cumsum in the reference), and where the threshold value is tied the op keeps every tied token
+  while the reference keeps the ones its sort ranks first. So a token whose position against the cut
+  is within MASS_TOL of top_p, or tied at the cut, can be kept by one and dropped by the other.
+A row may disagree only for one of these reasons, checked row by row below from the reference's own
+perturbed scores and a float64 recomputation of the cut; every other row must match exactly, and
+greedy rows must always match exactly.
+"""
+
+import pytest
+import torch
+
+import torchkvops
+from torchkvops import ops, reference
+from torchkvops.sampling import SamplingParams, row_keys, sample
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+DEVICE_PARAMS = [pytest.param(d, marks=pytest.mark.cuda) if d == "cuda" else d for d in DEVICES]
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+TIE_TOL = 1e-5  # perturbed scores closer than this (absolute, in logit/temperature units) are a tie
+MASS_TOL = 1e-5  # probability mass closer than this to top_p is on the cut
+
+# (temperature, top_k, top_p)
+MODES = {
+    "greedy": (0.0, 0, 1.0),
+    "temperature": (1.0, 0, 1.0),
+    "cold": (0.4, 0, 1.0),
+    "top_k": (1.0, 50, 1.0),
+    "top_p": (1.0, 0, 0.9),
+    "top_k_top_p": (0.8, 20, 0.8),
+    "hot_top_p": (2.5, 0, 0.5),
+}
+
+
+def make_logits(rows, vocab, dtype, device, seed=0, scale=3.0):
+    g = torch.Generator().manual_seed(seed * 1000 + rows * 7 + vocab)
+    return (torch.randn(rows, vocab, generator=g) * scale).to(device=device, dtype=dtype)
+
+
+def on_top_p_cut(l, token, top_k, top_p):
+    """Whether the op's and the reference's top-p rules may disagree on keeping `token` of one row of
+    scaled logits `l`: the probability of the tokens with a larger value is within MASS_TOL of top_p,
+    or top_p falls among the tokens tied with it."""
+    if top_p >= 1.0:
+        return False
+    l = l.double().cpu()
+    kept = torch.ones_like(l, dtype=torch.bool)
+    if 0 < top_k < l.numel():
+        kept = l >= torch.topk(l, top_k).values[-1]
+    probs = torch.where(kept, l, float("-inf")).softmax(dim=0)
+    v = l[token]
+    larger = probs[l > v].sum().item()
+    tied_others = probs[l == v].sum().item() - probs[token].item()
+    return larger - MASS_TOL < top_p <= larger + tied_others + MASS_TOL
+
+
+def assert_matches_reference(out, logits, keys, step, temperature, top_k, top_p):
+    expected = reference.sample_tokens(logits, keys, step, temperature, top_k, top_p)
+    assert out.dtype == torch.long and out.device == logits.device and out.shape == expected.shape
+    if temperature == 0.0:
+        assert torch.equal(out, expected)
+        return
+    rows = (out != expected).nonzero().flatten().tolist()
+    if not rows:
+        return
+    scores = reference.perturbed_scores(logits, keys, step, temperature, top_k, top_p)
+    scaled = logits.float() / temperature
+    for r in rows:
+        a, b = int(out[r]), int(expected[r])
+        sa, sb = scores[r, a].item(), scores[r, b].item()
+        near_tie = abs(sa - sb) <= TIE_TOL * max(1.0, abs(sb))  # False when either is -inf or NaN
+        on_cut = on_top_p_cut(scaled[r], a, top_k, top_p) or on_top_p_cut(scaled[r], b, top_k, top_p)
+        assert near_tie or on_cut, (
+            f"row {r}: op {a} (score {sa}), reference {b} (score {sb}); neither a near-tie nor on the top-p cut"
+        )
+    # Both explanations are rare events: a disagreeing row now and then, never a pattern.
+    assert len(rows) <= max(1, out.numel() // 20), f"{len(rows)} of {out.numel()} rows disagree"
+
+
+@pytest.mark.parametrize("device", DEVICE_PARAMS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows,vocab", [(1, 1), (3, 2), (40, 97), (16, 3000)])
+@pytest.mark.parametrize("mode", MODES)
+def test_matches_reference(device, dtype, rows, vocab, mode):
+    temperature, top_k, top_p = MODES[mode]
+    logits = make_logits(rows, vocab, dtype, device)
+    keys = row_keys(3, torch.arange(rows, device=device))
+    for step in (0, 7):
+        step_t = torch.tensor([step], device=device)
+        out = ops.sample_tokens(logits, keys, step_t, temperature, top_k, top_p)
+        assert_matches_reference(out, logits, keys, step_t, temperature, top_k, top_p)
+
+
+@pytest.mark.parametrize("device", DEVICE_PARAMS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_matches_reference_large_vocab(device, dtype):
+    rows, vocab = 3, 151936  # past 65536 and 2^17: every radix digit and a long row
+    logits = make_logits(rows, vocab, dtype, device, scale=2.0)
+    keys = row_keys(11, torch.arange(rows, device=device))
+    step = torch.tensor([5], device=device)
+    for temperature, top_k, top_p in MODES.values():
+        out = ops.sample_tokens(logits, keys, step, temperature, top_k, top_p)
+        assert_matches_reference(out, logits, keys, step, temperature, top_k, top_p)
+
+
+@pytest.mark.parametrize("device", DEVICE_PARAMS)
+@pytest.mark.parametrize("layout", ["row_strided", "column_strided", "expanded_keys"])
+def test_matches_reference_non_contiguous(device, layout):
+    rows, vocab = 9, 1001
+    g = torch.Generator().manual_seed(5)
+    if layout == "row_strided":  # the last position of [rows, positions, vocab], as a model returns it
+        logits = (torch.randn(rows, 3, vocab, generator=g) * 3).to(device)[:, -1]
+    else:  # vocab not innermost
+        logits = (torch.randn(vocab, rows, generator=g) * 3).to(device).t()
+    keys = row_keys(2, torch.arange(rows, device=device))
+    if layout == "expanded_keys":
+        keys = row_keys(2, torch.arange(2 * rows, device=device))[::2]
+    assert not logits.is_contiguous()
+    step = torch.tensor([3], device=device)
+    for temperature, top_k, top_p in MODES.values():
+        out = ops.sample_tokens(logits, keys, step, temperature, top_k, top_p)
+        assert_matches_reference(out, logits, keys, step, temperature, top_k, top_p)
+        for other_step in (step[0], step[None]):  # any 1-element shape
+            assert torch.equal(ops.sample_tokens(logits, keys, other_step, temperature, top_k, top_p), out)
+
+
+@pytest.mark.parametrize("device", DEVICE_PARAMS)
+def test_no_rows(device):
+    for vocab in (0, 5):
+        logits = torch.empty(0, vocab, device=device)
+        out = ops.sample_tokens(logits, torch.empty(0, dtype=torch.long, device=device),
+                                torch.zeros(1, dtype=torch.long, device=device), 0.7, 3, 0.5)
+        assert out.shape == (0,) and out.dtype == torch.long and out.device == logits.device
+
+
+@pytest.mark.parametrize("device", DEVICE_PARAMS)
+def test_greedy_ties_and_special_values(device):
+    """Greedy is torch.argmax exactly: the first of tied maxima, NaN above everything, -inf rows."""
+    inf, nan = float("inf"), float("nan")
+    rows = [[1.0, 3.0, 3.0, 2.0], [-inf, -inf, -inf, -inf], [0.0, nan, 5.0, nan], [-0.0, 0.0, -1.0, -0.0],
+            [inf, 1.0, inf, 2.0]]
+    keys = torch.arange(len(rows), device=device)
+    step = torch.zeros(1, dtype=torch.long, device=device)
+    for dtype in DTYPES:
+        logits = torch.tensor(rows, dtype=dtype, device=device)
+        assert torch.equal(ops.sample_tokens(logits, keys, step, 0.0, 0, 1.0), logits.argmax(dim=-1))
+    # Sampling: -inf tokens are never drawn while a finite one is left (top-k keeps the -inf ties).
+    logits = torch.tensor([[-inf, 0.5, -inf, -inf]] * 64, device=device)
+    keys = torch.arange(64, device=device)
+    for top_k, top_p in [(0, 1.0), (2, 1.0), (0, 0.5), (3, 0.9)]:
+        out = ops.sample_tokens(logits, keys, step, 1.0, top_k, top_p)
+        assert torch.equal(out, torch.ones_like(out))
+
+
+@pytest.mark.parametrize("device", DEVICE_PARAMS)
+def test_noise_is_finite_where_32_bit_uniforms_rounded_to_one(device):
+    """With u = (float(bits) + 0.5) * 2^-32 (the first version), the 128 largest hash values gave
+    u == 1.0 and infinite noise: such a token won even when top-k had dropped it. These (key, step,
+    token) triples were such cases; now the noise is finite and the top-k mask holds."""
+    vocab = 2048
+    keys = torch.tensor([1147639537, 12345, 819774325, 3621315197], device=device)
+    logits = make_logits(4, vocab, torch.float32, device)
+    for step, row, token in [(0, 0, 461), (1, 2, 267), (0, 3, 1256)]:
+        step_t = torch.tensor([step], device=device)
+        noise = reference.gumbel_noise(keys, step_t, vocab)
+        assert bool(torch.isfinite(noise).all()) and float(noise.max()) < 16.64
+        for temperature, top_k, top_p in [(1.0, 0, 1.0), (1.0, 5, 1.0), (0.7, 0, 0.5), (1.0, 3, 0.9)]:
+            out = ops.sample_tokens(logits, keys, step_t, temperature, top_k, top_p)
+            assert torch.equal(out, reference.sample_tokens(logits, keys, step_t, temperature, top_k, top_p))
+            if top_k:
+                kept = torch.topk(logits[row].float() / temperature, top_k).indices
+                assert int(out[row]) in kept.tolist()
+
+
+@pytest.mark.parametrize("device", DEVICE_PARAMS)
+def test_top_k_one_and_tiny_top_p_are_greedy(device):
+    logits = make_logits(64, 500, torch.float32, device, seed=1)
+    keys = row_keys(4, torch.arange(64, device=device))
+    greedy = logits.argmax(dim=-1)
+    for step in range(3):
+        step_t = torch.tensor([step], device=device)
+        for temperature in (0.3, 1.0, 4.0):
+            for top_k, top_p in [(1, 1.0), (0, 1e-6), (10, 1e-6), (1, 0.5)]:
+                assert torch.equal(ops.sample_tokens(logits, keys, step_t, temperature, top_k, top_p), greedy)
+
+
+@pytest.mark.parametrize("device", DEVICE_PARAMS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_draws_stay_in_the_kept_set(device, dtype):
+    """Independent of the reference: top-k draws are among the k largest (ties included), top-p draws
+    among the tokens that the tokens above them leave under top_p (checked in float64)."""
+    rows, vocab = 256, 300
+    logits = make_logits(rows, vocab, dtype, device, seed=2, scale=2.0)
+    keys = row_keys(9, torch.arange(rows, device=device))
+    step = torch.tensor([1], device=device)
+    for temperature, top_k, top_p in [(1.0, 7, 1.0), (1.5, 0, 0.6), (1.0, 30, 0.5)]:
+        out = ops.sample_tokens(logits, keys, step, temperature, top_k, top_p)
+        scaled = (logits.float() / temperature).double().cpu()
+        chosen = scaled.gather(1, out.cpu()[:, None])
+        if top_k:
+            assert (chosen >= scaled.topk(top_k, dim=-1).values[:, -1:]).all()
+        if top_p < 1.0:
+            kept = scaled >= scaled.topk(top_k, dim=-1).values[:, -1:] if top_k else torch.ones_like(scaled, dtype=torch.bool)
+            probs = torch.where(kept, scaled, float("-inf")).softmax(dim=-1)
+            larger = (probs * (scaled > chosen)).sum(dim=-1)
+            assert (larger < top_p + MASS_TOL).all()
+        assert len(set(out.tolist())) > 1  # the rows draw different tokens
+
+
+@pytest.mark.parametrize("device", DEVICE_PARAMS)
+@pytest.mark.parametrize("temperature,top_k,top_p", [(0.8, 0, 1.0), (1.0, 3, 1.0), (1.2, 0, 0.7), (1.0, 4, 0.9)])
+def test_frequencies_follow_the_distribution(device, temperature, top_k, top_p):
+    """Over 20000 draws (4000 keys x 5 steps) the token counts fit the (truncated) softmax: a Pearson
+    chi-square below 30 (df <= 5; a correct sampler exceeds it with probability ~1e-5; fixed keys, so
+    the test is deterministic). A wrong temperature, a biased noise or a leaky cut fails it by far."""
+    base = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0], dtype=torch.float64)
+    scaled = base / temperature
+    kept = torch.ones(6, dtype=torch.bool)
+    if top_k:
+        kept &= scaled >= scaled.topk(top_k).values[-1]
+    probs = torch.where(kept, scaled, float("-inf")).softmax(dim=0)
+    if top_p < 1.0:
+        larger = torch.stack([probs[scaled > s].sum() for s in scaled])
+        kept &= larger < top_p
+        probs = torch.where(kept, scaled, float("-inf")).softmax(dim=0)
+    rows, steps = 4000, 5
+    logits = base.float().expand(rows, 6).to(device)
+    keys = row_keys(123, torch.arange(rows, device=device))
+    counts = torch.zeros(6, dtype=torch.float64)
+    for step in range(steps):
+        out = ops.sample_tokens(logits, keys, torch.tensor([step], device=device), temperature, top_k, top_p)
+        counts += torch.bincount(out.cpu(), minlength=6).double()
+    assert (counts[~kept] == 0).all()
+    expected = probs[kept] * rows * steps
+    chi2 = ((counts[kept] - expected) ** 2 / expected).sum().item()
+    assert chi2 < 30, (counts.tolist(), expected.tolist(), chi2)
+
+
+@pytest.mark.parametrize("device", DEVICE_PARAMS)
+def test_sample_is_the_operator(device):
+    """sampling.sample (what the rollout calls) goes through the operator, greedy included."""
+    logits = make_logits(8, 100, torch.float32, device)
+    keys, step = row_keys(0, torch.arange(8, device=device)), torch.tensor([2], device=device)
+    for temperature, top_k, top_p in MODES.values():
+        got = sample(logits, SamplingParams(temperature, top_k, top_p), keys, step)
+        assert torch.equal(got, ops.sample_tokens(logits, keys, step, temperature, top_k, top_p))
+
+
+def opcheck_samples(device):
+    keys = row_keys(1, torch.arange(5, device=device))
+    step = torch.tensor([4], device=device)
+    logits = make_logits(5, 37, torch.float32, device)
+    strided = make_logits(5, 3 * 37, torch.bfloat16, device).view(5, 3, 37)[:, -1]
+    empty = torch.empty(0, 11, device=device)
+    return [
+        (logits, keys, step, 0.0, 0, 1.0),
+        (logits, keys, step, 0.9, 0, 1.0),
+        (strided, keys, step, 0.7, 5, 0.8),
+        (logits.half(), keys, step, 1.3, 0, 0.5),
+        (empty, keys[:0], step, 1.0, 2, 0.9),
+    ]
+
+
+@pytest.mark.parametrize("device", DEVICE_PARAMS)
+def test_opcheck(device):
+    for args in opcheck_samples(device):
+        torch.library.opcheck(torch.ops.torchkvops.sample_tokens.default, args)
+
+
+def test_compiled_matches_eager():
+    logits = make_logits(6, 257, torch.bfloat16, "cpu")
+    keys = row_keys(8, torch.arange(6))
+
+    @torch.compile(fullgraph=True)
+    def decode_sample(logits, keys, step):
+        return ops.sample_tokens(logits.float() * 2.0, keys, step, 0.9, 40, 0.95)
+
+    for step in range(3):  # step is a tensor: one graph for every step
+        step_t = torch.tensor([step])
+        expected = ops.sample_tokens(logits.float() * 2.0, keys, step_t, 0.9, 40, 0.95)
+        assert torch.equal(decode_sample(logits, keys, step_t), expected)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_graph_capture_and_no_host_sync():
+    logits = make_logits(32, 50272, torch.bfloat16, "cuda")
+    keys = row_keys(6, 32, "cuda")
+    step = torch.zeros(1, dtype=torch.long, device="cuda")
+    for temperature, top_k, top_p in MODES.values():
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            eager = [ops.sample_tokens(logits, keys, step + s, temperature, top_k, top_p) for s in range(2)]
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        step.zero_()
+        with torch.cuda.graph(graph):
+            out = ops.sample_tokens(logits, keys, step, temperature, top_k, top_p)
+        for s in range(2):
+            step.fill_(s)
+            graph.replay()
+            assert torch.equal(out, eager[s])
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_inputs_on_other_devices():
+    logits = make_logits(2, 10, torch.float32, "cuda")
+    keys, step = torch.arange(2, device="cuda"), torch.zeros(1, dtype=torch.long, device="cuda")
+    with pytest.raises(ValueError, match="keys must be on logits' device"):
+        ops.sample_tokens(logits, keys.cpu(), step, 1.0, 0, 1.0)
+    with pytest.raises(ValueError, match="step must be on logits' device"):
+        ops.sample_tokens(logits, keys, step.cpu(), 1.0, 0, 1.0)
+
+
+def bad_args():
+    logits = make_logits(3, 10, torch.float32, "cpu")
+    return logits, torch.arange(3), torch.zeros(1, dtype=torch.long), 1.0, 0, 1.0
+
+
+@pytest.mark.parametrize(
+    "change,error,match",
+    [
+        (lambda a: (a[0][0], *a[1:]), ValueError, "logits must be 2-D"),
+        (lambda a: (a[0][None], *a[1:]), ValueError, "logits must be 2-D"),
+        (lambda a: (a[0].double(), *a[1:]), TypeError, "logits must be float32, float16 or bfloat16"),
+        (lambda a: (a[0].long(), *a[1:]), TypeError, "logits must be float32, float16 or bfloat16"),
+        (lambda a: (a[0][:, :0], *a[1:]), ValueError, "vocab >= 1"),
+        (lambda a: (a[0], a[1].int(), *a[2:]), TypeError, "keys must be int64"),
+        (lambda a: (a[0], a[1][:2], *a[2:]), ValueError, r"keys must be 1-D with one key per row \(3\)"),
+        (lambda a: (a[0], a[1][None], *a[2:]), ValueError, "keys must be 1-D"),
+        (lambda a: (*a[:2], torch.tensor([1, 2]), *a[3:]), ValueError, "step must be a 1-element int64"),
+        (lambda a: (*a[:2], torch.tensor([1.0]), *a[3:]), TypeError, "step must be a 1-element int64"),
+        (lambda a: (*a[:3], -0.5, *a[4:]), ValueError, "temperature must be finite and >= 0"),
+        (lambda a: (*a[:3], float("nan"), *a[4:]), ValueError, "temperature"),
+        (lambda a: (*a[:3], float("inf"), *a[4:]), ValueError, "temperature"),
+        (lambda a: (*a[:4], -1, a[5]), ValueError, "top_k must be >= 0"),
+        (lambda a: (*a[:5], 0.0), ValueError, r"top_p must be in \(0, 1\]"),
+        (lambda a: (*a[:5], 1.5), ValueError, "top_p"),
+        (lambda a: (*a[:5], float("nan")), ValueError, "top_p"),
+    ],
+)
+def test_bad_inputs(change, error, match):
+    with pytest.raises(error, match=match):
+        ops.sample_tokens(*change(bad_args()))
+    # Checked before anything is written, greedy or not.
+    args = list(change(bad_args()))
+    if args[3] == 1.0:
+        args[3] = 0.0
+        with pytest.raises(error, match=match):
+            ops.sample_tokens(*args)
+
+
+def test_error_names_the_op():
+    with pytest.raises(ValueError, match="^sample_tokens: top_k"):
+        torchkvops.ops.sample_tokens(*bad_args()[:4], -3, 1.0)
