@@ -14,6 +14,7 @@ except ImportError as e:  # pragma: no cover - exercised only on a broken instal
 from . import ops  # noqa: E402
 from .ops import merge_attention_states, repeat_kv_cache, repeat_kv_cache_  # noqa: E402
 from .rollout import Rollout, RolloutConfig, RolloutOutput, RolloutProfile  # noqa: E402
+from .generation import GeneratePatch, generate, patch_generate  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -24,6 +25,9 @@ def has_cuda_kernels() -> bool:
 
 
 __all__ = [
+    "generate",
+    "patch_generate",
+    "GeneratePatch",
     "Rollout",
     "RolloutConfig",
     "RolloutOutput",

@@ -56,8 +56,10 @@ class DecodeStep:
     """One decode step over every row; `bind()` points it at a rollout's state first."""
 
     def __init__(self, adapter: ModelAdapter, cache: RolloutKVCache, params: SamplingParams, pad_id: int,
-                 eos: Tensor | None):
+                 eos: Tensor | None, min_new_tokens: int = 0):
         self.adapter, self.cache, self.params, self.pad_id, self.eos = adapter, cache, params, pad_id, eos
+        self.min_new_tokens = min_new_tokens if eos is not None else 0
+        self.eos_mask: Tensor | None = None  # [vocab] bool, True at the EOS ids (only with min_new_tokens)
         self.state: DecodeState | None = None
         self.kwargs: dict = {}
 
@@ -70,9 +72,19 @@ class DecodeStep:
         s, cache = self.state, self.cache
         s.bias.index_fill_(-1, cache.write_pos, 0.0)  # the key written this step becomes visible
         logits = self.adapter.model(input_ids=s.tokens, **self.kwargs).logits[:, -1, :]
-        self.accept(sample(logits, self.params, s.keys, s.step))
+        self.accept(sample(self.suppress_eos(logits), self.params, s.keys, s.step))
         s.position_ids.add_(1)
         cache.write_pos.add_(1)
+
+    def suppress_eos(self, logits: Tensor) -> Tensor:
+        """While fewer than min_new_tokens tokens exist, EOS ids cannot be sampled (as HF's
+        MinNewTokensLengthLogitsProcessor): their logits are -inf. Without min_new_tokens, no op."""
+        if not self.min_new_tokens:
+            return logits
+        if self.eos_mask is None or self.eos_mask.shape[0] != logits.shape[-1]:
+            self.eos_mask = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
+            self.eos_mask[self.eos] = True
+        return logits.masked_fill(self.eos_mask & (self.state.step < self.min_new_tokens), float("-inf"))
 
     def accept(self, sampled: Tensor) -> None:
         """Record sampled tokens [rows] at index `step`; rows that already ended get the pad id."""

@@ -48,6 +48,7 @@ def round_up(n: int, multiple: int = KV_LENGTH_MULTIPLE) -> int:
 class RolloutConfig:
     samples_per_prompt: int = 1
     max_new_tokens: int = 32
+    min_new_tokens: int = 0  # EOS ids cannot be sampled before this many new tokens
     shared_prefill: bool = True
     enable_profiling: bool = False
     compile: bool = False
@@ -73,6 +74,8 @@ class RolloutConfig:
 
         need(is_int(self.samples_per_prompt) and self.samples_per_prompt >= 1, "samples_per_prompt", "must be an int >= 1")
         need(is_int(self.max_new_tokens) and self.max_new_tokens >= 1, "max_new_tokens", "must be an int >= 1")
+        need(is_int(self.min_new_tokens) and 0 <= self.min_new_tokens <= self.max_new_tokens, "min_new_tokens",
+             f"must be an int in [0, max_new_tokens={self.max_new_tokens}]")
         for flag in ("shared_prefill", "enable_profiling", "compile", "cuda_graphs"):
             need(isinstance(getattr(self, flag), bool), flag, "must be a bool")
         t = self.temperature
@@ -134,7 +137,8 @@ class Rollout:
         self._last_profile: RolloutProfile | None = None
         self._lock = _lock_for(model)
         self._attention = attention.DecodeAttention(self.config.kv_sharing)
-        self._step = DecodeStep(self.adapter, self.cache, self._params, self.pad_id, self._eos)
+        self._step = DecodeStep(self.adapter, self.cache, self._params, self.pad_id, self._eos,
+                                self.config.min_new_tokens)
         self._runner = DecodeRunner(self._step, self.config.compile, self.config.cuda_graphs, self.device)
         self._prefill_fn = torch.compile(self._prefill, dynamic=True) if self.config.compile else self._prefill
 
@@ -156,23 +160,31 @@ class Rollout:
             self._runner.reset()
 
     # --- the stages ----------------------------------------------------------------------------
-    def _generate(self, input_ids: Tensor, attention_mask: Tensor | None, first_row: int = 0) -> RolloutOutput:
-        """`generate`, with the sampling keys of rows [first_row, first_row + B*N) (a data-parallel
-        shard's place among all rows)."""
+    def _generate(self, input_ids: Tensor, attention_mask: Tensor | None, *, row_ids: Tensor | None = None,
+                  live: Tensor | None = None, seed: int | None = None) -> RolloutOutput:
+        """`generate`, and what the drop-in `generate` and data-parallel rollouts need besides:
+        - row_ids [B*N] int64: the index that keys each row's sampling (default 0..B*N-1), e.g. a
+          data-parallel shard's place among all rows, or a row's place in a caller's batch;
+        - live [B*N] bool: False for filler rows (groups padded to N), which end at once and hold the pad id;
+        - seed: the sampling seed of this call (default: RolloutConfig.seed, else a fresh one)."""
         with self._lock, torch.inference_mode():
-            out = self._run(input_ids, attention_mask, first_row)
+            out = self._run(input_ids, attention_mask, row_ids, live, seed)
         # Outside inference mode, so that RL code can train on the sequences (inference tensors
         # cannot be saved for backward).
         return RolloutOutput(out.sequences.clone(), out.responses.clone(), out.response_mask.clone(), out.prompt_length)
 
-    def _run(self, input_ids: Tensor, attention_mask: Tensor | None, first_row: int) -> RolloutOutput:
+    def _run(self, input_ids: Tensor, attention_mask: Tensor | None, row_ids: Tensor | None, live: Tensor | None,
+             seed: int | None) -> RolloutOutput:
         cfg = self.config
         input_ids, attention_mask = self._check_inputs(input_ids, attention_mask)
         batch, prompt_len = input_ids.shape
         n, new_tokens = cfg.samples_per_prompt, cfg.max_new_tokens
         rows = batch * n
         self.adapter.check_length(prompt_len + new_tokens)
-        seed = cfg.seed if cfg.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
+        if seed is None:
+            seed = cfg.seed if cfg.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
+        if row_ids is None:
+            row_ids = torch.arange(rows, device=self.device)
         prefix = cfg.kv_sharing == "prefix"
 
         timer = StageTimer(self.device, cfg.enable_profiling)
@@ -201,7 +213,7 @@ class Rollout:
                 logits = logits.repeat_interleave(n, dim=0)
 
         with timer.stage("decode"):
-            state = self._start_decode(attention_mask, seed, logits, first_row)
+            state = self._start_decode(attention_mask, seed, logits, row_ids, live)
             steps = self._decode(state, new_tokens)
             response_len = steps + 1
 
@@ -227,7 +239,8 @@ class Rollout:
         cache_position = torch.arange(input_ids.shape[1], device=input_ids.device)
         return self.adapter.last_logits(self.cache, input_ids, attention_mask, position_ids, cache_position)
 
-    def _start_decode(self, prompt_mask: Tensor, seed: int, first_logits: Tensor, first_row: int) -> DecodeState:
+    def _start_decode(self, prompt_mask: Tensor, seed: int, first_logits: Tensor, row_ids: Tensor,
+                      live: Tensor | None) -> DecodeState:
         """Reset the decode state for this rollout and sample every row's first token."""
         cfg, cache = self.config, self.cache
         n = cfg.samples_per_prompt
@@ -250,10 +263,12 @@ class Rollout:
             self._attention.prompt_kv, self._attention.prompt_bias = cache.prompt_kv, prompt_bias
         s.position_ids.copy_(row_mask.sum(dim=1, keepdim=True))
         s.finished.zero_()
+        if live is not None:  # filler rows have ended before they start: they only ever hold the pad id
+            s.finished.copy_(~live.to(self.device, torch.bool))
         s.step.zero_()
-        s.keys.copy_(row_keys(seed, torch.arange(first_row, first_row + rows, device=self.device)))
+        s.keys.copy_(row_keys(seed, row_ids.to(self.device, torch.long)))
         self._step.bind(s)
-        self._step.accept(sample(first_logits, self._params, s.keys, s.step))
+        self._step.accept(sample(self._step.suppress_eos(first_logits), self._params, s.keys, s.step))
         cache.start_decode(prompt_len if cfg.kv_sharing == "copy" else 0)
         return s
 
