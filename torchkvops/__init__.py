@@ -15,6 +15,7 @@ from . import ops  # noqa: E402
 from .ops import merge_attention_states, repeat_kv_cache, repeat_kv_cache_  # noqa: E402
 from .rollout import Rollout, RolloutConfig, RolloutOutput, RolloutProfile  # noqa: E402
 from .generation import GeneratePatch, generate, patch_generate  # noqa: E402
+from . import distributed  # noqa: E402  (torchkvops.distributed.generate)
 
 __version__ = "0.1.0"
 
@@ -37,5 +38,6 @@ __all__ = [
     "merge_attention_states",
     "has_cuda_kernels",
     "ops",
+    "distributed",
     "__version__",
 ]

@@ -1,0 +1,154 @@
+"""Data-parallel rollouts on torch.distributed: each process generates its own prompts, and the samples
+do not depend on the world size.
+
+    torch.distributed.init_process_group(...)        # torchrun / accelerate launch set it up
+    out = torchkvops.distributed.generate(rollout, my_prompts, my_mask)   # every process's samples
+
+Each process passes ITS OWN prompts (a data loader's shard; shards may differ in size and prompt
+length, and may be empty). A row's sampling key comes from its GLOBAL index (the rows of lower ranks
+first, then its own), and the seed from rank 0, so every sample equals the one a single-process
+`Rollout.generate` gives over all processes' prompts concatenated in rank order (left-padded to the
+longest): greedy tokens exactly, seeded samples up to the floating-point rounding of different batch
+shapes.
+
+With `gather=True` every process receives the whole result in rank order: prompts left-padded to the
+longest prompt with the pad id (`prompt_length` = that length), responses right-padded to the longest
+response with the pad id and `response_mask` 0 there. With `gather=False`, its own result only. A
+process with no prompts generates nothing and gets, with `gather=False`, an output with no rows.
+
+Everything moves as tensors through the group's collectives (`all_gather` of padded tensors), on the
+CPU for gloo and on the current CUDA device for NCCL. Before and after generating, the processes
+exchange a status: if any of them failed (bad input, out of memory, ...), EVERY process raises a
+RuntimeError naming the rank and its error, instead of waiting in a collective for a process that
+will never come. A process that dies or never calls leaves the others waiting until the group's
+timeout (`init_process_group(timeout=...)`), after which torch.distributed raises.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .rollout import Rollout, RolloutOutput
+
+__all__ = ["generate"]
+
+# Bytes of an error message carried to the other processes.
+_ERROR_BYTES = 2048
+
+
+def generate(rollout: Rollout, input_ids: Tensor | None, attention_mask: Tensor | None = None, *, group=None,
+             gather: bool = True) -> RolloutOutput:
+    """Data-parallel `rollout.generate`: see the module docstring. Every process of `group` (default:
+    the world) must call it, with the same rollout configuration."""
+    if not isinstance(rollout, Rollout):
+        raise TypeError(f"torchkvops.distributed.generate: rollout must be a Rollout, got {type(rollout).__name__}")
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("torchkvops.distributed.generate: torch.distributed is not initialized; call "
+                           "torch.distributed.init_process_group() first (torchrun sets up its environment)")
+    exchange = _Exchange(group, rollout.device)
+    n = rollout.config.samples_per_prompt
+
+    # 1. Every process's batch size, prompt length and seed (rank 0's is used), or its error.
+    local = None
+    try:
+        input_ids, attention_mask = _local_inputs(input_ids, attention_mask)
+        seed = rollout.config.seed if rollout.config.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
+        local = (input_ids.shape[0], input_ids.shape[1], seed)
+    except Exception as e:  # noqa: BLE001 - reported to every process below
+        exchange.fail(e)
+    batches, prompt_lengths, seeds = exchange.gather_status(local, "checking its prompts")
+    rank = exchange.rank
+    first_row = sum(batches[:rank]) * n
+    seed = seeds[0]
+
+    # 2. Generate locally (no collective inside), then every process's response length, or its error.
+    out = None
+    try:
+        if batches[rank]:
+            rows = torch.arange(first_row, first_row + batches[rank] * n, device=rollout.device)
+            out = rollout._generate(input_ids, attention_mask, row_ids=rows, seed=seed)
+    except Exception as e:  # noqa: BLE001
+        exchange.fail(e)
+    status = None if exchange.error else (0 if out is None else out.responses.shape[1], 0, 0)
+    response_lengths, _, _ = exchange.gather_status(status, "generating")
+
+    if not gather:
+        return out if out is not None else _empty(rollout, input_ids.shape[1])
+    return _gather(exchange, rollout, out, [b * n for b in batches], max(prompt_lengths), max(response_lengths))
+
+
+def _local_inputs(input_ids, attention_mask) -> tuple[Tensor, Tensor | None]:
+    if input_ids is None:
+        return torch.zeros(0, 0, dtype=torch.long), None
+    if not isinstance(input_ids, Tensor) or input_ids.dim() != 2:
+        raise ValueError("torchkvops.distributed.generate: input_ids must be a 2-D tensor [batch, prompt_length] "
+                         f"(or None for no prompts), got {getattr(input_ids, 'shape', type(input_ids).__name__)}")
+    return input_ids, attention_mask
+
+
+def _empty(rollout: Rollout, prompt_length: int) -> RolloutOutput:
+    z = torch.zeros(0, prompt_length, dtype=torch.long, device=rollout.device)
+    r = torch.zeros(0, 0, dtype=torch.long, device=rollout.device)
+    return RolloutOutput(z, r, r.clone(), prompt_length)
+
+
+def _gather(exchange: "_Exchange", rollout: Rollout, out: RolloutOutput | None, rows: list[int], prompt_len: int,
+            response_len: int) -> RolloutOutput:
+    """all_gather of every process's rows, padded to the same shape, then the padding rows dropped."""
+    pad = rollout.pad_id
+    most = max(rows)
+    sequences = torch.full((most, prompt_len + response_len), pad, dtype=torch.long, device=exchange.device)
+    mask = torch.zeros(most, response_len, dtype=torch.long, device=exchange.device)
+    if out is not None:
+        r, p, resp = out.responses.shape[0], out.prompt_length, out.responses.shape[1]
+        sequences[:r, prompt_len - p: prompt_len] = out.sequences[:, :p].to(exchange.device)  # left-padded prompt
+        sequences[:r, prompt_len: prompt_len + resp] = out.responses.to(exchange.device)  # right-padded response
+        mask[:r, :resp] = out.response_mask.to(exchange.device)
+    all_sequences = exchange.all_gather(sequences)
+    all_masks = exchange.all_gather(mask)
+    sequences = torch.cat([s[:r] for s, r in zip(all_sequences, rows)]).to(rollout.device)
+    mask = torch.cat([m[:r] for m, r in zip(all_masks, rows)]).to(rollout.device)
+    return RolloutOutput(sequences, sequences[:, prompt_len:], mask, prompt_len)
+
+
+class _Exchange:
+    """The collectives of one call: statuses (three ints and an error message per process) and padded
+    tensors, on the device the group's backend works on."""
+
+    def __init__(self, group, rollout_device: torch.device):
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        backend = str(dist.get_backend(group)).lower()
+        if "nccl" in backend:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            self.device = torch.device("cpu") if "gloo" in backend or rollout_device.type == "cpu" else rollout_device
+        self.error: str | None = None
+
+    def fail(self, e: BaseException) -> None:
+        self.error = f"{type(e).__name__}: {' '.join(str(e).split())}"
+
+    def all_gather(self, t: Tensor) -> list[Tensor]:
+        parts = [torch.empty_like(t) for _ in range(self.world)]
+        dist.all_gather(parts, t.contiguous(), group=self.group)
+        return parts
+
+    def gather_status(self, values: tuple[int, int, int] | None, stage: str) -> tuple[list[int], list[int], list[int]]:
+        """Every process's (a, b, c), or raise on every process if any process failed."""
+        message = (self.error or "").encode()[:_ERROR_BYTES]
+        status = torch.zeros(4 + _ERROR_BYTES, dtype=torch.long, device=self.device)
+        status[0] = 1 if self.error else 0
+        if not self.error and values is not None:
+            status[1:4] = torch.tensor(values, dtype=torch.long)
+        status[4: 4 + len(message)] = torch.tensor(list(message), dtype=torch.long)
+        parts = torch.stack(self.all_gather(status)).cpu()  # host sync: the statuses, twice per call
+        failed = [r for r in range(self.world) if parts[r, 0]]
+        if failed:
+            r = failed[0]
+            text = bytes(parts[r, 4:].tolist()).rstrip(b"\0").decode(errors="replace")
+            others = f" (and ranks {failed[1:]})" if len(failed) > 1 else ""
+            raise RuntimeError(f"torchkvops.distributed.generate: rank {r}{others} failed while {stage}: {text}")
+        return parts[:, 1].tolist(), parts[:, 2].tolist(), parts[:, 3].tolist()
