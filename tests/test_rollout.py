@@ -434,3 +434,30 @@ def test_float_and_bool_masks_of_zeros_and_ones_are_accepted(llama):
     expected = Rollout(llama, cfg).generate(ids, mask).sequences
     for as_type in (torch.float32, torch.bool, torch.int32):
         assert torch.equal(Rollout(llama, cfg).generate(ids, mask.to(as_type)).sequences, expected)
+
+
+@pytest.mark.parametrize("kv_sharing", ["copy", "prefix"])
+def test_decode_graph_key_is_stable_across_calls_and_follows_the_weights(kv_sharing):
+    """A CUDA graph replays on fixed addresses: calls of the same shape must map to the same key (or
+    every call would capture again), and a replaced parameter must change it (or a graph would replay
+    on freed memory). Checked here on the key itself; tests/test_cuda_graphs.py replays on a GPU."""
+    from models import FAMILIES
+
+    model = FAMILIES["llama"]()
+    r = Rollout(model, RolloutConfig(samples_per_prompt=2, max_new_tokens=5, eos_token_id=NO_EOS,
+                                     kv_sharing=kv_sharing))
+    r.generate(*prompts(2, 9, seed=1))
+    key = r._runner.key
+    r.generate(*prompts(2, 9, seed=2, left_pad=[3, 0]))  # other prompts, same shapes
+    assert r._runner.key == key
+    r.generate(*prompts(3, 9, seed=3))  # another batch size: another key
+    assert r._runner.key != key
+    r.generate(*prompts(2, 9, seed=1))  # the KV allocation grew for 3 prompts: new addresses once,
+    key = r._runner.key
+    r.generate(*prompts(3, 9, seed=3))
+    r.generate(*prompts(2, 9, seed=4))  # then alternating shapes find their own addresses again
+    assert r._runner.key == key
+    with torch.no_grad():
+        model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.clone())  # new storage
+    r.generate(*prompts(2, 9, seed=1))
+    assert r._runner.key != key

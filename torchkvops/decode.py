@@ -37,8 +37,9 @@ _RecompileLimitHit = getattr(torch._dynamo.exc, "FailOnRecompileLimitHit", Runti
 class DecodeState:
     """Statically shaped tensors that the decode step reads and updates in place."""
 
-    def __init__(self, rows: int, mask_len: int, max_new_tokens: int, dtype: torch.dtype, device: torch.device):
-        self.shape = (rows, mask_len, max_new_tokens, dtype)
+    def __init__(self, rows: int, mask_len: int, max_new_tokens: int, dtype: torch.dtype, device: torch.device,
+                 prompts: int = 0, prompt_len: int = 0):
+        self.shape = (rows, mask_len, max_new_tokens, dtype, prompts, prompt_len)
         self.tokens = torch.zeros(rows, 1, dtype=torch.long, device=device)  # the token fed next
         self.position_ids = torch.zeros(rows, 1, dtype=torch.long, device=device)
         # Additive bias over the decode buffer's keys: 0 where a row may attend, -inf elsewhere.
@@ -47,6 +48,8 @@ class DecodeState:
         self.step = torch.zeros(1, dtype=torch.long, device=device)  # index of the token sampled next
         self.keys = torch.zeros(rows, dtype=torch.long, device=device)  # per-row sampling keys
         self.responses = torch.zeros(rows, max_new_tokens, dtype=torch.long, device=device)
+        # Prefix layout only: the bias over each prompt's shared KV [prompts, 1, 1, prompt_len].
+        self.prompt_bias = torch.zeros(prompts, 1, 1, prompt_len, dtype=dtype, device=device) if prompts else None
 
     def tensors(self) -> list[Tensor]:
         return [t for t in vars(self).values() if isinstance(t, Tensor)]
@@ -120,7 +123,7 @@ class DecodeRunner:
             for t, dims in dynamic_tensors:
                 for d in dims:
                     torch._dynamo.maybe_mark_dynamic(t, d)
-        self.key = graph_key if self.use_graphs else None
+        self.key = graph_key
 
     def __call__(self) -> None:
         key = self.key

@@ -38,6 +38,8 @@ KV_LENGTH_MULTIPLE = 64
 # A positive temperature below this would overflow logits / temperature in float32 (1e-44 did): use 0.
 MIN_TEMPERATURE = 1e-6
 _INT64_MAX = 2**63 - 1
+# Decode states (and so decode graphs) kept for this many distinct decode shapes.
+MAX_DECODE_STATES = 8
 
 
 def round_up(n: int, multiple: int = KV_LENGTH_MULTIPLE) -> int:
@@ -133,7 +135,7 @@ class Rollout:
         self._check_special_ids()
         self._eos = torch.tensor(self.eos_ids, dtype=torch.long, device=self.device) if self.eos_ids else None
         self._params = SamplingParams(float(self.config.temperature), self.config.top_k, float(self.config.top_p))
-        self._state: DecodeState | None = None
+        self._states: dict[tuple, DecodeState] = {}  # by decode shape, least recently used first
         self._last_profile: RolloutProfile | None = None
         self._lock = _lock_for(model)
         self._attention = attention.DecodeAttention(self.config.kv_sharing)
@@ -156,7 +158,7 @@ class Rollout:
         """Free the KV buffer, decode state and CUDA graphs; the next `generate()` makes them again."""
         with self._lock:
             self.cache.release()
-            self._state = None
+            self._states.clear()
             self._runner.reset()
 
     # --- the stages ----------------------------------------------------------------------------
@@ -247,20 +249,25 @@ class Rollout:
         batch, prompt_len = prompt_mask.shape
         rows = batch * n
         mask_len = cache.decode_kv.shape[4]
-        shape = (rows, mask_len, cfg.max_new_tokens, self.dtype)
-        if self._state is None or self._state.shape != shape:
-            self._state = DecodeState(rows, mask_len, cfg.max_new_tokens, self.dtype, self.device)
-        s = self._state
+        prefix = cfg.kv_sharing == "prefix"
+        prefix_len = cache.prompt_kv.shape[4] if prefix else 0
+        shape = (rows, mask_len, cfg.max_new_tokens, self.dtype, batch if prefix else 0, prefix_len)
+        # One state per decode shape, kept: a shape that comes back finds the addresses its graph was
+        # captured on.
+        s = self._states.pop(shape, None) or DecodeState(rows, mask_len, cfg.max_new_tokens, self.dtype, self.device,
+                                                         *shape[4:])
+        self._states[shape] = s
+        while len(self._states) > MAX_DECODE_STATES:
+            self._states.pop(next(iter(self._states)))
         row_mask = prompt_mask.repeat_interleave(n, dim=0).bool()
         s.bias.fill_(float("-inf"))
-        if cfg.kv_sharing == "copy":  # the decode buffer starts with each row's copy of its prompt
+        if not prefix:  # the decode buffer starts with each row's copy of its prompt
             s.bias[:, 0, 0, :prompt_len].masked_fill_(row_mask, 0.0)
             self._attention.prompt_kv = self._attention.prompt_bias = None
         else:  # the rows' own buffers start empty; the prompts are seen through the prefix part
-            prompt_bias = torch.full((batch, 1, 1, cache.prompt_kv.shape[4]), float("-inf"), dtype=self.dtype,
-                                     device=self.device)
-            prompt_bias[:, 0, 0, :prompt_len].masked_fill_(prompt_mask.bool(), 0.0)
-            self._attention.prompt_kv, self._attention.prompt_bias = cache.prompt_kv, prompt_bias
+            s.prompt_bias.fill_(float("-inf"))
+            s.prompt_bias[:, 0, 0, :prompt_len].masked_fill_(prompt_mask.bool(), 0.0)
+            self._attention.prompt_kv, self._attention.prompt_bias = cache.prompt_kv, s.prompt_bias
         s.position_ids.copy_(row_mask.sum(dim=1, keepdim=True))
         s.finished.zero_()
         if live is not None:  # filler rows have ended before they start: they only ever hold the pad id
@@ -269,7 +276,7 @@ class Rollout:
         s.keys.copy_(row_keys(seed, row_ids.to(self.device, torch.long)))
         self._step.bind(s)
         self._step.accept(sample(self._step.suppress_eos(first_logits), self._params, s.keys, s.step))
-        cache.start_decode(prompt_len if cfg.kv_sharing == "copy" else 0)
+        cache.start_decode(0 if prefix else prompt_len)
         return s
 
     def _decode(self, state: DecodeState, new_tokens: int) -> int:
@@ -278,6 +285,11 @@ class Rollout:
         dynamic = [(t, (0,)) for t in state.tensors()] + [(state.bias, (0, 3)), (cache.decode_kv, (2, 4))]
         if ctx.prompt_kv is not None:
             dynamic += [(ctx.prompt_kv, (2, 4)), (ctx.prompt_bias, (0, 3))]
+        # Once per tensor, with every dim it was listed with (rows, and for some the key length).
+        merged: dict[int, tuple[Tensor, set[int]]] = {}
+        for t, dims in dynamic:
+            merged.setdefault(id(t), (t, set()))[1].update(dims)
+        dynamic = [(t, tuple(sorted(dims))) for t, dims in merged.values()]
         addresses = tuple(t.data_ptr() for t, _ in dynamic)
         self._runner.start(dynamic, graph_key=(state.shape, self.config.kv_sharing, addresses,
                                                self.adapter.weight_addresses()))
