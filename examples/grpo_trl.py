@@ -4,7 +4,7 @@
 
 Everything else is a plain TRL script: a random-weight model of a named shape (nothing is downloaded),
 a word-level tokenizer built in memory, an in-memory dataset of prompts and a toy reward (the share of
-completion words that are "good" words). TRL's RepeatSampler puts the num_generations copies of each
+a completion's words that are "lucky": a fixed quarter of the vocabulary, picked by hash). TRL's RepeatSampler puts the num_generations copies of each
 prompt next to each other, so the patched generate prefills each prompt once and decodes its
 num_generations samples from one expanded KV cache.
 
@@ -26,6 +26,7 @@ import statistics
 import tempfile
 import time
 import warnings
+import zlib
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -39,9 +40,9 @@ from trl import GRPOConfig, GRPOTrainer
 import torchkvops
 from torchkvops.models import MODEL_SHAPES, build_model
 
-# The "good" words the toy reward counts; every other word scores nothing.
-GOOD = ("apple", "banana", "cherry", "grape", "lemon", "mango", "peach", "plum")
-OTHER = ("the", "a", "cat", "dog", "sat", "ran", "on", "under", "red", "blue", "big", "small", "and", "then")
+# The prompts' words; the rest of the vocabulary is filler ("w1234").
+WORDS = ("apple", "banana", "cherry", "grape", "lemon", "mango", "peach", "plum", "the", "a", "cat", "dog", "sat",
+         "ran", "on", "under", "red", "blue", "big", "small", "and", "then")
 
 
 def build_tokenizer(config) -> PreTrainedTokenizerFast:
@@ -59,7 +60,7 @@ def build_tokenizer(config) -> PreTrainedTokenizerFast:
     free = (i for i in range(vocab_size) if i not in taken)
     vocab = dict(specials)
     vocab["<unk>"] = next(free)
-    for word in GOOD + OTHER:
+    for word in WORDS:
         vocab[word] = next(free)
     for i in free:
         vocab[f"w{i}"] = i
@@ -73,18 +74,22 @@ def build_tokenizer(config) -> PreTrainedTokenizerFast:
 def build_dataset(num_prompts: int, prompt_length: int, seed: int = 0) -> Dataset:
     """Prompts of prompt_length // 2 to prompt_length words (so TRL left-pads them)."""
     rng = random.Random(seed)
-    words = GOOD + OTHER
-    prompts = [" ".join(rng.choice(words) for _ in range(rng.randint(max(1, prompt_length // 2), prompt_length)))
+    prompts = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(max(1, prompt_length // 2), prompt_length)))
                for _ in range(num_prompts)]
     return Dataset.from_dict({"prompt": prompts})
 
 
-def good_word_reward(completions, **kwargs) -> list[float]:
-    """The share of a completion's words that are good words (0 for an empty completion)."""
+def is_lucky(word: str) -> bool:
+    return zlib.crc32(word.encode()) % 4 == 0
+
+
+def lucky_word_reward(completions, **kwargs) -> list[float]:
+    """The share of a completion's words that are lucky (0 for an empty completion): dense enough at
+    any vocabulary size that the completions of one prompt rarely tie, so GRPO's advantages are not 0."""
     rewards = []
     for text in completions:
         words = text.split()
-        rewards.append(sum(w in GOOD for w in words) / len(words) if words else 0.0)
+        rewards.append(sum(map(is_lucky, words)) / len(words) if words else 0.0)
     return rewards
 
 
@@ -139,7 +144,7 @@ def run(path: str, args, output_dir: str) -> dict:
         disable_tqdm=True,
     )
     dataset = build_dataset(max(8, args.steps * args.batch_size), args.prompt_length, seed=args.seed)
-    trainer = GRPOTrainer(model=model, reward_funcs=good_word_reward, args=config, train_dataset=dataset,
+    trainer = GRPOTrainer(model=model, reward_funcs=lucky_word_reward, args=config, train_dataset=dataset,
                           processing_class=tokenizer, callbacks=[step_timer])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", UserWarning)
