@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Sets up .venv (torch, transformers, test tools) and builds torchkvops._C into it. Idempotent and cheap
+# Sets up .venv (torch, transformers, test tools, trl) and builds torchkvops._C into it. Idempotent and cheap
 # when nothing changed: it installs only what is missing and rebuilds only when a C++/CUDA source,
 # setup.py or the torch version changed.
 set -euo pipefail
@@ -14,6 +14,10 @@ py=.venv/bin/python
 # torch 2.14.1 (a CUDA build, so the CUDA kernels compile here) lies on this machine's disk.
 if ! "$py" -c "import torch, transformers, ninja, pytest, expecttest, hypothesis" >/dev/null 2>&1; then
   "$py" -m pip install -q --disable-pip-version-check "torch>=2.11,<=2.14.1" "transformers>=5.0" ninja pytest expecttest hypothesis
+fi
+# TRL (with accelerate and datasets) for tests/test_trl.py and examples/grpo_trl.py: the `trl` extra.
+if ! "$py" -c "import trl, accelerate, datasets; from trl import GRPOTrainer" >/dev/null 2>&1; then
+  "$py" -m pip install -q --disable-pip-version-check "trl>=1.16" "torch>=2.11,<=2.14.1"
 fi
 
 stamp=build/.torchkvops-built

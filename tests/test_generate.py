@@ -267,3 +267,24 @@ def test_greedy_with_num_return_sequences_is_hf_error(llama):
         warnings.simplefilter("ignore")
         torchkvops.generate(llama, ids, attention_mask=mask, max_new_tokens=2, do_sample=False, num_return_sequences=2)
 
+
+
+def test_autocast_to_another_dtype_than_the_weights_falls_back(llama, monkeypatch):
+    """Under a bf16 autocast, an fp32 model's K come out fp32 (RoPE's fp32 cos/sin) and its V bf16: the
+    rollout's cache holds one dtype, so the call goes to HF's generate (a Trainer with bf16=True wraps
+    forward in such an autocast). Weights already in the autocast dtype run through the rollout."""
+    calls = []
+    original = torchkvops.Rollout._generate
+    monkeypatch.setattr(torchkvops.Rollout, "_generate", lambda self, *a, **k: calls.append(1) or original(self, *a, **k))
+    ids, mask = batch_with_runs(seed=13)
+    kwargs = dict(max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with pytest.warns(UserWarning, match=r"autocast to torch.bfloat16 with torch.float32 parameters"):
+            out = torchkvops.generate(llama, ids, attention_mask=mask, **kwargs)
+        expected = hf(llama, ids, mask, **kwargs)
+    assert torch.equal(out, expected) and not calls
+    half = FAMILIES["llama"]().to(torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = torchkvops.generate(half, ids, attention_mask=mask, **kwargs)
+    assert calls and out.shape == (ids.shape[0], ids.shape[1] + 4)

@@ -15,8 +15,9 @@ the model's `generation_config` over HF's global defaults), with HF's own `_prep
 Honoured: max_new_tokens / max_length, min_new_tokens / min_length, do_sample, temperature, top_k,
 top_p, eos_token_id (int or list), pad_token_id, num_return_sequences, return_dict_in_generate.
 Anything else that would change the output (beam search, repetition penalty, logits processors,
-stopping criteria, streamers, output_scores, extra model inputs, ...) goes to the model's own
-`generate`, with a warning the first time each cause is seen.
+stopping criteria, streamers, output_scores, extra model inputs, a forward that autocasts to another
+dtype than the weights', ...) goes to the model's own `generate`, with a warning the first time each
+cause is seen.
 
 Sampling uses the rollout's counter-based sampler, seeded per call from torch's global generator (so
 `torch.manual_seed` makes it reproducible, as it does HF's). Greedy tokens equal HF's; sampled ones
@@ -28,6 +29,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import sys
 import threading
 import warnings
 import weakref
@@ -177,9 +179,29 @@ def _unsupported(config: GenerationConfig, model: nn.Module) -> str | None:
             return f"generation_config.{field}={value!r}"
     if not config.do_sample and (config.num_return_sequences or 1) > 1:
         return "num_return_sequences > 1 with greedy decoding (HF refuses it too)"
+    autocast = _forward_autocast_dtype(model)
+    weights = next(model.parameters()).dtype
+    if autocast is not None and autocast != weights:
+        return (f"a forward that runs under autocast to {autocast} with {weights} parameters (its K and V then "
+                f"come in mixed dtypes, the rollout's KV cache holds {weights}; load the model in {autocast}, or "
+                "run without mixed precision)")
     if model.training and _attention_dropout(model.config) > 0:
         return ("a model in train mode with attention dropout (the rollout's decode attention applies none; "
                 "call model.eval() or set the dropout to 0)")
+    return None
+
+
+def _forward_autocast_dtype(model: nn.Module) -> torch.dtype | None:
+    """The dtype the model's forward autocasts to, or None: an autocast around this call, or the one
+    accelerate's mixed precision (a Trainer with bf16=True or fp16=True, as TRL's GRPOTrainer defaults
+    to) wraps `model.forward` in, marking the model with `_original_forward`."""
+    device_type = next(model.parameters()).device.type
+    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    if vars(model).get("_original_forward") is not None:
+        state = sys.modules.get("accelerate.state")
+        mixed = state.AcceleratorState._shared_state.get("_mixed_precision") if state is not None else None
+        return torch.float16 if mixed == "fp16" else torch.bfloat16  # accelerate's bf16 and fp8 autocast to bf16
     return None
 
 

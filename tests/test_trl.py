@@ -1,0 +1,148 @@
+"""TRL's GRPOTrainer (no vLLM) with `torchkvops.patch_generate`: the trainer's generate calls go through the
+rollout (one prefill per prompt, none through HF's generate), TRL receives prompts x num_generations
+sequences, and training updates the weights. Also: TRL's default bf16=True on a float32 model falls back
+to HF's generate (see generation._forward_autocast_dtype), and examples/grpo_trl.py runs end to end."""
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("trl")
+from trl import GRPOConfig, GRPOTrainer  # noqa: E402
+
+import torchkvops  # noqa: E402
+from torchkvops.models import build_model  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "grpo_trl.py"
+PROMPTS, NUM_GENERATIONS, MAX_NEW = 2, 4, 8
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """A GRPO step on a tiny model is hundreds of small ops; two OpenMP threads on a busy 2-core
+    machine stall each of them by milliseconds (the script's --threads defaults to 1 for the same reason)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def example():
+    """examples/grpo_trl.py as a module: its offline tokenizer and in-memory dataset."""
+    spec = importlib.util.spec_from_file_location("grpo_trl_example", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def length_reward(completions, **kwargs):
+    """Dense (completions of one prompt almost never tie), so that advantages and gradients are nonzero."""
+    return [len(text) / 100.0 for text in completions]
+
+
+def grpo_trainer(example, model, output_dir, steps, **overrides):
+    config = dict(output_dir=str(output_dir), use_cpu=True, bf16=False, report_to="none", seed=0, max_steps=steps,
+                  per_device_train_batch_size=PROMPTS * NUM_GENERATIONS, num_generations=NUM_GENERATIONS,
+                  max_completion_length=MAX_NEW, learning_rate=1e-3, save_strategy="no", disable_tqdm=True,
+                  logging_steps=1)
+    config.update(overrides)
+    return GRPOTrainer(model=model, reward_funcs=length_reward, args=GRPOConfig(**config),
+                       train_dataset=example.build_dataset(16, 8), processing_class=example.build_tokenizer(model.config))
+
+
+def spy_on(model, handle, monkeypatch):
+    """Record what TRL passed to and got from model.generate, each rollout's (prompts, samples), and
+    every call that reached HF's own generate."""
+    calls = {"generate": [], "rollout": [], "hf": []}
+    original_rollout = torchkvops.Rollout._generate
+
+    def rollout_spy(self, input_ids, *args, **kwargs):
+        calls["rollout"].append((input_ids.shape[0], self.config.samples_per_prompt))
+        return original_rollout(self, input_ids, *args, **kwargs)
+
+    monkeypatch.setattr(torchkvops.Rollout, "_generate", rollout_spy)
+    original_hf = handle.session.original_generate
+    handle.session.original_generate = lambda *a, **k: calls["hf"].append(1) or original_hf(*a, **k)
+    patched = model.generate
+
+    def generate_spy(*args, **kwargs):
+        out = patched(*args, **kwargs)
+        calls["generate"].append((kwargs["input_ids"].clone(), kwargs["attention_mask"].clone(), out.clone(),
+                                  kwargs.get("generation_config")))
+        return out
+
+    model.generate = generate_spy
+    return calls
+
+
+def test_grpo_trainer_generates_through_the_patch_and_trains(example, tmp_path, monkeypatch):
+    model = build_model("tiny", seed=0)
+    handle = torchkvops.patch_generate(model)
+    calls = spy_on(model, handle, monkeypatch)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    trainer = grpo_trainer(example, model, tmp_path, steps=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", UserWarning)
+        trainer.train()
+    assert not [str(w.message) for w in caught if "torchkvops" in str(w.message)]
+
+    # (a) Every generate TRL made went through the rollout, one prefill per prompt; none reached HF's.
+    assert len(calls["generate"]) == 2  # one generation batch per step (steps_per_generation=1)
+    assert calls["rollout"] == [(PROMPTS, NUM_GENERATIONS)] * 2
+    assert calls["hf"] == []
+    # (c) TRL received prompts x num_generations rows: its prompts (left-padded, each repeated
+    # num_generations times in a row), then at most max_completion_length sampled tokens.
+    for ids, mask, out, config in calls["generate"]:
+        rows, prompt_len = ids.shape
+        assert rows == PROMPTS * NUM_GENERATIONS and out.shape[0] == rows
+        assert prompt_len < out.shape[1] <= prompt_len + MAX_NEW
+        assert torch.equal(out[:, :prompt_len], ids)
+        groups = ids.view(PROMPTS, NUM_GENERATIONS, prompt_len)
+        assert torch.equal(groups, groups[:, :1].expand_as(groups))
+        assert bool((mask[:, 1:] >= mask[:, :-1]).all())  # left-padded
+        completions = out[:, prompt_len:].view(PROMPTS, NUM_GENERATIONS, -1)
+        for group in completions:  # sampled: the completions of one prompt differ
+            assert len({tuple(row.tolist()) for row in group}) > 1
+        assert config.do_sample and config.max_new_tokens == MAX_NEW
+    # (b) Training changed the weights (also those that the next generate read).
+    changed = [name for name, p in model.named_parameters() if not torch.equal(before[name], p.detach())]
+    assert "model.layers.0.self_attn.q_proj.weight" in changed and "lm_head.weight" in changed
+    handle.undo()
+    assert "generate" not in vars(model)
+
+
+def test_trl_default_bf16_on_a_float32_model_falls_back_to_hf_generate(example, tmp_path, monkeypatch):
+    """bf16=True (TRL's default) makes accelerate wrap forward in a bf16 autocast: an fp32 model's K and V
+    then come in mixed dtypes, which the rollout's cache does not hold, so generate is HF's (with a warning)."""
+    model = build_model("tiny", seed=0)
+    handle = torchkvops.patch_generate(model)
+    calls = spy_on(model, handle, monkeypatch)
+    trainer = grpo_trainer(example, model, tmp_path, steps=1, bf16=True)
+    with pytest.warns(UserWarning, match="autocast to torch.bfloat16 with torch.float32 parameters"):
+        trainer.train()
+    assert calls["rollout"] == [] and calls["hf"] == [1] and len(calls["generate"]) == 1
+    handle.undo()
+
+
+def test_example_script_prints_both_paths(tmp_path):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+               HF_HUB_OFFLINE="1", TMPDIR=str(tmp_path))
+    command = [sys.executable, str(EXAMPLE), "--steps", "1", "--batch-size", "4", "--num-generations", "2",
+               "--prompt-length", "6", "--max-completion-length", "4"]
+    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    assert "| step | generate ms (torchkvops) | generate ms (hf) | step ms (torchkvops) | step ms (hf) |" in lines
+    number = r"\d+"
+    assert any(re.fullmatch(rf"\| 1 \| {number} \| {number} \| {number} \| {number} \|", line) for line in lines)
+    assert any(re.fullmatch(rf"\| median \| {number} \| {number} \| {number} \| {number} \|", line) for line in lines)
+    assert "NOTE:" not in result.stdout  # the torchkvops run did not fall back
