@@ -246,17 +246,36 @@ def test_runs_under_inference_mode_and_in_train_mode(llama):
         llama.eval()
 
 
-def test_train_mode_with_attention_dropout_falls_back(family_models):
-    model = family_models["opt"]
-    saved = model.config.attention_dropout
-    model.config.attention_dropout = 0.1
+@pytest.mark.parametrize("family", ["opt", "gpt2"])
+def test_train_mode_with_attention_dropout_falls_back_until_it_is_disabled(family):
+    """In train mode HF's attention applies its dropout, which the rollout's decode attention does not:
+    such calls go to HF's generate. Once the dropout is 0 (as TRL's disable_dropout sets every
+    nn.Dropout), the rollout runs them."""
+    from transformers import GPT2Config, GPT2LMHeadModel, OPTConfig, OPTForCausalLM
+
+    torch.manual_seed(0)
+    if family == "opt":
+        model = OPTForCausalLM(OPTConfig(vocab_size=96, hidden_size=32, ffn_dim=64, num_hidden_layers=1,
+                                         num_attention_heads=2, word_embed_proj_dim=32, attention_dropout=0.1,
+                                         dropout=0.0, pad_token_id=0, bos_token_id=1, eos_token_id=2))
+    else:
+        model = GPT2LMHeadModel(GPT2Config(vocab_size=96, n_embd=32, n_layer=1, n_head=2, attn_pdrop=0.1,
+                                           resid_pdrop=0.0, embd_pdrop=0.0, pad_token_id=0, bos_token_id=1,
+                                           eos_token_id=2))
     model.train()
-    try:
-        with pytest.warns(UserWarning, match="train mode with attention dropout"):
-            torchkvops.generate(model, prompts(1, 5)[0], max_new_tokens=2, do_sample=False)
-    finally:
-        model.eval()
-        model.config.attention_dropout = saved
+    ids = prompts(1, 5)[0]
+    with pytest.warns(UserWarning, match="train mode with attention dropout"):
+        torchkvops.generate(model, ids, max_new_tokens=2, do_sample=False)
+    for module in model.modules():  # as TRL's disable_dropout, plus the float Llama/OPT layers pass
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        elif hasattr(module, "q_proj") and isinstance(getattr(module, "dropout", None), float):
+            module.dropout = 0.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = torchkvops.generate(model, ids, max_new_tokens=2, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert torch.equal(out, hf(model, ids, torch.ones_like(ids), max_new_tokens=2, do_sample=False,
+                               eos_token_id=None, pad_token_id=0))
 
 
 def test_greedy_with_num_return_sequences_is_hf_error(llama):

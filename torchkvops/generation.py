@@ -185,7 +185,7 @@ def _unsupported(config: GenerationConfig, model: nn.Module) -> str | None:
         return (f"a forward that runs under autocast to {autocast} with {weights} parameters (its K and V then "
                 f"come in mixed dtypes, the rollout's KV cache holds {weights}; load the model in {autocast}, or "
                 "run without mixed precision)")
-    if model.training and _attention_dropout(model.config) > 0:
+    if model.training and _attention_dropout(model) > 0:
         return ("a model in train mode with attention dropout (the rollout's decode attention applies none; "
                 "call model.eval() or set the dropout to 0)")
     return None
@@ -205,12 +205,23 @@ def _forward_autocast_dtype(model: nn.Module) -> torch.dtype | None:
     return None
 
 
-def _attention_dropout(config) -> float:
-    for name in ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob"):
-        value = getattr(config, name, None)
-        if isinstance(value, (int, float)):
-            return float(value)
-    return 0.0
+def _attention_dropout(model: nn.Module) -> float:
+    """The largest dropout on attention probabilities that the model's attention layers apply in train
+    mode, read from the layers themselves (an nn.Dropout's p, as GPT-2's, or the float that Llama- and
+    OPT-style layers pass as `dropout`), so that TRL's disable_dropout (p = 0) is seen."""
+    most = 0.0
+    for module in model.modules():
+        is_attention = hasattr(module, "layer_idx") and any(
+            hasattr(module, proj) for proj in ("q_proj", "c_attn", "qkv_proj", "query_key_value", "Wqkv"))
+        if not is_attention:
+            continue
+        for name in ("attn_dropout", "attention_dropout", "dropout"):
+            value = getattr(module, name, None)
+            p = value.p if isinstance(value, nn.Dropout) else value if isinstance(value, (int, float)) else None
+            if p is not None:
+                most = max(most, float(p))
+                break
+    return most
 
 
 def _plan(config: GenerationConfig, model: nn.Module, prompt_length: int) -> _Plan | str:
