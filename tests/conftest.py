@@ -4,3 +4,19 @@ import sys
 # tests/models.py is shared by test modules; make it importable as `models`.
 sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+import pytest  # noqa: E402
+
+from models import FAMILIES  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def family_models():
+    """One model of each family (tests/models.py), built once per test module."""
+    return {name: build() for name, build in FAMILIES.items()}
+
+
+@pytest.fixture(scope="module")
+def llama(family_models):
+    return family_models["llama"]

@@ -55,3 +55,12 @@ def prompts(batch: int, length: int, seed: int = 0, pad_id: int = 0, left_pad: l
         mask[row, :pads] = 0
     ids[mask == 0] = pad_id
     return ids, mask
+
+
+def hf_greedy(model, ids, mask, new_tokens):
+    """The oracle: HF generate's greedy response tokens for each prompt, [B, new_tokens]. No EOS (as the
+    rollout tests' eos_token_id=[]; min_new_tokens would instead forbid the EOS token, changing the argmax)."""
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens,
+                             eos_token_id=None, pad_token_id=0)
+    return out[:, ids.shape[1]:]

@@ -11,16 +11,6 @@ import torchkvops
 from models import FAMILIES, prompts
 
 
-@pytest.fixture(scope="module")
-def family_models():
-    return {name: build() for name, build in FAMILIES.items()}
-
-
-@pytest.fixture(scope="module")
-def llama(family_models):
-    return family_models["llama"]
-
-
 def batch_with_runs(seed=0):
     """Left-padded rows: a run of 3 copies of prompt A, a singleton B, 2 copies of C, then A again
     (equal to the first run but not adjacent: it must not be merged with it)."""

@@ -4,22 +4,10 @@ response KV. The oracle is Hugging Face's greedy generate; seeded sampling must 
 import pytest
 import torch
 
-from models import FAMILIES, prompts
+from models import FAMILIES, hf_greedy, prompts
 from torchkvops import Rollout, RolloutConfig
 
 NO_EOS = []
-
-
-@pytest.fixture(scope="module")
-def family_models():
-    return {name: build() for name, build in FAMILIES.items()}
-
-
-def hf_greedy(model, ids, mask, new_tokens):
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens,
-                             eos_token_id=None, pad_token_id=0)
-    return out[:, ids.shape[1]:]
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

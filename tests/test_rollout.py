@@ -5,29 +5,10 @@ import pytest
 import torch
 from transformers import BartConfig, BartForConditionalGeneration
 
-from models import FAMILIES, prompts
+from models import FAMILIES, hf_greedy, prompts
 from torchkvops import Rollout, RolloutConfig, RolloutOutput, RolloutProfile
 
 NO_EOS = []  # never stop early: every response has exactly max_new_tokens tokens
-
-
-@pytest.fixture(scope="module")
-def family_models():
-    return {name: build() for name, build in FAMILIES.items()}
-
-
-@pytest.fixture(scope="module")
-def llama(family_models):
-    return family_models["llama"]
-
-
-def hf_greedy(model, ids, mask, new_tokens):
-    """HF generate's greedy response tokens for each prompt: [B, new_tokens]. No EOS, like NO_EOS here
-    (min_new_tokens would instead forbid the EOS token, changing the argmax)."""
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens,
-                             eos_token_id=None, pad_token_id=0)
-    return out[:, ids.shape[1]:]
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

@@ -255,8 +255,8 @@ def _run(session: _Session, plan: _Plan, input_ids: Tensor, attention_mask: Tens
     same = (input_ids[1:] == input_ids[:-1]).all(dim=1) & (attention_mask[1:] == attention_mask[:-1]).all(dim=1)
     starts = torch.cat([torch.ones(1, dtype=torch.bool, device=device), ~same]).nonzero().flatten()
     counts = torch.diff(starts, append=torch.tensor([input_ids.shape[0]], device=device)) * k
-    starts_list, counts_list = starts.tolist(), counts.tolist()  # host sync: the grouping, once per call
-    groups, samples = len(starts_list), max(counts_list)
+    counts_list = counts.tolist()  # host sync: the grouping, once per call
+    samples = max(counts_list)
     # Output row r (input row r // k, copy r % k) lives at (prompt u, slot j); filler slots are dead.
     slot = torch.arange(samples, device=device)
     live = (slot[None, :] < counts[:, None]).flatten()  # [groups * samples]

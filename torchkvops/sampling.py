@@ -12,7 +12,6 @@ pure-PyTorch oracle it matches. The hash lives here, once, for both.
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 from . import ops

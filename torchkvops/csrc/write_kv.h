@@ -9,6 +9,12 @@
 
 namespace torchkvops {
 
+#if defined(__CUDACC__)
+#define TORCHKVOPS_WRITE_KV_HD __host__ __device__
+#else
+#define TORCHKVOPS_WRITE_KV_HD
+#endif
+
 // key/value [rows, kv_heads, tokens, head_dim] go to cache[layer, 0/1, :rows, :, start:start+tokens].
 // Strides in elements; passed by value to CUDA.
 struct KVWritePlan {
@@ -17,6 +23,23 @@ struct KVWritePlan {
   int64_t dst_strides[4] = {};     // cache strides at dims 2..5 (row, head, token, dim)
   int64_t dst_kv_stride = 0;       // cache.stride(1): K -> V
   int64_t max_tokens = 0;          // cache.size(4): `start + tokens` may not exceed it
+
+  // Run `run` of 2 * rows * heads * tokens (one head_dim vector: K runs first, then V): whether it
+  // is K (0) or V (1), and its first element's offset in key/value and in the layer's cache, in
+  // elements, for a write starting at position `first`.
+  TORCHKVOPS_WRITE_KV_HD inline int64_t run_offsets(int64_t run, int64_t first, int64_t* src_off,
+                                                    int64_t* dst_off) const {
+    const int64_t t = run % tokens;
+    run /= tokens;
+    const int64_t h = run % heads;
+    run /= heads;
+    const int64_t r = run % rows;
+    const int64_t kv = run / rows;
+    const int64_t* ss = src_strides[kv];
+    *src_off = r * ss[0] + h * ss[1] + t * ss[2];
+    *dst_off = kv * dst_kv_stride + r * dst_strides[0] + h * dst_strides[1] + (first + t) * dst_strides[2];
+    return kv;
+  }
 };
 
 inline KVWritePlan check_write_kv_args(const at::Tensor& cache, const at::Tensor& key, const at::Tensor& value,

@@ -26,17 +26,11 @@ void write_kv_cpu_(at::Tensor& cache, const at::Tensor& key, const at::Tensor& v
   const int64_t runs = 2 * p.rows * p.heads * p.tokens;
   at::parallel_for(0, runs, kMinRunsPerTask, [&](int64_t begin, int64_t end) {
     for (int64_t run = begin; run < end; ++run) {
-      int64_t i = run;
-      const int64_t t = i % p.tokens;
-      i /= p.tokens;
-      const int64_t h = i % p.heads;
-      i /= p.heads;
-      const int64_t r = i % p.rows;
-      const int64_t kv = i / p.rows;
+      int64_t src_off, dst_off;
+      const int64_t kv = p.run_offsets(run, first, &src_off, &dst_off);
       const int64_t* ss = p.src_strides[kv];
-      const char* src = src_base[kv] + (r * ss[0] + h * ss[1] + t * ss[2]) * elem;
-      char* dst = dst_base + (kv * p.dst_kv_stride + r * p.dst_strides[0] + h * p.dst_strides[1] +
-                              (first + t) * p.dst_strides[2]) * elem;
+      const char* src = src_base[kv] + src_off * elem;
+      char* dst = dst_base + dst_off * elem;
       if (dense) {
         std::memcpy(dst, src, p.head_dim * elem);
       } else {

@@ -37,20 +37,12 @@ __global__ void write_kv_kernel(const KVWritePlan p,
   const int64_t elems_per_vec = static_cast<int64_t>(sizeof(Vec)) / elem;
   for (int64_t item = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; item < items;
        item += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    int64_t i = item;
-    const int64_t v = i % vecs_per_run;
-    i /= vecs_per_run;
-    const int64_t t = i % p.tokens;
-    i /= p.tokens;
-    const int64_t h = i % p.heads;
-    i /= p.heads;
-    const int64_t r = i % p.rows;
-    const int64_t kv = i / p.rows;
-    const int64_t* ss = p.src_strides[kv];
+    const int64_t v = item % vecs_per_run;
+    int64_t src_off, dst_off;
+    const int64_t kv = p.run_offsets(item / vecs_per_run, first, &src_off, &dst_off);
     const int64_t d = v * elems_per_vec;  // first element of this Vec within head_dim
-    const char* src = (kv == 0 ? key : value) + (r * ss[0] + h * ss[1] + t * ss[2] + d * ss[3]) * elem;
-    char* dst = layer_cache + (kv * p.dst_kv_stride + r * p.dst_strides[0] + h * p.dst_strides[1] +
-                               (first + t) * p.dst_strides[2] + d * p.dst_strides[3]) * elem;
+    const char* src = (kv == 0 ? key : value) + (src_off + d * p.src_strides[kv][3]) * elem;
+    char* dst = layer_cache + (dst_off + d * p.dst_strides[3]) * elem;
     *reinterpret_cast<Vec*>(dst) = *reinterpret_cast<const Vec*>(src);
   }
 }
