@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from torch.profiler import ProfilerActivity, profile
 
 import torchkvops
+from devices import DEVICES, requires_gpu
 from torchkvops import reference
 
 DTYPES = [
@@ -30,10 +31,6 @@ DTYPES = [
     torch.float8_e5m2,
 ]
 ONE_BYTE_DTYPES = [d for d in DTYPES if d.itemsize == 1]
-
-HAS_GPU = torch.cuda.is_available()
-cuda = pytest.mark.cuda
-requires_gpu = pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU")
 
 # Layouts of the cache handed to the op, each viewed from a larger random buffer:
 #   contiguous   - the buffer itself
@@ -76,33 +73,44 @@ def assert_same_bytes(actual: torch.Tensor, expected: torch.Tensor) -> None:
 
 def make_cache(shape, dtype, layout="contiguous", device="cpu", gen=None) -> torch.Tensor:
     """A view of shape `shape` [*lead, rows, heads, tokens, head_dim] with the given layout over a
-    buffer of random bytes. The buffer is reachable as the view's storage."""
+    buffer of random bytes, on `device`. The buffer is reachable as the view's storage. The bytes come
+    from the CPU generator `gen`, so a seed gives the same bytes on every device."""
     *lead, rows, heads, tokens, hd = shape
     lead = list(lead)
     if layout == "contiguous":
-        buf = torch.empty(shape, dtype=dtype, device=device)
+        buf = torch.empty(shape, dtype=dtype)
         view = buf
     elif layout == "token_slice":
-        buf = torch.empty(lead + [rows, heads, tokens + 3, hd], dtype=dtype, device=device)
+        buf = torch.empty(lead + [rows, heads, tokens + 3, hd], dtype=dtype)
         view = buf[..., 1 : 1 + tokens, :]
     elif layout == "row_slice":
-        buf = torch.empty(lead + [rows + 2, heads, tokens, hd], dtype=dtype, device=device)
+        buf = torch.empty(lead + [rows + 2, heads, tokens, hd], dtype=dtype)
         view = buf[..., 1 : 1 + rows, :, :, :]
     elif layout == "head_slice":
-        buf = torch.empty(lead + [rows, heads, tokens, hd + 3], dtype=dtype, device=device)
+        buf = torch.empty(lead + [rows, heads, tokens, hd + 3], dtype=dtype)
         view = buf[..., 1 : 1 + hd]
     elif layout == "heads_inner":
-        buf = torch.empty(lead + [rows, tokens, heads, hd], dtype=dtype, device=device)
+        buf = torch.empty(lead + [rows, tokens, heads, hd], dtype=dtype)
         view = buf.transpose(-3, -2)
     elif layout == "rows_inner":
-        buf = torch.empty(lead + [heads, tokens, rows, hd], dtype=dtype, device=device)
+        buf = torch.empty(lead + [heads, tokens, rows, hd], dtype=dtype)
         n = buf.dim()
         view = buf.permute(*range(n - 4), n - 2, n - 4, n - 3, n - 1)
     else:
         raise ValueError(layout)
     assert tuple(view.shape) == tuple(shape), (view.shape, shape)
     random_bytes_(view, gen)
-    return view
+    return _on(view, device)
+
+
+def _on(t, device):
+    """t with its whole buffer moved to device, same strides and offset (Tensor.to would compact it)."""
+    if t.device == torch.device(device):
+        return t
+    moved = storage_bytes(t).to(device)
+    return torch.empty(0, dtype=t.dtype, device=device).set_(
+        moved.untyped_storage(), t.storage_offset(), t.shape, t.stride()
+    )
 
 
 def twin(view: torch.Tensor) -> torch.Tensor:
@@ -369,26 +377,13 @@ def opcheck_samples(device):
     return inplace, functional
 
 
-def _on(t, device):
-    """t with its whole buffer moved to device, same strides and offset (Tensor.to would compact it)."""
-    if t.device == torch.device(device):
-        return t
-    moved = storage_bytes(t).to(device)
-    return torch.empty(0, dtype=t.dtype, device=device).set_(
-        moved.untyped_storage(), t.storage_offset(), t.shape, t.stride()
-    )
-
-
-def run_opcheck(device):
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck(device):
     inplace, functional = opcheck_samples(device)
     for args in inplace:
         torch.library.opcheck(torch.ops.torchkvops.repeat_kv_cache_.default, args, raise_exception=True)
     for args in functional:
         torch.library.opcheck(torch.ops.torchkvops.repeat_kv_cache.default, args, raise_exception=True)
-
-
-def test_opcheck_cpu():
-    run_opcheck("cpu")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -563,13 +558,7 @@ def test_cuda_kernels_are_compiled_in():
 # CUDA (skipped without a GPU)
 
 
-@cuda
-@requires_gpu
-def test_opcheck_cuda():
-    run_opcheck("cuda")
-
-
-@cuda
+@pytest.mark.cuda
 @requires_gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -586,7 +575,7 @@ def test_cuda_inplace_and_functional_match_reference(dtype, layout):
         check_functional(_on(make_cache(shape, dtype, layout, gen=gen), "cuda"), repeats)
 
 
-@cuda
+@pytest.mark.cuda
 @requires_gpu
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(inplace_cases(), st.randoms(use_true_random=False))
@@ -596,7 +585,7 @@ def test_cuda_inplace_property(case, rnd):
     check_inplace(_on(make_cache(shape, dtype, layout, gen=gen), "cuda"), batch, repeats, num_tokens)
 
 
-@cuda
+@pytest.mark.cuda
 @requires_gpu
 @pytest.mark.parametrize("dtype", ONE_BYTE_DTYPES + [torch.float16], ids=str)
 @pytest.mark.parametrize("offset", [0, 1, 2, 4, 8])
@@ -607,7 +596,7 @@ def test_cuda_unaligned(dtype, offset):
     check_functional(buf[offset : offset + n].view(9, 2, 10, 16), 2)
 
 
-@cuda
+@pytest.mark.cuda
 @requires_gpu
 def test_cuda_every_batch_and_repeats_level_order():
     gen = torch.Generator().manual_seed(9)
@@ -617,7 +606,7 @@ def test_cuda_every_batch_and_repeats_level_order():
             check_inplace(cache, batch, repeats, 3)
 
 
-@cuda
+@pytest.mark.cuda
 @requires_gpu
 def test_cuda_inplace_allocates_nothing_the_size_of_the_cache():
     cache = _on(make_cache([2, 2, 16, 4, 64, 32], torch.float32), "cuda")
@@ -636,7 +625,7 @@ def test_cuda_inplace_allocates_nothing_the_size_of_the_cache():
     assert peak_extra(lambda: reference.repeat_kv_cache_(cache, 4, 4, 56)) >= limit
 
 
-@cuda
+@pytest.mark.cuda
 @requires_gpu
 def test_cuda_graph_capture_and_replay():
     batch, repeats, num_tokens = 3, 4, 37

@@ -1,0 +1,16 @@
+"""Device parameters shared by test modules: one test body, run once per device, as extension-cpp's
+`sample_inputs(device)` does.
+
+    @pytest.mark.parametrize("device", DEVICES)
+    def test_something(device): ...
+
+The `cuda` param is always collected, so `pytest -m cuda` selects it, and is skipped without a GPU.
+"""
+
+import pytest
+import torch
+
+HAS_GPU = torch.cuda.is_available()
+requires_gpu = pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU")
+CUDA = pytest.param("cuda", marks=[pytest.mark.cuda, requires_gpu])
+DEVICES = ["cpu", CUDA]
