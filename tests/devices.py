@@ -14,3 +14,11 @@ HAS_GPU = torch.cuda.is_available()
 requires_gpu = pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU")
 CUDA = pytest.param("cuda", marks=[pytest.mark.cuda, requires_gpu])
 DEVICES = ["cpu", CUDA]
+
+
+def per_device(cpu_cases, cuda_cases):
+    """("device", case) params for a test whose case list differs by device:
+    @pytest.mark.parametrize("device,case", per_device(cpu_cases, cuda_cases))."""
+    return [pytest.param("cpu", case) for case in cpu_cases] + [
+        pytest.param("cuda", case, marks=CUDA.marks) for case in cuda_cases
+    ]

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from torch.profiler import ProfilerActivity, profile
 
 import torchkvops
-from devices import DEVICES, requires_gpu
+from devices import DEVICES, per_device, requires_gpu
 from torchkvops import reference
 
 DTYPES = [
@@ -198,19 +198,46 @@ def test_functional_matches_reference_property(case, rnd):
     check_functional(make_cache(shape, dtype, layout, gen=gen), repeats)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_inplace_every_dtype_and_layout(dtype, layout):
-    # A whole [layers, 2, rows, kv_heads, max_tokens, head_dim] buffer; head_dim 19 is odd.
-    gen = torch.Generator().manual_seed(0)
-    check_inplace(make_cache([2, 2, 13, 3, 11, 19], dtype, layout, gen=gen), 3, 4, 7)
+# (shape, batch, repeats, num_tokens), run on every dtype and layout
+EVERY_DTYPE_CASES = [
+    ([2, 2, 13, 3, 11, 19], 3, 4, 7),  # a whole [layers, 2, rows, kv_heads, max_tokens, head_dim] buffer; head_dim 19 is odd
+    ([9, 1, 17, 33], 1, 9, 17),
+    ([35, 2, 3, 8], 17, 2, 2),
+]
+# CUDA only: its kernel moves runs in 16-byte vectors where alignment allows, which this shape does for
+# every dtype. The CPU kernel memcpys whole runs; its large runs are test_rows_of_several_copy_tiles.
+VECTOR_CASES = [([2, 2, 16, 4, 64, 64], 4, 4, 50)]
+# (shape, repeats) for the functional op: its own small case, then the shapes above
+FUNCTIONAL_CASES = [([2, 3, 2, 5, 19], 3)] + [(shape, repeats) for shape, _, repeats, _ in EVERY_DTYPE_CASES]
+FUNCTIONAL_VECTOR_CASES = [(shape, repeats) for shape, _, repeats, _ in VECTOR_CASES]
+
+
+def _id(value):
+    """Test ids for per_device params: the device, or a case's shape and arguments."""
+    if isinstance(value, str):
+        return value
+    shape, *args = value
+    return "x".join(map(str, shape)) + "".join(f"-{a}" for a in args)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_functional_every_dtype_and_layout(dtype, layout):
+@pytest.mark.parametrize("device,case", per_device(EVERY_DTYPE_CASES, EVERY_DTYPE_CASES + VECTOR_CASES), ids=_id)
+def test_inplace_every_dtype_and_layout(device, case, dtype, layout):
+    shape, batch, repeats, num_tokens = case
     gen = torch.Generator().manual_seed(0)
-    check_functional(make_cache([2, 3, 2, 5, 19], dtype, layout, gen=gen), 3)
+    check_inplace(make_cache(shape, dtype, layout, device, gen), batch, repeats, num_tokens)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize(
+    "device,case", per_device(FUNCTIONAL_CASES, FUNCTIONAL_CASES + FUNCTIONAL_VECTOR_CASES), ids=_id
+)
+def test_functional_every_dtype_and_layout(device, case, dtype, layout):
+    shape, repeats = case
+    gen = torch.Generator().manual_seed(0)
+    check_functional(make_cache(shape, dtype, layout, device, gen), repeats)
 
 
 @pytest.mark.parametrize("dtype", ONE_BYTE_DTYPES, ids=str)
@@ -556,23 +583,6 @@ def test_cuda_kernels_are_compiled_in():
 
 # ----------------------------------------------------------------------------------------------------
 # CUDA (skipped without a GPU)
-
-
-@pytest.mark.cuda
-@requires_gpu
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_cuda_inplace_and_functional_match_reference(dtype, layout):
-    gen = torch.Generator().manual_seed(8)
-    for shape, batch, repeats, num_tokens in [
-        ([2, 2, 13, 3, 11, 19], 3, 4, 7),
-        ([2, 2, 16, 4, 64, 64], 4, 4, 50),  # 16-byte vectors for every dtype
-        ([9, 1, 17, 33], 1, 9, 17),
-        ([35, 2, 3, 8], 17, 2, 2),
-    ]:
-        cache = _on(make_cache(shape, dtype, layout, gen=gen), "cuda")
-        check_inplace(cache, batch, repeats, num_tokens)
-        check_functional(_on(make_cache(shape, dtype, layout, gen=gen), "cuda"), repeats)
 
 
 @pytest.mark.cuda
