@@ -169,12 +169,13 @@ def inplace_cases(draw):
     return [*lead, rows, heads, max_tokens, head_dim], dtype, layout, batch, repeats, num_tokens
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(inplace_cases(), st.randoms(use_true_random=False))
-def test_inplace_matches_reference_property(case, rnd):
+def test_inplace_matches_reference_property(device, case, rnd):
     shape, dtype, layout, batch, repeats, num_tokens = case
     gen = torch.Generator().manual_seed(rnd.getrandbits(32))
-    check_inplace(make_cache(shape, dtype, layout, gen=gen), batch, repeats, num_tokens)
+    check_inplace(make_cache(shape, dtype, layout, device, gen), batch, repeats, num_tokens)
 
 
 @st.composite
@@ -583,16 +584,6 @@ def test_cuda_kernels_are_compiled_in():
 
 # ----------------------------------------------------------------------------------------------------
 # CUDA (skipped without a GPU)
-
-
-@pytest.mark.cuda
-@requires_gpu
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(inplace_cases(), st.randoms(use_true_random=False))
-def test_cuda_inplace_property(case, rnd):
-    shape, dtype, layout, batch, repeats, num_tokens = case
-    gen = torch.Generator().manual_seed(rnd.getrandbits(32))
-    check_inplace(_on(make_cache(shape, dtype, layout, gen=gen), "cuda"), batch, repeats, num_tokens)
 
 
 @pytest.mark.cuda
