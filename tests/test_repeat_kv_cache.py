@@ -241,12 +241,22 @@ def test_functional_every_dtype_and_layout(device, case, dtype, layout):
     check_functional(make_cache(shape, dtype, layout, device, gen), repeats)
 
 
-@pytest.mark.parametrize("dtype", ONE_BYTE_DTYPES, ids=str)
-@pytest.mark.parametrize("offset", [0, 1, 3, 7, 15])
-def test_inplace_unaligned_one_byte(dtype, offset):
-    # A view starting `offset` bytes into its buffer, head_dim 13 bytes: no vector width above 1 fits.
-    buf = random_bytes_(torch.empty(9 * 2 * 10 * 13 + 16, dtype=dtype), torch.Generator().manual_seed(offset))
-    cache = buf[offset : offset + 9 * 2 * 10 * 13].view(9, 2, 10, 13)
+# (dtype, offset in elements, head_dim)
+UNALIGNED_CASES = [
+    # one-byte dtypes, head_dim 13 bytes: no vector width above 1 fits
+    *[(dtype, offset, 13) for dtype in ONE_BYTE_DTYPES for offset in [0, 1, 3, 7, 15]],
+    # head_dim 16: the offset alone sets the widest vector that fits (16 bytes at offset 0)
+    *[(dtype, offset, 16) for dtype in ONE_BYTE_DTYPES + [torch.float16] for offset in [0, 1, 2, 4, 8]],
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype,offset,head_dim", UNALIGNED_CASES, ids=str)
+def test_unaligned(device, dtype, offset, head_dim):
+    # A [9, 2, 10, head_dim] view starting `offset` elements into its buffer.
+    n = 9 * 2 * 10 * head_dim
+    buf = _on(random_bytes_(torch.empty(n + 16, dtype=dtype), torch.Generator().manual_seed(offset)), device)
+    cache = buf[offset : offset + n].view(9, 2, 10, head_dim)
     check_inplace(cache, 2, 4, 9)
     check_functional(cache, 2)
 
@@ -584,17 +594,6 @@ def test_cuda_kernels_are_compiled_in():
 
 # ----------------------------------------------------------------------------------------------------
 # CUDA (skipped without a GPU)
-
-
-@pytest.mark.cuda
-@requires_gpu
-@pytest.mark.parametrize("dtype", ONE_BYTE_DTYPES + [torch.float16], ids=str)
-@pytest.mark.parametrize("offset", [0, 1, 2, 4, 8])
-def test_cuda_unaligned(dtype, offset):
-    n = 9 * 2 * 10 * 16
-    buf = _on(random_bytes_(torch.empty(n + 16, dtype=dtype)), "cuda")
-    check_inplace(buf[offset : offset + n].view(9, 2, 10, 16), 2, 4, 9)
-    check_functional(buf[offset : offset + n].view(9, 2, 10, 16), 2)
 
 
 @pytest.mark.cuda
