@@ -271,14 +271,20 @@ def test_rows_of_several_copy_tiles(dtype, layout):
     check_functional(make_cache([3, 2, 3, 6, 33, 128], dtype, layout, gen=gen), 3)
 
 
-def test_every_batch_and_repeats_level_order():
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "dtype,head_dim,token_counts",
+    [(torch.float32, 3, (1, 4)), (torch.float16, 8, (3,))],
+    ids=["fp32-hd3", "fp16-hd8"],
+)
+def test_every_batch_and_repeats_level_order(device, dtype, head_dim, token_counts):
     # Exhaustive over the level order of the in-place expansion: B in 1..17, N in 1..9.
     gen = torch.Generator().manual_seed(0)
     for batch in range(1, 18):
         for repeats in range(1, 10):
             rows = batch * repeats + 1
-            for num_tokens in (1, 4):
-                cache = make_cache([2, rows, 2, 4, 3], torch.float32, gen=gen)
+            for num_tokens in token_counts:
+                cache = make_cache([2, rows, 2, 4, head_dim], dtype, device=device, gen=gen)
                 check_inplace(cache, batch, repeats, num_tokens)
 
 
@@ -594,16 +600,6 @@ def test_cuda_kernels_are_compiled_in():
 
 # ----------------------------------------------------------------------------------------------------
 # CUDA (skipped without a GPU)
-
-
-@pytest.mark.cuda
-@requires_gpu
-def test_cuda_every_batch_and_repeats_level_order():
-    gen = torch.Generator().manual_seed(9)
-    for batch in range(1, 18):
-        for repeats in range(1, 10):
-            cache = _on(make_cache([2, batch * repeats + 1, 2, 4, 8], torch.float16, gen=gen), "cuda")
-            check_inplace(cache, batch, repeats, 3)
 
 
 @pytest.mark.cuda
