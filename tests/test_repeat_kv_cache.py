@@ -321,27 +321,42 @@ def largest_cpu_allocation(fn) -> int:
     return max([e.cpu_memory_usage for e in prof.events()] + [0])
 
 
-def _alloc_case():
+def largest_allocation(device, fn) -> int:
+    """Bytes allocated on device while fn ran: on the CPU the largest single allocation by one op (the
+    profiler's per-event memory), on CUDA the caching allocator's peak above its level before fn."""
+    if device == "cpu":
+        return largest_cpu_allocation(fn)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
+def _alloc_case(device):
     # A 2 MiB cache; the prompts (4 rows x 56 of 64 positions) are 22% of it, the expansion 88%.
-    cache = make_cache([2, 2, 16, 4, 64, 32], torch.float32, gen=torch.Generator().manual_seed(3))
+    cache = make_cache([2, 2, 16, 4, 64, 32], torch.float32, device=device, gen=torch.Generator().manual_seed(3))
     return cache, 4, 4, 56
 
 
-def test_inplace_allocates_nothing_the_size_of_the_cache():
-    cache, batch, repeats, num_tokens = _alloc_case()
+@pytest.mark.parametrize("device", DEVICES)
+def test_inplace_allocates_nothing_the_size_of_the_cache(device):
+    cache, batch, repeats, num_tokens = _alloc_case(device)
     limit = cache.nbytes // 16
-    largest = largest_cpu_allocation(lambda: torchkvops.repeat_kv_cache_(cache, batch, repeats, num_tokens))
+    largest = largest_allocation(device, lambda: torchkvops.repeat_kv_cache_(cache, batch, repeats, num_tokens))
     assert largest < limit, f"repeat_kv_cache_ allocated {largest} bytes during the op (cache: {cache.nbytes})"
 
 
-def test_allocation_detector_catches_copies():
+@pytest.mark.parametrize("device", DEVICES)
+def test_allocation_detector_catches_copies(device):
     # The check above is honest: it flags the reference (which clones the prompts and materialises
     # the repeat_interleave), a whole-cache clone, and the functional op (a new output).
-    cache, batch, repeats, num_tokens = _alloc_case()
+    cache, batch, repeats, num_tokens = _alloc_case(device)
     limit = cache.nbytes // 16
-    assert largest_cpu_allocation(lambda: reference.repeat_kv_cache_(cache, batch, repeats, num_tokens)) >= limit
-    assert largest_cpu_allocation(lambda: cache.clone()) >= cache.nbytes
-    assert largest_cpu_allocation(lambda: torchkvops.repeat_kv_cache(cache, 2)) >= 2 * cache.nbytes
+    assert largest_allocation(device, lambda: reference.repeat_kv_cache_(cache, batch, repeats, num_tokens)) >= limit
+    assert largest_allocation(device, lambda: cache.clone()) >= cache.nbytes
+    assert largest_allocation(device, lambda: torchkvops.repeat_kv_cache(cache, 2)) >= 2 * cache.nbytes
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -600,25 +615,6 @@ def test_cuda_kernels_are_compiled_in():
 
 # ----------------------------------------------------------------------------------------------------
 # CUDA (skipped without a GPU)
-
-
-@pytest.mark.cuda
-@requires_gpu
-def test_cuda_inplace_allocates_nothing_the_size_of_the_cache():
-    cache = _on(make_cache([2, 2, 16, 4, 64, 32], torch.float32), "cuda")
-    limit = cache.nbytes // 16
-
-    def peak_extra(fn):
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        fn()
-        torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() - base
-
-    assert peak_extra(lambda: torchkvops.repeat_kv_cache_(cache, 4, 4, 56)) < limit
-    # The same check flags an op that copies.
-    assert peak_extra(lambda: reference.repeat_kv_cache_(cache, 4, 4, 56)) >= limit
 
 
 @pytest.mark.cuda
