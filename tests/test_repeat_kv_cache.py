@@ -4,6 +4,11 @@ The oracle is torchkvops.reference. Results are compared byte for byte (random b
 buffer, so float NaN payloads and float8 values, which lack equality ops, are compared exactly), and
 the in-place op is always checked over the whole underlying buffer, not only the view it was given:
 nothing outside rows [0, batch*repeats) x positions [0, num_tokens) may change.
+
+Each test that runs an op on a device has one body, parametrized by device (tests/devices.py: `cpu`,
+and `cuda`, marked `cuda` and skipped without a GPU). Where the devices need different cases,
+devices.per_device gives each its own list: the CUDA kernel's 16-byte vector path gets a larger shape.
+CUDA-graph capture is CUDA only; the build checks (CUDA kernels compiled in, OpenMP) need no device.
 """
 
 import os
@@ -613,8 +618,18 @@ def test_cuda_kernels_are_compiled_in():
     assert torchkvops.has_cuda_kernels()
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="OpenMP build flag is set on Linux only")
+def test_cpu_kernels_are_built_with_openmp():
+    # at::parallel_for is a header template that compiles to a plain serial loop unless the extension
+    # itself is built with -fopenmp; then the CPU kernels silently use one thread. The library must
+    # call into the OpenMP runtime.
+    with open(torchkvops._C.__file__, "rb") as fh:
+        blob = fh.read()
+    assert b"GOMP_parallel" in blob or b"__kmpc_fork_call" in blob
+
+
 # ----------------------------------------------------------------------------------------------------
-# CUDA (skipped without a GPU)
+# CUDA only (skipped without a GPU)
 
 
 @pytest.mark.cuda
@@ -639,13 +654,3 @@ def test_cuda_graph_capture_and_replay():
         graph.replay()
         torch.cuda.synchronize()
         assert_same_bytes(static, expected)
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="OpenMP build flag is set on Linux only")
-def test_cpu_kernels_are_built_with_openmp():
-    # at::parallel_for is a header template that compiles to a plain serial loop unless the extension
-    # itself is built with -fopenmp; then the CPU kernels silently use one thread. The library must
-    # call into the OpenMP runtime.
-    with open(torchkvops._C.__file__, "rb") as fh:
-        blob = fh.read()
-    assert b"GOMP_parallel" in blob or b"__kmpc_fork_call" in blob
