@@ -204,14 +204,15 @@ def test_functional_matches_reference_property(case, rnd):
     check_functional(make_cache(shape, dtype, layout, gen=gen), repeats)
 
 
-# (shape, batch, repeats, num_tokens), run on every dtype and layout
+# (shape, batch, repeats, num_tokens), run on every dtype and layout. The first is a whole
+# [layers, 2, rows, kv_heads, max_tokens, head_dim] buffer; head_dim 19 is odd.
 EVERY_DTYPE_CASES = [
-    ([2, 2, 13, 3, 11, 19], 3, 4, 7),  # a whole [layers, 2, rows, kv_heads, max_tokens, head_dim] buffer; head_dim 19 is odd
+    ([2, 2, 13, 3, 11, 19], 3, 4, 7),
     ([9, 1, 17, 33], 1, 9, 17),
     ([35, 2, 3, 8], 17, 2, 2),
 ]
-# CUDA only: its kernel moves runs in 16-byte vectors where alignment allows, which this shape does for
-# every dtype. The CPU kernel memcpys whole runs; its large runs are test_rows_of_several_copy_tiles.
+# CUDA only: its kernel moves runs in 16-byte vectors where alignment allows, as this shape does for
+# every dtype. The CPU kernel memcpys whole runs (large ones: test_rows_of_several_copy_tiles).
 VECTOR_CASES = [([2, 2, 16, 4, 64, 64], 4, 4, 50)]
 # (shape, repeats) for the functional op: its own small case, then the shapes above
 FUNCTIONAL_CASES = [([2, 3, 2, 5, 19], 3)] + [(shape, repeats) for shape, _, repeats, _ in EVERY_DTYPE_CASES]
