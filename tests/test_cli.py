@@ -517,8 +517,11 @@ def test_bad_flags_fail_at_parse_time_with_one_line(args, needle, capsys, monkey
     assert err.rstrip().endswith(f"(see torchkvops {args[0]} --help)"), err  # the subcommand's help
 
 
-@pytest.mark.parametrize("args", [["--help"], ["rollout", "--help"], ["bench", "--help"], ["bench-op", "--help"],
-                                  ["bench-op", "--factor", "1"], ["bench", "--iteratons", "3"]])
+HELP_AND_ERRORS = [["--help"], ["rollout", "--help"], ["bench", "--help"], ["bench-op", "--help"],
+                   ["bench-op", "--factor", "1"], ["bench", "--iteratons", "3"]]
+
+
+@pytest.mark.parametrize("args", HELP_AND_ERRORS, ids=[" ".join(a) for a in HELP_AND_ERRORS])
 def test_help_and_argument_errors_import_neither_torch_nor_transformers(args):
     proc = run_cli(*args, python_flags=["-X", "importtime"])
     assert proc.returncode == (0 if "--help" in args else 2), proc.stderr[-2000:]

@@ -343,11 +343,19 @@ def execute(args: argparse.Namespace) -> int:
     """`torchkvops bench-op`: run, print the table, write --output (after every size, atomically)."""
     from .bench import write_json_atomic
 
+    done: list[dict] = []
+
     def save(rows: list[dict]) -> None:
+        done[:] = rows
         if args.output:
             write_json_atomic(args.output, rows)
 
-    results = run(args, on_row=save)
+    try:
+        results = run(args, on_row=save)
+    except KeyboardInterrupt:
+        kept = f"; their rows are in {args.output}" if args.output and done else ""
+        print(f"torchkvops: interrupted after {len(done)} size(s){kept}", file=sys.stderr)
+        return 130
     r0 = results[0] if results else {}
     print(
         f"repeat_kv_cache_ bandwidth: device={r0.get('device_name', args.device)} dtype={args.dtype} "
