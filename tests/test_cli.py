@@ -678,7 +678,7 @@ def test_output_check_leaves_an_existing_file_alone(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["old.json"]  # nothing created
 
 
-def test_kv_cache_larger_than_memory_fails_before_the_model_is_built(capsys, monkeypatch):
+def test_sizes_the_model_cannot_take_fail_before_it_is_built(capsys, monkeypatch):
     monkeypatch.setattr(cli, "load_model", lambda *a, **k: pytest.fail("the model was built"))
     monkeypatch.setattr(cli, "available_memory_bytes", lambda: 2**30)  # 1 GiB free, on any machine
     # 64 prompts x 16 samples x (1024 + 512) tokens of opt-125m's KV in fp32: about 108 GiB.
@@ -688,6 +688,10 @@ def test_kv_cache_larger_than_memory_fails_before_the_model_is_built(capsys, mon
     assert rc == 2 and err.count("\n") == 1, err
     assert "the KV cache of 1024 rows x 1536 tokens takes about 108.0 GiB, more than the 1.0 GiB free on cpu" in err
     assert "--num-prompts" in err
+    rc = cli.main(["rollout", *TINY, "--device", "cpu", "--prompt-length", "3000"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1, err
+    assert "--prompt-length 3000 + --max-new-tokens 32 = 3032 tokens, more than the model's 2048 positions" in err
 
 
 # --- bench: the JSON after every case, atomically ------------------------------------------------

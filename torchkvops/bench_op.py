@@ -251,6 +251,8 @@ def run(args: Sequence[str] | argparse.Namespace | None = None,
     sizes = plan(args)
     if device.type == "cuda":
         check_memory(args, sizes, torch.cuda.mem_get_info(device)[0], f"free on {device}")
+    else:  # (already checked at parse time when --device cpu was given)
+        check_memory(args, sizes, available_memory_bytes(), "available here")
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, DTYPE_NAMES[args.dtype])

@@ -524,15 +524,18 @@ def device_memory_bytes(device) -> int | None:
     return available_memory_bytes()
 
 
-def check_fits(config, device, dtype, rows: int, prompt_len: int, new_tokens: int, what: str, hint: str) -> None:
-    """Before the model is built: prompt + response fit the model's positions, and the KV cache fits in
-    the memory free on the device (an estimate that leaves out weights and activations, so it refuses
-    only what cannot work)."""
-    total = prompt_len + new_tokens
+def check_positions(config, total: int, what: str, hint: str) -> None:
+    """Before the model is built: prompt + response fit the model's positions (the rollout checks
+    again, with its own message; this one names the flags)."""
     max_positions = getattr(config, "max_position_embeddings", None)
     if isinstance(max_positions, int) and total > max_positions:
-        raise CLIError(f"{what}: prompt length + max_new_tokens = {total} exceeds the model's {max_positions} "
-                       f"positions (max_position_embeddings); {hint}")
+        raise CLIError(f"{what} = {total} tokens, more than the model's {max_positions} positions "
+                       f"(max_position_embeddings); {hint}")
+
+
+def check_kv_memory(config, device, dtype, rows: int, total: int, what: str, hint: str) -> None:
+    """Before the model is built: the KV cache fits in the memory free on the device. An estimate
+    that leaves out weights and activations, so it refuses only what cannot work."""
     need = kv_cache_bytes(config, rows, total, dtype.itemsize)
     have = device_memory_bytes(device)
     if need is not None and have is not None and need > have:
@@ -583,9 +586,12 @@ def cmd_rollout(args) -> int:
     model_config, source = load_config(args)
     n, rows = args.samples_per_prompt, args.num_prompts * args.samples_per_prompt
     if not texts:
-        check_fits(model_config, device, dtype, rows, args.prompt_length, args.max_new_tokens,
-                   f"--num-prompts {args.num_prompts} x -n {n}, --prompt-length {args.prompt_length}",
-                   "lower --prompt-length, --max-new-tokens, --num-prompts or --samples-per-prompt")
+        check_positions(model_config, args.prompt_length + args.max_new_tokens,
+                        f"--prompt-length {args.prompt_length} + --max-new-tokens {args.max_new_tokens}",
+                        "lower one of them")
+        check_kv_memory(model_config, device, dtype, rows, args.prompt_length + args.max_new_tokens,
+                        f"--num-prompts {args.num_prompts} x -n {n}",
+                        "lower --num-prompts, --samples-per-prompt, --prompt-length or --max-new-tokens")
     model, tokenizer, _ = load_model(args, model_config, source, device, dtype)
     if texts:
         if tokenizer is None:
@@ -596,9 +602,11 @@ def cmd_rollout(args) -> int:
         if input_ids.shape[1] == 0:
             raise CLIError("the prompts encode to no tokens")
         config.pad_token_id = tokenizer.pad_token_id
-        check_fits(model_config, device, dtype, len(texts) * n, input_ids.shape[1], args.max_new_tokens,
-                   f"{len(texts)} prompt(s) x -n {n}",
-                   f"the longest prompt has {input_ids.shape[1]} tokens: shorten it or lower --max-new-tokens")
+        total = input_ids.shape[1] + args.max_new_tokens
+        check_positions(model_config, total, f"the longest prompt's {input_ids.shape[1]} tokens + --max-new-tokens "
+                                             f"{args.max_new_tokens}", "shorten it or lower --max-new-tokens")
+        check_kv_memory(model_config, device, dtype, len(texts) * n, total, f"{len(texts)} prompt(s) x -n {n}",
+                        "fewer prompts, a lower --samples-per-prompt or --max-new-tokens")
     else:
         from .bench import Case, synthetic_prompts
 
@@ -652,12 +660,13 @@ def cmd_bench(args) -> int:
     cases = bench.plan_cases(args.batch_sizes, args.samples_per_prompt, args.prompt_lengths, args.response_lengths)
     model_config, source = load_config(args)
     longest = max(cases, key=lambda c: c.prompt_length + c.response_length)
-    check_fits(model_config, device, dtype, longest.rows, longest.prompt_length, longest.response_length,
-               f"case {longest.name}", "lower --prompt-lengths or --response-lengths")
+    check_positions(model_config, longest.prompt_length + longest.response_length,
+                    f"case {longest.name}: --prompt-lengths {longest.prompt_length} + --response-lengths "
+                    f"{longest.response_length}", "lower them")
     biggest = max(cases, key=lambda c: c.rows * (c.prompt_length + c.response_length))
-    check_fits(model_config, device, dtype, biggest.rows, biggest.prompt_length, biggest.response_length,
-               f"case {biggest.name}", "lower --batch-sizes, --samples-per-prompt, --prompt-lengths or "
-                                       "--response-lengths")
+    check_kv_memory(model_config, device, dtype, biggest.rows, biggest.prompt_length + biggest.response_length,
+                    f"case {biggest.name}", "lower --batch-sizes, --samples-per-prompt, --prompt-lengths or "
+                                            "--response-lengths")
     if args.trace:
         try:
             os.makedirs(args.trace, exist_ok=True)
