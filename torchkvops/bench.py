@@ -76,8 +76,9 @@ FILE_NOTE = ("status: 'partial' while the run goes on (rewritten after every cas
 # --- files ---------------------------------------------------------------------------------------
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:
     """Write text to path through a temporary file in the same folder renamed into place: readers
-    see the old file or the new one, never half of one; on failure the old file stays."""
-    path = os.fspath(path)
+    see the old file or the new one, never half of one; on failure the old file stays. (A symlink is
+    followed: the file it points to is replaced, the link stays.)"""
+    path = os.path.realpath(os.fspath(path))
     folder = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
     try:
@@ -454,8 +455,8 @@ def run_matrix(model: nn.Module, cases: Sequence[Case], modes: Sequence[str], se
             first = time.perf_counter() - start
             est = estimate_seconds(first, cases, order, len(modes), per_mode)
             bar.write(f"bench: {total_calls} calls in all ({len(cases)} case(s) x {len(modes)} mode(s) x {per_mode}); "
-                      f"the first took {first:.1f} s, so the run may take about {_duration(est)} (a rough estimate: "
-                      f"later cases scaled by rows x (P+R); the first call also pays one-time costs)")
+                      f"the first took {first:.1f} s, so the run may take about {_duration(est)} (rough: later cases "
+                      f"scaled by rows x (P+R); first calls pay one-time costs, so it is often less)")
 
     try:
         for k, i in enumerate(order):

@@ -783,7 +783,7 @@ def cmd_bench_op(args) -> int:
 # --- entry point ---------------------------------------------------------------------------------
 def _one_line_error(e: BaseException) -> bool:
     """Errors that are the input's or the machine's fault, not a bug: printed as one line."""
-    if isinstance(e, (ValueError, TypeError, OSError, MemoryError)):
+    if isinstance(e, (ValueError, TypeError, OSError, MemoryError, ImportError)):  # ImportError: a broken build
         return True
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(e, torch.OutOfMemoryError):
