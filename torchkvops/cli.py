@@ -327,7 +327,24 @@ def check_plot_path(path: str | None) -> None:
     check_output_file(path, "--plot")
 
 
+def model_source(model: str) -> tuple[str, bool]:
+    """(what to load, whether it is a hub name) for --model: an existing checkpoint folder, or a name
+    to look up in the local Hugging Face cache; a path that does not exist is an error."""
+    path = Path(model).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise CLIError(f"--model {model}: is a file, not a checkpoint folder")
+        if not (path / "config.json").is_file():
+            raise CLIError(f"--model {model}: not a Hugging Face checkpoint (no config.json in the folder)")
+        return str(path), False
+    if model.startswith((".", "/", "~")) or model.count("/") > 1 or os.sep != "/" and os.sep in model:
+        raise CLIError(f"--model {model}: no such folder")
+    return model, True  # a hub name: only from the local cache
+
+
 def check_rollout_args(args) -> None:
+    if args.model:
+        model_source(args.model)
     check_output_file(args.output, "--output")
     if (args.prompt or args.prompts) and not args.model:
         raise CLIError("--prompt/--prompts need --model (a checkpoint with a tokenizer); without --model, "
@@ -339,6 +356,8 @@ def check_rollout_args(args) -> None:
 
 
 def check_bench_args(args) -> None:
+    if args.model:
+        model_source(args.model)
     check_output_file(args.output, "--output")
     check_plot_path(args.plot)
     check_output_dir(args.trace, "--trace")
@@ -418,17 +437,7 @@ def load_config(args):
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # stderr is for errors
-    path = Path(args.model).expanduser()
-    if path.exists():
-        if not path.is_dir():
-            raise CLIError(f"--model {args.model}: is a file, not a checkpoint folder")
-        if not (path / "config.json").is_file():
-            raise CLIError(f"--model {args.model}: not a Hugging Face checkpoint (no config.json in the folder)")
-        source, is_name = str(path), False
-    elif args.model.startswith((".", "/", "~")) or args.model.count("/") > 1 or os.sep != "/" and os.sep in args.model:
-        raise CLIError(f"--model {args.model}: no such folder")
-    else:
-        source, is_name = args.model, True  # a hub name: only from the local cache
+    source, is_name = model_source(args.model)
     try:
         config = AutoConfig.from_pretrained(source, local_files_only=True)
     except OSError as e:
