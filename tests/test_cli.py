@@ -838,3 +838,23 @@ def test_table_stages_add_up_to_its_total_and_say_which_statistic():
     one = dict(entry, iterations=its[:1], median_stages=None)
     table = bench.format_case_table(dict(result, modes={"shared": one}), 1)
     assert "1 timed iteration:" in table and "1 timed iterations" not in table
+
+
+def test_a_failed_write_mid_run_is_retried_after_the_next_case(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "bench.json"
+    real_write, calls = bench.write_json_atomic, []
+
+    def flaky(path, obj):  # the second write (after the first case) fails, as on a full disk
+        calls.append(len(obj["cases"]))
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")
+        real_write(path, obj)
+
+    monkeypatch.setattr(bench, "write_json_atomic", flaky)
+    rc = cli.main([*INTERRUPT_BENCH, "--output", str(out)])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    assert calls == [0, 1, 2, 2]  # header, case 1 (failed), case 2, the final "complete"
+    assert "cannot write --output" in captured.err and "No space left on device" in captured.err
+    data = json.loads(out.read_text())
+    assert data["status"] == "complete" and len(data["cases"]) == 2

@@ -733,11 +733,20 @@ def cmd_bench(args) -> int:
         if args.output:
             bench.write_json_atomic(args.output, bench.results_document(header, cases, results, status))
 
-    save("partial")  # the header at once: a run that dies before its first case still leaves a record
+    def save_during_run() -> None:
+        """A write that fails mid-run (the folder removed, the disk full) is reported and retried after
+        the next case; the results so far stay in memory and the run goes on."""
+        try:
+            save("partial")
+        except OSError as e:
+            print(f"torchkvops: warning: cannot write --output {args.output} ({e.strerror or e}); "
+                  "trying again after the next case", file=sys.stderr)
+
+    save_during_run()  # the header at once: a run that dies before its first case still leaves a record
 
     def case_done(i: int, result: dict) -> None:
         results[i] = result
-        save("partial")
+        save_during_run()
 
     try:
         with bench.recompile_headroom(args.compile):
@@ -745,18 +754,18 @@ def cmd_bench(args) -> int:
                              special_ids=special_ids(model, tokenizer), pad_token_id=pad_id(model, tokenizer),
                              progress=not args.no_progress, on_case=case_done)
     except KeyboardInterrupt:
-        save("interrupted")
         finished = [r for r in results if r is not None]
         for result in finished:
             print()
             print(bench.format_case_table(result, args.iterations))
+        save("interrupted")
         kept = f"; {len(finished)} finished case(s) are in {args.output}" if args.output and finished else ""
         print(f"torchkvops: interrupted after {len(finished)} of {len(cases)} case(s){kept}", file=sys.stderr)
         return 130
-    save("complete")
-    for result in results:
+    for result in results:  # the tables first: they are shown even if the last write fails
         print()
         print(bench.format_case_table(result, args.iterations))
+    save("complete")
     failed = [r["case"] for r in results if r["error"]]
     if args.output:
         print(f"\nwrote {args.output}")
