@@ -748,7 +748,8 @@ def test_sigint_during_a_bench_keeps_the_finished_cases(tmp_path):
     waits for it, so nothing depends on timing."""
     out = tmp_path / "bench.json"
     code = (
-        "import sys, time\n"
+        "import signal, sys, time\n"
+        "signal.signal(signal.SIGINT, signal.default_int_handler)\n"  # as in a terminal, even if SIGINT is ignored here
         "from torchkvops.rollout import Rollout\n"
         "real = Rollout.generate\n"
         "def generate(self, input_ids, attention_mask=None):\n"

@@ -37,6 +37,7 @@ from collections.abc import Callable, Sequence
 from .cli import CLIError, available_memory_bytes, check_output_file, device_name, float_in, gib, int_in
 
 DTYPE_NAMES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
+ITEMSIZE = {"fp16": 2, "bf16": 2, "fp32": 4}
 METHODS = {
     "op": "torchkvops.repeat_kv_cache_(cache, batch, repeats, num_tokens), in place",
     "copy": "dst.copy_(src) of the same bytes between two preallocated tensors: the roofline",
@@ -161,7 +162,7 @@ def _sizes(min_mib: float, max_mib: float, factor: int) -> list[float]:
 
 def plan(args) -> list[tuple[float, list[int], int]]:
     """(target MiB, cache shape, num_tokens) of every size, from the arguments alone."""
-    itemsize = {"fp16": 2, "bf16": 2, "fp32": 4}[args.dtype]
+    itemsize = ITEMSIZE[args.dtype]
     rows = args.batch * args.repeats
     out = []
     for mib in _sizes(args.min_mib, args.max_mib, args.factor):
@@ -197,9 +198,8 @@ def check_args(args) -> None:
                        f"{count} sizes; at most {MAX_SIZES}: raise --min-mib or --factor")
     check_output_file(args.output, "--output")
     sizes = plan(args)
-    itemsize = {"fp16": 2, "bf16": 2, "fp32": 4}[args.dtype]
     _, shape, _ = sizes[-1]
-    actual = math.prod(shape) * itemsize
+    actual = math.prod(shape) * ITEMSIZE[args.dtype]
     if actual > 2 * args.max_mib * MiB:
         raise CLIError(f"--batch {args.batch} x --repeats {args.repeats} rows of --kv-heads {args.kv_heads} x "
                        f"--head-dim {args.head_dim} make the smallest possible cache {shape} {actual / MiB:.0f} MiB, "
@@ -209,11 +209,11 @@ def check_args(args) -> None:
 
 
 def check_memory(args, sizes, have: int | None, where: str) -> None:
+    """Refuse a plan whose largest size cannot fit in `have` bytes (None: unknown, not checked)."""
     if have is None:
         return
-    itemsize = {"fp16": 2, "bf16": 2, "fp32": 4}[args.dtype]
-    mib, shape, num_tokens = max(sizes, key=lambda s: math.prod(s[1]))
-    need = peak_bytes(shape, num_tokens, itemsize, args.methods, not args.no_check)
+    _, shape, num_tokens = max(sizes, key=lambda s: math.prod(s[1]))
+    need = peak_bytes(shape, num_tokens, ITEMSIZE[args.dtype], args.methods, not args.no_check)
     if need > have:
         raise CLIError(f"--max-mib {args.max_mib:.10g}: the largest size (cache {shape}) needs about {gib(need)} with "
                        f"--methods {','.join(args.methods)}, more than the {gib(have)} {where}; lower --max-mib")
