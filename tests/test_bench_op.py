@@ -1,7 +1,9 @@
 """Smoke test of the repeat_kv_cache_ bandwidth benchmark (torchkvops.bench_op): tiny sizes, one
-timed round; checks the byte accounting and the table, not the speed."""
+timed round; checks the byte accounting, the size plan and the table, not the speed. (Its flags'
+checks at parse time are in tests/test_cli.py, with the other commands'.)"""
 
 import json
+import math
 
 import pytest
 
@@ -35,6 +37,34 @@ def test_run_and_main_cpu(tmp_path, capsys):
     assert "| cache MiB |" in printed and "op/copy" in printed
     saved = json.loads(out.read_text())
     assert len(saved) == 2 and "op_gbps" in saved[0] and "loop_gbps" not in saved[0]
+    assert [p.name for p in tmp_path.iterdir()] == ["bench.json"]  # written through a temporary file
+
+
+def test_rows_are_reported_after_each_size():
+    seen = []
+    rows = bench_op.run(["--device", "cpu", "--dtype", "fp32", "--max-mib", "4", "--warmup", "0", "--iters", "1",
+                         "--methods", "op", "--batch", "2", "--repeats", "2"], on_row=lambda r: seen.append(len(r)))
+    assert seen == [1, 2] and len(rows) == 2
+
+
+def test_size_plan_and_peak_memory():
+    args = bench_op.parse_args(["--device", "cpu", "--min-mib", "1", "--max-mib", "64", "--factor", "4",
+                                "--batch", "2", "--repeats", "4", "--kv-heads", "2", "--head-dim", "64"])
+    plan = bench_op.plan(args)
+    assert [mib for mib, _, _ in plan] == [1, 4, 16, 64]
+    for mib, shape, num_tokens in plan:
+        assert math.prod(shape) * 2 == mib * (1 << 20) and num_tokens == shape[4] // 2
+    _, shape, t = plan[-1]
+    layers, _, rows, heads, _, hd = shape
+    row_bytes = layers * 2 * heads * t * hd * 2
+    cache = 64 << 20
+    assert bench_op.peak_bytes(shape, t, 2, ["op"], check=True) == cache + 3 * rows * row_bytes
+    assert bench_op.peak_bytes(shape, t, 2, ["op", "copy", "interleave"], check=False) == (
+        cache + 2 * (rows - 1) * row_bytes + rows * row_bytes)
+    with pytest.raises(ValueError, match="factor >= 2"):  # the loop that never ended (issue #7)
+        bench_op._sizes(1, 4, 1)
+    with pytest.raises(ValueError, match="min_mib > 0"):
+        bench_op._sizes(0, 4, 2)
 
 
 def test_bad_arguments():

@@ -8,8 +8,11 @@ import json
 import math
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -19,15 +22,21 @@ from torchkvops import bench, cli
 
 ROOT = Path(__file__).absolute().parents[1]
 HAS_GPU = torch.cuda.is_available()
+IS_ROOT = hasattr(os, "geteuid") and os.geteuid() == 0  # root may write read-only files and folders
 TINY = ["--model-shape", "tiny"]
 SMALL_BENCH = ["bench", *TINY, "--device", "cpu", "--warmup", "1", "--iterations", "3", "--no-progress"]
 
 
-def run_cli(*args: str, timeout: float = 120, code: str | None = None) -> subprocess.CompletedProcess:
+def cli_env() -> dict:
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONWARNINGS="ignore")
     env.pop("TORCHKVOPS_DEBUG", None)
-    cmd = [sys.executable, "-c", code, *args] if code else [sys.executable, "-m", "torchkvops", *args]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    return env
+
+
+def run_cli(*args: str, timeout: float = 120, code: str | None = None,
+            python_flags: Sequence[str] = ()) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, *python_flags] + (["-c", code, *args] if code else ["-m", "torchkvops", *args])
+    return subprocess.run(cmd, cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=timeout)
 
 
 def error_lines(proc: subprocess.CompletedProcess) -> list[str]:
@@ -157,19 +166,28 @@ def test_bench_json_tables_trace_and_order(tmp_path):
     out, trace = tmp_path / "bench.json", tmp_path / "trace"
     proc = run_cli("bench", *TINY, "--device", "cpu", "--warmup", "1", "--iterations", "3", "--temperature", "0",
                    "--batch-sizes", "1", "2", "--samples-per-prompt", "3", "--prompt-lengths", "6",
-                   "--response-lengths", "4", "--output", str(out), "--trace", str(trace))
+                   "--response-lengths", "4", "--output", str(out), "--trace", f"{trace}/")
     assert proc.returncode == 0, proc.stderr
     assert "RANDOM weights" in proc.stdout
     assert "B2_N3_P6_R4 expanded" in proc.stderr and "/36 [" in proc.stderr  # the progress bar: 2x3x(1+3+1+1) calls
+    # After the first call: the number of calls and an estimate, one line on stderr.
+    (estimate,) = [line for line in proc.stderr.splitlines() if "calls in all" in line]
+    assert "bench: 36 calls in all (2 case(s) x 3 mode(s) x 6)" in estimate and "may take about" in estimate
     for name in ("B1_N3_P6_R4", "B2_N3_P6_R4"):
         assert name in proc.stdout
-    assert "| mode | prefill ms | kv_expand ms | decode ms | total ms | tokens/s | peak MiB | total / expanded |" in proc.stdout
+    assert ("| mode | prefill ms | kv_expand ms | decode ms | other ms | total ms | tokens/s | peak MiB "
+            "| total / expanded |") in proc.stdout
+    assert "3 timed iterations: times of the median-total iteration" in proc.stdout
     assert proc.stdout.count("| shared |") == 2 and proc.stdout.count("| hf-generate |") == 2
+    assert f"wrote Chrome traces to {trace}/ (" in proc.stdout and "trace//" not in proc.stdout
 
     data = json.loads(out.read_text())
+    assert data["status"] == "complete" and data["cases_pending"] == []
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]  # no temporary file left
     h = data["header"]
     for key in ("model", "model_shape", "dtype", "device", "device_name", "torch_version", "transformers_version",
-                "torchkvops_version", "flags", "peak_memory_method"):
+                "torchkvops_version", "flags", "peak_memory_method", "tokens_agree_note", "median_stages_note",
+                "file_note"):
         assert key in h
     assert h["model_shape"] == "tiny" and h["random_weights"] and h["dtype"] == "fp32"
     assert h["torch_version"] == torch.__version__ and h["peak_memory_method"] == "cpu_profiler"
@@ -198,6 +216,8 @@ def test_bench_json_tables_trace_and_order(tmp_path):
             assert e["summary"]["total_ms"]["p50"] > 0
             assert e["peak_memory_method"] == "cpu_profiler" and e["peak_memory_bytes"] > 0
             assert len(e["tokens_sha256"]) == 64
+            assert e["median_stages"] == bench.stage_breakdown(e)
+            assert e["median_stages"]["total_ms"] == e["summary"]["total_ms"]["p50"]
             stages = ("prefill_ms", "kv_expand_ms", "decode_ms")
             if mode == "hf-generate":
                 assert all(e["summary"][f] is None for f in stages)
@@ -228,7 +248,12 @@ def test_bench_sampling_agreement_and_mode_subset(tmp_path):
     assert pairs["shared vs expanded"] is True  # same seed: the rollout's sampler ignores how prefill was batched
     assert pairs["shared vs hf-generate"] is None and pairs["hf-generate vs expanded"] is None
     assert "not comparable" in case["tokens_agree"]["notes"]["shared vs hf-generate"]
-    assert "not comparable" in proc.stdout
+    assert "null when they are not comparable" in json.loads(out.read_text())["header"]["tokens_agree_note"]
+    # "not comparable" is explained where it is printed.
+    (line,) = [i for i, text in enumerate(proc.stdout.splitlines()) if text.startswith("tokens: ")]
+    explanation = proc.stdout.splitlines()[line + 1]
+    assert "torch's generator" in explanation and "--temperature 0" in explanation
+    assert "1 timed iteration:" in proc.stdout and "1 timed iterations" not in proc.stdout
 
 
 def test_plot_without_matplotlib_fails_at_startup_with_the_install_hint(tmp_path):
@@ -338,7 +363,6 @@ def test_prompts_files_plain_and_jsonl(tmp_path):
 # --- bad input -----------------------------------------------------------------------------------
 BAD = {
     "missing model path": (["rollout", "--model", "/nonexistent/checkpoint"], ["no such folder"]),
-    "folder that is not a checkpoint": (["rollout", "--model", "{tmp}"], ["not a Hugging Face checkpoint"]),
     "zero batch size": (["bench", "--batch-sizes", "1", "0"], ["--batch-sizes", ">= 1"]),
     "text prompt without a model": (["rollout", "--prompt", "hello"], ["--model"]),
     "prompt longer than the model allows": (["bench", *TINY, "--device", "cpu", "--prompt-lengths", "2048"],
@@ -385,8 +409,15 @@ def test_prompt_longer_than_the_checkpoint_allows(checkpoint):
 
 
 @pytest.mark.skipif(HAS_GPU, reason="this machine has a GPU")
-def test_cuda_without_a_gpu_fails_clearly():
-    assert_one_line_error(run_cli("bench", *TINY, "--device", "cuda"), "no CUDA GPU")
+def test_cuda_without_a_gpu_is_the_same_one_line_in_every_command(capsys, monkeypatch):
+    monkeypatch.setattr(cli, "load_model", lambda *a, **k: pytest.fail("the model was built"))
+    errors = []
+    for args in (["rollout", *TINY, "--device", "cuda"], ["bench", *TINY, "--device", "cuda"],
+                 ["bench-op", "--device", "cuda"]):
+        assert cli.main(args) == 2
+        errors.append(capsys.readouterr().err)
+    assert len(set(errors)) == 1, errors
+    assert errors[0].count("\n") == 1 and errors[0].startswith("torchkvops: error: --device cuda: no CUDA GPU")
 
 
 # --- bench-op and the console script -------------------------------------------------------------
@@ -435,3 +466,396 @@ def test_rollout_on_cuda(tmp_path, checkpoint):
                    "a big dog ran", "-n", "4", "--max-new-tokens", "8", "--output", str(out))
     assert proc.returncode == 0, proc.stderr
     assert len(out.read_text().splitlines()) == 8
+
+
+# --- parse time: every flag checked before torch, transformers or any work -----------------------
+PARSE_ERRORS = [
+    (["bench-op", "--factor", "1"], "bench-op: argument --factor: must be >= 2, got 1"),
+    (["bench-op", "--factor", "0"], "--factor: must be >= 2"),
+    (["bench-op", "--min-mib", "0"], "--min-mib: must be in (0, 1048576]"),
+    (["bench-op", "--min-mib", "-4"], "--min-mib: must be in (0, 1048576]"),
+    (["bench-op", "--max-mib", "1e9"], "--max-mib: must be in (0, 1048576]"),
+    (["bench-op", "--min-mib", "8", "--max-mib", "2"], "--min-mib 8 is more than --max-mib 2"),
+    (["bench-op", "--min-mib", "1e-20", "--factor", "2"], "makes 77 sizes; at most 64"),
+    (["bench-op", "--kv-heads", "0"], "--kv-heads: must be >= 1, got 0"),
+    (["bench-op", "--head-dim", "-8"], "--head-dim: must be >= 1, got -8"),
+    (["bench-op", "--threads", "-1"], "--threads: must be >= 1, got -1"),
+    (["bench-op", "--threads", "100000"], "--threads: must be <= "),
+    (["bench-op", "--batch", "0"], "--batch: must be >= 1"),
+    (["bench-op", "--repeats", "1"], "--repeats: must be >= 2"),
+    (["bench-op", "--prompt-frac", "0"], "--prompt-frac: must be in (0, 1]"),
+    (["bench-op", "--prompt-frac", "1.5"], "--prompt-frac: must be in (0, 1]"),
+    (["bench-op", "--iters", "0"], "--iters: must be >= 1"),
+    (["bench-op", "--warmup", "-1"], "--warmup: must be >= 0"),
+    (["bench-op", "--methods", "op,nope"], "--methods: expected a comma-separated list of op, copy, interleave, loop"),
+    (["bench-op", "--methods", ","], "--methods: expected a comma-separated list"),
+    (["bench-op", "--device", "tpu"], "--device: expected cpu, cuda or cuda:N"),
+    (["bench-op", "--kv-heads", "100000", "--max-mib", "1"], "make the smallest possible cache"),
+    (["bench-op", "--device", "cpu", "--max-mib", "1048576"], "--max-mib 1048576: the largest size"),
+    (["bench-op", "--bogus"], "bench-op: unrecognized arguments: --bogus"),
+    (["rollout", "--num-prompts", "100000000", "--prompt-length", "1000"],
+     "--num-prompts 100000000 x --prompt-length 1000: the token ids alone"),
+    (["rollout", "--seed", str(2**63)], "--seed: must be <= 9223372036854775807"),
+    (["rollout", "--device", "gpu"], "--device: expected cpu, cuda or cuda:N"),
+    (["rollout", "--max-tokens", "3"], "rollout: unrecognized arguments: --max-tokens 3"),
+    (["bench", "--batch-sizes", "100000", "--samples-per-prompt", "1000", "--prompt-lengths", "1000"],
+     "the largest case (B=100000 N=1000 P=1000 R=16): the token ids alone"),
+    (["bench", "--iteratons", "3"], "bench: unrecognized arguments: --iteratons 3"),
+    (["bench", "--model", "/nonexistent/checkpoint"], "--model /nonexistent/checkpoint: no such folder"),
+    (["rollout", "--model", str(ROOT / "tests")], "not a Hugging Face checkpoint (no config.json in the folder)"),
+    (["rollout", "--model", str(ROOT / "README.md")], "is a file, not a checkpoint folder"),
+]
+
+
+@pytest.mark.parametrize("args,needle", PARSE_ERRORS, ids=[" ".join(a) for a, _ in PARSE_ERRORS])
+def test_bad_flags_fail_at_parse_time_with_one_line(args, needle, capsys, monkeypatch):
+    # Nothing past the argument checks may run: not even loading torch and the compiled ops.
+    monkeypatch.setattr(cli, "load_library", lambda: pytest.fail("got past the argument checks"))
+    with pytest.raises(SystemExit) as exc:
+        cli.main(args)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("torchkvops: error: ") and needle in err, err
+    assert err.rstrip().endswith(f"(see torchkvops {args[0]} --help)"), err  # the subcommand's help
+
+
+HELP_AND_ERRORS = [["--help"], ["rollout", "--help"], ["bench", "--help"], ["bench-op", "--help"],
+                   ["bench-op", "--factor", "1"], ["bench", "--iteratons", "3"]]
+
+
+@pytest.mark.parametrize("args", HELP_AND_ERRORS, ids=[" ".join(a) for a in HELP_AND_ERRORS])
+def test_help_and_argument_errors_import_neither_torch_nor_transformers(args):
+    proc = run_cli(*args, python_flags=["-X", "importtime"])
+    assert proc.returncode == (0 if "--help" in args else 2), proc.stderr[-2000:]
+    imported = {line.rsplit("|", 1)[1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
+    assert "torchkvops.cli" in imported
+    assert not {"torch", "transformers", "torchkvops._C", "torchkvops.rollout"} & imported
+    if "--help" in args:
+        assert "usage: torchkvops" in proc.stdout
+
+
+@pytest.mark.parametrize("orig_argv,expected", [
+    (["python", "-m", "torchkvops", "--help"], True),
+    (["python", "-m", "torchkvops.__main__"], True),
+    (["python", "-X", "importtime", "-m", "torchkvops"], True),
+    (["python", "-Im", "torchkvops"], True),
+    (["python", "-mtorchkvops", "bench"], True),
+    (["python", "-Wignore::DeprecationWarning", "-m", "torchkvops"], True),
+    (["python", "-W", "ignore", "-m", "torchkvops"], True),
+    (["python", "-m", "mypkg", "torchkvops"], False),
+    (["python", "-m", "pytest", "-m", "torchkvops"], False),
+    (["python", "-c", "import torchkvops", "-m", "torchkvops"], False),
+    (["python", "script.py", "-m", "torchkvops"], False),
+])
+def test_torch_is_deferred_only_for_python_m_torchkvops(monkeypatch, orig_argv, expected):
+    import torchkvops
+
+    monkeypatch.setattr(sys, "orig_argv", orig_argv)
+    monkeypatch.setattr(sys, "argv", ["-m"])  # while `python -m` looks for the module
+    assert torchkvops._started_by_python_m() is expected
+    monkeypatch.setattr(sys, "argv", ["/site-packages/torchkvops/__main__.py"])  # once found: user code
+    assert torchkvops._started_by_python_m() is False
+
+
+def test_import_loads_the_ops_and_defers_the_rollout_engine():
+    code = (
+        "import sys\n"
+        "from torchkvops.cli import main\n"  # as the console script does: torch and the ops are loaded ...
+        "try:\n    main(['bench', '--help'])\nexcept SystemExit:\n    pass\n"
+        "assert 'transformers' not in sys.modules and 'torchkvops.rollout' not in sys.modules\n"  # ... not these
+        "import torch, torchkvops\n"
+        "c = torch.arange(48.0).reshape(4, 2, 3, 2)\n"
+        "torch.ops.torchkvops.repeat_kv_cache_(c, 2, 2, 3)\n"  # the compiled op, right after the import
+        "assert torch.equal(c[1], c[0]) and torch.equal(c[3], c[2])\n"
+        "from torchkvops import Rollout, RolloutConfig\n"
+        "assert torchkvops.Rollout is Rollout and torchkvops.rollout.RolloutConfig is RolloutConfig\n"
+        "assert 'Rollout' in dir(torchkvops) and torchkvops.kv_cache is sys.modules['torchkvops.kv_cache']\n"
+        "print('ok')\n")
+    proc = run_cli(code=code)
+    assert proc.returncode == 0 and proc.stdout.splitlines()[-1] == "ok", proc.stderr
+
+
+def test_model_shape_names_match_the_models():
+    from torchkvops.models import MODEL_SHAPES
+
+    assert list(cli.MODEL_SHAPE_NAMES) == list(MODEL_SHAPES)
+
+
+def test_every_option_has_help_and_bench_op_help_shows_defaults_and_methods(capsys, monkeypatch):
+    parser = cli.build_parser()
+    for name, sub in parser.commands.items():
+        for action in sub._actions:
+            assert action.help, f"{name} {action.option_strings}: no help text, so no default shown"
+    monkeypatch.setenv("COLUMNS", "200")
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["bench-op", "--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    for needle in ("--factor FACTOR", "(default: 4)", "--max-mib MAX_MIB", "(default: 1024.0)",
+                   "(default: op,copy,interleave,loop)", "--kv-heads KV_HEADS", "(default: 8)", "(default: fp16)"):
+        assert needle in out, needle
+    for method in ("op", "copy", "interleave", "loop"):
+        assert f"\n  {method:<11} " in out  # each method explained below the options
+    entries: list[str] = []  # one per option: its line and the help lines indented below it
+    for line in out.split("\n\nmethods")[0].splitlines():
+        if line.startswith("  -"):
+            entries.append(line)
+        elif line.startswith("    ") and entries:
+            entries[-1] += " " + line.strip()
+    assert len(entries) == 17
+    for entry in entries:
+        if not entry.startswith(("  -h", "  --no-check", "  --output")):
+            assert "default" in entry, entry
+
+
+# --- output paths: checked before any work -------------------------------------------------------
+def _bad_output_paths(tmp: Path) -> dict:
+    folder, file = tmp / "folder", tmp / "file.txt"
+    folder.mkdir()
+    file.write_text("x")
+    missing = str(tmp / "missing" / "out.json")
+    try:
+        import matplotlib  # noqa: F401
+
+        plot_needle = "does not exist"
+    except ImportError:
+        plot_needle = "needs matplotlib"
+    cases = {
+        "rollout output is a folder": (["rollout", "--output", str(folder)], "is a folder"),
+        "rollout output in a missing folder": (["rollout", "--output", missing], "does not exist"),
+        "bench output is a folder": (["bench", "--output", str(folder)], "is a folder"),
+        "bench output in a missing folder": (["bench", "--output", missing], "does not exist"),
+        "bench plot in a missing folder": (["bench", "--plot", str(tmp / "missing" / "p.png")], plot_needle),
+        "bench trace is a file": (["bench", "--trace", str(file)], "is a file, not a folder"),
+        "bench trace under a file": (["bench", "--trace", str(file / "sub")], "is a file, not a folder"),
+        "bench-op output is a folder": (["bench-op", "--output", str(folder)], "is a folder"),
+        "bench-op output in a missing folder": (["bench-op", "--output", missing], "does not exist"),
+    }
+    # Root-proof unwritable paths: procfs files take no writes, sysfs takes no new files.
+    if Path("/proc/version").is_file():
+        for command in ("rollout", "bench", "bench-op"):
+            cases[f"{command} output is a read-only /proc file"] = ([command, "--output", "/proc/version"],
+                                                                    "cannot write the file")
+    if Path("/sys/kernel").is_dir():
+        cases["bench output in /sys"] = (["bench", "--output", "/sys/kernel/out.json"], "cannot create files in")
+        cases["bench trace in /sys"] = (["bench", "--trace", "/sys/kernel/traces"], "cannot create files in")
+    if not IS_ROOT:  # root writes read-only files and folders: these two are skipped as root
+        ro_file, ro_dir = tmp / "ro.json", tmp / "ro"
+        ro_file.write_text("{}")
+        ro_file.chmod(0o444)
+        ro_dir.mkdir()
+        ro_dir.chmod(0o555)
+        cases["read-only file"] = (["bench", "--output", str(ro_file)], "cannot write the file")
+        cases["read-only folder"] = (["rollout", "--output", str(ro_dir / "x.jsonl")], "cannot create files in")
+    return cases
+
+
+def test_unwritable_outputs_fail_before_any_work(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(cli, "load_library", lambda: pytest.fail("got past the argument checks"))
+    cases = _bad_output_paths(tmp_path)
+    for name, (args, needle) in cases.items():
+        with pytest.raises(SystemExit) as exc:
+            cli.main(args)
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and err.count("\n") == 1 and needle in err, (name, err)
+        assert err.startswith(f"torchkvops: error: {args[0]}: "), (name, err)
+    assert not (tmp_path / "missing").exists() and sorted(p.name for p in (tmp_path / "folder").iterdir()) == []
+    if IS_ROOT:
+        print("as root: the read-only file and folder sub-cases are skipped (root may write them); the /proc and "
+              "/sys cases stand in for them")
+
+
+def test_output_check_leaves_an_existing_file_alone(tmp_path):
+    f = tmp_path / "old.json"
+    f.write_text('{"keep": true}')
+    before = f.stat()
+    cli.check_output_file(str(f), "--output")
+    cli.check_output_dir(str(tmp_path / "new" / "traces"), "--trace")
+    assert f.read_text() == '{"keep": true}' and f.stat().st_mtime_ns == before.st_mtime_ns
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["old.json"]  # nothing created
+
+
+def test_sizes_the_model_cannot_take_fail_before_it_is_built(capsys, monkeypatch):
+    monkeypatch.setattr(cli, "load_model", lambda *a, **k: pytest.fail("the model was built"))
+    monkeypatch.setattr(cli, "available_memory_bytes", lambda: 2**30)  # 1 GiB free, on any machine
+    # 64 prompts x 16 samples x (1024 + 512) tokens of opt-125m's KV in fp32: about 108 GiB.
+    rc = cli.main(["rollout", "--model-shape", "opt-125m", "--device", "cpu", "--num-prompts", "64", "-n", "16",
+                   "--prompt-length", "1024", "--max-new-tokens", "512"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1, err
+    assert "the KV cache of 1024 rows x 1536 tokens takes about 108.0 GiB, more than the 1.0 GiB free on cpu" in err
+    assert "--num-prompts" in err
+    rc = cli.main(["rollout", *TINY, "--device", "cpu", "--prompt-length", "3000"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1, err
+    assert "--prompt-length 3000 + --max-new-tokens 32 = 3032 tokens, more than the model's 2048 positions" in err
+
+
+# --- bench: the JSON after every case, atomically ------------------------------------------------
+def test_write_json_atomic_replaces_the_whole_file_or_nothing(tmp_path, monkeypatch):
+    path = tmp_path / "r.json"
+    bench.write_json_atomic(path, {"a": 1})
+    path.chmod(0o640)
+    bench.write_json_atomic(path, {"a": 2})
+    assert json.loads(path.read_text()) == {"a": 2} and path.stat().st_mode & 0o777 == 0o640
+    with pytest.raises(TypeError):  # not serializable: nothing written
+        bench.write_json_atomic(path, {"a": object()})
+
+    def full_disk(fd):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full_disk)
+    with pytest.raises(OSError, match="No space"):
+        bench.write_json_atomic(path, {"a": 3})
+    assert json.loads(path.read_text()) == {"a": 2}
+    assert [p.name for p in tmp_path.iterdir()] == ["r.json"]  # no temporary file left behind
+
+
+INTERRUPT_BENCH = [*SMALL_BENCH, "--batch-sizes", "1", "2", "--samples-per-prompt", "2", "--prompt-lengths", "4",
+                   "--response-lengths", "2", "--warmup", "0", "--iterations", "1", "--modes", "shared"]
+
+
+def test_bench_writes_each_case_when_it_finishes_and_keeps_them_on_ctrl_c(tmp_path, monkeypatch, capsys):
+    from torchkvops.rollout import Rollout
+
+    out = tmp_path / "bench.json"
+    seen = []
+    real_generate = Rollout.generate
+
+    def generate(self, input_ids, attention_mask=None):
+        if input_ids.shape[0] == 1:  # the second case to run (B=2 runs first): Ctrl-C here
+            seen.append(json.loads(out.read_text()))
+            raise KeyboardInterrupt
+        return real_generate(self, input_ids, attention_mask)
+
+    monkeypatch.setattr(Rollout, "generate", generate)
+    assert cli.main([*INTERRUPT_BENCH, "--output", str(out)]) == 130
+    (during,) = seen  # what a crash at this point would have left
+    assert during["status"] == "partial" and [c["case"] for c in during["cases"]] == ["B2_N2_P4_R2"]
+    assert during["cases_pending"] == ["B1_N2_P4_R2"]
+    final = json.loads(out.read_text())
+    assert final["status"] == "interrupted" and final["cases"] == during["cases"]
+    assert final["cases_pending"] == ["B1_N2_P4_R2"] and final["header"]["cases_requested"] == ["B1_N2_P4_R2",
+                                                                                                 "B2_N2_P4_R2"]
+    captured = capsys.readouterr()
+    assert f"interrupted after 1 of 2 case(s); 1 finished case(s) are in {out}" in captured.err
+    assert "B2_N2_P4_R2: B=2" in captured.out  # the finished case's table is still printed
+    assert [p.name for p in tmp_path.iterdir()] == ["bench.json"]
+
+
+def test_sigint_during_a_bench_keeps_the_finished_cases(tmp_path):
+    """A real Ctrl-C (SIGINT) in a subprocess, sent once the first case is on disk; the second case
+    waits for it, so nothing depends on timing."""
+    out = tmp_path / "bench.json"
+    code = (
+        "import signal, sys, time\n"
+        "signal.signal(signal.SIGINT, signal.default_int_handler)\n"  # as in a terminal, even if SIGINT is ignored here
+        "from torchkvops.rollout import Rollout\n"
+        "real = Rollout.generate\n"
+        "def generate(self, input_ids, attention_mask=None):\n"
+        "    while input_ids.shape[0] == 1:  # the second case: wait for Ctrl-C\n"
+        "        time.sleep(0.02)\n"
+        "    return real(self, input_ids, attention_mask)\n"
+        "Rollout.generate = generate\n"
+        "from torchkvops.cli import main\n"
+        "sys.exit(main(sys.argv[1:]))\n")
+    proc = subprocess.Popen([sys.executable, "-c", code, *INTERRUPT_BENCH, "--output", str(out)], cwd=ROOT,
+                            env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (out.exists() and json.loads(out.read_text())["cases"]):  # never half-written: atomic
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "the first case never reached the file"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 130, stderr
+    assert "Traceback" not in stderr and "interrupted after 1 of 2 case(s)" in stderr
+    data = json.loads(out.read_text())
+    assert data["status"] == "interrupted" and [c["case"] for c in data["cases"]] == ["B2_N2_P4_R2"]
+    assert data["cases"][0]["modes"]["shared"]["error"] is None
+
+
+def test_estimate_scales_the_first_call_by_each_cases_work():
+    cases = bench.plan_cases([1, 4], [2], [10], [6])  # rows x (P+R): 2 x 16 = 32 and 8 x 16 = 128
+    order = bench.run_order(cases)
+    assert cases[order[0]].batch_size == 4
+    assert bench.estimate_seconds(2.0, cases, order, n_modes=3, per_mode=5) == pytest.approx(
+        2.0 * 3 * 5 * (32 + 128) / 128)
+
+
+# --- stage times that add up to the total ------------------------------------------------------
+def _iteration(total, prefill, decode, kv=0.5, expansion=0.25, post=0.125, tokens=8):
+    return {"total_ms": total, "prompt_expansion_ms": expansion, "prefill_ms": prefill, "kv_expand_ms": kv,
+            "decode_ms": decode, "post_processing_ms": post, "generated_tokens": tokens}
+
+
+def test_stage_breakdown_adds_up_to_the_median_total():
+    # Per-field medians (prefill 35, decode 30) would stack to about 66; the median total is 61.
+    its = [_iteration(61.0, 10.0, 50.0), _iteration(60.5, 40.0, 20.0), _iteration(66.0, 35.0, 30.0)]
+    entry = {"error": None, "iterations": its, "summary": bench.summarize_profiles(its)}
+    split = bench.stage_breakdown(entry)
+    assert split["iterations"] == [0] and split["total_ms"] == entry["summary"]["total_ms"]["p50"] == 61.0
+    assert (split["prefill_ms"], split["decode_ms"]) == (10.0, 50.0)
+    stages = sum(split[f] for f in bench.STAGE_FIELDS)
+    assert split["other_ms"] == pytest.approx(61.0 - stages) and stages + split["other_ms"] == pytest.approx(61.0)
+    assert split["tokens_per_second"] == pytest.approx(8 / 0.061)
+    segments = bench.plot_segments(entry)
+    assert [label for label, _ in segments] == ["prompt_expansion", "prefill", "kv_expand", "decode",
+                                                "post_processing", "other"]
+    assert sum(v for _, v in segments) == pytest.approx(61.0)
+
+    # An even count: the mean of the two middle iterations, whose mean total is the median.
+    its.append(_iteration(70.0, 1.0, 60.0))
+    entry = {"error": None, "iterations": its, "summary": bench.summarize_profiles(its)}
+    split = bench.stage_breakdown(entry)
+    assert sorted(split["iterations"]) == [0, 2] and split["total_ms"] == entry["summary"]["total_ms"]["p50"] == 63.5
+    assert split["prefill_ms"] == 22.5 and split["decode_ms"] == 40.0
+    assert sum(v for _, v in bench.plot_segments(entry)) == pytest.approx(63.5)
+
+    # A mode without stages (hf-generate): its total alone.
+    hf = [dict(_iteration(t, 0, 0), prefill_ms=None, decode_ms=None, kv_expand_ms=None, prompt_expansion_ms=None,
+               post_processing_ms=None) for t in (80.0, 90.0, 85.0)]
+    entry = {"error": None, "iterations": hf, "summary": bench.summarize_profiles(hf)}
+    assert bench.plot_segments(entry) == [("total (not split)", 85.0)]
+    assert bench.plot_segments({"error": "boom", "iterations": [], "median_stages": None}) == []
+
+
+def test_table_stages_add_up_to_its_total_and_say_which_statistic():
+    its = [_iteration(61.0, 10.0, 50.0), _iteration(60.5, 40.0, 20.0), _iteration(66.0, 35.0, 30.0)]
+    entry = {"error": None, "iterations": its, "summary": bench.summarize_profiles(its), "peak_memory_bytes": 2**20}
+    entry["median_stages"] = bench.stage_breakdown(entry)
+    result = {"case": "B1_N2_P4_R2", "batch_size": 1, "samples_per_prompt": 2, "prompt_length": 4,
+              "response_length": 2, "error": None, "modes": {"shared": entry}, "tokens_agree": {"pairs": {}}}
+    table = bench.format_case_table(result, 3)
+    assert "3 timed iterations: times of the median-total iteration, so the stages add up to the total" in table
+    row = [line for line in table.splitlines() if line.startswith("| shared |")][0]
+    prefill, kv, decode, other, total = (float(c) for c in row.split("|")[2:7])
+    assert total == 61.0 and prefill + kv + decode + other == pytest.approx(total, abs=0.2)
+    one = dict(entry, iterations=its[:1], median_stages=None)
+    table = bench.format_case_table(dict(result, modes={"shared": one}), 1)
+    assert "1 timed iteration:" in table and "1 timed iterations" not in table
+
+
+def test_a_failed_write_mid_run_is_retried_after_the_next_case(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "bench.json"
+    real_write, calls = bench.write_json_atomic, []
+
+    def flaky(path, obj):  # the second write (after the first case) fails, as on a full disk
+        calls.append(len(obj["cases"]))
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")
+        real_write(path, obj)
+
+    monkeypatch.setattr(bench, "write_json_atomic", flaky)
+    rc = cli.main([*INTERRUPT_BENCH, "--output", str(out)])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    assert calls == [0, 1, 2, 2]  # header, case 1 (failed), case 2, the final "complete"
+    assert "cannot write --output" in captured.err and "No space left on device" in captured.err
+    data = json.loads(out.read_text())
+    assert data["status"] == "complete" and len(data["cases"]) == 2

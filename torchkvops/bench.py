@@ -17,6 +17,13 @@ extra call under torch.profiler(profile_memory=True), whose "[memory]" events (+
 -bytes on free) are summed in time order; the peak of that running sum is the most memory the call
 held at once beyond what was allocated when it began (weights excluded; the rollout's KV buffer is
 released before that call so that its allocation is counted, as hf-generate's cache is).
+
+Stage times shown in the table and the plot are those of the median-total iteration (for an even
+count, the mean of the two middle ones), so that they add up to the median total shown beside them;
+per-field medians (in the JSON's "summary") need not add up.
+
+The JSON (--output) is rewritten after every case, through a temporary file renamed into place: an
+interrupted or crashed run leaves the cases that finished, and never a half-written file.
 """
 
 from __future__ import annotations
@@ -26,9 +33,11 @@ import dataclasses
 import gc
 import hashlib
 import itertools
+import json
 import math
 import os
 import sys
+import tempfile
 import time
 import zlib
 from collections.abc import Callable, Iterable, Sequence
@@ -42,14 +51,64 @@ from .rollout import Rollout, RolloutConfig
 __all__ = [
     "MODES", "PROFILE_FIELDS", "Case", "plan_cases", "run_order", "summarize", "summarize_profiles",
     "tokens_sha256", "synthetic_prompts", "cpu_peak_memory_bytes", "token_agreement", "run_matrix",
-    "format_case_table", "plot_stage_times",
+    "stage_breakdown", "plot_segments", "format_case_table", "plot_stage_times", "write_json_atomic",
+    "write_text_atomic", "results_document", "calls_per_mode", "estimate_seconds",
 ]
 
 MODES = ("expanded", "shared", "hf-generate")
 PROFILE_FIELDS = tuple(f.name for f in dataclasses.fields(RolloutProfile))
 STAGE_FIELDS = ("prompt_expansion_ms", "prefill_ms", "kv_expand_ms", "decode_ms", "post_processing_ms")
 NOT_COMPARABLE = ("not comparable: hf-generate samples with torch's generator, the rollout with its own "
-                  "counter-based sampler; only greedy tokens can agree across them")
+                  "counter-based sampler, so sampled tokens cannot match even when both are right; only greedy "
+                  "tokens (--temperature 0) can be compared across them")
+TOKENS_AGREE_NOTE = ("tokens_agree.pairs: true when two modes generated identical token ids, false when they "
+                     "differ although they should not (greedy, or expanded vs shared with the same seed), null when "
+                     "they are not comparable (sampling with hf-generate: see tokens_agree.notes)")
+MEDIAN_STAGES_NOTE = ("median_stages: the stage times of the iteration whose total_ms is the median (for an even "
+                      "count, the mean of the two middle iterations), with other_ms = total_ms - the stages (time "
+                      "between them); they add up to summary.total_ms.p50, which the per-field medians of summary "
+                      "need not do. The table and the plot show these.")
+FILE_NOTE = ("status: 'partial' while the run goes on (rewritten after every case; a file left 'partial' is from a "
+             "run that died), 'interrupted' after Ctrl-C, 'complete' at the end. cases: the finished cases in the "
+             "requested order; cases_pending: those not finished.")
+
+
+# --- files ---------------------------------------------------------------------------------------
+def write_text_atomic(path: str | os.PathLike, text: str) -> None:
+    """Write text to path through a temporary file in the same folder renamed into place: readers
+    see the old file or the new one, never half of one; on failure the old file stays. (A symlink is
+    followed: the file it points to is replaced, the link stays.)"""
+    path = os.path.realpath(os.fspath(path))
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        if os.path.exists(path):  # keep the permissions of the file it replaces
+            os.chmod(tmp, os.stat(path).st_mode & 0o7777)
+        else:
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(tmp, 0o666 & ~umask)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def write_json_atomic(path: str | os.PathLike, obj) -> None:
+    """json.dumps(obj) first (an unserializable object changes nothing on disk), then write_text_atomic."""
+    write_text_atomic(path, json.dumps(obj, indent=2) + "\n")
+
+
+def results_document(header: dict, cases: Sequence["Case"], results: Sequence[dict | None], status: str) -> dict:
+    """The --output JSON: the header, the finished cases in the requested order, the names of the
+    others, and the run's status ("partial", "interrupted" or "complete"; see FILE_NOTE)."""
+    return {"status": status, "header": header, "cases": [r for r in results if r is not None],
+            "cases_pending": [c.name for c, r in zip(cases, results) if r is None]}
 
 
 # --- the matrix ----------------------------------------------------------------------------------
@@ -292,10 +351,36 @@ def _one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {' '.join(str(e).split())}"
 
 
+def calls_per_mode(s: "Settings", device: torch.device) -> int:
+    """Calls each case runs per mode: warm-up, timed, one for the CPU peak memory, one for --trace."""
+    return s.warmup + s.iterations + (device.type != "cuda") + (s.trace_dir is not None)
+
+
+def estimate_seconds(first_call_s: float, cases: Sequence[Case], order: Sequence[int], n_modes: int,
+                     per_mode: int) -> float:
+    """The whole run's time from its first call (of the first case run): every call is assumed to take
+    first_call_s scaled by its case's rows x (prompt + response length). Rough: the first call also
+    pays one-time costs (allocation, and compilation with --compile), and modes differ."""
+    def work(c: Case) -> int:
+        return c.rows * (c.prompt_length + c.response_length)
+
+    first = work(cases[order[0]])
+    return first_call_s * n_modes * per_mode * sum(work(c) for c in cases) / first
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 90 * 60:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
 def _run_mode(mode: str, model, case: Case, prompts: Tensor, s: Settings, pad_token_id: int,
               device: torch.device, tick: Callable[[int], None]) -> dict:
-    calls = s.warmup + s.iterations + (device.type != "cuda") + (s.trace_dir is not None)
-    entry = {"mode": mode, "error": None, "iterations": [], "summary": None, "peak_memory_bytes": None,
+    calls = calls_per_mode(s, device)
+    entry = {"mode": mode, "error": None, "iterations": [], "summary": None, "median_stages": None,
+             "peak_memory_bytes": None,
              "peak_memory_method": "cuda_allocator" if device.type == "cuda" else "cpu_profiler",
              "tokens_sha256": None, "trace": None}
     done = 0
@@ -316,6 +401,7 @@ def _run_mode(mode: str, model, case: Case, prompts: Tensor, s: Settings, pad_to
             done += 1
             tick(1)
         entry["summary"] = summarize_profiles(entry["iterations"])
+        entry["median_stages"] = stage_breakdown(entry)
         entry["tokens_sha256"] = tokens_sha256(responses)
         if device.type == "cuda":
             entry["peak_memory_bytes"] = max(p["peak_memory_bytes"] for p in entry["iterations"])
@@ -345,17 +431,35 @@ def _run_mode(mode: str, model, case: Case, prompts: Tensor, s: Settings, pad_to
 
 def run_matrix(model: nn.Module, cases: Sequence[Case], modes: Sequence[str], settings: Settings, *,
                vocab_size: int, special_ids: Iterable[int], pad_token_id: int,
-               progress: bool = True) -> list[dict]:
-    """Run every case and mode; one result per case, in the requested order."""
+               progress: bool = True, on_case: Callable[[int, dict], None] | None = None) -> list[dict]:
+    """Run every case and mode; one result per case, in the requested order. on_case(i, result) is
+    called as soon as case i (its index in `cases`) has finished. After the first call, one line on
+    stderr gives the number of calls and an estimate of the run's time (see estimate_seconds)."""
     device = next(model.parameters()).device
     special_ids = list(special_ids)
     if settings.trace_dir is not None:
         os.makedirs(settings.trace_dir, exist_ok=True)
-    per_mode = settings.warmup + settings.iterations + (device.type != "cuda") + (settings.trace_dir is not None)
-    bar = _progress_bar(len(cases) * len(modes) * per_mode, progress)
+    per_mode = calls_per_mode(settings, device)
+    total_calls = len(cases) * len(modes) * per_mode
+    order = run_order(cases)
+    bar = _progress_bar(total_calls, progress)
     results: list[dict | None] = [None] * len(cases)
+    start = time.perf_counter()
+    estimated = False
+
+    def tick(n: int) -> None:
+        nonlocal estimated
+        bar.update(n)
+        if not estimated and n == 1:  # the first call that ran (a failed mode ticks all its calls at once)
+            estimated = True
+            first = time.perf_counter() - start
+            est = estimate_seconds(first, cases, order, len(modes), per_mode)
+            bar.write(f"bench: {total_calls} calls in all ({len(cases)} case(s) x {len(modes)} mode(s) x {per_mode}); "
+                      f"the first took {first:.1f} s, so the run may take about {_duration(est)} (rough: later cases "
+                      f"scaled by rows x (P+R); first calls pay one-time costs, so it is often less)")
+
     try:
-        for k, i in enumerate(run_order(cases)):
+        for k, i in enumerate(order):
             case = cases[i]
             result = {"case": case.name, **dataclasses.asdict(case), "run_order": k, "error": None, "modes": {}}
             try:
@@ -368,13 +472,15 @@ def run_matrix(model: nn.Module, cases: Sequence[Case], modes: Sequence[str], se
                 for mode in modes:
                     bar.set_description(f"{case.name} {mode}")
                     result["modes"][mode] = _run_mode(mode, model, case, prompts, settings, pad_token_id,
-                                                      device, bar.update)
+                                                      device, tick)
             hashes = {m: e["tokens_sha256"] for m, e in result["modes"].items()}
             result["tokens_agree"] = token_agreement(hashes, settings.greedy)
             failed = [m for m, e in result["modes"].items() if e["error"]]
             if failed and not result["error"]:
                 result["error"] = "; ".join(f"{m}: {result['modes'][m]['error']}" for m in failed)
             results[i] = result
+            if on_case is not None:
+                on_case(i, result)
     finally:
         bar.close()
     return results
@@ -383,6 +489,9 @@ def run_matrix(model: nn.Module, cases: Sequence[Case], modes: Sequence[str], se
 class _NoBar:
     def update(self, n=1):
         pass
+
+    def write(self, text):
+        print(text, file=sys.stderr, flush=True)
 
     def set_description(self, desc):
         pass
@@ -398,7 +507,9 @@ def _progress_bar(total: int, enabled: bool):
         from tqdm import tqdm
     except ImportError:  # tqdm comes with transformers; without it, no bar
         return _NoBar()
-    return tqdm(total=total, unit="call", leave=False, dynamic_ncols=True)
+    bar = tqdm(total=total, unit="call", leave=False, dynamic_ncols=True)
+    bar.write = lambda text: tqdm.write(text, file=sys.stderr)  # above the bar, not through it
+    return bar
 
 
 # --- output --------------------------------------------------------------------------------------
@@ -407,15 +518,63 @@ def _median(entry: dict, field: str):
     return None if s is None else s["p50"]
 
 
+def stage_breakdown(entry: dict) -> dict | None:
+    """Stage times that add up to the median total (MEDIAN_STAGES_NOTE): those of the iteration whose
+    total_ms is the median, or for an even count the mean of the two middle iterations (the median
+    total is their mean), plus other_ms = total_ms - the stages. Keys: "iterations" (the indices
+    used), "total_ms", "tokens_per_second" (generated tokens / total), and, for modes that report
+    stages, every STAGE_FIELDS field and "other_ms". None when the mode has no iterations."""
+    its = entry.get("iterations") or []
+    if not its:
+        return None
+    order = sorted(range(len(its)), key=lambda i: its[i]["total_ms"])
+    n = len(order)
+    middle = [order[n // 2]] if n % 2 else [order[n // 2 - 1], order[n // 2]]
+
+    def mean(field: str) -> float:
+        return sum(its[i][field] for i in middle) / len(middle)
+
+    out = {"iterations": middle, "total_ms": mean("total_ms")}
+    out["tokens_per_second"] = mean("generated_tokens") / (out["total_ms"] / 1e3) if out["total_ms"] > 0 else 0.0
+    if all(its[i].get(f) is not None for i in middle for f in STAGE_FIELDS):
+        for f in STAGE_FIELDS:
+            out[f] = mean(f)
+        out["other_ms"] = out["total_ms"] - math.fsum(out[f] for f in STAGE_FIELDS)
+    return out
+
+
+def plot_segments(entry: dict) -> list[tuple[str, float]]:
+    """The (label, ms) segments stacked for one mode in the plot: the median-total iteration's stages
+    and "other" (they add up to its total_ms, the table's total), or ("total (not split)", total_ms)
+    for a mode that reports no stages. [] for a failed mode."""
+    split = entry.get("median_stages") or (None if entry.get("error") else stage_breakdown(entry))
+    if split is None:
+        return []
+    if "other_ms" not in split:
+        return [("total (not split)", split["total_ms"])]
+    return [(f.removesuffix("_ms"), split[f]) for f in STAGE_FIELDS + ("other_ms",)]
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
 def format_case_table(result: dict, iterations: int) -> str:
-    """Medians per mode of one case, as a Markdown table."""
+    """One case as a Markdown table: per mode, the stage times of the median-total iteration
+    (stage_breakdown), which add up to the total shown."""
+    counts = {len(e["iterations"]) for e in result["modes"].values() if e["iterations"]} or {iterations}
+    n = max(counts)
+    which = ("of the median-total iteration" if n % 2 else "of the two middle iterations by total (their mean)")
     head = (f"{result['case']}: B={result['batch_size']} N={result['samples_per_prompt']} "
             f"P={result['prompt_length']} R={result['response_length']} (rows {result['batch_size'] * result['samples_per_prompt']}), "
-            f"median of {iterations} iterations")
-    lines = [head, "| mode | prefill ms | kv_expand ms | decode ms | total ms | tokens/s | peak MiB | total / expanded |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+            f"{_plural(n, 'timed iteration')}: times {which}, so the stages add up to the total (median); "
+            f"other = prompt expansion + post-processing + time between stages")
+    lines = [head, "| mode | prefill ms | kv_expand ms | decode ms | other ms | total ms | tokens/s | peak MiB "
+                   "| total / expanded |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     base = result["modes"].get("expanded")
-    base_total = _median(base, "total_ms") if base and not base["error"] else None
+    base_split = (base.get("median_stages") or stage_breakdown(base)) if base and not base["error"] else None
+    base_total = base_split["total_ms"] if base_split else None
 
     def f(v, fmt="{:.1f}"):
         return "-" if v is None else fmt.format(v)
@@ -424,12 +583,16 @@ def format_case_table(result: dict, iterations: int) -> str:
         if e["error"]:
             lines.append(f"| {mode} | failed: {e['error']} |")
             continue
-        total = _median(e, "total_ms")
+        split = e.get("median_stages") or stage_breakdown(e)
+        other = None
+        if "other_ms" in split:
+            other = split["other_ms"] + split["prompt_expansion_ms"] + split["post_processing_ms"]
+        total = split["total_ms"]
         peak = e["peak_memory_bytes"]
-        ratio = total / base_total if base_total and total is not None else None
+        ratio = total / base_total if base_total else None
         lines.append(
-            f"| {mode} | {f(_median(e, 'prefill_ms'))} | {f(_median(e, 'kv_expand_ms'), '{:.2f}')} "
-            f"| {f(_median(e, 'decode_ms'))} | {f(total)} | {f(_median(e, 'tokens_per_second'))} "
+            f"| {mode} | {f(split.get('prefill_ms'))} | {f(split.get('kv_expand_ms'), '{:.2f}')} "
+            f"| {f(split.get('decode_ms'))} | {f(other)} | {f(total)} | {f(split['tokens_per_second'])} "
             f"| {f(None if peak is None else peak / 2**20)} | {f(ratio, '{:.2f}')} |")
     if result["error"] and not result["modes"]:
         lines.append(f"| (case) | failed: {result['error']} |")
@@ -438,12 +601,15 @@ def format_case_table(result: dict, iterations: int) -> str:
         parts = [f"{k}: {'same' if v else 'DIFFERENT' if v is False else 'not comparable'}"
                  for k, v in agree["pairs"].items()]
         lines.append("tokens: " + ", ".join(parts))
+        if None in agree["pairs"].values():
+            lines.append(f"  ({NOT_COMPARABLE})")
     return "\n".join(lines)
 
 
 def plot_stage_times(results: Sequence[dict], path: str, title: str) -> None:
-    """A PNG of the median stage times, stacked, per mode (bars) and case (panels). hf-generate
-    reports only its total, drawn hatched."""
+    """A PNG of stacked stage times per mode (bars) and case (panels): plot_segments, i.e. the stages
+    of the median-total iteration, whose bar tops are the table's median totals. hf-generate reports
+    only its total, drawn hatched."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -454,32 +620,32 @@ def plot_stage_times(results: Sequence[dict], path: str, title: str) -> None:
     cols = min(n, 4)
     rows = math.ceil(n / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.8 * rows), squeeze=False)
-    colors = dict(zip(STAGE_FIELDS + ("total_ms",), ("#bbbbbb", "#4c72b0", "#dd8452", "#55a868", "#8172b2", "#c44e52")))
+    labels = [f.removesuffix("_ms") for f in STAGE_FIELDS] + ["other", "total (not split)"]
+    colors = dict(zip(labels, ("#bbbbbb", "#4c72b0", "#dd8452", "#55a868", "#8172b2", "#937860", "#c44e52")))
     labelled = set()
     for ax, result in zip(axes.flat, results):
         names = list(result["modes"])
         for x, mode in enumerate(names):
-            e = result["modes"][mode]
-            if e["error"]:
+            segments = plot_segments(result["modes"][mode])
+            if not segments:
                 ax.text(x, 0, "failed", ha="center", va="bottom", rotation=90, fontsize=8)
                 continue
-            fields = [f for f in STAGE_FIELDS if _median(e, f) is not None] or ["total_ms"]
             bottom = 0.0
-            for field in fields:
-                v = _median(e, field)
-                label = field.removesuffix("_ms") if field != "total_ms" else "total (not split)"
-                ax.bar(x, v, bottom=bottom, color=colors[field], hatch="//" if field == "total_ms" else None,
-                       label=label if label not in labelled else None)
-                labelled.add(label)
-                bottom += v
+            for label, v in segments:
+                if v > 0:
+                    ax.bar(x, v, bottom=bottom, color=colors[label],
+                           hatch="//" if label == "total (not split)" else None,
+                           label=label if label not in labelled else None)
+                    labelled.add(label)
+                    bottom += v
         ax.set_xticks(range(len(names)), names, fontsize=8)
         ax.set_title(result["case"], fontsize=9)
-        ax.set_ylabel("median ms")
+        ax.set_ylabel("ms, median-total iteration", fontsize=8)
     for ax in list(axes.flat)[len(results):]:
         ax.axis("off")
-    fig.suptitle(title, fontsize=10)
-    fig.legend(loc="lower center", ncol=6, fontsize=8)
-    fig.tight_layout(rect=(0, 0.06, 1, 0.95))
+    fig.suptitle(f"{title}\nstages of the median-total iteration: bar height = the table's median total", fontsize=9)
+    fig.legend(loc="lower center", ncol=7, fontsize=8)
+    fig.tight_layout(rect=(0, 0.06, 1, 0.93))
     fig.savefig(path, dpi=120)
     plt.close(fig)
 

@@ -7,7 +7,12 @@
 
 Without --model the model is built in memory from a named shape with random weights (nothing is
 downloaded). With --model, a local Hugging Face checkpoint (and its tokenizer) is loaded offline.
-Bad input ends with one line on stderr, `torchkvops: error: ...`, and a non-zero exit code.
+
+Order of work: the arguments are parsed and checked first (ranges, sizes against the memory there
+is, output paths writable), without importing torch or transformers, so --help and bad input answer
+at once; then the library is loaded, the device and dtype resolved, the model's config read and
+checked against the sizes, and only then the model built and the work done. Bad input ends with one
+line on stderr, `torchkvops: error: ...`, and exit code 2.
 """
 
 from __future__ import annotations
@@ -16,19 +21,24 @@ import argparse
 import json
 import os
 import platform
+import re
 import sys
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-import torch
+__all__ = ["main", "build_parser", "parse_args", "CLIError", "DEFAULT_BENCH_ARGS", "MODEL_SHAPE_NAMES",
+           "check_output_file", "check_output_dir", "resolve_device"]
 
-__all__ = ["main", "build_parser", "CLIError", "DEFAULT_BENCH_ARGS"]
-
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+DTYPE_NAMES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+# The names of torchkvops.models.MODEL_SHAPES, spelled out so that parsing needs no transformers
+# (tests/test_cli.py checks that the two agree).
+MODEL_SHAPE_NAMES = ("tiny", "opt-125m", "gpt2", "qwen3-0.6b", "opt-6.7b")
 # The bare `torchkvops`: measured at 38 s on a shared 2-core CPU, model build included (5 iterations: 59 s).
 DEFAULT_BENCH_ARGS = ["--model-shape", "opt-125m", "--batch-sizes", "1", "--samples-per-prompt", "4",
                       "--prompt-lengths", "128", "--response-lengths", "16", "--warmup", "1", "--iterations", "3"]
 PLOT_HINT = "pip install matplotlib  (or: pip install torchkvops[plot])"
+MAX_SEED = 2**63 - 1
 
 
 class CLIError(Exception):
@@ -36,7 +46,9 @@ class CLIError(Exception):
 
 
 # --- argument types ------------------------------------------------------------------------------
-def _int_at_least(lo: int):
+def int_in(lo: int, hi: int | None = None, hi_note: str = ""):
+    """An argparse type: an integer in [lo, hi]."""
+
     def parse(text: str) -> int:
         try:
             v = int(text)
@@ -44,13 +56,15 @@ def _int_at_least(lo: int):
             raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
         if v < lo:
             raise argparse.ArgumentTypeError(f"must be >= {lo}, got {v}")
+        if hi is not None and v > hi:
+            raise argparse.ArgumentTypeError(f"must be <= {hi}{hi_note}, got {v}")
         return v
 
     parse.__name__ = "int"
     return parse
 
 
-positive_int, non_negative_int = _int_at_least(1), _int_at_least(0)
+positive_int, non_negative_int = int_in(1), int_in(0)
 
 
 def _float(text: str) -> float:
@@ -61,6 +75,20 @@ def _float(text: str) -> float:
     if v != v or v in (float("inf"), float("-inf")):
         raise argparse.ArgumentTypeError(f"must be finite, got {text!r}")
     return v
+
+
+def float_in(lo: float, hi: float | None = None, lo_open: bool = False):
+    """An argparse type: a finite number >= lo (> lo when lo_open) and <= hi."""
+
+    def parse(text: str) -> float:
+        v = _float(text)
+        if v < lo or (lo_open and v == lo) or (hi is not None and v > hi):
+            rng = f"{'(' if lo_open else '['}{lo:.10g}, {'inf)' if hi is None else f'{hi:.10g}]'}"
+            raise argparse.ArgumentTypeError(f"must be in {rng}, got {v:g}")
+        return v
+
+    parse.__name__ = "float"
+    return parse
 
 
 def temperature(text: str) -> float:
@@ -77,28 +105,56 @@ def top_p(text: str) -> float:
     return v
 
 
+def device_name(text: str) -> str:
+    """cpu, cuda or cuda:N (syntax only: whether the GPU exists is checked once torch is loaded)."""
+    if re.fullmatch(r"cpu|cuda(:\d+)?", text):
+        return text
+    raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N, got {text!r}")
+
+
+# --- parser ----------------------------------------------------------------------------------------
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Shows each option's default unless its help already speaks of one (and not None / False).
+    (argparse prints no help line at all for an option without help text: every option has one.)"""
+
+    def _get_help_string(self, action):
+        help = action.help or ""
+        default = action.default
+        if (action.option_strings and "default" not in help and default is not None and default is not False
+                and default is not argparse.SUPPRESS):
+            shown = " ".join(map(str, default)) if isinstance(default, (list, tuple)) else str(default)
+            help = f"{help} (default: {shown.replace('%', '%%')})".lstrip()
+        return help
+
+
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", _HelpFormatter)
+        super().__init__(*args, **kwargs)
+        self.commands: dict[str, _Parser] = {}
+
     def error(self, message: str):  # one line, not the usage block
         where = self.prog.removeprefix("torchkvops").strip()
         self.exit(2, f"torchkvops: error: {where + ': ' if where else ''}{message} (see {self.prog} --help)\n")
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
-    from .models import MODEL_SHAPES
-
     g = p.add_argument_group("model")
     g.add_argument("--model", metavar="PATH_OR_NAME",
                    help="a local Hugging Face checkpoint folder (or a name already in the local cache); loaded "
                         "offline. Default: a model built from --model-shape with random weights")
-    g.add_argument("--model-shape", choices=list(MODEL_SHAPES), default="opt-125m",
-                   help="shape of the random-weight model used without --model (default: %(default)s)")
-    g.add_argument("--dtype", choices=list(DTYPES), default=None, help="default: fp32 on CPU, bf16 on CUDA")
-    g.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
+    g.add_argument("--model-shape", choices=MODEL_SHAPE_NAMES, default="opt-125m",
+                   help="shape of the random-weight model used without --model")
+    g.add_argument("--dtype", choices=list(DTYPE_NAMES), default=None, help="default: fp32 on CPU, bf16 on CUDA")
+    g.add_argument("--device", type=device_name, default=None,
+                   help="cpu, cuda or cuda:N (default: cuda when available, else cpu)")
     g.add_argument("--compile", action="store_true", help="torch.compile the rollout's prefill and decode")
-    g.add_argument("--seed", type=non_negative_int, default=0, help="sampling and prompt seed (default: 0)")
+    g.add_argument("--seed", type=int_in(0, MAX_SEED, " (2**63 - 1)"), default=0, help="sampling and prompt seed")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> _Parser:
+    from . import bench_op
+
     parser = _Parser(prog="torchkvops", description=__doc__.split("\n\n")[0],
                      epilog="With no command: a short default `bench` (" + " ".join(DEFAULT_BENCH_ARGS) + ").")
     sub = parser.add_subparsers(dest="command", metavar="{rollout,bench,bench-op}", parser_class=_Parser)
@@ -110,16 +166,16 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompts", metavar="FILE",
                      help="prompts, one per line, or JSONL with a \"prompt\" field (needs --model)")
     src.add_argument("--prompt-length", type=positive_int, default=16,
-                     help="without text prompts: synthetic prompts of this many random token ids (default: 16)")
+                     help="without text prompts: synthetic prompts of this many random token ids")
     src.add_argument("--num-prompts", type=positive_int, default=2,
-                     help="without text prompts: how many synthetic prompts (default: 2)")
+                     help="without text prompts: how many synthetic prompts")
     _model_args(r)
     gen = r.add_argument_group("generation")
-    gen.add_argument("-n", "--samples-per-prompt", type=positive_int, default=4, help="N (default: 4)")
-    gen.add_argument("--max-new-tokens", type=positive_int, default=32, help="(default: 32)")
-    gen.add_argument("--temperature", type=temperature, default=1.0, help="0 is greedy (default: 1.0)")
-    gen.add_argument("--top-k", type=non_negative_int, default=0, help="0 is off (default: 0)")
-    gen.add_argument("--top-p", type=top_p, default=1.0, help="in (0, 1] (default: 1.0)")
+    gen.add_argument("-n", "--samples-per-prompt", type=positive_int, default=4, help="N")
+    gen.add_argument("--max-new-tokens", type=positive_int, default=32, help="R, the most tokens per sample")
+    gen.add_argument("--temperature", type=temperature, default=1.0, help="0 is greedy")
+    gen.add_argument("--top-k", type=non_negative_int, default=0, help="0 is off")
+    gen.add_argument("--top-p", type=top_p, default=1.0, help="in (0, 1]")
     gen.add_argument("--no-shared-prefill", action="store_true",
                      help="the expanded baseline: prefill every prompt N times")
     r.add_argument("--output", metavar="FILE.jsonl", help="also write one JSON record per sample")
@@ -127,34 +183,211 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="the A/B matrix: expanded vs shared prefill vs HF generate",
                        description="Time expanded prefill, shared prefill and HF generate over a matrix of "
-                                   "batch sizes, samples per prompt, prompt and response lengths.")
+                                   "batch sizes, samples per prompt, prompt and response lengths.",
+                       epilog="Each case runs (warmup + iterations) calls per mode, plus one call for the CPU "
+                              "peak memory and one for --trace. After the first call, bench prints the number of "
+                              "calls and an estimate of the run's time on stderr.")
     _model_args(b)
     m = b.add_argument_group("matrix")
-    m.add_argument("--batch-sizes", type=positive_int, nargs="+", default=[1], metavar="B")
-    m.add_argument("--samples-per-prompt", type=positive_int, nargs="+", default=[4], metavar="N")
-    m.add_argument("--prompt-lengths", type=positive_int, nargs="+", default=[128], metavar="P")
-    m.add_argument("--response-lengths", type=positive_int, nargs="+", default=[16], metavar="R")
+    m.add_argument("--batch-sizes", type=positive_int, nargs="+", default=[1], metavar="B", help="prompts per call")
+    m.add_argument("--samples-per-prompt", type=positive_int, nargs="+", default=[4], metavar="N",
+                   help="samples per prompt")
+    m.add_argument("--prompt-lengths", type=positive_int, nargs="+", default=[128], metavar="P",
+                   help="prompt tokens (synthetic random ids)")
+    m.add_argument("--response-lengths", type=positive_int, nargs="+", default=[16], metavar="R",
+                   help="tokens generated per sample (no early stop)")
     m.add_argument("--modes", nargs="+", choices=["expanded", "shared", "hf-generate"],
-                   default=["expanded", "shared", "hf-generate"])
-    m.add_argument("--temperature", type=temperature, default=1.0, help="0 is greedy (default: 1.0)")
-    m.add_argument("--top-p", type=top_p, default=1.0, help="in (0, 1] (default: 1.0)")
+                   default=["expanded", "shared", "hf-generate"], help="the modes to time, in this order")
+    m.add_argument("--temperature", type=temperature, default=1.0, help="0 is greedy")
+    m.add_argument("--top-p", type=top_p, default=1.0, help="in (0, 1]")
     t = b.add_argument_group("timing and output")
-    t.add_argument("--warmup", type=non_negative_int, default=5, help="untimed calls per case and mode (default: 5)")
-    t.add_argument("--iterations", type=positive_int, default=20, help="timed calls per case and mode (default: 20)")
-    t.add_argument("--output", metavar="FILE.json", help="write the header and every case's results as JSON")
+    t.add_argument("--warmup", type=non_negative_int, default=5, help="untimed calls per case and mode")
+    t.add_argument("--iterations", type=positive_int, default=20, help="timed calls per case and mode")
+    t.add_argument("--output", metavar="FILE.json",
+                   help="write the header and every case's results as JSON, rewritten after each case")
     t.add_argument("--plot", metavar="FILE.png", help="a PNG of stacked stage times (needs matplotlib)")
     t.add_argument("--trace", metavar="DIR", help="one extra call per case and mode under torch.profiler, "
                                                   "written as a Chrome trace DIR/<case>_<mode>.json")
-    t.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    t.add_argument("--no-progress", action="store_true",
+                   help="no progress bar on stderr (the line with the call count and estimate stays)")
     b.set_defaults(func=cmd_bench)
 
-    sub.add_parser("bench-op", help="the repeat_kv_cache_ bandwidth table (see: torchkvops bench-op --help)",
-                   add_help=False)
+    o = sub.add_parser("bench-op", help="the repeat_kv_cache_ bandwidth table",
+                       description=bench_op.DESCRIPTION, epilog=bench_op.EPILOG)
+    bench_op.add_arguments(o)
+    o.set_defaults(func=cmd_bench_op)
+    parser.commands = {"rollout": r, "bench": b, "bench-op": o}
     return parser
 
 
+def parse_args(argv: Sequence[str], parser: _Parser | None = None) -> argparse.Namespace:
+    """Parse and check argv; bad input exits with code 2 and one line naming the subcommand's help."""
+    parser = parser or build_parser()
+    args, extras = parser.parse_known_args(argv)
+    command = parser.commands.get(args.command)
+    if extras:  # a subcommand's unknown flag: point to that subcommand's help, not the top level's
+        (command or parser).error(f"unrecognized arguments: {' '.join(extras)}")
+    if command is not None:
+        try:
+            CHECKS[args.command](args)
+        except CLIError as e:
+            command.error(str(e))
+    return args
+
+
+# --- checks before any work (no torch needed) -----------------------------------------------------
+def available_memory_bytes() -> int | None:
+    """The host memory available now (MemAvailable), or None when unknown."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def gib(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.1f} GiB"
+
+
+def check_token_memory(batch: int, samples: int, prompt_len: int, new_tokens: int, what: str, hint: str) -> None:
+    """Refuse sizes whose token-id tensors alone (int64: the prompts, and the B*N output sequences of
+    P+R ids) would not fit in the memory available."""
+    need = 8 * (batch * prompt_len + batch * samples * (prompt_len + new_tokens))
+    have = available_memory_bytes()
+    if have is not None and need > have:
+        raise CLIError(f"{what}: the token ids alone (int64 prompts and outputs) take {gib(need)}, more than the "
+                       f"{gib(have)} of memory available here; {hint}")
+
+
+def _nearest_existing(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def _check_can_create_in(folder: Path, flag: str, path: str) -> None:
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        raise CLIError(f"{flag} {path}: cannot create files in {folder}: {e.strerror or e}") from None
+
+
+def check_output_file(path: str | None, flag: str) -> None:
+    """Before any work: `path` can be written. Its folder exists and takes new files (the file is
+    written through a temporary file in that folder), it is not a folder, and an existing file is
+    writable (opened for appending, which changes nothing)."""
+    if path is None:
+        return
+    p = Path(path).expanduser()
+    if p.is_dir():
+        raise CLIError(f"{flag} {path}: is a folder; give a file name")
+    parent = p.absolute().parent
+    if not parent.is_dir():
+        raise CLIError(f"{flag} {path}: the folder {parent} does not exist")
+    if p.exists():
+        try:
+            with open(p, "a"):
+                pass
+        except OSError as e:
+            raise CLIError(f"{flag} {path}: cannot write the file: {e.strerror or e}") from None
+    _check_can_create_in(parent, flag, path)
+
+
+def check_output_dir(path: str | None, flag: str) -> None:
+    """Before any work: `path` is a writable folder, or one that can be created."""
+    if path is None:
+        return
+    p = Path(path).expanduser().absolute()
+    if p.exists() and not p.is_dir():
+        raise CLIError(f"{flag} {path}: is a file, not a folder")
+    base = _nearest_existing(p)
+    if not base.is_dir():
+        raise CLIError(f"{flag} {path}: {base} is a file, not a folder")
+    _check_can_create_in(base, flag, path)
+
+
+def check_plot_path(path: str | None) -> None:
+    if path is None:
+        return
+    try:  # at startup, not after minutes of benchmarking
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError:
+        raise CLIError(f"--plot needs matplotlib, which is not installed: {PLOT_HINT}") from None
+    suffix = Path(path).suffix.lower().lstrip(".")
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if suffix and suffix not in formats:
+        raise CLIError(f"--plot {path}: matplotlib cannot write .{suffix} files; use one of "
+                       f"{', '.join('.' + f for f in sorted(formats))}")
+    check_output_file(path, "--plot")
+
+
+def model_source(model: str) -> tuple[str, bool]:
+    """(what to load, whether it is a hub name) for --model: an existing checkpoint folder, or a name
+    to look up in the local Hugging Face cache; a path that does not exist is an error."""
+    path = Path(model).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise CLIError(f"--model {model}: is a file, not a checkpoint folder")
+        if not (path / "config.json").is_file():
+            raise CLIError(f"--model {model}: not a Hugging Face checkpoint (no config.json in the folder)")
+        return str(path), False
+    if model.startswith((".", "/", "~")) or model.count("/") > 1 or os.sep != "/" and os.sep in model:
+        raise CLIError(f"--model {model}: no such folder")
+    return model, True  # a hub name: only from the local cache
+
+
+def check_rollout_args(args) -> None:
+    if args.model:
+        model_source(args.model)
+    check_output_file(args.output, "--output")
+    if (args.prompt or args.prompts) and not args.model:
+        raise CLIError("--prompt/--prompts need --model (a checkpoint with a tokenizer); without --model, "
+                       "use --prompt-length for synthetic prompts")
+    if not (args.prompt or args.prompts):
+        check_token_memory(args.num_prompts, args.samples_per_prompt, args.prompt_length, args.max_new_tokens,
+                           f"--num-prompts {args.num_prompts} x --prompt-length {args.prompt_length}",
+                           "lower --num-prompts, --prompt-length, --samples-per-prompt or --max-new-tokens")
+
+
+def check_bench_args(args) -> None:
+    if args.model:
+        model_source(args.model)
+    check_output_file(args.output, "--output")
+    check_plot_path(args.plot)
+    check_output_dir(args.trace, "--trace")
+    b, n, p, r = max(args.batch_sizes), max(args.samples_per_prompt), max(args.prompt_lengths), \
+        max(args.response_lengths)
+    check_token_memory(b, n, p, r, f"the largest case (B={b} N={n} P={p} R={r})",
+                       "lower --batch-sizes, --samples-per-prompt, --prompt-lengths or --response-lengths")
+
+
+def check_bench_op_args(args) -> None:
+    from . import bench_op
+
+    bench_op.check_args(args)
+
+
+CHECKS = {"rollout": check_rollout_args, "bench": check_bench_args, "bench-op": check_bench_op_args}
+
+
 # --- device, dtype, model ------------------------------------------------------------------------
-def resolve_device(text: str | None) -> torch.device:
+def load_library() -> None:
+    """torch and the compiled ops (deferred while `python -m torchkvops` parses its arguments)."""
+    from . import _load_ops
+
+    _load_ops()
+
+
+def resolve_device(text: str | None):
+    """The torch.device for --device (None: cuda when available); the same errors in every command."""
+    import torch
+
     if text is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -174,10 +407,12 @@ def resolve_device(text: str | None) -> torch.device:
     return device
 
 
-def resolve_dtype(name: str | None, device: torch.device) -> tuple[str, torch.dtype]:
+def resolve_dtype(name: str | None, device):
+    import torch
+
     if name is None:
         name = "fp32" if device.type == "cpu" else "bf16" if torch.cuda.is_bf16_supported() else "fp16"
-    dtype = DTYPES[name]
+    dtype = getattr(torch, DTYPE_NAMES[name])
     try:  # the models need matmul in this dtype on this device
         a = torch.ones(8, 8, dtype=dtype, device=device)
         (a @ a).sum().item()
@@ -191,9 +426,33 @@ def resolve_dtype(name: str | None, device: torch.device) -> tuple[str, torch.dt
     return name, dtype
 
 
-def load_model(args, device: torch.device, dtype: torch.dtype):
-    """(model, tokenizer or None, description). Without --model: random weights of --model-shape."""
+def load_config(args):
+    """(config, source): the model's config, read before the model is built so that the sizes can be
+    checked against it. source is the checkpoint folder or cached name, None for --model-shape."""
     if not args.model:
+        from .models import model_config
+
+        return model_config(args.model_shape), None
+    from transformers import AutoConfig
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # stderr is for errors
+    source, is_name = model_source(args.model)
+    try:
+        config = AutoConfig.from_pretrained(source, local_files_only=True)
+    except OSError as e:
+        if is_name:  # a name: transformers' message is about the network, say it plainly
+            raise CLIError(f"--model {args.model}: no such folder, and no such model in the local Hugging Face "
+                           "cache (offline: nothing is downloaded)") from None
+        raise CLIError(f"--model {args.model}: cannot read its config: {' '.join(str(e).split())}") from None
+    except (ValueError, TypeError, KeyError) as e:
+        raise CLIError(f"--model {args.model}: cannot read its config: {' '.join(str(e).split())}") from None
+    return config, source
+
+
+def load_model(args, config, source, device, dtype):
+    """(model, tokenizer or None, description). Without --model: random weights of --model-shape."""
+    if source is None:
         from .models import build_model
 
         model = build_model(args.model_shape, dtype, device, seed=0)  # --seed changes prompts and sampling only
@@ -201,28 +460,10 @@ def load_model(args, device: torch.device, dtype: torch.dtype):
               "its tokens are not meaningful text")
         return model, None, f"{args.model_shape} (random weights)"
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
 
-    hf_logging.disable_progress_bar()  # stderr is for errors
-    path = Path(args.model).expanduser()
-    if path.exists():
-        if not path.is_dir():
-            raise CLIError(f"--model {args.model}: is a file, not a checkpoint folder")
-        if not (path / "config.json").is_file():
-            raise CLIError(f"--model {args.model}: not a Hugging Face checkpoint (no config.json in the folder)")
-        source, is_name = str(path), False
-    elif args.model.startswith((".", "/", "~")) or args.model.count("/") > 1 or os.sep != "/" and os.sep in args.model:
-        raise CLIError(f"--model {args.model}: no such folder")
-    else:
-        source, is_name = args.model, True  # a hub name: only from the local cache
     try:
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, local_files_only=True)
-    except OSError as e:
-        if is_name:  # a name: transformers' message is about the network, say it plainly
-            raise CLIError(f"--model {args.model}: no such folder, and no such model in the local Hugging Face "
-                           "cache (offline: nothing is downloaded)") from None
-        raise CLIError(f"--model {args.model}: cannot load a causal LM: {' '.join(str(e).split())}") from None
-    except (ValueError, TypeError, KeyError) as e:
+        model = AutoModelForCausalLM.from_pretrained(source, config=config, dtype=dtype, local_files_only=True)
+    except (OSError, ValueError, TypeError, KeyError) as e:
         raise CLIError(f"--model {args.model}: cannot load a causal LM: {' '.join(str(e).split())}") from None
     model = model.to(device).eval()
     try:
@@ -255,21 +496,60 @@ def vocab_size(model, tokenizer) -> int:
 
 
 def pad_id(model, tokenizer) -> int:
+    """The pad id for model.generate: the tokenizer's, else the generation config's or the model
+    config's pad id, else its first EOS id, else 0."""
     if tokenizer is not None and tokenizer.pad_token_id is not None:
         return tokenizer.pad_token_id
-    from .hf import ModelAdapter
+    gen = getattr(model, "generation_config", None)
+    for cfg, attr in ((gen, "pad_token_id"), (model.config, "pad_token_id"), (gen, "eos_token_id"),
+                      (model.config, "eos_token_id")):
+        v = getattr(cfg, attr, None)
+        v = v[0] if isinstance(v, (list, tuple)) and v else v
+        if isinstance(v, int):
+            return v
+    return 0
 
-    adapter = ModelAdapter(model)
-    return adapter.pad_id(None, adapter.eos_ids(None))
+
+def kv_cache_bytes(config, rows: int, length: int, itemsize: int) -> int | None:
+    """About how large the rollout's KV buffer is: layers x (K, V) x rows x length x kv_heads x
+    head_dim x itemsize, from the config; None when the config does not say."""
+    layers = getattr(config, "num_hidden_layers", None)
+    heads = getattr(config, "num_attention_heads", None)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None)
+    hidden = getattr(config, "hidden_size", None)
+    if head_dim is None and isinstance(hidden, int) and isinstance(heads, int) and heads > 0:
+        head_dim = hidden // heads
+    if not all(isinstance(v, int) and v > 0 for v in (layers, kv_heads, head_dim)):
+        return None
+    return 2 * layers * rows * length * kv_heads * head_dim * itemsize
 
 
-def check_length(model, total: int, hint: str) -> None:
-    from .hf import ModelAdapter
+def device_memory_bytes(device) -> int | None:
+    import torch
 
-    try:
-        ModelAdapter(model).check_length(total)
-    except ValueError as e:
-        raise CLIError(f"{str(e).removeprefix('torchkvops: ')}; {hint}") from None
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return available_memory_bytes()
+
+
+def check_positions(config, total: int, what: str, hint: str) -> None:
+    """Before the model is built: prompt + response fit the model's positions (the rollout checks
+    again, with its own message; this one names the flags)."""
+    max_positions = getattr(config, "max_position_embeddings", None)
+    if isinstance(max_positions, int) and total > max_positions:
+        raise CLIError(f"{what} = {total} tokens, more than the model's {max_positions} positions "
+                       f"(max_position_embeddings); {hint}")
+
+
+def check_kv_memory(config, device, dtype, rows: int, total: int, what: str, hint: str) -> None:
+    """Before the model is built: the KV cache fits in the memory free on the device. An estimate
+    that leaves out weights and activations, so it refuses only what cannot work."""
+    need = kv_cache_bytes(config, rows, total, dtype.itemsize)
+    have = device_memory_bytes(device)
+    if need is not None and have is not None and need > have:
+        raise CLIError(f"{what}: the KV cache of {rows} rows x {total} tokens takes about {gib(need)}, more than the "
+                       f"{gib(have)} free on {device}; {hint}")
 
 
 # --- rollout -------------------------------------------------------------------------------------
@@ -302,18 +582,26 @@ def read_prompts(path: str) -> list[str]:
 
 
 def cmd_rollout(args) -> int:
+    import torch
+
     from .rollout import Rollout, RolloutConfig
 
     texts = list(args.prompt or []) + (read_prompts(args.prompts) if args.prompts else [])
-    if texts and not args.model:
-        raise CLIError("--prompt/--prompts need --model (a checkpoint with a tokenizer); without --model, "
-                       "use --prompt-length for synthetic prompts")
     device = resolve_device(args.device)
     _, dtype = resolve_dtype(args.dtype, device)
     config = RolloutConfig(samples_per_prompt=args.samples_per_prompt, max_new_tokens=args.max_new_tokens,
                            shared_prefill=not args.no_shared_prefill, enable_profiling=True, compile=args.compile,
                            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
-    model, tokenizer, _ = load_model(args, device, dtype)
+    model_config, source = load_config(args)
+    n, rows = args.samples_per_prompt, args.num_prompts * args.samples_per_prompt
+    if not texts:
+        check_positions(model_config, args.prompt_length + args.max_new_tokens,
+                        f"--prompt-length {args.prompt_length} + --max-new-tokens {args.max_new_tokens}",
+                        "lower one of them")
+        check_kv_memory(model_config, device, dtype, rows, args.prompt_length + args.max_new_tokens,
+                        f"--num-prompts {args.num_prompts} x -n {n}",
+                        "lower --num-prompts, --samples-per-prompt, --prompt-length or --max-new-tokens")
+    model, tokenizer, _ = load_model(args, model_config, source, device, dtype)
     if texts:
         if tokenizer is None:
             raise CLIError(f"--model {args.model}: has no tokenizer, so text prompts cannot be encoded; "
@@ -323,6 +611,11 @@ def cmd_rollout(args) -> int:
         if input_ids.shape[1] == 0:
             raise CLIError("the prompts encode to no tokens")
         config.pad_token_id = tokenizer.pad_token_id
+        total = input_ids.shape[1] + args.max_new_tokens
+        check_positions(model_config, total, f"the longest prompt's {input_ids.shape[1]} tokens + --max-new-tokens "
+                                             f"{args.max_new_tokens}", "shorten it or lower --max-new-tokens")
+        check_kv_memory(model_config, device, dtype, len(texts) * n, total, f"{len(texts)} prompt(s) x -n {n}",
+                        "fewer prompts, a lower --samples-per-prompt or --max-new-tokens")
     else:
         from .bench import Case, synthetic_prompts
 
@@ -331,13 +624,10 @@ def cmd_rollout(args) -> int:
                                       torch.device("cpu"))
         attention_mask = torch.ones_like(input_ids)
         print(f"prompts: {args.num_prompts} synthetic prompts of {args.prompt_length} random token ids (seed {args.seed})")
-    check_length(model, input_ids.shape[1] + args.max_new_tokens,
-                 f"the longest prompt has {input_ids.shape[1]} tokens: shorten it or lower --max-new-tokens")
     rollout = Rollout(model, config)
     out = rollout.generate(input_ids, attention_mask)
     profile = rollout.get_last_profile()
 
-    n = args.samples_per_prompt
     records = []
     responses, mask = out.responses.cpu(), out.response_mask.cpu()
     for i in range(input_ids.shape[0]):
@@ -356,9 +646,9 @@ def cmd_rollout(args) -> int:
           f"kv_expand {profile.kv_expand_ms:.2f} ms, decode {profile.decode_ms:.1f} ms; "
           f"{'expanded' if args.no_shared_prefill else 'shared'} prefill)")
     if args.output:
-        with open(args.output, "w", encoding="utf-8") as fh:
-            for rec in records:
-                fh.write(json.dumps(rec) + "\n")
+        from .bench import write_text_atomic
+
+        write_text_atomic(args.output, "".join(json.dumps(rec) + "\n" for rec in records))
         print(f"wrote {len(records)} records to {args.output}")
     return 0
 
@@ -368,37 +658,30 @@ def _ids(ids: list[int], limit: int = 24) -> str:
 
 
 # --- bench ---------------------------------------------------------------------------------------
-def _check_output_path(path: str | None, flag: str) -> None:
-    if path is not None:
-        parent = Path(path).expanduser().resolve().parent
-        if not parent.is_dir():
-            raise CLIError(f"{flag} {path}: the folder {parent} does not exist")
-
-
 def cmd_bench(args) -> int:
-    from . import __version__
-    from . import bench
+    import torch
 
-    if args.plot:  # at startup, not after minutes of benchmarking
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            raise CLIError(f"--plot needs matplotlib, which is not installed: {PLOT_HINT}") from None
-    _check_output_path(args.output, "--output")
-    _check_output_path(args.plot, "--plot")
+    from . import __version__, bench
+
+    device = resolve_device(args.device)
+    dtype_name, dtype = resolve_dtype(args.dtype, device)
+    modes = list(dict.fromkeys(args.modes))
+    cases = bench.plan_cases(args.batch_sizes, args.samples_per_prompt, args.prompt_lengths, args.response_lengths)
+    model_config, source = load_config(args)
+    longest = max(cases, key=lambda c: c.prompt_length + c.response_length)
+    check_positions(model_config, longest.prompt_length + longest.response_length,
+                    f"case {longest.name}: --prompt-lengths {longest.prompt_length} + --response-lengths "
+                    f"{longest.response_length}", "lower them")
+    biggest = max(cases, key=lambda c: c.rows * (c.prompt_length + c.response_length))
+    check_kv_memory(model_config, device, dtype, biggest.rows, biggest.prompt_length + biggest.response_length,
+                    f"case {biggest.name}", "lower --batch-sizes, --samples-per-prompt, --prompt-lengths or "
+                                            "--response-lengths")
     if args.trace:
         try:
             os.makedirs(args.trace, exist_ok=True)
         except OSError as e:
             raise CLIError(f"--trace {args.trace}: cannot create the folder: {e}") from None
-    device = resolve_device(args.device)
-    dtype_name, dtype = resolve_dtype(args.dtype, device)
-    modes = list(dict.fromkeys(args.modes))
-    cases = bench.plan_cases(args.batch_sizes, args.samples_per_prompt, args.prompt_lengths, args.response_lengths)
-    model, tokenizer, model_desc = load_model(args, device, dtype)
-    longest = max(cases, key=lambda c: c.prompt_length + c.response_length)
-    check_length(model, longest.prompt_length + longest.response_length,
-                 f"case {longest.name}: lower --prompt-lengths or --response-lengths")
+    model, tokenizer, model_desc = load_model(args, model_config, source, device, dtype)
 
     settings = bench.Settings(temperature=args.temperature, top_p=args.top_p, seed=args.seed, compile=args.compile,
                               warmup=args.warmup, iterations=args.iterations, trace_dir=args.trace)
@@ -432,29 +715,66 @@ def cmd_bench(args) -> int:
             "hf-generate": "model.generate, eager (--compile does not apply), max_new_tokens=min_new_tokens=R, "
                            "eos_token_id=None (no EOS, as the rollout's eos_token_id=[]), top_k=0",
         },
+        "file_note": bench.FILE_NOTE,
+        "median_stages_note": bench.MEDIAN_STAGES_NOTE,
+        "tokens_agree_note": bench.TOKENS_AGREE_NOTE,
         "flags": {k: v for k, v in vars(args).items() if k not in ("func",)},
         "cases_requested": [c.name for c in cases],
         "cases_run_order": [cases[i].name for i in bench.run_order(cases)],
     }
-    print(f"bench: {len(cases)} case(s) x {len(modes)} mode(s) on {device_name} ({device}), {dtype_name}, "
-          f"{header['sampling']}, warmup {args.warmup}, {args.iterations} timed iterations")
-    with bench.recompile_headroom(args.compile):
-        results = bench.run_matrix(model, cases, modes, settings, vocab_size=vocab_size(model, tokenizer),
-                                   special_ids=special_ids(model, tokenizer), pad_token_id=pad_id(model, tokenizer),
-                                   progress=not args.no_progress)
-    for result in results:
+    per_mode = bench.calls_per_mode(settings, device)
+    print(f"bench: {len(cases)} case(s) x {len(modes)} mode(s) x {per_mode} calls on {device_name} ({device}), "
+          f"{dtype_name}, {header['sampling']}, warmup {args.warmup}, {args.iterations} timed "
+          f"iteration{'s' if args.iterations != 1 else ''}")
+
+    results: list[dict | None] = [None] * len(cases)
+
+    def save(status: str) -> None:
+        if args.output:
+            bench.write_json_atomic(args.output, bench.results_document(header, cases, results, status))
+
+    def save_during_run() -> None:
+        """A write that fails mid-run (the folder removed, the disk full) is reported and retried after
+        the next case; the results so far stay in memory and the run goes on."""
+        try:
+            save("partial")
+        except OSError as e:
+            print(f"torchkvops: warning: cannot write --output {args.output} ({e.strerror or e}); "
+                  "trying again after the next case", file=sys.stderr)
+
+    save_during_run()  # the header at once: a run that dies before its first case still leaves a record
+
+    def case_done(i: int, result: dict) -> None:
+        results[i] = result
+        save_during_run()
+
+    try:
+        with bench.recompile_headroom(args.compile):
+            bench.run_matrix(model, cases, modes, settings, vocab_size=vocab_size(model, tokenizer),
+                             special_ids=special_ids(model, tokenizer), pad_token_id=pad_id(model, tokenizer),
+                             progress=not args.no_progress, on_case=case_done)
+    except KeyboardInterrupt:
+        finished = [r for r in results if r is not None]
+        for result in finished:
+            print()
+            print(bench.format_case_table(result, args.iterations))
+        save("interrupted")
+        kept = f"; {len(finished)} finished case(s) are in {args.output}" if args.output and finished else ""
+        print(f"torchkvops: interrupted after {len(finished)} of {len(cases)} case(s){kept}", file=sys.stderr)
+        return 130
+    for result in results:  # the tables first: they are shown even if the last write fails
         print()
         print(bench.format_case_table(result, args.iterations))
+    save("complete")
     failed = [r["case"] for r in results if r["error"]]
     if args.output:
-        with open(args.output, "w", encoding="utf-8") as fh:
-            json.dump({"header": header, "cases": results}, fh, indent=2)
         print(f"\nwrote {args.output}")
     if args.plot:
         bench.plot_stage_times(results, args.plot, f"{model_desc}, {dtype_name}, {device_name}")
         print(f"wrote {args.plot}")
     if args.trace:
-        print(f"wrote Chrome traces to {args.trace}/ (open in chrome://tracing or https://ui.perfetto.dev)")
+        print(f"wrote Chrome traces to {os.path.join(args.trace, '')} (open in chrome://tracing or "
+              "https://ui.perfetto.dev)")
     if failed:
         print(f"torchkvops: {len(failed)} case(s) failed: {', '.join(failed)} (errors in the table"
               f"{' and the JSON' if args.output else ''})", file=sys.stderr)
@@ -472,20 +792,24 @@ def _cpu_name() -> str:
     return platform.processor() or "cpu"
 
 
-def cmd_bench_op(argv: Sequence[str]) -> int:
-    try:
-        from . import bench_op
-    except ImportError as e:
-        raise CLIError(f"bench-op is not available in this install: {e}") from None
-    try:
-        return bench_op.main(list(argv), prog="torchkvops bench-op")
-    except SystemExit as e:  # bench_op stops with SystemExit("bench-op: ...") on bad input
-        if isinstance(e.code, str):
-            raise CLIError(e.code.removeprefix("bench-op: ")) from None
-        raise
+def cmd_bench_op(args) -> int:
+    from . import bench_op
+
+    return bench_op.execute(args)
 
 
 # --- entry point ---------------------------------------------------------------------------------
+def _one_line_error(e: BaseException) -> bool:
+    """Errors that are the input's or the machine's fault, not a bug: printed as one line."""
+    if isinstance(e, (ValueError, TypeError, OSError, MemoryError, ImportError)):  # ImportError: a broken build
+        return True
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(e, torch.OutOfMemoryError):
+        return True
+    # the CPU allocator's failure is a plain RuntimeError: "DefaultCPUAllocator: can't allocate memory"
+    return isinstance(e, RuntimeError) and "can't allocate memory" in str(e)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
@@ -494,22 +818,21 @@ def main(argv: Sequence[str] | None = None) -> int:
                   "  torchkvops bench " + " ".join(DEFAULT_BENCH_ARGS) + "\n"
                   "(torchkvops --help lists the commands: rollout, bench, bench-op)")
             argv = ["bench", *DEFAULT_BENCH_ARGS]
-        if argv[0] == "bench-op":
-            return cmd_bench_op(argv[1:])
         parser = build_parser()
-        args = parser.parse_args(argv)
+        args = parse_args(argv, parser)
         if args.command is None:
             parser.print_help()
             return 2
+        load_library()
         return args.func(args)
     except CLIError as e:
         print(f"torchkvops: error: {e}", file=sys.stderr)
         return 2
-    except (ValueError, TypeError, OSError, torch.OutOfMemoryError) as e:
-        if os.environ.get("TORCHKVOPS_DEBUG"):
-            raise
-        print(f"torchkvops: error: {type(e).__name__}: {' '.join(str(e).split())}", file=sys.stderr)
-        return 1
     except KeyboardInterrupt:
         print("torchkvops: interrupted", file=sys.stderr)
         return 130
+    except Exception as e:
+        if os.environ.get("TORCHKVOPS_DEBUG") or not _one_line_error(e):
+            raise
+        print(f"torchkvops: error: {type(e).__name__}: {' '.join(str(e).split())}", file=sys.stderr)
+        return 1
