@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
 # The GPU check, in one call on a machine with a CUDA GPU (made for one H200, torch 2.11+cu130,
-# nvcc 13.0, no network): build the extension, run the CUDA tests, the repeat_kv_cache_ bandwidth
-# table and the rollout A/B matrix in fp16 and bf16. Everything lands in OUT_DIR: one log per step,
-# the JSON results, exit_codes.txt and summary.txt. A failing step does not stop the next one.
+# nvcc 13.0, no network, no trl): build the extension, run the CUDA tests (graph decode, the sampler,
+# merge_attention_states, the KV ops), the repeat_kv_cache_ bandwidth table, the decode benchmarks of
+# issues #8 and #9 (OPT-6.7B anchor, Qwen3-0.6B long prompts, OPT-125m matrix; CUDA-graph decode, both
+# KV layouts, HF generate with its default and static cache), the sampler and merge benchmarks, and the
+# compiled anchor if time is left. Everything lands in OUT_DIR: one log per step, the JSON results,
+# exit_codes.txt and summary.txt. A failing step does not stop the next one. Copy OUT_DIR to
+# benchmarks/results/<date>_h200/ and commit it.
 #
 #   scripts/gpu_check.sh OUT_DIR
 #
 # It ends within 8 minutes: every step runs under `timeout`, clipped to what is left of a
-# GPU_CHECK_BUDGET_S budget (default 455 s); a step with under 15 s left is skipped. SKIP_BUILD=1
+# GPU_CHECK_BUDGET_S budget (default 470 s); a step with under 15 s left is skipped. SKIP_BUILD=1
 # skips the build (already built on this machine). Exit code: 0 when every step passed.
 set -u -o pipefail
 
@@ -17,7 +21,7 @@ cd "$(dirname "$0")/.."
 PY="${PYTHON:-$(command -v python || command -v python3)}"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PIP_NO_INDEX=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONUNBUFFERED=1
 export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}" MAX_JOBS="${MAX_JOBS:-$(nproc)}"
-budget="${GPU_CHECK_BUDGET_S:-455}"
+budget="${GPU_CHECK_BUDGET_S:-470}"
 start=$SECONDS
 failed=0
 : > "$out/exit_codes.txt"
@@ -57,7 +61,7 @@ fi
 if "$PY" -c "import pytest" 2>/dev/null; then
   # --continue-on-collection-errors: a test module whose imports are missing here (say hypothesis)
   # must not keep the others from running.
-  step pytest-cuda 180 "$PY" -m pytest -q -m cuda -p no:cacheprovider --continue-on-collection-errors -rs tests/
+  step pytest-cuda 150 "$PY" -m pytest -q -m cuda -p no:cacheprovider --continue-on-collection-errors -rs tests/
 else
   echo "=== pytest-cuda: pytest is not installed here" | tee "$out/pytest-cuda.log"
   rows+=("$(printf '%-14s %-8s %6s' pytest-cuda "missing" -)")
@@ -65,25 +69,35 @@ else
   failed=1
 fi
 
-step bench-op 60 "$PY" -m torchkvops bench-op --device cuda --output "$out/bench_op.json"
+step bench-op 40 "$PY" -m torchkvops bench-op --device cuda --max-mib 4096 --output "$out/bench_op.json"
 
-matrix=(--model-shape opt-125m --device cuda --batch-sizes 1 8 --samples-per-prompt 4 16 --prompt-lengths 512
-  --response-lengths 32 --modes expanded shared hf-generate --warmup 2 --iterations 5 --no-progress)
-step bench-fp16 100 "$PY" -m torchkvops bench "${matrix[@]}" --dtype fp16 --output "$out/bench_fp16.json"
-step bench-bf16 100 "$PY" -m torchkvops bench "${matrix[@]}" --dtype bf16 --output "$out/bench_bf16.json"
-
-# Extras, if time is left: a rollout on the GPU, and the compiled rollout (CUDA graphs) on the largest case.
-step rollout-cuda 45 "$PY" -m torchkvops rollout --model-shape tiny --device cuda --dtype bf16 -n 4 \
-  --max-new-tokens 16 --output "$out/rollout.jsonl"
-step bench-compile 150 "$PY" -m torchkvops bench --model-shape opt-125m --device cuda --dtype bf16 --compile \
-  --batch-sizes 8 --samples-per-prompt 16 --prompt-lengths 512 --response-lengths 32 --modes expanded shared \
-  --warmup 3 --iterations 5 --no-progress --output "$out/bench_compile_bf16.json"
+# The decode goals of issues #8 and #9, most important first (each JSON has decode ms/step, GB/s and the
+# fraction of a copy_ roofline measured in the same run; modes run interleaved).
+# DeepSpeed's anchor: OPT-6.7B shape, fp16, B=1 N=4 P=512 R=32 (graph decode without compile; HF's
+# generate with its default and its static cache).
+step anchor-6.7b 120 "$PY" -m torchkvops bench --model-shape opt-6.7b --dtype fp16 --device cuda --batch-sizes 1 \
+  --samples-per-prompt 4 --prompt-lengths 512 --response-lengths 32 --modes expanded shared prefix hf-generate \
+  hf-static --warmup 2 --iterations 5 --no-progress --output "$out/anchor_opt6.7b_fp16.json"
+# Long prompts, grouped-query attention: Qwen3-0.6B shape, bf16, B=2 N=16 P=4096 R=64.
+step long-prompt 100 "$PY" -m torchkvops bench --model-shape qwen3-0.6b --dtype bf16 --device cuda --batch-sizes 2 \
+  --samples-per-prompt 16 --prompt-lengths 4096 --response-lengths 64 --modes shared prefix hf-generate hf-static \
+  --warmup 1 --iterations 3 --no-progress --output "$out/long_prompt_qwen3_bf16.json"
+# The OPT-125m bf16 matrix of the first GPU run.
+step matrix-125m 70 "$PY" -m torchkvops bench --model-shape opt-125m --dtype bf16 --device cuda --batch-sizes 1 8 \
+  --samples-per-prompt 4 16 --prompt-lengths 512 --response-lengths 32 --modes expanded shared prefix hf-generate \
+  --warmup 2 --iterations 5 --no-progress --output "$out/matrix_opt125m_bf16.json"
+step bench-sampler 30 "$PY" benchmarks/bench_sampler.py --device cuda --rows 64 8 --vocab 151936 50272 --dtype bf16 --iters 50
+step bench-merge 20 "$PY" benchmarks/bench_merge_attention_states.py --device cuda
+# Compiled decode (about 100 s of compile per mode on this shape): last, skipped when the budget is spent.
+step anchor-compiled 160 "$PY" -m torchkvops bench --model-shape opt-6.7b --dtype fp16 --device cuda --compile \
+  --batch-sizes 1 --samples-per-prompt 4 --prompt-lengths 512 --response-lengths 32 --modes shared prefix \
+  --warmup 2 --iterations 5 --no-progress --output "$out/anchor_opt6.7b_fp16_compiled.json"
 
 {
   echo "gpu_check: $((SECONDS - start))s; results in $out"
   printf '%-14s %-8s %6s\n' step exit time
   printf '%s\n' "${rows[@]}"
-  for f in bench-fp16 bench-bf16 bench-compile; do
+  for f in anchor-6.7b long-prompt matrix-125m anchor-compiled; do
     [ -f "$out/$f.log" ] || continue
     echo
     echo "--- $f"
