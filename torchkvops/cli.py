@@ -33,7 +33,7 @@ __all__ = ["main", "build_parser", "parse_args", "CLIError", "DEFAULT_BENCH_ARGS
 DTYPE_NAMES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 # The names of torchkvops.models.MODEL_SHAPES, spelled out so that parsing needs no transformers
 # (tests/test_cli.py checks that the two agree).
-MODEL_SHAPE_NAMES = ("tiny", "opt-125m", "gpt2", "qwen3-0.6b", "opt-6.7b")
+MODEL_SHAPE_NAMES = ("tiny", "llama-small", "opt-125m", "gpt2", "qwen3-0.6b", "opt-6.7b")
 # The bare `torchkvops`: measured at 38 s on a shared 2-core CPU, model build included (5 iterations: 59 s).
 DEFAULT_BENCH_ARGS = ["--model-shape", "opt-125m", "--batch-sizes", "1", "--samples-per-prompt", "4",
                       "--prompt-lengths", "128", "--response-lengths", "16", "--warmup", "1", "--iterations", "3"]
