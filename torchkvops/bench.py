@@ -487,9 +487,8 @@ class World:
         parts = torch.stack(self.all_gather(codes))
         return {k: None if int(parts[:, i].min()) < 0 else bool(parts[:, i].min()) for i, k in enumerate(pairs)}
 
-    def device_description(self, device: torch.device) -> list[str]:
+    def device_description(self, device: torch.device, name: str) -> list[str]:
         """Per process: its device, the device's name and the host."""
-        name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
         return self.gather_text(f"{device} ({name}) on {socket.gethostname()}")
 
 

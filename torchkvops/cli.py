@@ -869,13 +869,13 @@ def cmd_bench(args) -> int:
                               warmup=args.warmup, iterations=args.iterations, trace_dir=args.trace,
                               roofline_gbps=roofline["copy_roofline_gbps"] if roofline else None)
     traffic = bench.Traffic.of(model, settings.roofline_gbps)
-    rank_devices = world.device_description(device)
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()
+    rank_devices = world.device_description(device, device_name)
     if roofline is not None and world.size > 1:
         rooflines = world.gather_records([roofline], ["copy_roofline_gbps"])
         roofline["rank_copy_roofline_gbps"] = [rows[0]["copy_roofline_gbps"] for rows in rooflines]
     import transformers
 
-    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()
     compiled = ", compiled" if args.compile else ""
     descriptions = {
         "expanded": f"Rollout(shared_prefill=False, eos_token_id=[]){compiled}",
