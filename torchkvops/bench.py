@@ -456,7 +456,7 @@ class World:
         return [(r, self._decode(p[1:])) for r, p in enumerate(self.all_gather(status)) if p[0]]
 
     def describe(self, failures: list[tuple[int, str]]) -> str:
-        if not self.active:
+        if self.size == 1:
             return failures[0][1]
         return "; ".join(f"rank {r}: {text}" for r, text in failures)
 

@@ -1019,6 +1019,13 @@ def _one_line_error(e: BaseException) -> bool:
     return isinstance(e, RuntimeError) and "can't allocate memory" in str(e)
 
 
+def error_line(text: str) -> None:
+    """One line on stderr in ONE write: under torchrun the processes share stderr, and print's separate
+    write of the newline would let another process's line land in the middle."""
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
@@ -1035,19 +1042,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         load_library()
         return args.func(args)
     except CLIError as e:
-        print(f"torchkvops: error: {e}", file=sys.stderr)
+        error_line(f"torchkvops: error: {e}")
         return 2
     except RunError as e:
-        print(f"torchkvops: error: {e}", file=sys.stderr)
+        error_line(f"torchkvops: error: {e}")
         return 1
     except KeyboardInterrupt:
-        print("torchkvops: interrupted", file=sys.stderr)
+        error_line("torchkvops: interrupted")
         return 130
     except Exception as e:
         if os.environ.get("TORCHKVOPS_DEBUG") or not _one_line_error(e):
             raise
         where = f"[rank {_RANK}] " if _WORLD_SIZE > 1 else ""
-        print(f"torchkvops: error: {where}{type(e).__name__}: {' '.join(str(e).split())}", file=sys.stderr)
+        error_line(f"torchkvops: error: {where}{type(e).__name__}: {' '.join(str(e).split())}")
         return 1
     finally:
         stop_processes()
