@@ -478,9 +478,9 @@ def start_processes(device_text: str | None):
 
     backend = "gloo"
     if device.type == "cuda":
-        if device_text not in (None, "cuda"):
-            raise CLIError(f"--device {device_text}: under torchrun each process uses cuda:LOCAL_RANK; pass "
-                           "--device cuda (or no --device)")
+        if device_text not in (None, "cuda", f"cuda:{launch['local_rank']}"):
+            raise CLIError(f"--device {device_text}: under torchrun each process uses cuda:LOCAL_RANK (here "
+                           f"cuda:{launch['local_rank']}); pass --device cuda (or no --device)")
         if launch["local_rank"] >= torch.cuda.device_count():
             raise CLIError(f"torchrun's LOCAL_RANK={launch['local_rank']}, but this machine has "
                            f"{torch.cuda.device_count()} CUDA device(s); lower --nproc-per-node")
