@@ -279,7 +279,8 @@ def test_bench_json_tables_trace_and_order(tmp_path):
                 # Decode per step and the bandwidth, recomputed from their definitions.
                 steps = it["decode_steps"]
                 assert steps == R - 1  # Hugging Face's too: R forwards, the first one the prefill
-                assert it["decode_ms_per_step"] > 0 and it["decode_ms_per_step"] == pytest.approx(it["decode_ms"] / steps)
+                assert it["decode_ms_per_step"] > 0
+                assert it["decode_ms_per_step"] == pytest.approx(it["decode_ms"] / steps)
                 t_avg = (steps + 1) / 2
                 kv = per_token * (b * P + rows * t_avg) if mode == "prefix" else per_token * rows * (P + t_avg)
                 assert it["kv_bytes_per_step"] == kv and it["weight_bytes"] == weights
@@ -299,7 +300,8 @@ def test_bench_json_tables_trace_and_order(tmp_path):
             if mode != "hf-generate":
                 assert '"torchkvops.prefill"' in text and '"torchkvops.decode"' in text
         # Interleaved: round k runs every mode once, in the --modes order, before round k + 1 starts.
-        starts = sorted((it["started_ms"], mode, it["round"]) for mode, e in c["modes"].items() for it in e["iterations"])
+        starts = sorted((it["started_ms"], mode, it["round"])
+                        for mode, e in c["modes"].items() for it in e["iterations"])
         assert [(m, k) for _, m, k in starts] == [(m, k) for k in range(3) for m in modes]
         # KV storage: the buffers as the rollout sizes them; the prefix layout keeps each prompt once.
         kv_bytes = {m: c["modes"][m]["summary"]["kv_cache_bytes"]["p50"] for m in ("expanded", "shared", "prefix")}
@@ -309,7 +311,8 @@ def test_bench_json_tables_trace_and_order(tmp_path):
         cells = _table_rows(proc.stdout, c["case"])
         for mode, e in c["modes"].items():
             split = e["median_stages"]
-            assert cells[mode][6] == f"{split['decode_ms_per_step']:.2f}" and cells[mode][7] == f"{split['achieved_gbps']:.2f}"
+            assert cells[mode][6] == f"{split['decode_ms_per_step']:.2f}"
+            assert cells[mode][7] == f"{split['achieved_gbps']:.2f}"
             assert cells[mode][9] == ("-" if mode == "hf-generate" else f"{kv_bytes[mode] / 2**20:.2f}")
         # Greedy: every mode must give the same tokens (rows in repeat_interleave order).
         assert c["tokens_agree"]["all_agree"] is True

@@ -202,8 +202,9 @@ def test_a_mode_that_fails_on_another_process_fails_on_this_one_too(monkeypatch)
 
     monkeypatch.setattr(bench, "_make_runner", lambda mode, *args: Runner(mode))
     world = ElsewhereFails()
-    (result,) = bench.run_matrix(build_model("tiny"), [case], ["shared", "prefix"], bench.Settings(warmup=1, iterations=2),
-                                 vocab_size=512, special_ids=[0, 1, 2], pad_token_id=0, progress=False, world=world)
+    settings = bench.Settings(warmup=1, iterations=2)
+    (result,) = bench.run_matrix(build_model("tiny"), [case], ["shared", "prefix"], settings, vocab_size=512,
+                                 special_ids=[0, 1, 2], pad_token_id=0, progress=False, world=world)
     assert calls == ["shared", "prefix", "shared", "prefix", "prefix", "prefix"]  # warm-ups, rounds, peak
     assert result["modes"]["shared"]["error"] == "rank 1: OutOfMemoryError: simulated"
     assert result["modes"]["prefix"]["error"] is None and len(result["modes"]["prefix"]["iterations"]) == 2

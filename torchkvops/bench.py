@@ -727,7 +727,8 @@ def _duration(seconds: float) -> str:
 
 def _new_entry(mode: str, device: torch.device) -> dict:
     return {"mode": mode, "error": None, "iterations": [], "summary": None, "median_stages": None,
-            "peak_memory_bytes": None, "peak_memory_method": "cuda_allocator" if device.type == "cuda" else "cpu_profiler",
+            "peak_memory_bytes": None,
+            "peak_memory_method": "cuda_allocator" if device.type == "cuda" else "cpu_profiler",
             "tokens_sha256": None, "trace": None}
 
 
@@ -1020,9 +1021,9 @@ def format_case_table(result: dict, iterations: int) -> str:
              + (", % of the copy_ roofline" if roofline else "") + " and KV MiB (KV storage used) are of the same "
              "iteration(s); modes ran interleaved, timed by one clock"]
     if world > 1:
-        lines.append(f"data-parallel over {world} processes: B is per process (global batch {result['batch_size'] * world} "
-                     "prompts); times are the slowest process's in each iteration, tokens/s counts every process's "
-                     "tokens (global)")
+        lines.append(f"data-parallel over {world} processes: B is per process (global batch "
+                     f"{result['batch_size'] * world} prompts); times are the slowest process's in each iteration, "
+                     "tokens/s counts every process's tokens (global)")
     cols = ["mode", "prefill ms", "kv_expand ms", "decode ms", "other ms", "total ms", "decode ms/step", "GB/s"]
     cols += ["% of roofline"] if roofline else []
     cols += ["tokens/s" if world == 1 else "global tokens/s", "KV MiB", "peak MiB", "total / expanded"]
@@ -1044,12 +1045,14 @@ def format_case_table(result: dict, iterations: int) -> str:
         split = e.get("median_stages") or stage_breakdown(e)
         other = None
         if "other_ms" in split:
-            other = split["other_ms"] + (split.get("prompt_expansion_ms") or 0.0) + (split.get("post_processing_ms") or 0.0)
+            other = (split["other_ms"] + (split.get("prompt_expansion_ms") or 0.0)
+                     + (split.get("post_processing_ms") or 0.0))
         total = split["total_ms"]
         ratio = total / base_total if base_total else None
         fraction = split.get("roofline_fraction")
         cells = [mode, f(split.get("prefill_ms")), f(split.get("kv_expand_ms"), "{:.2f}"), f(split.get("decode_ms")),
-                 f(other), f(total), f(split.get("decode_ms_per_step"), "{:.2f}"), f(split.get("achieved_gbps"), "{:.2f}")]
+                 f(other), f(total), f(split.get("decode_ms_per_step"), "{:.2f}"),
+                 f(split.get("achieved_gbps"), "{:.2f}")]
         cells += [f(None if fraction is None else 100 * fraction)] if roofline else []
         cells += [f(split["tokens_per_second"]), f(mib(split.get("kv_cache_bytes")), "{:.2f}"),
                   f(mib(e["peak_memory_bytes"])), f(ratio, "{:.2f}")]

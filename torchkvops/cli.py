@@ -46,7 +46,8 @@ MODEL_SHAPE_NAMES = ("tiny", "llama-small", "opt-125m", "gpt2", "qwen3-0.6b", "o
 # torchkvops.bench.MODES and DEFAULT_MODES, spelled out for the same reason (checked by the same test).
 MODE_NAMES = ("expanded", "shared", "prefix", "hf-generate", "hf-static")
 DEFAULT_MODES = ("expanded", "shared", "prefix", "hf-generate")
-# The bare `torchkvops`: measured at 38 s on a shared 2-core CPU, model build included (5 iterations: 59 s).
+# The bare `torchkvops`: measured at 38 s on a shared 2-core CPU, model build included (5 iterations: 59 s);
+# with the four default modes (prefix added), 28 s on the same CPU, less loaded (2026-11-30).
 DEFAULT_BENCH_ARGS = ["--model-shape", "opt-125m", "--batch-sizes", "1", "--samples-per-prompt", "4",
                       "--prompt-lengths", "128", "--response-lengths", "16", "--warmup", "1", "--iterations", "3"]
 PLOT_HINT = "pip install matplotlib  (or: pip install torchkvops[plot])"
@@ -746,7 +747,8 @@ def cmd_rollout(args) -> int:
                         f"--prompt-length {args.prompt_length} + --max-new-tokens {args.max_new_tokens}",
                         "lower one of them")
         check_kv_memory(model_config, device, dtype, most * n, args.prompt_length + args.max_new_tokens,
-                        f"--num-prompts {args.num_prompts} x -n {n}" + (f" over {world} processes" if world > 1 else ""),
+                        f"--num-prompts {args.num_prompts} x -n {n}"
+                        + (f" over {world} processes" if world > 1 else ""),
                         "lower --num-prompts, --samples-per-prompt, --prompt-length or --max-new-tokens")
     model, tokenizer, _ = load_model(args, model_config, source, device, dtype)
     if texts:
@@ -799,8 +801,8 @@ def cmd_rollout(args) -> int:
             ids = responses[row][mask[row].bool()].tolist()
             text = tokenizer.decode(ids, skip_special_tokens=True) if tokenizer is not None else None
             print(f"--- sample {j} ({len(ids)} tokens): " + (repr(text) if text is not None else _ids(ids)))
-            records.append({"prompt_index": i, "sample_index": j, "rank": owner[i], "prompt": prompt_text, "prompt_token_ids": prompt_ids, "token_ids": ids,
-                            "text": text})
+            records.append({"prompt_index": i, "sample_index": j, "rank": owner[i], "prompt": prompt_text,
+                            "prompt_token_ids": prompt_ids, "token_ids": ids, "text": text})
     stages = (f"prefill {profile.prefill_ms:.1f} ms, kv_expand {profile.kv_expand_ms:.2f} ms, decode "
               f"{profile.decode_ms:.1f} ms; {kind} prefill")
     if world > 1:
