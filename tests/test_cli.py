@@ -95,6 +95,37 @@ def test_token_agreement_rules():
     assert bench.token_agreement({"shared": "h", "expanded": None}, greedy=True)["pairs"] == {}
 
 
+def test_token_agreement_rules_for_the_prefix_and_static_modes():
+    sampled = bench.token_agreement({"shared": "h", "prefix": "h", "hf-generate": "y", "hf-static": "y"}, greedy=False)
+    assert sampled["pairs"] == {"shared vs prefix": True, "shared vs hf-generate": None, "shared vs hf-static": None,
+                                "prefix vs hf-generate": None, "prefix vs hf-static": None,
+                                "hf-generate vs hf-static": None}
+    assert sampled["all_agree"] is True and "--temperature 0" in sampled["notes"]["hf-generate vs hf-static"]
+    greedy = bench.token_agreement({"prefix": "h", "hf-static": "x"}, greedy=True)
+    assert greedy["pairs"] == {"prefix vs hf-static": False} and greedy["all_agree"] is False
+
+
+def test_weight_bytes_count_each_storage_once_and_kv_bytes_per_step():
+    first, second = torch.nn.Linear(4, 8, bias=False), torch.nn.Linear(4, 8, bias=False)
+    second.weight = torch.nn.Parameter(first.weight.data)  # another Parameter on the same storage: tied
+    model = torch.nn.Sequential(first, second)
+    model.register_buffer("scale", torch.ones(3))
+    assert bench.model_weight_bytes(model) == 8 * 4 * 4 + 3 * 4
+    t = bench.Traffic(weight_bytes=100, kv_bytes_per_token=10)
+    # B=2 prompts of P=5, N=3, 3 decode steps attending to P+1, P+2, P+3 keys: on average P+2.
+    assert t.kv_bytes_per_step("shared", 2, 3, 5, 3) == 10 * 6 * (5 + 2)
+    assert t.kv_bytes_per_step("hf-generate", 2, 3, 5, 3) == 10 * 6 * (5 + 2)
+    assert t.kv_bytes_per_step("prefix", 2, 3, 5, 3) == 10 * (2 * 5 + 6 * 2)  # each prompt's keys once
+    assert t.kv_bytes_per_step("shared", 2, 3, 5, 0) is None  # R=1: no decode step
+    p = t.annotate("prefix", dict(decode_steps=3, decode_ms=6.0, batch_size=2, samples_per_prompt=3, prompt_length=5))
+    assert p["decode_ms_per_step"] == 2.0 and p["achieved_gbps"] == (100 + 220) / 2.0 / 1e6
+    assert p["roofline_fraction"] is None
+    with_roofline = bench.Traffic(100, 10, roofline_gbps=0.0004)
+    p = with_roofline.annotate("shared", dict(decode_steps=3, decode_ms=6.0, batch_size=2, samples_per_prompt=3,
+                                              prompt_length=5))
+    assert p["roofline_fraction"] == pytest.approx((100 + 420) / 2.0 / 1e6 / 0.0004)
+
+
 def test_tokens_hash_is_of_int64_bytes():
     t = torch.tensor([[1, 2], [3, 4]], dtype=torch.int32)
     import hashlib
@@ -132,7 +163,7 @@ def test_default_command_parses_to_a_short_bench():
     assert args.command == "bench" and args.model_shape in ("tiny", "opt-125m")
     assert args.warmup + args.iterations <= 6
     full = cli.build_parser().parse_args(["bench"])
-    assert (full.warmup, full.iterations, full.modes) == (5, 20, ["expanded", "shared", "hf-generate"])
+    assert (full.warmup, full.iterations, full.modes) == (5, 20, ["expanded", "shared", "prefix", "hf-generate"])
 
 
 def test_a_failing_case_is_recorded_and_the_run_goes_on(tmp_path, monkeypatch, capsys):
@@ -162,23 +193,41 @@ def test_a_failing_case_is_recorded_and_the_run_goes_on(tmp_path, monkeypatch, c
 
 
 # --- bench ---------------------------------------------------------------------------------------
+def _table_rows(stdout: str, case: str) -> dict[str, list[str]]:
+    """The cells of one case's table, by mode."""
+    block = stdout.split(f"{case}: B=")[1].split("\n\n")[0]
+    rows = [line.strip("|").split("|") for line in block.splitlines() if line.startswith("| ")]
+    cells = {r[0].strip(): [c.strip() for c in r] for r in rows}
+    cells.pop("mode")
+    return cells
+
+
 def test_bench_json_tables_trace_and_order(tmp_path):
+    from torchkvops.models import build_model, model_config
+    from torchkvops.rollout import round_up
+
     out, trace = tmp_path / "bench.json", tmp_path / "trace"
+    P, R = 130, 4
     proc = run_cli("bench", *TINY, "--device", "cpu", "--warmup", "1", "--iterations", "3", "--temperature", "0",
-                   "--batch-sizes", "1", "2", "--samples-per-prompt", "3", "--prompt-lengths", "6",
-                   "--response-lengths", "4", "--output", str(out), "--trace", f"{trace}/")
+                   "--batch-sizes", "1", "2", "--samples-per-prompt", "3", "--prompt-lengths", str(P),
+                   "--response-lengths", str(R), "--output", str(out), "--trace", f"{trace}/")
     assert proc.returncode == 0, proc.stderr
     assert "RANDOM weights" in proc.stdout
-    assert "B2_N3_P6_R4 expanded" in proc.stderr and "/36 [" in proc.stderr  # the progress bar: 2x3x(1+3+1+1) calls
+    names = [f"B1_N3_P{P}_R{R}", f"B2_N3_P{P}_R{R}"]
+    # the progress bar: 2 cases x 4 modes x (1 + 3 + 1 + 1) calls
+    assert f"{names[1]} expanded" in proc.stderr and "/48 [" in proc.stderr
     # After the first call: the number of calls and an estimate, one line on stderr.
     (estimate,) = [line for line in proc.stderr.splitlines() if "calls in all" in line]
-    assert "bench: 36 calls in all (2 case(s) x 3 mode(s) x 6)" in estimate and "may take about" in estimate
-    for name in ("B1_N3_P6_R4", "B2_N3_P6_R4"):
+    assert "bench: 48 calls in all (2 case(s) x 4 mode(s) x 6)" in estimate and "may take about" in estimate
+    for name in names:
         assert name in proc.stdout
-    assert ("| mode | prefill ms | kv_expand ms | decode ms | other ms | total ms | tokens/s | peak MiB "
-            "| total / expanded |") in proc.stdout
+    # On the CPU there is no roofline column.
+    assert ("| mode | prefill ms | kv_expand ms | decode ms | other ms | total ms | decode ms/step | GB/s | tokens/s "
+            "| KV MiB | peak MiB | total / expanded |") in proc.stdout
     assert "3 timed iterations: times of the median-total iteration" in proc.stdout
-    assert proc.stdout.count("| shared |") == 2 and proc.stdout.count("| hf-generate |") == 2
+    assert "modes ran interleaved, timed by one clock" in proc.stdout
+    for mode in ("shared", "prefix", "hf-generate"):
+        assert proc.stdout.count(f"| {mode} |") == 2
     assert f"wrote Chrome traces to {trace}/ (" in proc.stdout and "trace//" not in proc.stdout
 
     data = json.loads(out.read_text())
@@ -187,22 +236,31 @@ def test_bench_json_tables_trace_and_order(tmp_path):
     h = data["header"]
     for key in ("model", "model_shape", "dtype", "device", "device_name", "torch_version", "transformers_version",
                 "torchkvops_version", "flags", "peak_memory_method", "tokens_agree_note", "median_stages_note",
-                "file_note"):
+                "file_note", "timing", "decode_ms_per_step_method", "bytes_per_step", "roofline", "world_size"):
         assert key in h
     assert h["model_shape"] == "tiny" and h["random_weights"] and h["dtype"] == "fp32"
     assert h["torch_version"] == torch.__version__ and h["peak_memory_method"] == "cpu_profiler"
     assert h["flags"]["iterations"] == 3 and h["flags"]["batch_sizes"] == [1, 2]
+    assert h["world_size"] == 1 and h["backend"] is None and h["roofline"] is None  # no roofline on the CPU
+    assert set(h["decode_ms_per_step_method"]) == {"rollout modes", "hf modes"}
+    # Bytes per step: the tiny Llama's config (no tied weights) and fp32, counted here independently.
+    cfg = model_config("tiny")
+    per_token = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 4
+    model = build_model("tiny")
+    weights = sum(t.numel() * 4 for t in [*model.parameters(), *model.buffers()])
+    assert h["bytes_per_step"]["kv_bytes_per_token"] == per_token and h["bytes_per_step"]["weight_bytes"] == weights
 
     cases = data["cases"]
-    assert [c["case"] for c in cases] == ["B1_N3_P6_R4", "B2_N3_P6_R4"]  # the requested order ...
+    assert [c["case"] for c in cases] == names  # the requested order ...
     assert [c["run_order"] for c in cases] == [1, 0]  # ... but the most rows ran first
-    assert h["cases_run_order"] == ["B2_N3_P6_R4", "B1_N3_P6_R4"]
+    assert h["cases_run_order"] == names[::-1]
+    modes = ["expanded", "shared", "prefix", "hf-generate"]
     for c in cases:
-        assert c["error"] is None and list(c["modes"]) == ["expanded", "shared", "hf-generate"]
-        rows = c["batch_size"] * c["samples_per_prompt"]
+        assert c["error"] is None and list(c["modes"]) == modes
+        b, rows = c["batch_size"], c["batch_size"] * c["samples_per_prompt"]
         for mode, e in c["modes"].items():
             assert e["error"] is None and len(e["iterations"]) == 3
-            assert set(e["summary"]) == set(bench.PROFILE_FIELDS)
+            assert set(e["summary"]) == set(bench.SUMMARY_FIELDS) >= set(bench.PROFILE_FIELDS)
             for field, s in e["summary"].items():
                 values = [p[field] for p in e["iterations"]]
                 if s is None:
@@ -211,24 +269,51 @@ def test_bench_json_tables_trace_and_order(tmp_path):
                 ordered = sorted(values)
                 assert s["p50"] == ordered[1] and s["p95"] == ordered[math.ceil(0.95 * 3) - 1]
                 assert s["mean"] == pytest.approx(sum(values) / 3)
-            assert e["summary"]["response_length"]["p50"] == 4
-            assert e["summary"]["generated_tokens"]["p50"] == rows * 4
-            assert e["summary"]["total_ms"]["p50"] > 0
+            assert e["summary"]["response_length"]["p50"] == R
+            assert e["summary"]["generated_tokens"]["p50"] == rows * R
             assert e["peak_memory_method"] == "cpu_profiler" and e["peak_memory_bytes"] > 0
             assert len(e["tokens_sha256"]) == 64
             assert e["median_stages"] == bench.stage_breakdown(e)
             assert e["median_stages"]["total_ms"] == e["summary"]["total_ms"]["p50"]
-            stages = ("prefill_ms", "kv_expand_ms", "decode_ms")
-            if mode == "hf-generate":
-                assert all(e["summary"][f] is None for f in stages)
-            else:
-                assert all(e["summary"][f] is not None for f in stages)
+            for it in e["iterations"]:
+                # Decode per step and the bandwidth, recomputed from their definitions.
+                steps = it["decode_steps"]
+                assert steps == R - 1  # Hugging Face's too: R forwards, the first one the prefill
+                assert it["decode_ms_per_step"] > 0
+                assert it["decode_ms_per_step"] == pytest.approx(it["decode_ms"] / steps)
+                t_avg = (steps + 1) / 2
+                kv = per_token * (b * P + rows * t_avg) if mode == "prefix" else per_token * rows * (P + t_avg)
+                assert it["kv_bytes_per_step"] == kv and it["weight_bytes"] == weights
+                assert it["achieved_gbps"] > 0
+                assert it["achieved_gbps"] == pytest.approx((weights + kv) / it["decode_ms_per_step"] / 1e6, rel=1e-9)
+                assert it["roofline_fraction"] is None
+                assert it["tokens_per_second"] == pytest.approx(rows * R / (it["total_ms"] / 1e3))
+                if mode == "hf-generate":
+                    assert it["kv_expand_ms"] is None and it["kv_cache_bytes"] is None
+                    assert it["prefill_ms"] > 0 and it["prefill_ms"] + it["decode_ms"] <= it["total_ms"]
+                else:  # the outer clock wraps the rollout's own first-stage-to-last total
+                    assert it["total_ms"] >= it["rollout_total_ms"] > 0 and it["kv_expand_ms"] is not None
             trace_file = Path(e["trace"])
             assert trace_file.parent == trace and trace_file.name == f"{c['case']}_{mode}.json"
             text = trace_file.read_text()
             json.loads(text)
             if mode != "hf-generate":
                 assert '"torchkvops.prefill"' in text and '"torchkvops.decode"' in text
+        # Interleaved: round k runs every mode once, in the --modes order, before round k + 1 starts.
+        starts = sorted((it["started_ms"], mode, it["round"])
+                        for mode, e in c["modes"].items() for it in e["iterations"])
+        assert [(m, k) for _, m, k in starts] == [(m, k) for k in range(3) for m in modes]
+        # KV storage: the buffers as the rollout sizes them; the prefix layout keeps each prompt once.
+        kv_bytes = {m: c["modes"][m]["summary"]["kv_cache_bytes"]["p50"] for m in ("expanded", "shared", "prefix")}
+        assert kv_bytes["shared"] == kv_bytes["expanded"] == rows * round_up(P + R - 1) * per_token
+        assert kv_bytes["prefix"] == (b * round_up(P) + rows * round_up(R - 1)) * per_token < kv_bytes["shared"]
+        # The table shows the median-total iteration's figures.
+        cells = _table_rows(proc.stdout, c["case"])
+        for mode, e in c["modes"].items():
+            split = e["median_stages"]
+            assert cells[mode][6] == f"{split['decode_ms_per_step']:.2f}"
+            assert cells[mode][7] == f"{split['achieved_gbps']:.2f}"
+            assert cells[mode][9] == ("-" if mode == "hf-generate" else f"{kv_bytes[mode] / 2**20:.2f}")
         # Greedy: every mode must give the same tokens (rows in repeat_interleave order).
         assert c["tokens_agree"]["all_agree"] is True
         assert set(c["tokens_agree"]["pairs"].values()) == {True}
@@ -240,20 +325,79 @@ def test_bench_sampling_agreement_and_mode_subset(tmp_path):
     out = tmp_path / "bench.json"
     proc = run_cli(*SMALL_BENCH, "--iterations", "1", "--warmup", "0", "--temperature", "0.8", "--top-p", "0.9",
                    "--batch-sizes", "2", "--samples-per-prompt", "2", "--prompt-lengths", "5",
-                   "--response-lengths", "3", "--modes", "shared", "hf-generate", "expanded", "--output", str(out))
+                   "--response-lengths", "3", "--modes", "shared", "hf-static", "prefix", "hf-generate", "expanded",
+                   "--output", str(out))
     assert proc.returncode == 0, proc.stderr
-    (case,) = json.loads(out.read_text())["cases"]
-    assert list(case["modes"]) == ["shared", "hf-generate", "expanded"]
-    pairs = case["tokens_agree"]["pairs"]
-    assert pairs["shared vs expanded"] is True  # same seed: the rollout's sampler ignores how prefill was batched
+    data = json.loads(out.read_text())
+    (case,) = data["cases"]
+    assert list(case["modes"]) == ["shared", "hf-static", "prefix", "hf-generate", "expanded"]
+    assert "cache_implementation='static'" in data["header"]["modes"]["hf-static"]
+    assert "prefix" in data["header"]["modes"]
+    pairs, notes = case["tokens_agree"]["pairs"], case["tokens_agree"]["notes"]
+    # Same seed: the rollout's sampler ignores how prefill was batched and how the prompt KV is shared.
+    assert pairs["shared vs expanded"] is True and pairs["shared vs prefix"] is True
+    assert pairs["prefix vs expanded"] is True
     assert pairs["shared vs hf-generate"] is None and pairs["hf-generate vs expanded"] is None
-    assert "not comparable" in case["tokens_agree"]["notes"]["shared vs hf-generate"]
-    assert "null when they are not comparable" in json.loads(out.read_text())["header"]["tokens_agree_note"]
+    assert pairs["hf-static vs hf-generate"] is None and "--temperature 0" in notes["hf-static vs hf-generate"]
+    assert "not comparable" in notes["shared vs hf-generate"]
+    assert "null when they are not comparable" in data["header"]["tokens_agree_note"]
+    hf_static = case["modes"]["hf-static"]
+    assert hf_static["error"] is None and hf_static["iterations"][0]["decode_steps"] == 2
+    assert "| hf-static |" in proc.stdout and "| prefix |" in proc.stdout
     # "not comparable" is explained where it is printed.
     (line,) = [i for i, text in enumerate(proc.stdout.splitlines()) if text.startswith("tokens: ")]
     explanation = proc.stdout.splitlines()[line + 1]
     assert "torch's generator" in explanation and "--temperature 0" in explanation
     assert "1 timed iteration:" in proc.stdout and "1 timed iterations" not in proc.stdout
+
+
+def test_modes_run_interleaved_and_a_failed_mode_leaves_the_rounds(monkeypatch):
+    """The schedule, with stand-in runners that record their calls: each mode's warm-ups, then rounds of
+    every live mode in turn, then the peak-memory calls; a mode that fails is dropped from the rounds
+    that follow. Every total_ms is the outer clock's, whatever the runner reports."""
+    from torchkvops.models import build_model
+
+    calls = []
+    case = bench.Case(1, 2, 4, 3)
+
+    class Runner:
+        def __init__(self, mode):
+            self.mode, self.n = mode, 0
+
+        def run(self):
+            calls.append(self.mode)
+            self.n += 1
+            if self.mode == "prefix" and self.n == 4:  # its second timed call (after 2 warm-ups)
+                raise RuntimeError("simulated failure")
+            return torch.zeros(case.rows, case.response_length, dtype=torch.long)
+
+        def profile(self, clock, end):
+            p = dict.fromkeys(bench.PROFILE_FIELDS)
+            p.update(total_ms=1e9, decode_ms=2.0, decode_steps=2, generated_tokens=case.rows * 3, batch_size=1,
+                     samples_per_prompt=2, prompt_length=4, response_length=3)
+            return p
+
+        def free(self):
+            pass
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(bench, "_make_runner", lambda mode, *args: Runner(mode))
+    modes = ["expanded", "prefix", "hf-generate"]
+    (result,) = bench.run_matrix(build_model("tiny"), [case], modes, bench.Settings(warmup=2, iterations=3),
+                                 vocab_size=512, special_ids=[0, 1, 2], pad_token_id=0, progress=False)
+    a, b, c = modes
+    assert calls == [a, a, b, b, c, c,  # warm-ups
+                     a, b, c, a, b, c, a, c,  # rounds: prefix fails in the second and leaves
+                     a, c]  # one peak-memory call each
+    assert result["modes"]["prefix"]["error"] == "RuntimeError: simulated failure"
+    assert "prefix: RuntimeError: simulated failure" in result["error"]
+    for mode in (a, c):
+        its = result["modes"][mode]["iterations"]
+        assert [it["round"] for it in its] == [0, 1, 2]
+        assert all(0 < it["total_ms"] < 1e9 for it in its)  # the outer clock's, not the runner's
+        assert all(it["decode_ms_per_step"] == 1.0 for it in its)
 
 
 def test_plot_without_matplotlib_fails_at_startup_with_the_install_hint(tmp_path):
@@ -575,10 +719,11 @@ def test_import_loads_the_ops_and_defers_the_rollout_engine():
     assert proc.returncode == 0 and proc.stdout.splitlines()[-1] == "ok", proc.stderr
 
 
-def test_model_shape_names_match_the_models():
+def test_names_spelled_out_for_parsing_match_the_library():
     from torchkvops.models import MODEL_SHAPES
 
-    assert list(cli.MODEL_SHAPE_NAMES) == list(MODEL_SHAPES)
+    assert list(cli.MODEL_SHAPE_NAMES) == list(MODEL_SHAPES) and "llama-small" in MODEL_SHAPES
+    assert cli.MODE_NAMES == bench.MODES and cli.DEFAULT_MODES == bench.DEFAULT_MODES
 
 
 def test_every_option_has_help_and_bench_op_help_shows_defaults_and_methods(capsys, monkeypatch):

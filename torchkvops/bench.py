@@ -1,26 +1,44 @@
-"""The A/B matrix behind `torchkvops bench`: expanded prefill vs shared prefill vs Hugging Face generate.
+"""The A/B matrix behind `torchkvops bench`: the rollout's modes against Hugging Face generate.
 
 For every case (batch size B, samples per prompt N, prompt length P, response length R) each mode
 generates exactly R tokens for the same synthetic prompts:
 
   expanded     Rollout(shared_prefill=False): the prompts are repeated N times, then prefilled
-  shared       Rollout(shared_prefill=True): each prompt is prefilled once, its KV expanded N times
+  shared       Rollout(shared_prefill=True): each prompt is prefilled once, its KV copied to its N rows
+  prefix       Rollout(shared_prefill=True, kv_sharing="prefix"): each prompt is prefilled once and its
+               KV kept once; the N rows read it through the shared-prefix attention, nothing is copied
   hf-generate  model.generate(num_return_sequences=N) (greedy: the prompts repeat_interleave'd N times)
+  hf-static    the same with cache_implementation="static", as Hugging Face runs it: on CUDA it compiles
+               its decode step (torch.compile, mode "reduce-overhead") in the first call of each shape,
+               which is a warm-up call; on the CPU it does not compile (its auto-compile is for accelerators)
 
-Warm-up calls are excluded; the rollout's own profile gives the stage times of every timed call,
-hf-generate is timed as a whole with a device synchronize around perf_counter. Cases run largest
-B*N first (the allocator then serves the smaller ones from what the first reserved, and an
-out-of-memory shows up at once), but the results keep the requested order.
+Timing (TIMING_NOTE): per case, each mode's warm-up calls, then `iterations` rounds that each run every
+mode once in turn (A B C A B C ...), so that the modes see the same machine state; every call's total_ms
+is measured by one outer clock around the whole call: CUDA events on the current stream and a
+synchronize on CUDA, time.perf_counter on the CPU. The rollout's own profile still gives each call's
+stage split; Hugging Face's prefill and decode are read from forward pre-hooks (DECODE_STEP_NOTE). Per
+decode step: the bytes of weights and KV read and the bandwidth achieved (BYTES_NOTE), on CUDA also as
+a fraction of a `copy_` roofline measured at the start of the same run (ROOFLINE_NOTE). The rollout
+modes' KV buffers stay allocated through a case's rounds (as in a training loop), so they are held at
+once. Cases run largest B*N first (an out-of-memory shows up at once), but the results keep the
+requested order.
 
-Peak memory: on CUDA the allocator's peak over each timed call (weights included); on the CPU one
-extra call under torch.profiler(profile_memory=True), whose "[memory]" events (+bytes on allocation,
--bytes on free) are summed in time order; the peak of that running sum is the most memory the call
-held at once beyond what was allocated when it began (weights excluded; the rollout's KV buffer is
-released before that call so that its allocation is counted, as hf-generate's cache is).
+Peak memory: after the timed rounds, one extra call per mode with every mode's buffers released first.
+On CUDA the allocator's peak over that call (weights included); on the CPU that call runs under
+torch.profiler(profile_memory=True), whose "[memory]" events (+bytes on allocation, -bytes on free) are
+summed in time order; the peak of that running sum is the most memory the call held at once beyond
+what was allocated when it began (weights excluded; the mode's KV buffer is allocated in the call, as
+hf-generate's cache is).
 
 Stage times shown in the table and the plot are those of the median-total iteration (for an even
 count, the mean of the two middle ones), so that they add up to the median total shown beside them;
 per-field medians (in the JSON's "summary") need not add up.
+
+Data-parallel (WORLD_NOTE): under torch.distributed every process runs every case on its own B
+prompts, in lockstep: after every call the processes exchange a status, so that a call that fails on
+one of them fails the mode on all of them instead of leaving the others waiting. The per-iteration
+profiles are then all_gather'ed as float vectors; the results report, per iteration, the slowest
+process's profile (the straggler is what a trainer waits for) and the tokens of all processes.
 
 The JSON (--output) is rewritten after every case, through a temporary file renamed into place: an
 interrupted or crashed run leaves the cases that finished, and never a half-written file.
@@ -36,6 +54,7 @@ import itertools
 import json
 import math
 import os
+import socket
 import sys
 import tempfile
 import time
@@ -45,29 +64,88 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 from torch import Tensor, nn
 
+from .kv_cache import KVShape
 from .profiling import RolloutProfile
 from .rollout import Rollout, RolloutConfig
 
 __all__ = [
-    "MODES", "PROFILE_FIELDS", "Case", "plan_cases", "run_order", "summarize", "summarize_profiles",
-    "tokens_sha256", "synthetic_prompts", "cpu_peak_memory_bytes", "token_agreement", "run_matrix",
-    "stage_breakdown", "plot_segments", "format_case_table", "plot_stage_times", "write_json_atomic",
-    "write_text_atomic", "results_document", "calls_per_mode", "estimate_seconds",
+    "MODES", "DEFAULT_MODES", "ROLLOUT_MODES", "HF_MODES", "PROFILE_FIELDS", "ITERATION_FIELDS", "SUMMARY_FIELDS",
+    "Case", "plan_cases", "run_order", "summarize", "summarize_profiles", "tokens_sha256", "synthetic_prompts",
+    "cpu_peak_memory_bytes", "token_agreement", "run_matrix", "stage_breakdown", "plot_segments",
+    "format_case_table", "plot_stage_times", "write_json_atomic", "write_text_atomic", "results_document",
+    "calls_per_mode", "estimate_seconds", "Clock", "Traffic", "World", "model_weight_bytes", "kv_bytes_per_token",
+    "copy_roofline", "merge_ranks",
 ]
 
-MODES = ("expanded", "shared", "hf-generate")
+MODES = ("expanded", "shared", "prefix", "hf-generate", "hf-static")
+DEFAULT_MODES = ("expanded", "shared", "prefix", "hf-generate")
+ROLLOUT_MODES = ("expanded", "shared", "prefix")
+HF_MODES = ("hf-generate", "hf-static")
 PROFILE_FIELDS = tuple(f.name for f in dataclasses.fields(RolloutProfile))
+# Each timed call's record: the rollout's profile fields (total_ms and tokens_per_second from the outer
+# clock), then what the bench derives or adds.
+ITERATION_FIELDS = PROFILE_FIELDS + ("rollout_total_ms", "decode_ms_per_step", "kv_bytes_per_step", "weight_bytes",
+                                     "achieved_gbps", "roofline_fraction", "round", "started_ms")
+BOOKKEEPING_FIELDS = ("round", "started_ms")
+SUMMARY_FIELDS = tuple(f for f in ITERATION_FIELDS if f not in BOOKKEEPING_FIELDS)
+_INT_FIELDS = {"generated_tokens", "decode_steps", "batch_size", "samples_per_prompt", "prompt_length",
+               "response_length", "peak_memory_bytes", "kv_cache_bytes", "weight_bytes", "round"}
 STAGE_FIELDS = ("prompt_expansion_ms", "prefill_ms", "kv_expand_ms", "decode_ms", "post_processing_ms")
-NOT_COMPARABLE = ("not comparable: hf-generate samples with torch's generator, the rollout with its own "
+PER_STEP_FIELDS = ("decode_ms_per_step", "kv_bytes_per_step", "weight_bytes", "achieved_gbps", "roofline_fraction",
+                   "kv_cache_bytes")
+
+NOT_COMPARABLE = ("not comparable: Hugging Face samples with torch's generator, the rollout with its own "
                   "counter-based sampler, so sampled tokens cannot match even when both are right; only greedy "
                   "tokens (--temperature 0) can be compared across them")
+HF_NOT_COMPARED = ("not compared under sampling: the static cache runs other attention kernels (compiled ones on "
+                   "CUDA) and torch.multinomial's pick depends on every probability's rounding; compare them with "
+                   "--temperature 0")
 TOKENS_AGREE_NOTE = ("tokens_agree.pairs: true when two modes generated identical token ids, false when they "
-                     "differ although they should not (greedy, or expanded vs shared with the same seed), null when "
-                     "they are not comparable (sampling with hf-generate: see tokens_agree.notes)")
+                     "differ although they should not (greedy; or two rollout modes, expanded / shared / prefix, "
+                     "which sample with the same sampler and the same per-row keys), null when they are not "
+                     "comparable (sampling with a Hugging Face mode: see tokens_agree.notes). Under "
+                     "torch.distributed: false if they differ on any process")
 MEDIAN_STAGES_NOTE = ("median_stages: the stage times of the iteration whose total_ms is the median (for an even "
                       "count, the mean of the two middle iterations), with other_ms = total_ms - the stages (time "
                       "between them); they add up to summary.total_ms.p50, which the per-field medians of summary "
-                      "need not do. The table and the plot show these.")
+                      "need not do. decode_ms_per_step, achieved_gbps, roofline_fraction and kv_cache_bytes there "
+                      "are of the same iteration(s). The table and the plot show these.")
+TIMING_NOTE = ("interleaved: per case, each mode's warm-up calls, then `iterations` rounds that each run every mode "
+               "once, in the --modes order (A B C A B C ...). total_ms of every call is measured around the whole "
+               "call by one clock: CUDA events on the current stream, read after a synchronize (CUDA), "
+               "time.perf_counter (CPU); tokens_per_second = generated_tokens / that total. The stage times of the "
+               "rollout modes come from the rollout's own profile (rollout_total_ms: its first stage to its last); "
+               "iterations[].round and started_ms (from the case's first timed call) record the order.")
+DECODE_STEP_NOTE = {
+    "rollout modes": "decode_ms / decode_steps from the rollout's profile: its decode stage (sampling the first token "
+                     "from the prefill logits, then R-1 decode steps) over its R-1 steps",
+    "hf modes": "forward pre-hooks on the model record the clock at the start of every forward during the timed call "
+                "(CUDA events, no synchronize in the hook); the first forward is the prefill. prefill_ms = start of "
+                "the second forward - start of the first; decode_ms = end of the call - start of the second forward; "
+                "decode_steps = forwards - 1; decode_ms_per_step = decode_ms / decode_steps",
+}
+BYTES_NOTE = ("bytes read per decode step, a model of the useful traffic (not what kernels read over padding or masked "
+              "positions): weight_bytes = bytes of the model's unique parameters and buffers (tied weights once, by "
+              "storage; the input embedding counted in full); kv_bytes_per_token = layers x 2 x kv_heads x head_dim x "
+              "dtype bytes; decode step t = 1..S (S = decode_steps) attends to P + t keys per row, averaged over the "
+              "steps: t_avg = (S + 1) / 2. kv_bytes_per_step: expanded, shared, hf-generate, hf-static: rows x "
+              "kv_bytes_per_token x (P + t_avg); prefix: (B x P + rows x t_avg) x kv_bytes_per_token, with rows = "
+              "B x N. achieved_gbps = (weight_bytes + kv_bytes_per_step) / decode_ms_per_step / 1e6 (GB/s, 1e9 "
+              "bytes); roofline_fraction = achieved_gbps / copy_roofline_gbps (CUDA only)")
+ROOFLINE_NOTE = ("CUDA only: at the start of the run, dst.copy_(src) device to device on two buffers of `bytes` each "
+                 "(1 GiB, less when memory is short), timed with CUDA events; copy_roofline_gbps = 2 x bytes (read "
+                 "+ write) / the median of `repeats` timed copies")
+PEAK_NOTE = {"cuda": "torch.cuda.max_memory_allocated over one extra call per mode after the timed rounds, every "
+                     "mode's buffers released first (weights included)",
+             "cpu": "one extra call per mode after the timed rounds, every mode's buffers released first, under "
+                    "torch.profiler(profile_memory=True): peak of the running sum of its [memory] events, i.e. "
+                    "memory held beyond what was allocated when the call began (weights excluded)"}
+WORLD_NOTE = ("torch.distributed: every process runs every case on its own B prompts (global batch = B x world_size), "
+              "in lockstep (a status exchange after every call; a call that fails on one process fails that mode on "
+              "all). Each iteration's record is the profile of the process with the largest total_ms in that "
+              "iteration (slowest_rank), with generated_tokens = the tokens of all processes and tokens_per_second "
+              "= that / the slowest total (global tokens/s); modes[].ranks holds every process's own iterations, "
+              "peak_memory_bytes is the largest of the processes' (rank_peak_memory_bytes)")
 FILE_NOTE = ("status: 'partial' while the run goes on (rewritten after every case; a file left 'partial' is from a "
              "run that died), 'interrupted' after Ctrl-C, 'complete' at the end. cases: the finished cases in the "
              "requested order; cases_pending: those not finished.")
@@ -141,6 +219,8 @@ def run_order(cases: Sequence[Case]) -> list[int]:
     return sorted(range(len(cases)), key=lambda i: (-cases[i].rows, -(cases[i].prompt_length + cases[i].response_length)))
 
 
+
+
 # --- statistics ----------------------------------------------------------------------------------
 def summarize(values: Sequence[float | int | None]) -> dict | None:
     """mean, p50 (the median) and p95 (nearest rank: the value at rank ceil(0.95 n) of the sorted
@@ -160,9 +240,9 @@ def summarize(values: Sequence[float | int | None]) -> dict | None:
     return {"mean": math.fsum(s) / n, "p50": p50, "p95": s[math.ceil(0.95 * n) - 1]}
 
 
-def summarize_profiles(profiles: Sequence[dict]) -> dict[str, dict | None]:
-    """summarize() of every field of the per-iteration profiles."""
-    return {field: summarize([p[field] for p in profiles]) for field in profiles[0]}
+def summarize_profiles(profiles: Sequence[dict], fields: Sequence[str] | None = None) -> dict[str, dict | None]:
+    """summarize() of the given fields (default: every field) of the per-iteration profiles."""
+    return {field: summarize([p[field] for p in profiles]) for field in (fields or profiles[0])}
 
 
 def tokens_sha256(responses: Tensor) -> str:
@@ -170,33 +250,246 @@ def tokens_sha256(responses: Tensor) -> str:
     return hashlib.sha256(responses.detach().to("cpu", torch.int64).contiguous().numpy().tobytes()).hexdigest()
 
 
+def _not_comparable(a: str, b: str, greedy: bool) -> str | None:
+    """Why two modes' tokens cannot be compared, or None when they must agree: greedy, or two rollout
+    modes (the same sampler and the same per-row keys, however the prompt KV is prefilled or shared)."""
+    if greedy or (a in ROLLOUT_MODES and b in ROLLOUT_MODES):
+        return None
+    return HF_NOT_COMPARED if a in HF_MODES and b in HF_MODES else NOT_COMPARABLE
+
+
 def token_agreement(hashes: dict[str, str | None], greedy: bool) -> dict:
-    """For each pair of modes that ran: True/False when their tokens should be identical (greedy, or
-    shared vs expanded with the same seed), None when they are not comparable."""
+    """For each pair of modes that ran: True/False when their tokens should be identical (greedy, or two
+    rollout modes with the same seed), None when they are not comparable (a note says why)."""
     pairs, notes = {}, {}
     modes = [m for m in hashes if hashes[m] is not None]
     for a, b in itertools.combinations(modes, 2):
         key = f"{a} vs {b}"
-        if greedy or {a, b} <= {"expanded", "shared"}:
+        why = _not_comparable(a, b, greedy)
+        if why is None:
             pairs[key] = hashes[a] == hashes[b]
         else:
             pairs[key] = None
-            notes[key] = NOT_COMPARABLE
+            notes[key] = why
     compared = [v for v in pairs.values() if v is not None]
     return {"pairs": pairs, "notes": notes, "all_agree": all(compared) if compared else None}
 
 
+def merge_ranks(per_rank: Sequence[Sequence[dict]]) -> list[dict]:
+    """One record per iteration from every process's iterations of one mode (WORLD_NOTE): the profile of
+    the process with the largest total_ms (`slowest_rank`), with generated_tokens summed over the
+    processes and tokens_per_second = that sum / the slowest total."""
+    merged = []
+    for its in zip(*per_rank, strict=True):
+        slowest = max(range(len(its)), key=lambda r: its[r]["total_ms"])
+        m = dict(its[slowest], slowest_rank=slowest)
+        m["generated_tokens"] = sum(it["generated_tokens"] for it in its)
+        m["tokens_per_second"] = m["generated_tokens"] / (m["total_ms"] / 1e3) if m["total_ms"] > 0 else 0.0
+        merged.append(m)
+    return merged
+
+
 # --- inputs --------------------------------------------------------------------------------------
 def synthetic_prompts(case: Case, vocab_size: int, special_ids: Iterable[int], seed: int,
-                      device: torch.device) -> Tensor:
-    """[B, P] random token ids, none of them special, the same for a given seed and case."""
+                      device: torch.device, shard: int = 0) -> Tensor:
+    """[B, P] random token ids, none of them special, the same for a given seed, case and shard (a
+    data-parallel process's rank: each process its own prompts; shard 0 is the single-process set)."""
     special = {int(i) for i in special_ids if i is not None and 0 <= int(i) < vocab_size}
     allowed = torch.tensor([i for i in range(vocab_size) if i not in special], dtype=torch.long)
     if allowed.numel() == 0:
         raise ValueError("synthetic_prompts: every token id of the vocabulary is special")
-    gen = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{case.name}".encode()))
+    key = f"{seed}:{case.name}" + (f":{shard}" if shard else "")
+    gen = torch.Generator().manual_seed(zlib.crc32(key.encode()))
     idx = torch.randint(allowed.numel(), (case.batch_size, case.prompt_length), generator=gen)
     return allowed[idx].to(device)
+
+
+# --- clocks, bytes and the roofline --------------------------------------------------------------
+class Clock:
+    """The one clock every call is timed with: CUDA events recorded on the device's current stream and
+    read after a synchronize (CUDA), time.perf_counter (CPU, where the work is synchronous)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.cuda = device.type == "cuda"
+
+    def mark(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record(torch.cuda.current_stream(self.device))
+            return event
+        return time.perf_counter()
+
+    def wait(self) -> None:
+        """Host sync (CUDA): the marks recorded so far can be read."""
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def ms(self, start, end) -> float:
+        return start.elapsed_time(end) if self.cuda else (end - start) * 1e3
+
+
+def model_weight_bytes(model: nn.Module) -> int:
+    """Bytes of the model's unique parameters and buffers, counted once per storage (tied weights once)."""
+    storages: dict[tuple, int] = {}
+    for t in itertools.chain(model.parameters(), model.buffers()):
+        s = t.untyped_storage()
+        key = (t.device, s.data_ptr())
+        storages[key] = max(storages.get(key, 0), s.nbytes())
+    return sum(storages.values())
+
+
+def kv_bytes_per_token(model: nn.Module) -> int:
+    """layers x (K, V) x kv_heads x head_dim x the bytes of the model's dtype."""
+    shape = KVShape.from_config(model.config)
+    return shape.layers * 2 * shape.kv_heads * shape.head_dim * next(model.parameters()).element_size()
+
+
+@dataclasses.dataclass(frozen=True)
+class Traffic:
+    """What a decode step reads (BYTES_NOTE), and the roofline to compare it with (None on the CPU)."""
+
+    weight_bytes: int
+    kv_bytes_per_token: int
+    roofline_gbps: float | None = None
+
+    @classmethod
+    def of(cls, model: nn.Module, roofline_gbps: float | None = None) -> "Traffic":
+        return cls(model_weight_bytes(model), kv_bytes_per_token(model), roofline_gbps)
+
+    def kv_bytes_per_step(self, mode: str, batch: int, samples: int, prompt_len: int, steps: int) -> float | None:
+        """KV bytes one decode step attends to, averaged over steps t = 1..steps (P + t keys per row)."""
+        if steps <= 0:
+            return None
+        t_avg = (steps + 1) / 2
+        rows = batch * samples
+        if mode == "prefix":  # the prompt once per prompt, each row's own response keys
+            return float(self.kv_bytes_per_token * (batch * prompt_len + rows * t_avg))
+        return float(self.kv_bytes_per_token * rows * (prompt_len + t_avg))
+
+    def annotate(self, mode: str, profile: dict) -> dict:
+        """Add decode_ms_per_step, kv_bytes_per_step, weight_bytes, achieved_gbps, roofline_fraction."""
+        steps, decode_ms = profile.get("decode_steps") or 0, profile.get("decode_ms")
+        per_step = decode_ms / steps if steps > 0 and decode_ms is not None else None
+        kv = self.kv_bytes_per_step(mode, profile["batch_size"], profile["samples_per_prompt"],
+                                    profile["prompt_length"], steps)
+        gbps = (self.weight_bytes + kv) / per_step / 1e6 if per_step and kv is not None else None
+        fraction = gbps / self.roofline_gbps if gbps is not None and self.roofline_gbps else None
+        profile.update(decode_ms_per_step=per_step, kv_bytes_per_step=kv, weight_bytes=self.weight_bytes,
+                       achieved_gbps=gbps, roofline_fraction=fraction)
+        return profile
+
+
+def copy_roofline(device: torch.device, max_bytes: int = 1 << 30, repeats: int = 7) -> dict | None:
+    """ROOFLINE_NOTE: device-to-device dst.copy_(src) bandwidth, on CUDA only (None elsewhere)."""
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    nbytes = min(max_bytes, free // 4) // (1 << 20) * (1 << 20)  # two buffers, and room to spare
+    if nbytes <= 0:
+        return None
+    clock = Clock(device)
+    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = clock.mark()
+        dst.copy_(src)
+        end = clock.mark()
+        clock.wait()
+        times.append(clock.ms(start, end))
+    del src, dst
+    torch.cuda.empty_cache()
+    ms = summarize(times)["p50"]
+    return {"copy_roofline_gbps": 2 * nbytes / ms / 1e6, "bytes": nbytes, "median_ms": ms, "repeats": repeats,
+            "note": ROOFLINE_NOTE}
+
+
+# --- the processes -------------------------------------------------------------------------------
+class World:
+    """The processes a bench runs on: this one alone, or every process of torch.distributed's default
+    group when it is initialized. Everything moves as tensors through all_gather (on the CPU for gloo,
+    on the current CUDA device for NCCL); with one process nothing moves."""
+
+    ERROR_BYTES = 1024
+    TEXT_BYTES = 256
+
+    def __init__(self):
+        import torch.distributed as dist
+
+        self._dist = dist
+        self.active = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if self.active else 0
+        self.size = dist.get_world_size() if self.active else 1
+        self.backend = str(dist.get_backend()) if self.active else None
+        nccl = self.active and "nccl" in self.backend.lower()
+        self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def all_gather(self, t: Tensor) -> list[Tensor]:
+        if not self.active:
+            return [t]
+        t = t.to(self.device).contiguous()
+        parts = [torch.empty_like(t) for _ in range(self.size)]
+        self._dist.all_gather(parts, t)
+        return [p.cpu() for p in parts]  # host sync: outside the timed region
+
+    def _encode(self, text: str, nbytes: int) -> Tensor:
+        data = text.encode()[:nbytes]
+        t = torch.zeros(nbytes, dtype=torch.long)
+        t[: len(data)] = torch.tensor(list(data), dtype=torch.long)
+        return t
+
+    @staticmethod
+    def _decode(t: Tensor) -> str:
+        return bytes(t.tolist()).rstrip(b"\0").decode(errors="replace")
+
+    def failures(self, error: str | None) -> list[tuple[int, str]]:
+        """Every process's error of the step all of them just took: [(rank, error)], [] when none failed."""
+        if not self.active:
+            return [] if error is None else [(0, error)]
+        status = torch.cat([torch.tensor([int(error is not None)]), self._encode(error or "", self.ERROR_BYTES)])
+        return [(r, self._decode(p[1:])) for r, p in enumerate(self.all_gather(status)) if p[0]]
+
+    def describe(self, failures: list[tuple[int, str]]) -> str:
+        if self.size == 1:
+            return failures[0][1]
+        return "; ".join(f"rank {r}: {text}" for r, text in failures)
+
+    def gather_text(self, text: str) -> list[str]:
+        return [self._decode(p) for p in self.all_gather(self._encode(text, self.TEXT_BYTES))] if self.active \
+            else [text]
+
+    def gather_records(self, records: Sequence[dict], fields: Sequence[str]) -> list[list[dict]]:
+        """Every process's records (the same count on each), as a float64 vector per record (None as NaN)."""
+        if not self.active:
+            return [list(records)]
+        t = torch.tensor([[math.nan if r.get(f) is None else float(r[f]) for f in fields] for r in records],
+                         dtype=torch.float64).reshape(len(records), len(fields))
+        out = []
+        for part in self.all_gather(t):
+            rows = []
+            for row in part.tolist():
+                rows.append({f: None if math.isnan(v) else int(v) if f in _INT_FIELDS else v
+                             for f, v in zip(fields, row)})
+            out.append(rows)
+        return out
+
+    def combine_agreement(self, pairs: dict[str, bool | None]) -> dict[str, bool | None]:
+        """Per pair: False if it is False on any process (comparability is the same on all)."""
+        if not self.active or not pairs:
+            return pairs
+        codes = torch.tensor([-1 if v is None else int(v) for v in pairs.values()], dtype=torch.long)
+        parts = torch.stack(self.all_gather(codes))
+        return {k: None if int(parts[:, i].min()) < 0 else bool(parts[:, i].min()) for i, k in enumerate(pairs)}
+
+    def device_description(self, device: torch.device, name: str) -> list[str]:
+        """Per process: its device, the device's name and the host."""
+        return self.gather_text(f"{device} ({name}) on {socket.gethostname()}")
 
 
 # --- the modes -----------------------------------------------------------------------------------
@@ -214,41 +507,58 @@ class Settings:
     warmup: int = 5
     iterations: int = 20
     trace_dir: str | None = None
+    roofline_gbps: float | None = None  # copy_roofline's, to report each mode's fraction of (CUDA)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
 
-class _RolloutMode:
-    def __init__(self, model: nn.Module, case: Case, shared: bool, s: Settings, prompts: Tensor):
+class _RolloutRunner:
+    """One rollout mode. run() is one generate call; profile() reads its stage times afterwards."""
+
+    def __init__(self, model: nn.Module, case: Case, mode: str, s: Settings, prompts: Tensor):
         self.prompts = prompts
         self.rollout = Rollout(model, RolloutConfig(
-            samples_per_prompt=case.samples_per_prompt, max_new_tokens=case.response_length, shared_prefill=shared,
+            samples_per_prompt=case.samples_per_prompt, max_new_tokens=case.response_length,
+            shared_prefill=mode != "expanded", kv_sharing="prefix" if mode == "prefix" else "copy",
             enable_profiling=True, compile=s.compile, temperature=s.temperature, top_p=s.top_p, seed=s.seed,
             eos_token_id=[],  # never stop early: every mode generates exactly R tokens
         ))
 
-    def __call__(self) -> tuple[dict, Tensor]:
-        out = self.rollout.generate(self.prompts)
-        return self.rollout.get_last_profile().to_dict(), out.responses
+    def run(self) -> Tensor:
+        return self.rollout.generate(self.prompts).responses
+
+    def profile(self, clock: Clock, end) -> dict:
+        p = self.rollout.get_last_profile().to_dict()
+        p["rollout_total_ms"] = p["total_ms"]
+        p["peak_memory_bytes"] = None  # while modes interleave, other modes' buffers are held too: see PEAK_NOTE
+        return p
 
     def free(self) -> None:
         self.rollout.release()
 
+    def close(self) -> None:
+        self.free()
 
-class _HFGenerateMode:
-    """model.generate timed as a whole; only total_ms and throughput are known."""
 
-    def __init__(self, model: nn.Module, case: Case, s: Settings, prompts: Tensor, pad_token_id: int):
-        self.model, self.case, self.s = model, case, s
-        self.device = prompts.device
+class _HFRunner:
+    """model.generate, default or static cache. A forward pre-hook records the clock at the start of
+    every forward of this runner's calls (DECODE_STEP_NOTE); it stays registered from construction to
+    close(), so that a compiled decode (hf-static on CUDA) sees the same hooks in its warm-up and timed
+    calls and is not recompiled between them."""
+
+    def __init__(self, model: nn.Module, case: Case, s: Settings, prompts: Tensor, pad_token_id: int, clock: Clock,
+                 static: bool):
+        self.model, self.case, self.s, self.clock = model, case, s, clock
         n = case.samples_per_prompt
         self.kwargs = dict(max_new_tokens=case.response_length, min_new_tokens=case.response_length,
                            pad_token_id=pad_token_id, use_cache=True,
                            # No EOS at all, as the rollout's eos_token_id=[]: with an EOS, min_new_tokens
                            # would mask its logit and greedy tokens could differ from the rollout's.
                            eos_token_id=None)
+        if static:
+            self.kwargs["cache_implementation"] = "static"
         if s.greedy:
             # HF refuses greedy search with num_return_sequences > 1: repeat the prompts instead
             # (repeat_interleave, the rollout's row order).
@@ -259,32 +569,69 @@ class _HFGenerateMode:
             self.kwargs.update(do_sample=True, num_return_sequences=n, temperature=s.temperature, top_p=s.top_p,
                                top_k=0)  # top_k=0: off, as in the rollout (HF's default is 50)
         self.attention_mask = torch.ones_like(self.input_ids)
+        self._recording: list | None = None  # the marks of the call under way
+        self.marks: list = []  # the marks of the last call
 
-    def __call__(self) -> tuple[dict, Tensor]:
+        def mark(module, args):
+            if self._recording is not None:
+                self._recording.append(clock.mark())
+
+        # Outside any compiled graph: a compiled call breaks its graph here and runs the hook eagerly.
+        self._hook = model.register_forward_pre_hook(torch.compiler.disable(mark))
+
+    def run(self) -> Tensor:
         torch.manual_seed(self.s.seed)
-        cuda = self.device.type == "cuda"
-        _sync(self.device)
-        if cuda:
-            torch.cuda.reset_peak_memory_stats(self.device)
-        t0 = time.perf_counter()
-        out = self.model.generate(self.input_ids, attention_mask=self.attention_mask, **self.kwargs)
-        _sync(self.device)
-        ms = (time.perf_counter() - t0) * 1e3
+        self._recording = []
+        try:
+            out = self.model.generate(self.input_ids, attention_mask=self.attention_mask, **self.kwargs)
+        finally:
+            self.marks, self._recording = self._recording, None
         c = self.case
         responses = out[:, c.prompt_length:]
         if tuple(responses.shape) != (c.rows, c.response_length):
-            raise RuntimeError(f"hf-generate returned responses of shape {tuple(responses.shape)}, "
+            raise RuntimeError(f"Hugging Face generate returned responses of shape {tuple(responses.shape)}, "
                                f"expected {(c.rows, c.response_length)}")
+        return responses
+
+    def profile(self, clock: Clock, end) -> dict:
+        c, marks = self.case, self.marks
+        if not marks:
+            raise RuntimeError("Hugging Face generate ran no forward through the model (the timing hook saw none)")
         profile = dict.fromkeys(PROFILE_FIELDS)  # the stages it cannot report stay None
-        profile.update(total_ms=ms, generated_tokens=responses.numel(),
-                       tokens_per_second=responses.numel() / (ms / 1e3) if ms > 0 else 0.0,
+        second = marks[1] if len(marks) > 1 else end
+        profile.update(prefill_ms=clock.ms(marks[0], second), decode_ms=clock.ms(second, end),
+                       decode_steps=len(marks) - 1, generated_tokens=c.rows * c.response_length,
                        batch_size=c.batch_size, samples_per_prompt=c.samples_per_prompt,
-                       prompt_length=c.prompt_length, response_length=responses.shape[1],
-                       peak_memory_bytes=torch.cuda.max_memory_allocated(self.device) if cuda else None)
-        return profile, responses
+                       prompt_length=c.prompt_length, response_length=c.response_length)
+        return profile
 
     def free(self) -> None:
         pass
+
+    def close(self) -> None:
+        self._hook.remove()
+
+
+def _make_runner(mode: str, model: nn.Module, case: Case, s: Settings, prompts: Tensor, pad_token_id: int,
+                 clock: Clock):
+    if mode in ROLLOUT_MODES:
+        return _RolloutRunner(model, case, mode, s, prompts)
+    if mode in HF_MODES:
+        return _HFRunner(model, case, s, prompts, pad_token_id, clock, static=mode == "hf-static")
+    raise ValueError(f"bench: unknown mode {mode!r}; choose from {', '.join(MODES)}")
+
+
+def _timed_call(runner, clock: Clock) -> tuple[dict, Tensor]:
+    """One call of a mode, timed around the whole call by the shared clock (TIMING_NOTE)."""
+    start = clock.mark()
+    responses = runner.run()
+    end = clock.mark()
+    clock.wait()
+    profile = runner.profile(clock, end)
+    total = clock.ms(start, end)
+    profile["total_ms"] = total
+    profile["tokens_per_second"] = profile["generated_tokens"] / (total / 1e3) if total > 0 else 0.0
+    return profile, responses
 
 
 # --- memory and traces ---------------------------------------------------------------------------
@@ -346,14 +693,16 @@ def export_trace(fn: Callable[[], object], path: str, device: torch.device) -> N
     prof.export_chrome_trace(path)
 
 
+
+
 # --- running -------------------------------------------------------------------------------------
 def _one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {' '.join(str(e).split())}"
 
 
 def calls_per_mode(s: "Settings", device: torch.device) -> int:
-    """Calls each case runs per mode: warm-up, timed, one for the CPU peak memory, one for --trace."""
-    return s.warmup + s.iterations + (device.type != "cuda") + (s.trace_dir is not None)
+    """Calls each case runs per mode: warm-up, timed, one for the peak memory, one for --trace."""
+    return s.warmup + s.iterations + 1 + (s.trace_dir is not None)
 
 
 def estimate_seconds(first_call_s: float, cases: Sequence[Case], order: Sequence[int], n_modes: int,
@@ -376,73 +725,147 @@ def _duration(seconds: float) -> str:
     return f"{seconds / 3600:.1f} h"
 
 
-def _run_mode(mode: str, model, case: Case, prompts: Tensor, s: Settings, pad_token_id: int,
-              device: torch.device, tick: Callable[[int], None]) -> dict:
+def _new_entry(mode: str, device: torch.device) -> dict:
+    return {"mode": mode, "error": None, "iterations": [], "summary": None, "median_stages": None,
+            "peak_memory_bytes": None,
+            "peak_memory_method": "cuda_allocator" if device.type == "cuda" else "cpu_profiler",
+            "tokens_sha256": None, "trace": None}
+
+
+def _peak_memory_bytes(runner, device: torch.device) -> int:
+    """PEAK_NOTE: one call, every mode's buffers already released by the caller."""
+    gc.collect()  # garbage of earlier calls is freed now, not inside the measured call
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        runner.run()
+        _sync(device)
+        return torch.cuda.max_memory_allocated(device)
+    return cpu_peak_memory_bytes(runner.run)
+
+
+def _run_case(model: nn.Module, case: Case, modes: Sequence[str], prompts: Tensor, s: Settings, traffic: Traffic,
+              pad_token_id: int, device: torch.device, world: World, tick: Callable[[int], None],
+              label: Callable[[str], None] = lambda text: None) -> dict[str, dict]:
+    """Every mode of one case, interleaved (TIMING_NOTE); one entry per mode. Every step below (making
+    a runner, each call) is followed by a status exchange, so that all processes agree on which modes
+    still run and take the same collective steps."""
+    clock = Clock(device)
     calls = calls_per_mode(s, device)
-    entry = {"mode": mode, "error": None, "iterations": [], "summary": None, "median_stages": None,
-             "peak_memory_bytes": None,
-             "peak_memory_method": "cuda_allocator" if device.type == "cuda" else "cpu_profiler",
-             "tokens_sha256": None, "trace": None}
-    done = 0
-    runner = None
+    entries = {m: _new_entry(m, device) for m in modes}
+    runners: dict[str, object] = {}
+    done = dict.fromkeys(modes, 0)
+    last: dict[str, Tensor] = {}
+
+    def live() -> list[str]:
+        return [m for m in modes if entries[m]["error"] is None]
+
+    def step(mode: str, fn: Callable[[], object], counted: bool = True) -> bool:
+        label(f"{case.name} {mode}")
+        error = None
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 - a failed mode is a result; the run goes on
+            error = _one_line(e)
+        failed = world.failures(error)
+        if failed:
+            entries[mode]["error"] = world.describe(failed)
+            tick(calls - done[mode])
+            done[mode] = calls
+            runner = runners.pop(mode, None)
+            if runner is not None:
+                runner.close()
+            return False
+        if counted:
+            done[mode] += 1
+            tick(1)
+        return True
+
+    def timed(mode: str, k: int, t0: float) -> None:
+        started = (time.perf_counter() - t0) * 1e3
+        profile, responses = _timed_call(runners[mode], clock)
+        record = dict.fromkeys(ITERATION_FIELDS)
+        record.update(profile, round=k, started_ms=started)
+        entries[mode]["iterations"].append(traffic.annotate(mode, record))
+        last[mode] = responses
+
     try:
-        if mode == "hf-generate":
-            runner = _HFGenerateMode(model, case, s, prompts, pad_token_id)
-        else:
-            runner = _RolloutMode(model, case, mode == "shared", s, prompts)
-        for _ in range(s.warmup):
-            runner()
-            done += 1
-            tick(1)
-        responses = None
-        for _ in range(s.iterations):
-            profile, responses = runner()
-            entry["iterations"].append(profile)
-            done += 1
-            tick(1)
-        entry["summary"] = summarize_profiles(entry["iterations"])
-        entry["median_stages"] = stage_breakdown(entry)
-        entry["tokens_sha256"] = tokens_sha256(responses)
-        if device.type == "cuda":
-            entry["peak_memory_bytes"] = max(p["peak_memory_bytes"] for p in entry["iterations"])
-        else:
-            runner.free()  # so that the measured call allocates its KV buffer, as hf-generate does
-            entry["peak_memory_bytes"] = cpu_peak_memory_bytes(runner)
-            done += 1
-            tick(1)
-        if s.trace_dir is not None:
-            path = os.path.join(s.trace_dir, f"{case.name}_{mode}.json")
-            export_trace(runner, path, device)
-            entry["trace"] = path
-            done += 1
-            tick(1)
-    except Exception as e:  # noqa: BLE001 - a failed case is a result; the run goes on
-        entry["error"] = _one_line(e)
-        tick(calls - done)
+        for m in modes:
+            step(m, lambda m=m: runners.__setitem__(m, _make_runner(m, model, case, s, prompts, pad_token_id, clock)),
+                 counted=False)
+        for m in live():
+            for _ in range(s.warmup):
+                if not step(m, lambda m=m: runners[m].run()):
+                    break
+        t0 = time.perf_counter()
+        for k in range(s.iterations):  # the rounds: A B C, A B C, ...
+            for m in live():
+                step(m, lambda m=m, k=k: timed(m, k, t0))
+        for m in live():
+            for runner in runners.values():
+                runner.free()
+            if not step(m, lambda m=m: entries[m].__setitem__("peak_memory_bytes",
+                                                              _peak_memory_bytes(runners[m], device))):
+                continue
+            if s.trace_dir is not None:
+                suffix = f"_rank{world.rank}" if world.size > 1 else ""
+                path = os.path.join(s.trace_dir, f"{case.name}_{m}{suffix}.json")
+                if step(m, lambda m=m, path=path: export_trace(runners[m].run, path, device)):
+                    entries[m]["trace"] = path
+            if m in runners:
+                runners[m].free()
     finally:
-        if runner is not None:
-            runner.free()
-        del runner
+        for runner in runners.values():
+            runner.close()
+        runners.clear()
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    return entry
+
+    for m in live():
+        entries[m]["tokens_sha256"] = tokens_sha256(last[m])
+    _combine(entries, modes, world)
+    return entries
+
+
+def _combine(entries: dict[str, dict], modes: Sequence[str], world: World) -> None:
+    """Summaries of each mode that ran; under torch.distributed, of every process's iterations merged
+    (WORLD_NOTE). Every process takes the same collective steps (the live modes are agreed)."""
+    for m in modes:
+        e = entries[m]
+        if e["error"] is not None:
+            continue
+        if world.size > 1:
+            per_rank = world.gather_records(e["iterations"], ITERATION_FIELDS)
+            e["iterations"] = merge_ranks(per_rank)
+            e["ranks"] = per_rank
+            peaks = world.gather_records([{"peak_memory_bytes": e["peak_memory_bytes"]}], ["peak_memory_bytes"])
+            e["rank_peak_memory_bytes"] = [rows[0]["peak_memory_bytes"] for rows in peaks]
+            known = [p for p in e["rank_peak_memory_bytes"] if p is not None]
+            e["peak_memory_bytes"] = max(known) if known else None
+        e["summary"] = summarize_profiles(e["iterations"], SUMMARY_FIELDS)
+        e["median_stages"] = stage_breakdown(e)
 
 
 def run_matrix(model: nn.Module, cases: Sequence[Case], modes: Sequence[str], settings: Settings, *,
                vocab_size: int, special_ids: Iterable[int], pad_token_id: int,
-               progress: bool = True, on_case: Callable[[int, dict], None] | None = None) -> list[dict]:
+               progress: bool = True, on_case: Callable[[int, dict], None] | None = None,
+               world: World | None = None) -> list[dict]:
     """Run every case and mode; one result per case, in the requested order. on_case(i, result) is
     called as soon as case i (its index in `cases`) has finished. After the first call, one line on
-    stderr gives the number of calls and an estimate of the run's time (see estimate_seconds)."""
+    stderr gives the number of calls and an estimate of the run's time (see estimate_seconds). Under
+    torch.distributed (world), every process must call it with the same arguments; only the first
+    process shows progress."""
+    world = world or World()
     device = next(model.parameters()).device
     special_ids = list(special_ids)
     if settings.trace_dir is not None:
         os.makedirs(settings.trace_dir, exist_ok=True)
+    traffic = Traffic.of(model, settings.roofline_gbps)
     per_mode = calls_per_mode(settings, device)
     total_calls = len(cases) * len(modes) * per_mode
     order = run_order(cases)
-    bar = _progress_bar(total_calls, progress)
+    bar = _progress_bar(total_calls, progress and world.is_main, quiet=not world.is_main)
     results: list[dict | None] = [None] * len(cases)
     start = time.perf_counter()
     estimated = False
@@ -462,22 +885,30 @@ def run_matrix(model: nn.Module, cases: Sequence[Case], modes: Sequence[str], se
         for k, i in enumerate(order):
             case = cases[i]
             result = {"case": case.name, **dataclasses.asdict(case), "run_order": k, "error": None, "modes": {}}
+            if world.size > 1:
+                result["world_size"] = world.size
+            prompts = None
+            error = None
             try:
-                prompts = synthetic_prompts(case, vocab_size, special_ids, settings.seed, device)
+                prompts = synthetic_prompts(case, vocab_size, special_ids, settings.seed, device, shard=world.rank)
             except Exception as e:  # noqa: BLE001
-                result["error"] = _one_line(e)
+                error = _one_line(e)
+            failed = world.failures(error)
+            if failed:
+                result["error"] = world.describe(failed)
                 bar.update(len(modes) * per_mode)
-                prompts = None
-            if prompts is not None:
-                for mode in modes:
-                    bar.set_description(f"{case.name} {mode}")
-                    result["modes"][mode] = _run_mode(mode, model, case, prompts, settings, pad_token_id,
-                                                      device, tick)
+            else:
+                result["modes"] = _run_case(model, case, modes, prompts, settings, traffic, pad_token_id, device,
+                                            world, tick, bar.set_description)
             hashes = {m: e["tokens_sha256"] for m, e in result["modes"].items()}
-            result["tokens_agree"] = token_agreement(hashes, settings.greedy)
-            failed = [m for m, e in result["modes"].items() if e["error"]]
-            if failed and not result["error"]:
-                result["error"] = "; ".join(f"{m}: {result['modes'][m]['error']}" for m in failed)
+            agree = token_agreement(hashes, settings.greedy)
+            agree["pairs"] = world.combine_agreement(agree["pairs"])
+            compared = [v for v in agree["pairs"].values() if v is not None]
+            agree["all_agree"] = all(compared) if compared else None
+            result["tokens_agree"] = agree
+            failed_modes = [m for m, e in result["modes"].items() if e["error"]]
+            if failed_modes and not result["error"]:
+                result["error"] = "; ".join(f"{m}: {result['modes'][m]['error']}" for m in failed_modes)
             results[i] = result
             if on_case is not None:
                 on_case(i, result)
@@ -487,11 +918,15 @@ def run_matrix(model: nn.Module, cases: Sequence[Case], modes: Sequence[str], se
 
 
 class _NoBar:
+    def __init__(self, quiet: bool = False):
+        self.quiet = quiet
+
     def update(self, n=1):
         pass
 
     def write(self, text):
-        print(text, file=sys.stderr, flush=True)
+        if not self.quiet:
+            print(text, file=sys.stderr, flush=True)
 
     def set_description(self, desc):
         pass
@@ -500,9 +935,9 @@ class _NoBar:
         pass
 
 
-def _progress_bar(total: int, enabled: bool):
+def _progress_bar(total: int, enabled: bool, quiet: bool = False):
     if not enabled:
-        return _NoBar()
+        return _NoBar(quiet)
     try:
         from tqdm import tqdm
     except ImportError:  # tqdm comes with transformers; without it, no bar
@@ -522,8 +957,10 @@ def stage_breakdown(entry: dict) -> dict | None:
     """Stage times that add up to the median total (MEDIAN_STAGES_NOTE): those of the iteration whose
     total_ms is the median, or for an even count the mean of the two middle iterations (the median
     total is their mean), plus other_ms = total_ms - the stages. Keys: "iterations" (the indices
-    used), "total_ms", "tokens_per_second" (generated tokens / total), and, for modes that report
-    stages, every STAGE_FIELDS field and "other_ms". None when the mode has no iterations."""
+    used), "total_ms", "tokens_per_second" (generated tokens / total), the stage fields the mode
+    reports (all of STAGE_FIELDS for the rollout modes, prefill_ms and decode_ms for Hugging Face's)
+    with "other_ms", and PER_STEP_FIELDS of the same iteration(s) (None when not measured). None when
+    the mode has no iterations."""
     its = entry.get("iterations") or []
     if not its:
         return None
@@ -531,15 +968,20 @@ def stage_breakdown(entry: dict) -> dict | None:
     n = len(order)
     middle = [order[n // 2]] if n % 2 else [order[n // 2 - 1], order[n // 2]]
 
-    def mean(field: str) -> float:
-        return sum(its[i][field] for i in middle) / len(middle)
+    def mean(field: str) -> float | None:
+        values = [its[i].get(field) for i in middle]
+        if any(v is None for v in values):
+            return None
+        return values[0] if len(values) == 1 else sum(values) / len(values)
 
     out = {"iterations": middle, "total_ms": mean("total_ms")}
     out["tokens_per_second"] = mean("generated_tokens") / (out["total_ms"] / 1e3) if out["total_ms"] > 0 else 0.0
-    if all(its[i].get(f) is not None for i in middle for f in STAGE_FIELDS):
-        for f in STAGE_FIELDS:
-            out[f] = mean(f)
-        out["other_ms"] = out["total_ms"] - math.fsum(out[f] for f in STAGE_FIELDS)
+    stages = {f: mean(f) for f in STAGE_FIELDS if mean(f) is not None}
+    if stages:
+        out.update(stages)
+        out["other_ms"] = out["total_ms"] - math.fsum(stages.values())
+    for f in PER_STEP_FIELDS:
+        out[f] = mean(f)
     return out
 
 
@@ -552,7 +994,7 @@ def plot_segments(entry: dict) -> list[tuple[str, float]]:
         return []
     if "other_ms" not in split:
         return [("total (not split)", split["total_ms"])]
-    return [(f.removesuffix("_ms"), split[f]) for f in STAGE_FIELDS + ("other_ms",)]
+    return [(f.removesuffix("_ms"), split[f]) for f in STAGE_FIELDS if f in split] + [("other", split["other_ms"])]
 
 
 def _plural(n: int, word: str) -> str:
@@ -561,23 +1003,40 @@ def _plural(n: int, word: str) -> str:
 
 def format_case_table(result: dict, iterations: int) -> str:
     """One case as a Markdown table: per mode, the stage times of the median-total iteration
-    (stage_breakdown), which add up to the total shown."""
+    (stage_breakdown), which add up to the total shown, and that iteration's decode ms per step,
+    bandwidth (and fraction of the copy_ roofline, on CUDA) and KV storage."""
     counts = {len(e["iterations"]) for e in result["modes"].values() if e["iterations"]} or {iterations}
     n = max(counts)
     which = ("of the median-total iteration" if n % 2 else "of the two middle iterations by total (their mean)")
+    rows = result["batch_size"] * result["samples_per_prompt"]
     head = (f"{result['case']}: B={result['batch_size']} N={result['samples_per_prompt']} "
-            f"P={result['prompt_length']} R={result['response_length']} (rows {result['batch_size'] * result['samples_per_prompt']}), "
+            f"P={result['prompt_length']} R={result['response_length']} (rows {rows}), "
             f"{_plural(n, 'timed iteration')}: times {which}, so the stages add up to the total (median); "
             f"other = prompt expansion + post-processing + time between stages")
-    lines = [head, "| mode | prefill ms | kv_expand ms | decode ms | other ms | total ms | tokens/s | peak MiB "
-                   "| total / expanded |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    world = result.get("world_size", 1)
+    roofline = any((e.get("median_stages") or {}).get("roofline_fraction") is not None
+                   for e in result["modes"].values())
+    lines = [head,
+             "decode ms/step, GB/s (weights + KV read per decode step / decode ms per step)"
+             + (", % of the copy_ roofline" if roofline else "") + " and KV MiB (KV storage used) are of the same "
+             "iteration(s); modes ran interleaved, timed by one clock"]
+    if world > 1:
+        lines.append(f"data-parallel over {world} processes: B is per process (global batch "
+                     f"{result['batch_size'] * world} prompts); times are the slowest process's in each iteration, "
+                     "tokens/s counts every process's tokens (global)")
+    cols = ["mode", "prefill ms", "kv_expand ms", "decode ms", "other ms", "total ms", "decode ms/step", "GB/s"]
+    cols += ["% of roofline"] if roofline else []
+    cols += ["tokens/s" if world == 1 else "global tokens/s", "KV MiB", "peak MiB", "total / expanded"]
+    lines += ["| " + " | ".join(cols) + " |", "|---" + "|---:" * (len(cols) - 1) + "|"]
     base = result["modes"].get("expanded")
     base_split = (base.get("median_stages") or stage_breakdown(base)) if base and not base["error"] else None
     base_total = base_split["total_ms"] if base_split else None
 
     def f(v, fmt="{:.1f}"):
         return "-" if v is None else fmt.format(v)
+
+    def mib(v):
+        return None if v is None else v / 2**20
 
     for mode, e in result["modes"].items():
         if e["error"]:
@@ -586,14 +1045,18 @@ def format_case_table(result: dict, iterations: int) -> str:
         split = e.get("median_stages") or stage_breakdown(e)
         other = None
         if "other_ms" in split:
-            other = split["other_ms"] + split["prompt_expansion_ms"] + split["post_processing_ms"]
+            other = (split["other_ms"] + (split.get("prompt_expansion_ms") or 0.0)
+                     + (split.get("post_processing_ms") or 0.0))
         total = split["total_ms"]
-        peak = e["peak_memory_bytes"]
         ratio = total / base_total if base_total else None
-        lines.append(
-            f"| {mode} | {f(split.get('prefill_ms'))} | {f(split.get('kv_expand_ms'), '{:.2f}')} "
-            f"| {f(split.get('decode_ms'))} | {f(other)} | {f(total)} | {f(split['tokens_per_second'])} "
-            f"| {f(None if peak is None else peak / 2**20)} | {f(ratio, '{:.2f}')} |")
+        fraction = split.get("roofline_fraction")
+        cells = [mode, f(split.get("prefill_ms")), f(split.get("kv_expand_ms"), "{:.2f}"), f(split.get("decode_ms")),
+                 f(other), f(total), f(split.get("decode_ms_per_step"), "{:.2f}"),
+                 f(split.get("achieved_gbps"), "{:.2f}")]
+        cells += [f(None if fraction is None else 100 * fraction)] if roofline else []
+        cells += [f(split["tokens_per_second"]), f(mib(split.get("kv_cache_bytes")), "{:.2f}"),
+                  f(mib(e["peak_memory_bytes"])), f(ratio, "{:.2f}")]
+        lines.append("| " + " | ".join(cells) + " |")
     if result["error"] and not result["modes"]:
         lines.append(f"| (case) | failed: {result['error']} |")
     agree = result.get("tokens_agree") or {}
@@ -601,15 +1064,15 @@ def format_case_table(result: dict, iterations: int) -> str:
         parts = [f"{k}: {'same' if v else 'DIFFERENT' if v is False else 'not comparable'}"
                  for k, v in agree["pairs"].items()]
         lines.append("tokens: " + ", ".join(parts))
-        if None in agree["pairs"].values():
-            lines.append(f"  ({NOT_COMPARABLE})")
+        for note in dict.fromkeys(agree.get("notes", {}).values()):
+            lines.append(f"  ({note})")
     return "\n".join(lines)
 
 
 def plot_stage_times(results: Sequence[dict], path: str, title: str) -> None:
     """A PNG of stacked stage times per mode (bars) and case (panels): plot_segments, i.e. the stages
-    of the median-total iteration, whose bar tops are the table's median totals. hf-generate reports
-    only its total, drawn hatched."""
+    of the median-total iteration, whose bar tops are the table's median totals. A mode that reports
+    only its total is drawn hatched."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -638,7 +1101,7 @@ def plot_stage_times(results: Sequence[dict], path: str, title: str) -> None:
                            label=label if label not in labelled else None)
                     labelled.add(label)
                     bottom += v
-        ax.set_xticks(range(len(names)), names, fontsize=8)
+        ax.set_xticks(range(len(names)), names, fontsize=7)
         ax.set_title(result["case"], fontsize=9)
         ax.set_ylabel("ms, median-total iteration", fontsize=8)
     for ax in list(axes.flat)[len(results):]:

@@ -1,7 +1,7 @@
 """The `torchkvops` command line (also `python -m torchkvops`).
 
   torchkvops rollout   generate N samples per prompt and print them (or write JSONL)
-  torchkvops bench     the A/B matrix: expanded vs shared prefill vs HF generate (torchkvops.bench)
+  torchkvops bench     the A/B matrix: the rollout's modes vs HF generate, interleaved (torchkvops.bench)
   torchkvops bench-op  the repeat_kv_cache_ bandwidth table (torchkvops.bench_op)
   torchkvops           with no arguments: a short default `bench` (about a minute on a small CPU)
 
@@ -13,6 +13,14 @@ is, output paths writable), without importing torch or transformers, so --help a
 at once; then the library is loaded, the device and dtype resolved, the model's config read and
 checked against the sizes, and only then the model built and the work done. Bad input ends with one
 line on stderr, `torchkvops: error: ...`, and exit code 2.
+
+Launched by torchrun (its environment: WORLD_SIZE > 1, or TORCHELASTIC_RUN_ID), `rollout` and `bench`
+run data-parallel, with no flag needed: each process joins torch.distributed's default group (nccl on
+CUDA, each process on cuda:LOCAL_RANK; gloo on the CPU). `rollout` splits the prompts into contiguous
+shards (a prompt's N samples stay together) and the first process prints every sample and writes the
+one --output file; `bench` runs every case on every process with its own B prompts and the first
+process reports the slowest process's times and the global tokens/s. A failure on one process is one
+line on every process and a non-zero exit. Without torchrun: one process, as before.
 """
 
 from __future__ import annotations
@@ -27,14 +35,19 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-__all__ = ["main", "build_parser", "parse_args", "CLIError", "DEFAULT_BENCH_ARGS", "MODEL_SHAPE_NAMES",
-           "check_output_file", "check_output_dir", "resolve_device"]
+__all__ = ["main", "build_parser", "parse_args", "CLIError", "RunError", "DEFAULT_BENCH_ARGS", "MODEL_SHAPE_NAMES",
+           "MODE_NAMES", "DEFAULT_MODES", "check_output_file", "check_output_dir", "resolve_device", "torchrun_env",
+           "start_processes", "stop_processes", "shard_bounds"]
 
 DTYPE_NAMES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 # The names of torchkvops.models.MODEL_SHAPES, spelled out so that parsing needs no transformers
 # (tests/test_cli.py checks that the two agree).
-MODEL_SHAPE_NAMES = ("tiny", "opt-125m", "gpt2", "qwen3-0.6b", "opt-6.7b")
-# The bare `torchkvops`: measured at 38 s on a shared 2-core CPU, model build included (5 iterations: 59 s).
+MODEL_SHAPE_NAMES = ("tiny", "llama-small", "opt-125m", "gpt2", "qwen3-0.6b", "opt-6.7b")
+# torchkvops.bench.MODES and DEFAULT_MODES, spelled out for the same reason (checked by the same test).
+MODE_NAMES = ("expanded", "shared", "prefix", "hf-generate", "hf-static")
+DEFAULT_MODES = ("expanded", "shared", "prefix", "hf-generate")
+# The bare `torchkvops`: measured at 38 s on a shared 2-core CPU, model build included (5 iterations: 59 s);
+# with the four default modes (prefix added), 28 s on the same CPU, less loaded (2026-11-30).
 DEFAULT_BENCH_ARGS = ["--model-shape", "opt-125m", "--batch-sizes", "1", "--samples-per-prompt", "4",
                       "--prompt-lengths", "128", "--response-lengths", "16", "--warmup", "1", "--iterations", "3"]
 PLOT_HINT = "pip install matplotlib  (or: pip install torchkvops[plot])"
@@ -43,6 +56,10 @@ MAX_SEED = 2**63 - 1
 
 class CLIError(Exception):
     """Bad input: printed as one line, exit code 2."""
+
+
+class RunError(Exception):
+    """A failure while running (e.g. on another process of a data-parallel run): one line, exit code 1."""
 
 
 # --- argument types ------------------------------------------------------------------------------
@@ -160,7 +177,9 @@ def build_parser() -> _Parser:
     sub = parser.add_subparsers(dest="command", metavar="{rollout,bench,bench-op}", parser_class=_Parser)
 
     r = sub.add_parser("rollout", help="generate N samples for each prompt and print them",
-                       description="Generate N samples for each prompt and print them.")
+                       description="Generate N samples for each prompt and print them. Under torchrun the "
+                                   "prompts are split among the processes (a prompt's samples stay together); the "
+                                   "samples do not depend on the number of processes.")
     src = r.add_argument_group("prompts")
     src.add_argument("--prompt", action="append", metavar="TEXT", help="a prompt (repeatable; needs --model)")
     src.add_argument("--prompts", metavar="FILE",
@@ -181,23 +200,30 @@ def build_parser() -> _Parser:
     r.add_argument("--output", metavar="FILE.jsonl", help="also write one JSON record per sample")
     r.set_defaults(func=cmd_rollout)
 
-    b = sub.add_parser("bench", help="the A/B matrix: expanded vs shared prefill vs HF generate",
-                       description="Time expanded prefill, shared prefill and HF generate over a matrix of "
-                                   "batch sizes, samples per prompt, prompt and response lengths.",
-                       epilog="Each case runs (warmup + iterations) calls per mode, plus one call for the CPU "
-                              "peak memory and one for --trace. After the first call, bench prints the number of "
-                              "calls and an estimate of the run's time on stderr.")
+    b = sub.add_parser("bench", help="the A/B matrix: the rollout's modes vs HF generate, interleaved",
+                       description="Time the rollout's modes (expanded prefill, shared prefill with the KV copied "
+                                   "or kept once as a shared prefix) and HF generate (default or static cache) over "
+                                   "a matrix of batch sizes, samples per prompt, prompt and response lengths. The "
+                                   "modes run interleaved (A B C A B C ...) and are timed by one clock; the table "
+                                   "gives decode ms per step and the bandwidth it achieves (weights + KV read per "
+                                   "step), on CUDA also as a fraction of a copy_ roofline measured in the same run.",
+                       epilog="Each case runs (warmup + iterations) calls per mode, plus one call for the peak "
+                              "memory and one for --trace. After the first call, bench prints the number of "
+                              "calls and an estimate of the run's time on stderr. Under torchrun every process "
+                              "runs every case with its own --batch-sizes prompts (global batch = B x processes).")
     _model_args(b)
     m = b.add_argument_group("matrix")
-    m.add_argument("--batch-sizes", type=positive_int, nargs="+", default=[1], metavar="B", help="prompts per call")
+    m.add_argument("--batch-sizes", type=positive_int, nargs="+", default=[1], metavar="B",
+                   help="prompts per call (per process under torchrun)")
     m.add_argument("--samples-per-prompt", type=positive_int, nargs="+", default=[4], metavar="N",
                    help="samples per prompt")
     m.add_argument("--prompt-lengths", type=positive_int, nargs="+", default=[128], metavar="P",
                    help="prompt tokens (synthetic random ids)")
     m.add_argument("--response-lengths", type=positive_int, nargs="+", default=[16], metavar="R",
                    help="tokens generated per sample (no early stop)")
-    m.add_argument("--modes", nargs="+", choices=["expanded", "shared", "hf-generate"],
-                   default=["expanded", "shared", "hf-generate"], help="the modes to time, in this order")
+    m.add_argument("--modes", nargs="+", choices=list(MODE_NAMES), default=list(DEFAULT_MODES),
+                   help="the modes to time, in this order (hf-static: HF generate with its static cache; on CUDA "
+                        "HF compiles its decode in the first call, a warm-up call)")
     m.add_argument("--temperature", type=temperature, default=1.0, help="0 is greedy")
     m.add_argument("--top-p", type=top_p, default=1.0, help="in (0, 1]")
     t = b.add_argument_group("timing and output")
@@ -407,6 +433,93 @@ def resolve_device(text: str | None):
     return device
 
 
+# --- torchrun: data-parallel processes -------------------------------------------------------------
+# This process's rank and the number of processes, once start_processes() has run (0 and 1 alone).
+_RANK, _WORLD_SIZE = 0, 1
+_STARTED_GROUP = False
+
+
+def say(*args, **kwargs) -> None:
+    """print, on the first process only (under torchrun every process's stdout reaches the terminal)."""
+    if _RANK == 0:
+        print(*args, **kwargs)
+
+
+def torchrun_env(environ=None) -> dict | None:
+    """What torchrun set for this process ({"rank", "world_size", "local_rank"}), or None when it was
+    not launched by torchrun (WORLD_SIZE unset or 1 and no TORCHELASTIC_RUN_ID): one process."""
+    env = os.environ if environ is None else environ
+
+    def number(name: str, default: str | None = None) -> int:
+        text = env.get(name, default)
+        try:
+            return int(text)
+        except (TypeError, ValueError):
+            raise CLIError(f"launched by torchrun (WORLD_SIZE / TORCHELASTIC_RUN_ID set), but {name}={text!r} is not "
+                           "an integer") from None
+
+    if not env.get("TORCHELASTIC_RUN_ID") and number("WORLD_SIZE", "1") <= 1:
+        return None
+    out = {"world_size": number("WORLD_SIZE"), "rank": number("RANK"), "local_rank": number("LOCAL_RANK", "0")}
+    if not 0 <= out["rank"] < out["world_size"]:
+        raise CLIError(f"torchrun's RANK={out['rank']} is outside [0, WORLD_SIZE={out['world_size']})")
+    return out
+
+
+def start_processes(device_text: str | None):
+    """The device to run on, after joining torch.distributed's default group when launched by torchrun:
+    nccl on CUDA (this process on cuda:LOCAL_RANK), gloo on the CPU. Alone: resolve_device."""
+    global _RANK, _WORLD_SIZE, _STARTED_GROUP
+    launch = torchrun_env()
+    device = resolve_device(device_text)
+    if launch is None:
+        return device
+    import torch
+    import torch.distributed as dist
+
+    backend = "gloo"
+    if device.type == "cuda":
+        if device_text not in (None, "cuda", f"cuda:{launch['local_rank']}"):
+            raise CLIError(f"--device {device_text}: under torchrun each process uses cuda:LOCAL_RANK (here "
+                           f"cuda:{launch['local_rank']}); pass --device cuda (or no --device)")
+        if launch["local_rank"] >= torch.cuda.device_count():
+            raise CLIError(f"torchrun's LOCAL_RANK={launch['local_rank']}, but this machine has "
+                           f"{torch.cuda.device_count()} CUDA device(s); lower --nproc-per-node")
+        device = torch.device("cuda", launch["local_rank"])
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    if not dist.is_initialized():
+        dist.init_process_group(backend, device_id=device if backend == "nccl" else None)
+        _STARTED_GROUP = True
+    _RANK, _WORLD_SIZE = dist.get_rank(), dist.get_world_size()
+    return device
+
+
+def stop_processes() -> None:
+    """Leave the default group if start_processes joined it."""
+    global _STARTED_GROUP, _RANK, _WORLD_SIZE
+    if _STARTED_GROUP:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        _STARTED_GROUP = False
+    _RANK, _WORLD_SIZE = 0, 1
+
+
+def shard_bounds(count: int, world_size: int) -> list[tuple[int, int]]:
+    """Contiguous [start, end) shards of `count` items over `world_size` processes, in rank order; sizes
+    differ by at most one (the first count % world_size processes take one more), and a process may
+    have none when count < world_size."""
+    base, extra = divmod(count, world_size)
+    bounds, start = [], 0
+    for r in range(world_size):
+        end = start + base + (r < extra)
+        bounds.append((start, end))
+        start = end
+    return bounds
+
+
 def resolve_dtype(name: str | None, device):
     import torch
 
@@ -421,8 +534,9 @@ def resolve_dtype(name: str | None, device):
     if device.type == "cuda" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported(including_emulation=False):
         raise CLIError(f"--dtype bf16: {torch.cuda.get_device_name(device)} has no native bf16; use fp16")
     if device.type == "cpu" and dtype == torch.float16:
-        print("torchkvops: note: fp16 on CPU works but is slow on most CPUs; fp32 or bf16 are faster",
-              file=sys.stderr)
+        if _RANK == 0:
+            print("torchkvops: note: fp16 on CPU works but is slow on most CPUs; fp32 or bf16 are faster",
+                  file=sys.stderr)
     return name, dtype
 
 
@@ -456,7 +570,7 @@ def load_model(args, config, source, device, dtype):
         from .models import build_model
 
         model = build_model(args.model_shape, dtype, device, seed=0)  # --seed changes prompts and sampling only
-        print(f"model: {args.model_shape} shape with RANDOM weights (built in memory, nothing downloaded); "
+        say(f"model: {args.model_shape} shape with RANDOM weights (built in memory, nothing downloaded); "
               "its tokens are not meaningful text")
         return model, None, f"{args.model_shape} (random weights)"
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -474,7 +588,7 @@ def load_model(args, config, source, device, dtype):
         tokenizer.pad_token = tokenizer.eos_token
     params = sum(p.numel() for p in model.parameters())
     size = f"{params / 1e9:.2f}B" if params >= 1e9 else f"{params / 1e6:.1f}M" if params >= 1e6 else f"{params / 1e3:.1f}k"
-    print(f"model: {args.model} ({type(model).__name__}, {size} parameters"
+    say(f"model: {args.model} ({type(model).__name__}, {size} parameters"
           f"{'' if tokenizer is not None else ', no tokenizer'})")
     return model, tokenizer, str(args.model)
 
@@ -552,6 +666,37 @@ def check_kv_memory(config, device, dtype, rows: int, total: int, what: str, hin
                        f"{gib(have)} free on {device}; {hint}")
 
 
+def bench_kv_bytes(config, case, modes: Sequence[str], itemsize: int) -> int | None:
+    """About how much KV memory a bench case holds at once: the rollout modes' buffers stay allocated
+    through the interleaved rounds (expanded and shared: rows x (P+R) tokens each; prefix: B x P + rows
+    x R), plus the largest Hugging Face cache (rows x (P+R)), allocated during its own call. None when
+    the config does not say."""
+    b, rows, p, r = case.batch_size, case.rows, case.prompt_length, case.response_length
+    parts = {"expanded": (kv_cache_bytes(config, rows, p + r, itemsize),),
+             "shared": (kv_cache_bytes(config, rows, p + r, itemsize),),
+             "prefix": (kv_cache_bytes(config, b, p, itemsize), kv_cache_bytes(config, rows, r, itemsize))}
+    sizes = [size for m in modes if m in parts for size in parts[m]]
+    if any(m not in parts for m in modes):
+        sizes.append(kv_cache_bytes(config, rows, p + r, itemsize))
+    return None if any(v is None for v in sizes) else sum(sizes)
+
+
+def check_bench_kv_memory(config, device, dtype, cases, modes: Sequence[str]) -> None:
+    """Before the model is built: the largest case's KV caches, held at once (bench_kv_bytes), fit in
+    the memory free on the device (an estimate without weights and activations)."""
+    needs = [(bench_kv_bytes(config, c, modes, dtype.itemsize), c) for c in cases]
+    needs = [(need, c) for need, c in needs if need is not None]
+    if not needs:
+        return
+    need, case = max(needs, key=lambda nc: nc[0])
+    have = device_memory_bytes(device)
+    if have is not None and need > have:
+        raise CLIError(f"case {case.name}: the KV caches of the modes {', '.join(modes)} take about {gib(need)} held "
+                       f"at once (the rollout modes' buffers stay allocated while the modes interleave), more than the "
+                       f"{gib(have)} free on {device}; lower --batch-sizes, --samples-per-prompt, --prompt-lengths or "
+                       "--response-lengths, or time fewer --modes per run")
+
+
 # --- rollout -------------------------------------------------------------------------------------
 def read_prompts(path: str) -> list[str]:
     try:
@@ -587,19 +732,23 @@ def cmd_rollout(args) -> int:
     from .rollout import Rollout, RolloutConfig
 
     texts = list(args.prompt or []) + (read_prompts(args.prompts) if args.prompts else [])
-    device = resolve_device(args.device)
+    device = start_processes(args.device)
+    rank, world = _RANK, _WORLD_SIZE
     _, dtype = resolve_dtype(args.dtype, device)
     config = RolloutConfig(samples_per_prompt=args.samples_per_prompt, max_new_tokens=args.max_new_tokens,
                            shared_prefill=not args.no_shared_prefill, enable_profiling=True, compile=args.compile,
                            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     model_config, source = load_config(args)
-    n, rows = args.samples_per_prompt, args.num_prompts * args.samples_per_prompt
+    n = args.samples_per_prompt
+    # Under torchrun a process holds the KV of its own shard only: at most ceil(prompts / processes) prompts.
+    most = -(-(len(texts) or args.num_prompts) // world)
     if not texts:
         check_positions(model_config, args.prompt_length + args.max_new_tokens,
                         f"--prompt-length {args.prompt_length} + --max-new-tokens {args.max_new_tokens}",
                         "lower one of them")
-        check_kv_memory(model_config, device, dtype, rows, args.prompt_length + args.max_new_tokens,
-                        f"--num-prompts {args.num_prompts} x -n {n}",
+        check_kv_memory(model_config, device, dtype, most * n, args.prompt_length + args.max_new_tokens,
+                        f"--num-prompts {args.num_prompts} x -n {n}"
+                        + (f" over {world} processes" if world > 1 else ""),
                         "lower --num-prompts, --samples-per-prompt, --prompt-length or --max-new-tokens")
     model, tokenizer, _ = load_model(args, model_config, source, device, dtype)
     if texts:
@@ -614,7 +763,7 @@ def cmd_rollout(args) -> int:
         total = input_ids.shape[1] + args.max_new_tokens
         check_positions(model_config, total, f"the longest prompt's {input_ids.shape[1]} tokens + --max-new-tokens "
                                              f"{args.max_new_tokens}", "shorten it or lower --max-new-tokens")
-        check_kv_memory(model_config, device, dtype, len(texts) * n, total, f"{len(texts)} prompt(s) x -n {n}",
+        check_kv_memory(model_config, device, dtype, most * n, total, f"{len(texts)} prompt(s) x -n {n}",
                         "fewer prompts, a lower --samples-per-prompt or --max-new-tokens")
     else:
         from .bench import Case, synthetic_prompts
@@ -623,13 +772,26 @@ def cmd_rollout(args) -> int:
         input_ids = synthetic_prompts(case, vocab_size(model, tokenizer), special_ids(model, tokenizer), args.seed,
                                       torch.device("cpu"))
         attention_mask = torch.ones_like(input_ids)
-        print(f"prompts: {args.num_prompts} synthetic prompts of {args.prompt_length} random token ids (seed {args.seed})")
+        say(f"prompts: {args.num_prompts} synthetic prompts of {args.prompt_length} random token ids (seed {args.seed})")
     rollout = Rollout(model, config)
-    out = rollout.generate(input_ids, attention_mask)
-    profile = rollout.get_last_profile()
+    # Every process holds every prompt (the same seed, the same files) and generates its contiguous shard.
+    shards = shard_bounds(input_ids.shape[0], world)
+    if world > 1:
+        out = _generate_shard(rollout, input_ids, attention_mask, shards[rank])
+    else:
+        out = rollout.generate(input_ids, attention_mask)
+    profile = rollout.get_last_profile()  # this process's own call (None when its shard was empty)
+    kind = "expanded" if args.no_shared_prefill else "shared"
+    if rank != 0:
+        lo, hi = shards[rank]
+        mine = (f"prompts {lo}..{hi - 1} ({hi - lo} x {n} samples), {profile.generated_tokens} tokens in "
+                f"{profile.total_ms:.1f} ms ({profile.tokens_per_second:.1f} tokens/s)") if hi > lo else "no prompts"
+        print(f"rank {rank}/{world}: {mine}; rank 0 prints the samples")
+        return 0
 
     records = []
     responses, mask = out.responses.cpu(), out.response_mask.cpu()
+    owner = [r for r, (lo, hi) in enumerate(shards) for _ in range(lo, hi)]
     for i in range(input_ids.shape[0]):
         prompt_ids = input_ids[i][attention_mask[i].bool()].tolist()
         prompt_text = texts[i] if texts else None
@@ -639,18 +801,41 @@ def cmd_rollout(args) -> int:
             ids = responses[row][mask[row].bool()].tolist()
             text = tokenizer.decode(ids, skip_special_tokens=True) if tokenizer is not None else None
             print(f"--- sample {j} ({len(ids)} tokens): " + (repr(text) if text is not None else _ids(ids)))
-            records.append({"prompt_index": i, "sample_index": j, "prompt": prompt_text,
+            records.append({"prompt_index": i, "sample_index": j, "rank": owner[i], "prompt": prompt_text,
                             "prompt_token_ids": prompt_ids, "token_ids": ids, "text": text})
-    print(f"\n{input_ids.shape[0]} prompts x {n} samples, {profile.generated_tokens} tokens in "
-          f"{profile.total_ms:.1f} ms ({profile.tokens_per_second:.1f} tokens/s; prefill {profile.prefill_ms:.1f} ms, "
-          f"kv_expand {profile.kv_expand_ms:.2f} ms, decode {profile.decode_ms:.1f} ms; "
-          f"{'expanded' if args.no_shared_prefill else 'shared'} prefill)")
+    stages = (f"prefill {profile.prefill_ms:.1f} ms, kv_expand {profile.kv_expand_ms:.2f} ms, decode "
+              f"{profile.decode_ms:.1f} ms; {kind} prefill")
+    if world > 1:
+        import torch.distributed as dist
+
+        lo, hi = shards[0]
+        print(f"\n{input_ids.shape[0]} prompts x {n} samples on {world} processes ({dist.get_backend()}), "
+              f"{int(mask.sum())} tokens; rank 0's {hi - lo} prompt(s): {profile.generated_tokens} tokens in "
+              f"{profile.total_ms:.1f} ms ({profile.tokens_per_second:.1f} tokens/s; {stages})")
+    else:
+        print(f"\n{input_ids.shape[0]} prompts x {n} samples, {profile.generated_tokens} tokens in "
+              f"{profile.total_ms:.1f} ms ({profile.tokens_per_second:.1f} tokens/s; {stages})")
     if args.output:
         from .bench import write_text_atomic
 
         write_text_atomic(args.output, "".join(json.dumps(rec) + "\n" for rec in records))
         print(f"wrote {len(records)} records to {args.output}")
     return 0
+
+
+def _generate_shard(rollout, input_ids, attention_mask, bounds: tuple[int, int]):
+    """This process's shard through torchkvops.distributed.generate; every process gets every row, in
+    rank order (= prompt order). A failure on any process raises on every process: one line each."""
+    from . import distributed
+
+    lo, hi = bounds
+    ids, mask = (input_ids[lo:hi], attention_mask[lo:hi]) if hi > lo else (None, None)
+    try:
+        return distributed.generate(rollout, ids, mask, gather=True)
+    except RuntimeError as e:  # distributed.generate's own report of a failed process, or a broken group
+        if os.environ.get("TORCHKVOPS_DEBUG"):
+            raise
+        raise RunError(f"[rank {_RANK}] {' '.join(str(e).split())}") from None
 
 
 def _ids(ids: list[int], limit: int = 24) -> str:
@@ -663,7 +848,8 @@ def cmd_bench(args) -> int:
 
     from . import __version__, bench
 
-    device = resolve_device(args.device)
+    device = start_processes(args.device)
+    world = bench.World()
     dtype_name, dtype = resolve_dtype(args.dtype, device)
     modes = list(dict.fromkeys(args.modes))
     cases = bench.plan_cases(args.batch_sizes, args.samples_per_prompt, args.prompt_lengths, args.response_lengths)
@@ -672,10 +858,7 @@ def cmd_bench(args) -> int:
     check_positions(model_config, longest.prompt_length + longest.response_length,
                     f"case {longest.name}: --prompt-lengths {longest.prompt_length} + --response-lengths "
                     f"{longest.response_length}", "lower them")
-    biggest = max(cases, key=lambda c: c.rows * (c.prompt_length + c.response_length))
-    check_kv_memory(model_config, device, dtype, biggest.rows, biggest.prompt_length + biggest.response_length,
-                    f"case {biggest.name}", "lower --batch-sizes, --samples-per-prompt, --prompt-lengths or "
-                                            "--response-lengths")
+    check_bench_kv_memory(model_config, device, dtype, cases, modes)
     if args.trace:
         try:
             os.makedirs(args.trace, exist_ok=True)
@@ -683,11 +866,33 @@ def cmd_bench(args) -> int:
             raise CLIError(f"--trace {args.trace}: cannot create the folder: {e}") from None
     model, tokenizer, model_desc = load_model(args, model_config, source, device, dtype)
 
+    roofline = bench.copy_roofline(device)  # CUDA only: measured before any case, on this process's device
     settings = bench.Settings(temperature=args.temperature, top_p=args.top_p, seed=args.seed, compile=args.compile,
-                              warmup=args.warmup, iterations=args.iterations, trace_dir=args.trace)
+                              warmup=args.warmup, iterations=args.iterations, trace_dir=args.trace,
+                              roofline_gbps=roofline["copy_roofline_gbps"] if roofline else None)
+    traffic = bench.Traffic.of(model, settings.roofline_gbps)
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()
+    rank_devices = world.device_description(device, device_name)
+    if roofline is not None and world.size > 1:
+        rooflines = world.gather_records([roofline], ["copy_roofline_gbps"])
+        roofline["rank_copy_roofline_gbps"] = [rows[0]["copy_roofline_gbps"] for rows in rooflines]
     import transformers
 
-    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()
+    compiled = ", compiled" if args.compile else ""
+    descriptions = {
+        "expanded": f"Rollout(shared_prefill=False, eos_token_id=[]){compiled}",
+        "shared": f"Rollout(shared_prefill=True, kv_sharing='copy', eos_token_id=[]){compiled}",
+        "prefix": f"Rollout(shared_prefill=True, kv_sharing='prefix', eos_token_id=[]){compiled}",
+        "hf-generate": "model.generate, default (dynamic) cache, eager (--compile does not apply), "
+                       "max_new_tokens=min_new_tokens=R, eos_token_id=None (no EOS, as the rollout's eos_token_id=[]), "
+                       "top_k=0",
+        "hf-static": "model.generate(cache_implementation='static'), otherwise as hf-generate, run as Hugging Face "
+                     "runs it: on CUDA transformers compiles its decode step (torch.compile, mode 'reduce-overhead') "
+                     "in the first call of each new shape, so the warm-up calls include that compilation (with "
+                     "--warmup 0 the first timed call does); on the CPU it does not compile. transformers sizes the "
+                     "static cache to the longest max length of this process's earlier calls, so a case run after a "
+                     "longer one gets a larger cache",
+    }
     header = {
         "tool": "torchkvops bench",
         "model": model_desc,
@@ -702,19 +907,18 @@ def cmd_bench(args) -> int:
         "transformers_version": transformers.__version__,
         "torchkvops_version": __version__,
         "python_version": platform.python_version(),
+        "world_size": world.size,
+        "backend": world.backend,
+        "rank_devices": rank_devices,
+        "timing": bench.TIMING_NOTE,
+        "decode_ms_per_step_method": bench.DECODE_STEP_NOTE,
+        "bytes_per_step": {"weight_bytes": traffic.weight_bytes, "kv_bytes_per_token": traffic.kv_bytes_per_token,
+                           "formula": bench.BYTES_NOTE},
+        "roofline": roofline,
         "peak_memory_method": "cuda_allocator" if device.type == "cuda" else "cpu_profiler",
-        "peak_memory_note": ("torch.cuda.max_memory_allocated over each timed call (weights included)"
-                             if device.type == "cuda" else
-                             "one extra call under torch.profiler(profile_memory=True): peak of the running sum of "
-                             "its [memory] events, i.e. memory held beyond what was allocated when the call began "
-                             "(weights excluded)"),
+        "peak_memory_note": bench.PEAK_NOTE[device.type],
         "sampling": "greedy" if settings.greedy else f"temperature={args.temperature} top_p={args.top_p} top_k=0",
-        "modes": {
-            "expanded": "Rollout(shared_prefill=False, eos_token_id=[])" + (", compiled" if args.compile else ""),
-            "shared": "Rollout(shared_prefill=True, eos_token_id=[])" + (", compiled" if args.compile else ""),
-            "hf-generate": "model.generate, eager (--compile does not apply), max_new_tokens=min_new_tokens=R, "
-                           "eos_token_id=None (no EOS, as the rollout's eos_token_id=[]), top_k=0",
-        },
+        "modes": {m: descriptions[m] for m in modes},
         "file_note": bench.FILE_NOTE,
         "median_stages_note": bench.MEDIAN_STAGES_NOTE,
         "tokens_agree_note": bench.TOKENS_AGREE_NOTE,
@@ -722,15 +926,20 @@ def cmd_bench(args) -> int:
         "cases_requested": [c.name for c in cases],
         "cases_run_order": [cases[i].name for i in bench.run_order(cases)],
     }
+    if world.size > 1:
+        header["world_note"] = bench.WORLD_NOTE
     per_mode = bench.calls_per_mode(settings, device)
-    print(f"bench: {len(cases)} case(s) x {len(modes)} mode(s) x {per_mode} calls on {device_name} ({device}), "
-          f"{dtype_name}, {header['sampling']}, warmup {args.warmup}, {args.iterations} timed "
-          f"iteration{'s' if args.iterations != 1 else ''}")
+    where = (f"{world.size} processes ({world.backend}), each on {device.type} with its own --batch-sizes prompts"
+             if world.size > 1 else f"{device_name} ({device})")
+    say(f"bench: {len(cases)} case(s) x {len(modes)} mode(s) x {per_mode} calls on {where}, {dtype_name}, "
+        f"{header['sampling']}, warmup {args.warmup}, {args.iterations} timed "
+        f"iteration{'s' if args.iterations != 1 else ''}, modes interleaved"
+        + (f"; copy_ roofline {roofline['copy_roofline_gbps']:.0f} GB/s" if roofline else ""))
 
     results: list[dict | None] = [None] * len(cases)
 
     def save(status: str) -> None:
-        if args.output:
+        if args.output and world.is_main:
             bench.write_json_atomic(args.output, bench.results_document(header, cases, results, status))
 
     def save_during_run() -> None:
@@ -749,35 +958,37 @@ def cmd_bench(args) -> int:
         save_during_run()
 
     try:
-        with bench.recompile_headroom(args.compile):
+        with bench.recompile_headroom(args.compile or "hf-static" in modes):
             bench.run_matrix(model, cases, modes, settings, vocab_size=vocab_size(model, tokenizer),
                              special_ids=special_ids(model, tokenizer), pad_token_id=pad_id(model, tokenizer),
-                             progress=not args.no_progress, on_case=case_done)
+                             progress=not args.no_progress, on_case=case_done, world=world)
     except KeyboardInterrupt:
         finished = [r for r in results if r is not None]
         for result in finished:
-            print()
-            print(bench.format_case_table(result, args.iterations))
+            say()
+            say(bench.format_case_table(result, args.iterations))
         save("interrupted")
         kept = f"; {len(finished)} finished case(s) are in {args.output}" if args.output and finished else ""
-        print(f"torchkvops: interrupted after {len(finished)} of {len(cases)} case(s){kept}", file=sys.stderr)
+        if world.is_main:
+            print(f"torchkvops: interrupted after {len(finished)} of {len(cases)} case(s){kept}", file=sys.stderr)
         return 130
     for result in results:  # the tables first: they are shown even if the last write fails
-        print()
-        print(bench.format_case_table(result, args.iterations))
+        say()
+        say(bench.format_case_table(result, args.iterations))
     save("complete")
     failed = [r["case"] for r in results if r["error"]]
     if args.output:
-        print(f"\nwrote {args.output}")
-    if args.plot:
+        say(f"\nwrote {args.output}")
+    if args.plot and world.is_main:
         bench.plot_stage_times(results, args.plot, f"{model_desc}, {dtype_name}, {device_name}")
-        print(f"wrote {args.plot}")
+        say(f"wrote {args.plot}")
     if args.trace:
-        print(f"wrote Chrome traces to {os.path.join(args.trace, '')} (open in chrome://tracing or "
-              "https://ui.perfetto.dev)")
+        say(f"wrote Chrome traces to {os.path.join(args.trace, '')} (open in chrome://tracing or "
+            "https://ui.perfetto.dev)")
     if failed:
-        print(f"torchkvops: {len(failed)} case(s) failed: {', '.join(failed)} (errors in the table"
-              f"{' and the JSON' if args.output else ''})", file=sys.stderr)
+        if world.is_main:
+            print(f"torchkvops: {len(failed)} case(s) failed: {', '.join(failed)} (errors in the table"
+                  f"{' and the JSON' if args.output else ''})", file=sys.stderr)
         return 1
     return 0
 
@@ -810,6 +1021,13 @@ def _one_line_error(e: BaseException) -> bool:
     return isinstance(e, RuntimeError) and "can't allocate memory" in str(e)
 
 
+def error_line(text: str) -> None:
+    """One line on stderr in ONE write: under torchrun the processes share stderr, and print's separate
+    write of the newline would let another process's line land in the middle."""
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
@@ -826,13 +1044,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         load_library()
         return args.func(args)
     except CLIError as e:
-        print(f"torchkvops: error: {e}", file=sys.stderr)
+        error_line(f"torchkvops: error: {e}")
         return 2
+    except RunError as e:
+        error_line(f"torchkvops: error: {e}")
+        return 1
     except KeyboardInterrupt:
-        print("torchkvops: interrupted", file=sys.stderr)
+        error_line("torchkvops: interrupted")
         return 130
     except Exception as e:
         if os.environ.get("TORCHKVOPS_DEBUG") or not _one_line_error(e):
             raise
-        print(f"torchkvops: error: {type(e).__name__}: {' '.join(str(e).split())}", file=sys.stderr)
+        where = f"[rank {_RANK}] " if _WORLD_SIZE > 1 else ""
+        error_line(f"torchkvops: error: {where}{type(e).__name__}: {' '.join(str(e).split())}")
         return 1
+    finally:
+        stop_processes()

@@ -16,6 +16,14 @@ def _tiny() -> PreTrainedConfig:
                        bos_token_id=1, eos_token_id=2, pad_token_id=0)
 
 
+def _llama_small() -> PreTrainedConfig:
+    # A small Llama-style decoder (grouped-query attention, RoPE, 8192 positions) for CPU benchmarks with
+    # long prompts: the KV cache, not the weights, dominates a decode step's reads there.
+    return LlamaConfig(vocab_size=8192, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
+                       bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+
 def _opt_125m() -> PreTrainedConfig:
     return OPTConfig(vocab_size=50272, hidden_size=768, ffn_dim=3072, num_hidden_layers=12, num_attention_heads=12,
                      max_position_embeddings=2048, word_embed_proj_dim=768, do_layer_norm_before=True,
@@ -41,6 +49,7 @@ def _qwen3_0_6b() -> PreTrainedConfig:
 
 MODEL_SHAPES = {
     "tiny": _tiny,
+    "llama-small": _llama_small,
     "opt-125m": _opt_125m,
     "gpt2": _gpt2,
     "qwen3-0.6b": _qwen3_0_6b,
