@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from torchkvops import bench, cli
+from torchkvops import atomic_write, bench, cli
 
 ROOT = Path(__file__).absolute().parents[1]
 HAS_GPU = torch.cuda.is_available()
@@ -839,19 +839,19 @@ def test_sizes_the_model_cannot_take_fail_before_it_is_built(capsys, monkeypatch
 # --- bench: the JSON after every case, atomically ------------------------------------------------
 def test_write_json_atomic_replaces_the_whole_file_or_nothing(tmp_path, monkeypatch):
     path = tmp_path / "r.json"
-    bench.write_json_atomic(path, {"a": 1})
+    atomic_write.write_json_atomic(path, {"a": 1})
     path.chmod(0o640)
-    bench.write_json_atomic(path, {"a": 2})
+    atomic_write.write_json_atomic(path, {"a": 2})
     assert json.loads(path.read_text()) == {"a": 2} and path.stat().st_mode & 0o777 == 0o640
     with pytest.raises(TypeError):  # not serializable: nothing written
-        bench.write_json_atomic(path, {"a": object()})
+        atomic_write.write_json_atomic(path, {"a": object()})
 
     def full_disk(fd):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(os, "fsync", full_disk)
     with pytest.raises(OSError, match="No space"):
-        bench.write_json_atomic(path, {"a": 3})
+        atomic_write.write_json_atomic(path, {"a": 3})
     assert json.loads(path.read_text()) == {"a": 2}
     assert [p.name for p in tmp_path.iterdir()] == ["r.json"]  # no temporary file left behind
 
@@ -988,7 +988,7 @@ def test_table_stages_add_up_to_its_total_and_say_which_statistic():
 
 def test_a_failed_write_mid_run_is_retried_after_the_next_case(tmp_path, monkeypatch, capsys):
     out = tmp_path / "bench.json"
-    real_write, calls = bench.write_json_atomic, []
+    real_write, calls = atomic_write.write_json_atomic, []
 
     def flaky(path, obj):  # the second write (after the first case) fails, as on a full disk
         calls.append(len(obj["cases"]))
@@ -996,7 +996,7 @@ def test_a_failed_write_mid_run_is_retried_after_the_next_case(tmp_path, monkeyp
             raise OSError(28, "No space left on device")
         real_write(path, obj)
 
-    monkeypatch.setattr(bench, "write_json_atomic", flaky)
+    monkeypatch.setattr(atomic_write, "write_json_atomic", flaky)
     rc = cli.main([*INTERRUPT_BENCH, "--output", str(out)])
     captured = capsys.readouterr()
     assert rc == 0, captured.err

@@ -51,12 +51,10 @@ import dataclasses
 import gc
 import hashlib
 import itertools
-import json
 import math
 import os
 import socket
 import sys
-import tempfile
 import time
 import zlib
 from collections.abc import Callable, Iterable, Sequence
@@ -72,7 +70,7 @@ __all__ = [
     "MODES", "DEFAULT_MODES", "ROLLOUT_MODES", "HF_MODES", "PROFILE_FIELDS", "ITERATION_FIELDS", "SUMMARY_FIELDS",
     "Case", "plan_cases", "run_order", "summarize", "summarize_profiles", "tokens_sha256", "synthetic_prompts",
     "cpu_peak_memory_bytes", "token_agreement", "run_matrix", "stage_breakdown", "plot_segments",
-    "format_case_table", "plot_stage_times", "write_json_atomic", "write_text_atomic", "results_document",
+    "format_case_table", "plot_stage_times", "results_document",
     "calls_per_mode", "estimate_seconds", "Clock", "Traffic", "World", "model_weight_bytes", "kv_bytes_per_token",
     "copy_roofline", "merge_ranks",
 ]
@@ -152,36 +150,6 @@ FILE_NOTE = ("status: 'partial' while the run goes on (rewritten after every cas
 
 
 # --- files ---------------------------------------------------------------------------------------
-def write_text_atomic(path: str | os.PathLike, text: str) -> None:
-    """Write text to path through a temporary file in the same folder renamed into place: readers
-    see the old file or the new one, never half of one; on failure the old file stays. (A symlink is
-    followed: the file it points to is replaced, the link stays.)"""
-    path = os.path.realpath(os.fspath(path))
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        if os.path.exists(path):  # keep the permissions of the file it replaces
-            os.chmod(tmp, os.stat(path).st_mode & 0o7777)
-        else:
-            umask = os.umask(0)
-            os.umask(umask)
-            os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-
-
-def write_json_atomic(path: str | os.PathLike, obj) -> None:
-    """json.dumps(obj) first (an unserializable object changes nothing on disk), then write_text_atomic."""
-    write_text_atomic(path, json.dumps(obj, indent=2) + "\n")
-
-
 def results_document(header: dict, cases: Sequence["Case"], results: Sequence[dict | None], status: str) -> dict:
     """The --output JSON: the header, the finished cases in the requested order, the names of the
     others, and the run's status ("partial", "interrupted" or "complete"; see FILE_NOTE)."""
@@ -217,8 +185,6 @@ def run_order(cases: Sequence[Case]) -> list[int]:
     """Indices of `cases` in the order they run: most rows (B*N) first, then longest P+R; ties keep
     the requested order."""
     return sorted(range(len(cases)), key=lambda i: (-cases[i].rows, -(cases[i].prompt_length + cases[i].response_length)))
-
-
 
 
 # --- statistics ----------------------------------------------------------------------------------
@@ -691,8 +657,6 @@ def export_trace(fn: Callable[[], object], path: str, device: torch.device) -> N
         fn()
         _sync(device)
     prof.export_chrome_trace(path)
-
-
 
 
 # --- running -------------------------------------------------------------------------------------

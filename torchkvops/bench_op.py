@@ -343,7 +343,7 @@ def format_table(results: list[dict]) -> str:
 
 def execute(args: argparse.Namespace) -> int:
     """`torchkvops bench-op`: run, print the table, write --output (after every size, atomically)."""
-    from .bench import write_json_atomic
+    from .atomic_write import write_json_atomic
 
     done: list[dict] = []
 

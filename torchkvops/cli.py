@@ -816,7 +816,7 @@ def cmd_rollout(args) -> int:
         print(f"\n{input_ids.shape[0]} prompts x {n} samples, {profile.generated_tokens} tokens in "
               f"{profile.total_ms:.1f} ms ({profile.tokens_per_second:.1f} tokens/s; {stages})")
     if args.output:
-        from .bench import write_text_atomic
+        from .atomic_write import write_text_atomic
 
         write_text_atomic(args.output, "".join(json.dumps(rec) + "\n" for rec in records))
         print(f"wrote {len(records)} records to {args.output}")
@@ -847,6 +847,7 @@ def cmd_bench(args) -> int:
     import torch
 
     from . import __version__, bench
+    from .atomic_write import write_json_atomic
 
     device = start_processes(args.device)
     world = bench.World()
@@ -940,7 +941,7 @@ def cmd_bench(args) -> int:
 
     def save(status: str) -> None:
         if args.output and world.is_main:
-            bench.write_json_atomic(args.output, bench.results_document(header, cases, results, status))
+            write_json_atomic(args.output, bench.results_document(header, cases, results, status))
 
     def save_during_run() -> None:
         """A write that fails mid-run (the folder removed, the disk full) is reported and retried after
