@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from torchkvops import atomic_write, bench, cli
+from torchkvops import atomic_write, bench, bench_cases, cli
 
 ROOT = Path(__file__).absolute().parents[1]
 HAS_GPU = torch.cuda.is_available()
@@ -75,12 +75,12 @@ def test_summary_math():
 
 
 def test_run_order_is_largest_first_and_stable():
-    cases = bench.plan_cases([1, 8], [4, 16], [32], [8, 16])
+    cases = bench_cases.plan_cases([1, 8], [4, 16], [32], [8, 16])
     assert [c.name for c in cases][:3] == ["B1_N4_P32_R8", "B1_N4_P32_R16", "B1_N16_P32_R8"]
-    order = [cases[i] for i in bench.run_order(cases)]
+    order = [cases[i] for i in bench_cases.run_order(cases)]
     assert [c.rows for c in order] == sorted((c.rows for c in cases), reverse=True)
     assert order[0].name == "B8_N16_P32_R16" and order[1].name == "B8_N16_P32_R8"
-    assert bench.plan_cases([2, 2], [1], [3], [4]) == [bench.Case(2, 1, 3, 4)]  # duplicates dropped
+    assert bench_cases.plan_cases([2, 2], [1], [3], [4]) == [bench_cases.Case(2, 1, 3, 4)]  # duplicates dropped
 
 
 def test_token_agreement_rules():
@@ -134,10 +134,10 @@ def test_tokens_hash_is_of_int64_bytes():
 
 
 def test_synthetic_prompts_are_seeded_and_avoid_special_ids():
-    case = bench.Case(3, 2, 50, 4)
-    a = bench.synthetic_prompts(case, 8, {0, 1, 2}, seed=5, device=torch.device("cpu"))
-    b = bench.synthetic_prompts(case, 8, {0, 1, 2}, seed=5, device=torch.device("cpu"))
-    c = bench.synthetic_prompts(case, 8, {0, 1, 2}, seed=6, device=torch.device("cpu"))
+    case = bench_cases.Case(3, 2, 50, 4)
+    a = bench_cases.synthetic_prompts(case, 8, {0, 1, 2}, seed=5, device=torch.device("cpu"))
+    b = bench_cases.synthetic_prompts(case, 8, {0, 1, 2}, seed=5, device=torch.device("cpu"))
+    c = bench_cases.synthetic_prompts(case, 8, {0, 1, 2}, seed=6, device=torch.device("cpu"))
     assert a.shape == (3, 50) and a.dtype == torch.long and torch.equal(a, b) and not torch.equal(a, c)
     assert int(a.min()) >= 3 and int(a.max()) <= 7
 
@@ -260,7 +260,7 @@ def test_bench_json_tables_trace_and_order(tmp_path):
         b, rows = c["batch_size"], c["batch_size"] * c["samples_per_prompt"]
         for mode, e in c["modes"].items():
             assert e["error"] is None and len(e["iterations"]) == 3
-            assert set(e["summary"]) == set(bench.SUMMARY_FIELDS) >= set(bench.PROFILE_FIELDS)
+            assert set(e["summary"]) == set(bench_cases.SUMMARY_FIELDS) >= set(bench_cases.PROFILE_FIELDS)
             for field, s in e["summary"].items():
                 values = [p[field] for p in e["iterations"]]
                 if s is None:
@@ -358,7 +358,7 @@ def test_modes_run_interleaved_and_a_failed_mode_leaves_the_rounds(monkeypatch):
     from torchkvops.models import build_model
 
     calls = []
-    case = bench.Case(1, 2, 4, 3)
+    case = bench_cases.Case(1, 2, 4, 3)
 
     class Runner:
         def __init__(self, mode):
@@ -372,7 +372,7 @@ def test_modes_run_interleaved_and_a_failed_mode_leaves_the_rounds(monkeypatch):
             return torch.zeros(case.rows, case.response_length, dtype=torch.long)
 
         def profile(self, clock, end):
-            p = dict.fromkeys(bench.PROFILE_FIELDS)
+            p = dict.fromkeys(bench_cases.PROFILE_FIELDS)
             p.update(total_ms=1e9, decode_ms=2.0, decode_steps=2, generated_tokens=case.rows * 3, batch_size=1,
                      samples_per_prompt=2, prompt_length=4, response_length=3)
             return p
@@ -385,7 +385,7 @@ def test_modes_run_interleaved_and_a_failed_mode_leaves_the_rounds(monkeypatch):
 
     monkeypatch.setattr(bench, "_make_runner", lambda mode, *args: Runner(mode))
     modes = ["expanded", "prefix", "hf-generate"]
-    (result,) = bench.run_matrix(build_model("tiny"), [case], modes, bench.Settings(warmup=2, iterations=3),
+    (result,) = bench.run_matrix(build_model("tiny"), [case], modes, bench_cases.Settings(warmup=2, iterations=3),
                                  vocab_size=512, special_ids=[0, 1, 2], pad_token_id=0, progress=False)
     a, b, c = modes
     assert calls == [a, a, b, b, c, c,  # warm-ups
@@ -723,7 +723,7 @@ def test_names_spelled_out_for_parsing_match_the_library():
     from torchkvops.models import MODEL_SHAPES
 
     assert list(cli.MODEL_SHAPE_NAMES) == list(MODEL_SHAPES) and "llama-small" in MODEL_SHAPES
-    assert cli.MODE_NAMES == bench.MODES and cli.DEFAULT_MODES == bench.DEFAULT_MODES
+    assert cli.MODE_NAMES == bench_cases.MODES and cli.DEFAULT_MODES == bench_cases.DEFAULT_MODES
 
 
 def test_every_option_has_help_and_bench_op_help_shows_defaults_and_methods(capsys, monkeypatch):
@@ -926,8 +926,8 @@ def test_sigint_during_a_bench_keeps_the_finished_cases(tmp_path):
 
 
 def test_estimate_scales_the_first_call_by_each_cases_work():
-    cases = bench.plan_cases([1, 4], [2], [10], [6])  # rows x (P+R): 2 x 16 = 32 and 8 x 16 = 128
-    order = bench.run_order(cases)
+    cases = bench_cases.plan_cases([1, 4], [2], [10], [6])  # rows x (P+R): 2 x 16 = 32 and 8 x 16 = 128
+    order = bench_cases.run_order(cases)
     assert cases[order[0]].batch_size == 4
     assert bench.estimate_seconds(2.0, cases, order, n_modes=3, per_mode=5) == pytest.approx(
         2.0 * 3 * 5 * (32 + 128) / 128)
@@ -946,7 +946,7 @@ def test_stage_breakdown_adds_up_to_the_median_total():
     split = bench.stage_breakdown(entry)
     assert split["iterations"] == [0] and split["total_ms"] == entry["summary"]["total_ms"]["p50"] == 61.0
     assert (split["prefill_ms"], split["decode_ms"]) == (10.0, 50.0)
-    stages = sum(split[f] for f in bench.STAGE_FIELDS)
+    stages = sum(split[f] for f in bench_cases.STAGE_FIELDS)
     assert split["other_ms"] == pytest.approx(61.0 - stages) and stages + split["other_ms"] == pytest.approx(61.0)
     assert split["tokens_per_second"] == pytest.approx(8 / 0.061)
     segments = bench.plot_segments(entry)

@@ -161,11 +161,11 @@ def test_a_mode_that_fails_on_another_process_fails_on_this_one_too(monkeypatch)
     take the same collective steps) and record process 1's error, while `prefix` goes on."""
     import torch
 
-    from torchkvops import bench
+    from torchkvops import bench, bench_cases
     from torchkvops.models import build_model
 
     calls = []
-    case = bench.Case(1, 2, 4, 3)
+    case = bench_cases.Case(1, 2, 4, 3)
 
     class Runner:
         def __init__(self, mode):
@@ -176,7 +176,7 @@ def test_a_mode_that_fails_on_another_process_fails_on_this_one_too(monkeypatch)
             return torch.zeros(case.rows, case.response_length, dtype=torch.long)
 
         def profile(self, clock, end):
-            p = dict.fromkeys(bench.PROFILE_FIELDS)
+            p = dict.fromkeys(bench_cases.PROFILE_FIELDS)
             p.update(decode_ms=2.0, decode_steps=2, generated_tokens=6, batch_size=1, samples_per_prompt=2,
                      prompt_length=4, response_length=3)
             return p
@@ -202,7 +202,7 @@ def test_a_mode_that_fails_on_another_process_fails_on_this_one_too(monkeypatch)
 
     monkeypatch.setattr(bench, "_make_runner", lambda mode, *args: Runner(mode))
     world = ElsewhereFails()
-    settings = bench.Settings(warmup=1, iterations=2)
+    settings = bench_cases.Settings(warmup=1, iterations=2)
     (result,) = bench.run_matrix(build_model("tiny"), [case], ["shared", "prefix"], settings, vocab_size=512,
                                  special_ids=[0, 1, 2], pad_token_id=0, progress=False, world=world)
     assert calls == ["shared", "prefix", "shared", "prefix", "prefix", "prefix"]  # warm-ups, rounds, peak

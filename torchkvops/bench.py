@@ -56,41 +56,24 @@ import os
 import socket
 import sys
 import time
-import zlib
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
 from torch import Tensor, nn
 
+from .bench_cases import (HF_MODES, INT_FIELDS, ITERATION_FIELDS, MODES, PER_STEP_FIELDS, PROFILE_FIELDS,
+                          ROLLOUT_MODES, STAGE_FIELDS, SUMMARY_FIELDS, Case, Settings, run_order, synthetic_prompts)
 from .kv_cache import KVShape
-from .profiling import RolloutProfile
 from .rollout import Rollout, RolloutConfig
 
 __all__ = [
-    "MODES", "DEFAULT_MODES", "ROLLOUT_MODES", "HF_MODES", "PROFILE_FIELDS", "ITERATION_FIELDS", "SUMMARY_FIELDS",
-    "Case", "plan_cases", "run_order", "summarize", "summarize_profiles", "tokens_sha256", "synthetic_prompts",
+    "summarize", "summarize_profiles", "tokens_sha256",
     "cpu_peak_memory_bytes", "token_agreement", "run_matrix", "stage_breakdown", "plot_segments",
     "format_case_table", "plot_stage_times", "results_document",
     "calls_per_mode", "estimate_seconds", "Clock", "Traffic", "World", "model_weight_bytes", "kv_bytes_per_token",
     "copy_roofline", "merge_ranks",
 ]
 
-MODES = ("expanded", "shared", "prefix", "hf-generate", "hf-static")
-DEFAULT_MODES = ("expanded", "shared", "prefix", "hf-generate")
-ROLLOUT_MODES = ("expanded", "shared", "prefix")
-HF_MODES = ("hf-generate", "hf-static")
-PROFILE_FIELDS = tuple(f.name for f in dataclasses.fields(RolloutProfile))
-# Each timed call's record: the rollout's profile fields (total_ms and tokens_per_second from the outer
-# clock), then what the bench derives or adds.
-ITERATION_FIELDS = PROFILE_FIELDS + ("rollout_total_ms", "decode_ms_per_step", "kv_bytes_per_step", "weight_bytes",
-                                     "achieved_gbps", "roofline_fraction", "round", "started_ms")
-BOOKKEEPING_FIELDS = ("round", "started_ms")
-SUMMARY_FIELDS = tuple(f for f in ITERATION_FIELDS if f not in BOOKKEEPING_FIELDS)
-_INT_FIELDS = {"generated_tokens", "decode_steps", "batch_size", "samples_per_prompt", "prompt_length",
-               "response_length", "peak_memory_bytes", "kv_cache_bytes", "weight_bytes", "round"}
-STAGE_FIELDS = ("prompt_expansion_ms", "prefill_ms", "kv_expand_ms", "decode_ms", "post_processing_ms")
-PER_STEP_FIELDS = ("decode_ms_per_step", "kv_bytes_per_step", "weight_bytes", "achieved_gbps", "roofline_fraction",
-                   "kv_cache_bytes")
 
 NOT_COMPARABLE = ("not comparable: Hugging Face samples with torch's generator, the rollout with its own "
                   "counter-based sampler, so sampled tokens cannot match even when both are right; only greedy "
@@ -155,36 +138,6 @@ def results_document(header: dict, cases: Sequence["Case"], results: Sequence[di
     others, and the run's status ("partial", "interrupted" or "complete"; see FILE_NOTE)."""
     return {"status": status, "header": header, "cases": [r for r in results if r is not None],
             "cases_pending": [c.name for c, r in zip(cases, results) if r is None]}
-
-
-# --- the matrix ----------------------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class Case:
-    batch_size: int
-    samples_per_prompt: int
-    prompt_length: int
-    response_length: int
-
-    @property
-    def name(self) -> str:
-        return f"B{self.batch_size}_N{self.samples_per_prompt}_P{self.prompt_length}_R{self.response_length}"
-
-    @property
-    def rows(self) -> int:
-        return self.batch_size * self.samples_per_prompt
-
-
-def plan_cases(batch_sizes: Iterable[int], samples_per_prompt: Iterable[int], prompt_lengths: Iterable[int],
-               response_lengths: Iterable[int]) -> list[Case]:
-    """Every combination, in the requested order (duplicates dropped)."""
-    cases = [Case(*c) for c in itertools.product(batch_sizes, samples_per_prompt, prompt_lengths, response_lengths)]
-    return list(dict.fromkeys(cases))
-
-
-def run_order(cases: Sequence[Case]) -> list[int]:
-    """Indices of `cases` in the order they run: most rows (B*N) first, then longest P+R; ties keep
-    the requested order."""
-    return sorted(range(len(cases)), key=lambda i: (-cases[i].rows, -(cases[i].prompt_length + cases[i].response_length)))
 
 
 # --- statistics ----------------------------------------------------------------------------------
@@ -253,21 +206,6 @@ def merge_ranks(per_rank: Sequence[Sequence[dict]]) -> list[dict]:
         m["tokens_per_second"] = m["generated_tokens"] / (m["total_ms"] / 1e3) if m["total_ms"] > 0 else 0.0
         merged.append(m)
     return merged
-
-
-# --- inputs --------------------------------------------------------------------------------------
-def synthetic_prompts(case: Case, vocab_size: int, special_ids: Iterable[int], seed: int,
-                      device: torch.device, shard: int = 0) -> Tensor:
-    """[B, P] random token ids, none of them special, the same for a given seed, case and shard (a
-    data-parallel process's rank: each process its own prompts; shard 0 is the single-process set)."""
-    special = {int(i) for i in special_ids if i is not None and 0 <= int(i) < vocab_size}
-    allowed = torch.tensor([i for i in range(vocab_size) if i not in special], dtype=torch.long)
-    if allowed.numel() == 0:
-        raise ValueError("synthetic_prompts: every token id of the vocabulary is special")
-    key = f"{seed}:{case.name}" + (f":{shard}" if shard else "")
-    gen = torch.Generator().manual_seed(zlib.crc32(key.encode()))
-    idx = torch.randint(allowed.numel(), (case.batch_size, case.prompt_length), generator=gen)
-    return allowed[idx].to(device)
 
 
 # --- clocks, bytes and the roofline --------------------------------------------------------------
@@ -440,7 +378,7 @@ class World:
         for part in self.all_gather(t):
             rows = []
             for row in part.tolist():
-                rows.append({f: None if math.isnan(v) else int(v) if f in _INT_FIELDS else v
+                rows.append({f: None if math.isnan(v) else int(v) if f in INT_FIELDS else v
                              for f, v in zip(fields, row)})
             out.append(rows)
         return out
@@ -462,22 +400,6 @@ class World:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-@dataclasses.dataclass
-class Settings:
-    temperature: float = 1.0
-    top_p: float = 1.0
-    seed: int = 0
-    compile: bool = False
-    warmup: int = 5
-    iterations: int = 20
-    trace_dir: str | None = None
-    roofline_gbps: float | None = None  # copy_roofline's, to report each mode's fraction of (CUDA)
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
 
 
 class _RolloutRunner:

@@ -43,7 +43,7 @@ DTYPE_NAMES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 # The names of torchkvops.models.MODEL_SHAPES, spelled out so that parsing needs no transformers
 # (tests/test_cli.py checks that the two agree).
 MODEL_SHAPE_NAMES = ("tiny", "llama-small", "opt-125m", "gpt2", "qwen3-0.6b", "opt-6.7b")
-# torchkvops.bench.MODES and DEFAULT_MODES, spelled out for the same reason (checked by the same test).
+# torchkvops.bench_cases.MODES and DEFAULT_MODES, spelled out for the same reason (checked by the same test).
 MODE_NAMES = ("expanded", "shared", "prefix", "hf-generate", "hf-static")
 DEFAULT_MODES = ("expanded", "shared", "prefix", "hf-generate")
 # The bare `torchkvops`: measured at 38 s on a shared 2-core CPU, model build included (5 iterations: 59 s);
@@ -766,7 +766,7 @@ def cmd_rollout(args) -> int:
         check_kv_memory(model_config, device, dtype, most * n, total, f"{len(texts)} prompt(s) x -n {n}",
                         "fewer prompts, a lower --samples-per-prompt or --max-new-tokens")
     else:
-        from .bench import Case, synthetic_prompts
+        from .bench_cases import Case, synthetic_prompts
 
         case = Case(args.num_prompts, args.samples_per_prompt, args.prompt_length, args.max_new_tokens)
         input_ids = synthetic_prompts(case, vocab_size(model, tokenizer), special_ids(model, tokenizer), args.seed,
@@ -846,14 +846,14 @@ def _ids(ids: list[int], limit: int = 24) -> str:
 def cmd_bench(args) -> int:
     import torch
 
-    from . import __version__, bench
+    from . import __version__, bench, bench_cases
     from .atomic_write import write_json_atomic
 
     device = start_processes(args.device)
     world = bench.World()
     dtype_name, dtype = resolve_dtype(args.dtype, device)
     modes = list(dict.fromkeys(args.modes))
-    cases = bench.plan_cases(args.batch_sizes, args.samples_per_prompt, args.prompt_lengths, args.response_lengths)
+    cases = bench_cases.plan_cases(args.batch_sizes, args.samples_per_prompt, args.prompt_lengths, args.response_lengths)
     model_config, source = load_config(args)
     longest = max(cases, key=lambda c: c.prompt_length + c.response_length)
     check_positions(model_config, longest.prompt_length + longest.response_length,
@@ -868,7 +868,7 @@ def cmd_bench(args) -> int:
     model, tokenizer, model_desc = load_model(args, model_config, source, device, dtype)
 
     roofline = bench.copy_roofline(device)  # CUDA only: measured before any case, on this process's device
-    settings = bench.Settings(temperature=args.temperature, top_p=args.top_p, seed=args.seed, compile=args.compile,
+    settings = bench_cases.Settings(temperature=args.temperature, top_p=args.top_p, seed=args.seed, compile=args.compile,
                               warmup=args.warmup, iterations=args.iterations, trace_dir=args.trace,
                               roofline_gbps=roofline["copy_roofline_gbps"] if roofline else None)
     traffic = bench.Traffic.of(model, settings.roofline_gbps)
@@ -925,7 +925,7 @@ def cmd_bench(args) -> int:
         "tokens_agree_note": bench.TOKENS_AGREE_NOTE,
         "flags": {k: v for k, v in vars(args).items() if k not in ("func",)},
         "cases_requested": [c.name for c in cases],
-        "cases_run_order": [cases[i].name for i in bench.run_order(cases)],
+        "cases_run_order": [cases[i].name for i in bench_cases.run_order(cases)],
     }
     if world.size > 1:
         header["world_note"] = bench.WORLD_NOTE
