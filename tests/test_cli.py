@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from torchkvops import atomic_write, bench, bench_cases, cli
+from torchkvops import atomic_write, bench, bench_cases, bench_stats, cli
 
 ROOT = Path(__file__).absolute().parents[1]
 HAS_GPU = torch.cuda.is_available()
@@ -57,20 +57,20 @@ def assert_one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> s
 
 # --- the statistics and bookkeeping, directly ----------------------------------------------------
 def test_summary_math():
-    s = bench.summarize(list(range(1, 21)))
+    s = bench_stats.summarize(list(range(1, 21)))
     assert s == {"mean": 10.5, "p50": 10.5, "p95": 19}
-    assert bench.summarize([3, 1, 2]) == {"mean": 2.0, "p50": 2, "p95": 3}
-    assert bench.summarize([5.0]) == {"mean": 5.0, "p50": 5.0, "p95": 5.0}
+    assert bench_stats.summarize([3, 1, 2]) == {"mean": 2.0, "p50": 2, "p95": 3}
+    assert bench_stats.summarize([5.0]) == {"mean": 5.0, "p50": 5.0, "p95": 5.0}
     # nearest rank: the value at rank ceil(0.95 n) of the sorted values
     values = [float(v) for v in range(100, 0, -1)]
-    assert bench.summarize(values)["p95"] == 95.0
-    assert bench.summarize([None, None]) is None
+    assert bench_stats.summarize(values)["p95"] == 95.0
+    assert bench_stats.summarize([None, None]) is None
     with pytest.raises(ValueError, match="None"):
-        bench.summarize([1.0, None, 2.0])
+        bench_stats.summarize([1.0, None, 2.0])
     with pytest.raises(ValueError):
-        bench.summarize([])
+        bench_stats.summarize([])
     profiles = [{"a": float(i), "b": None, "c": 7} for i in range(1, 21)]
-    assert bench.summarize_profiles(profiles) == {"a": {"mean": 10.5, "p50": 10.5, "p95": 19.0}, "b": None,
+    assert bench_stats.summarize_profiles(profiles) == {"a": {"mean": 10.5, "p50": 10.5, "p95": 19.0}, "b": None,
                                                   "c": {"mean": 7.0, "p50": 7, "p95": 7}}
 
 
@@ -85,23 +85,23 @@ def test_run_order_is_largest_first_and_stable():
 
 def test_token_agreement_rules():
     same = {"expanded": "h", "shared": "h", "hf-generate": "h"}
-    greedy = bench.token_agreement(same, greedy=True)
+    greedy = bench_stats.token_agreement(same, greedy=True)
     assert greedy["all_agree"] is True and all(v is True for v in greedy["pairs"].values())
-    sampled = bench.token_agreement({"expanded": "h", "shared": "x", "hf-generate": "y"}, greedy=False)
+    sampled = bench_stats.token_agreement({"expanded": "h", "shared": "x", "hf-generate": "y"}, greedy=False)
     assert sampled["pairs"] == {"expanded vs shared": False, "expanded vs hf-generate": None,
                                 "shared vs hf-generate": None}
     assert sampled["all_agree"] is False and "not comparable" in sampled["notes"]["expanded vs hf-generate"]
-    assert bench.token_agreement({"shared": "h", "hf-generate": "y"}, greedy=False)["all_agree"] is None
-    assert bench.token_agreement({"shared": "h", "expanded": None}, greedy=True)["pairs"] == {}
+    assert bench_stats.token_agreement({"shared": "h", "hf-generate": "y"}, greedy=False)["all_agree"] is None
+    assert bench_stats.token_agreement({"shared": "h", "expanded": None}, greedy=True)["pairs"] == {}
 
 
 def test_token_agreement_rules_for_the_prefix_and_static_modes():
-    sampled = bench.token_agreement({"shared": "h", "prefix": "h", "hf-generate": "y", "hf-static": "y"}, greedy=False)
+    sampled = bench_stats.token_agreement({"shared": "h", "prefix": "h", "hf-generate": "y", "hf-static": "y"}, greedy=False)
     assert sampled["pairs"] == {"shared vs prefix": True, "shared vs hf-generate": None, "shared vs hf-static": None,
                                 "prefix vs hf-generate": None, "prefix vs hf-static": None,
                                 "hf-generate vs hf-static": None}
     assert sampled["all_agree"] is True and "--temperature 0" in sampled["notes"]["hf-generate vs hf-static"]
-    greedy = bench.token_agreement({"prefix": "h", "hf-static": "x"}, greedy=True)
+    greedy = bench_stats.token_agreement({"prefix": "h", "hf-static": "x"}, greedy=True)
     assert greedy["pairs"] == {"prefix vs hf-static": False} and greedy["all_agree"] is False
 
 
@@ -130,7 +130,7 @@ def test_tokens_hash_is_of_int64_bytes():
     t = torch.tensor([[1, 2], [3, 4]], dtype=torch.int32)
     import hashlib
 
-    assert bench.tokens_sha256(t) == hashlib.sha256(t.long().numpy().tobytes()).hexdigest()
+    assert bench_stats.tokens_sha256(t) == hashlib.sha256(t.long().numpy().tobytes()).hexdigest()
 
 
 def test_synthetic_prompts_are_seeded_and_avoid_special_ids():
@@ -273,7 +273,7 @@ def test_bench_json_tables_trace_and_order(tmp_path):
             assert e["summary"]["generated_tokens"]["p50"] == rows * R
             assert e["peak_memory_method"] == "cpu_profiler" and e["peak_memory_bytes"] > 0
             assert len(e["tokens_sha256"]) == 64
-            assert e["median_stages"] == bench.stage_breakdown(e)
+            assert e["median_stages"] == bench_stats.stage_breakdown(e)
             assert e["median_stages"]["total_ms"] == e["summary"]["total_ms"]["p50"]
             for it in e["iterations"]:
                 # Decode per step and the bandwidth, recomputed from their definitions.
@@ -942,8 +942,8 @@ def _iteration(total, prefill, decode, kv=0.5, expansion=0.25, post=0.125, token
 def test_stage_breakdown_adds_up_to_the_median_total():
     # Per-field medians (prefill 35, decode 30) would stack to about 66; the median total is 61.
     its = [_iteration(61.0, 10.0, 50.0), _iteration(60.5, 40.0, 20.0), _iteration(66.0, 35.0, 30.0)]
-    entry = {"error": None, "iterations": its, "summary": bench.summarize_profiles(its)}
-    split = bench.stage_breakdown(entry)
+    entry = {"error": None, "iterations": its, "summary": bench_stats.summarize_profiles(its)}
+    split = bench_stats.stage_breakdown(entry)
     assert split["iterations"] == [0] and split["total_ms"] == entry["summary"]["total_ms"]["p50"] == 61.0
     assert (split["prefill_ms"], split["decode_ms"]) == (10.0, 50.0)
     stages = sum(split[f] for f in bench_cases.STAGE_FIELDS)
@@ -956,8 +956,8 @@ def test_stage_breakdown_adds_up_to_the_median_total():
 
     # An even count: the mean of the two middle iterations, whose mean total is the median.
     its.append(_iteration(70.0, 1.0, 60.0))
-    entry = {"error": None, "iterations": its, "summary": bench.summarize_profiles(its)}
-    split = bench.stage_breakdown(entry)
+    entry = {"error": None, "iterations": its, "summary": bench_stats.summarize_profiles(its)}
+    split = bench_stats.stage_breakdown(entry)
     assert sorted(split["iterations"]) == [0, 2] and split["total_ms"] == entry["summary"]["total_ms"]["p50"] == 63.5
     assert split["prefill_ms"] == 22.5 and split["decode_ms"] == 40.0
     assert sum(v for _, v in bench.plot_segments(entry)) == pytest.approx(63.5)
@@ -965,15 +965,15 @@ def test_stage_breakdown_adds_up_to_the_median_total():
     # A mode without stages (hf-generate): its total alone.
     hf = [dict(_iteration(t, 0, 0), prefill_ms=None, decode_ms=None, kv_expand_ms=None, prompt_expansion_ms=None,
                post_processing_ms=None) for t in (80.0, 90.0, 85.0)]
-    entry = {"error": None, "iterations": hf, "summary": bench.summarize_profiles(hf)}
+    entry = {"error": None, "iterations": hf, "summary": bench_stats.summarize_profiles(hf)}
     assert bench.plot_segments(entry) == [("total (not split)", 85.0)]
     assert bench.plot_segments({"error": "boom", "iterations": [], "median_stages": None}) == []
 
 
 def test_table_stages_add_up_to_its_total_and_say_which_statistic():
     its = [_iteration(61.0, 10.0, 50.0), _iteration(60.5, 40.0, 20.0), _iteration(66.0, 35.0, 30.0)]
-    entry = {"error": None, "iterations": its, "summary": bench.summarize_profiles(its), "peak_memory_bytes": 2**20}
-    entry["median_stages"] = bench.stage_breakdown(entry)
+    entry = {"error": None, "iterations": its, "summary": bench_stats.summarize_profiles(its), "peak_memory_bytes": 2**20}
+    entry["median_stages"] = bench_stats.stage_breakdown(entry)
     result = {"case": "B1_N2_P4_R2", "batch_size": 1, "samples_per_prompt": 2, "prompt_length": 4,
               "response_length": 2, "error": None, "modes": {"shared": entry}, "tokens_agree": {"pairs": {}}}
     table = bench.format_case_table(result, 3)

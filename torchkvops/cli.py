@@ -846,7 +846,7 @@ def _ids(ids: list[int], limit: int = 24) -> str:
 def cmd_bench(args) -> int:
     import torch
 
-    from . import __version__, bench, bench_cases
+    from . import __version__, bench, bench_cases, bench_stats
     from .atomic_write import write_json_atomic
 
     device = start_processes(args.device)
@@ -921,8 +921,8 @@ def cmd_bench(args) -> int:
         "sampling": "greedy" if settings.greedy else f"temperature={args.temperature} top_p={args.top_p} top_k=0",
         "modes": {m: descriptions[m] for m in modes},
         "file_note": bench.FILE_NOTE,
-        "median_stages_note": bench.MEDIAN_STAGES_NOTE,
-        "tokens_agree_note": bench.TOKENS_AGREE_NOTE,
+        "median_stages_note": bench_stats.MEDIAN_STAGES_NOTE,
+        "tokens_agree_note": bench_stats.TOKENS_AGREE_NOTE,
         "flags": {k: v for k, v in vars(args).items() if k not in ("func",)},
         "cases_requested": [c.name for c in cases],
         "cases_run_order": [cases[i].name for i in bench_cases.run_order(cases)],
