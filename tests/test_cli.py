@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from torchkvops import atomic_write, bench, bench_cases, bench_stats, cli
+from torchkvops import atomic_write, bench, bench_cases, bench_metrics, bench_stats, cli
 
 ROOT = Path(__file__).absolute().parents[1]
 HAS_GPU = torch.cuda.is_available()
@@ -71,7 +71,7 @@ def test_summary_math():
         bench_stats.summarize([])
     profiles = [{"a": float(i), "b": None, "c": 7} for i in range(1, 21)]
     assert bench_stats.summarize_profiles(profiles) == {"a": {"mean": 10.5, "p50": 10.5, "p95": 19.0}, "b": None,
-                                                  "c": {"mean": 7.0, "p50": 7, "p95": 7}}
+                                                        "c": {"mean": 7.0, "p50": 7, "p95": 7}}
 
 
 def test_run_order_is_largest_first_and_stable():
@@ -96,7 +96,8 @@ def test_token_agreement_rules():
 
 
 def test_token_agreement_rules_for_the_prefix_and_static_modes():
-    sampled = bench_stats.token_agreement({"shared": "h", "prefix": "h", "hf-generate": "y", "hf-static": "y"}, greedy=False)
+    sampled = bench_stats.token_agreement({"shared": "h", "prefix": "h", "hf-generate": "y", "hf-static": "y"},
+                                          greedy=False)
     assert sampled["pairs"] == {"shared vs prefix": True, "shared vs hf-generate": None, "shared vs hf-static": None,
                                 "prefix vs hf-generate": None, "prefix vs hf-static": None,
                                 "hf-generate vs hf-static": None}
@@ -110,8 +111,8 @@ def test_weight_bytes_count_each_storage_once_and_kv_bytes_per_step():
     second.weight = torch.nn.Parameter(first.weight.data)  # another Parameter on the same storage: tied
     model = torch.nn.Sequential(first, second)
     model.register_buffer("scale", torch.ones(3))
-    assert bench.model_weight_bytes(model) == 8 * 4 * 4 + 3 * 4
-    t = bench.Traffic(weight_bytes=100, kv_bytes_per_token=10)
+    assert bench_metrics.model_weight_bytes(model) == 8 * 4 * 4 + 3 * 4
+    t = bench_metrics.Traffic(weight_bytes=100, kv_bytes_per_token=10)
     # B=2 prompts of P=5, N=3, 3 decode steps attending to P+1, P+2, P+3 keys: on average P+2.
     assert t.kv_bytes_per_step("shared", 2, 3, 5, 3) == 10 * 6 * (5 + 2)
     assert t.kv_bytes_per_step("hf-generate", 2, 3, 5, 3) == 10 * 6 * (5 + 2)
@@ -120,7 +121,7 @@ def test_weight_bytes_count_each_storage_once_and_kv_bytes_per_step():
     p = t.annotate("prefix", dict(decode_steps=3, decode_ms=6.0, batch_size=2, samples_per_prompt=3, prompt_length=5))
     assert p["decode_ms_per_step"] == 2.0 and p["achieved_gbps"] == (100 + 220) / 2.0 / 1e6
     assert p["roofline_fraction"] is None
-    with_roofline = bench.Traffic(100, 10, roofline_gbps=0.0004)
+    with_roofline = bench_metrics.Traffic(100, 10, roofline_gbps=0.0004)
     p = with_roofline.annotate("shared", dict(decode_steps=3, decode_ms=6.0, batch_size=2, samples_per_prompt=3,
                                               prompt_length=5))
     assert p["roofline_fraction"] == pytest.approx((100 + 420) / 2.0 / 1e6 / 0.0004)
@@ -154,7 +155,7 @@ def test_cpu_peak_memory_counts_allocations_inside_ops():
         d = torch.ones(mib, dtype=torch.uint8)
         del d
 
-    peak = bench.cpu_peak_memory_bytes(work)
+    peak = bench_metrics.cpu_peak_memory_bytes(work)
     assert 6 * mib <= peak < 6 * mib + 64 * 1024
 
 
@@ -972,7 +973,8 @@ def test_stage_breakdown_adds_up_to_the_median_total():
 
 def test_table_stages_add_up_to_its_total_and_say_which_statistic():
     its = [_iteration(61.0, 10.0, 50.0), _iteration(60.5, 40.0, 20.0), _iteration(66.0, 35.0, 30.0)]
-    entry = {"error": None, "iterations": its, "summary": bench_stats.summarize_profiles(its), "peak_memory_bytes": 2**20}
+    entry = {"error": None, "iterations": its, "summary": bench_stats.summarize_profiles(its),
+             "peak_memory_bytes": 2**20}
     entry["median_stages"] = bench_stats.stage_breakdown(entry)
     result = {"case": "B1_N2_P4_R2", "batch_size": 1, "samples_per_prompt": 2, "prompt_length": 4,
               "response_length": 2, "error": None, "modes": {"shared": entry}, "tokens_agree": {"pairs": {}}}

@@ -49,7 +49,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
-import itertools
 import math
 import os
 import socket
@@ -62,15 +61,14 @@ from torch import Tensor, nn
 
 from .bench_cases import (HF_MODES, INT_FIELDS, ITERATION_FIELDS, MODES, PROFILE_FIELDS, ROLLOUT_MODES, STAGE_FIELDS,
                           SUMMARY_FIELDS, Case, Settings, run_order, synthetic_prompts)
-from .bench_stats import stage_breakdown, summarize, summarize_profiles, token_agreement, tokens_sha256
-from .kv_cache import KVShape
+from .bench_metrics import Clock, Traffic, export_trace, peak_memory_bytes
+from .bench_stats import stage_breakdown, summarize_profiles, token_agreement, tokens_sha256
 from .rollout import Rollout, RolloutConfig
 
 __all__ = [
-    "cpu_peak_memory_bytes", "run_matrix", "plot_segments",
+    "run_matrix", "plot_segments",
     "format_case_table", "plot_stage_times", "results_document",
-    "calls_per_mode", "estimate_seconds", "Clock", "Traffic", "World", "model_weight_bytes", "kv_bytes_per_token",
-    "copy_roofline", "merge_ranks",
+    "calls_per_mode", "estimate_seconds", "World", "merge_ranks",
 ]
 
 
@@ -88,22 +86,6 @@ DECODE_STEP_NOTE = {
                 "the second forward - start of the first; decode_ms = end of the call - start of the second forward; "
                 "decode_steps = forwards - 1; decode_ms_per_step = decode_ms / decode_steps",
 }
-BYTES_NOTE = ("bytes read per decode step, a model of the useful traffic (not what kernels read over padding or masked "
-              "positions): weight_bytes = bytes of the model's unique parameters and buffers (tied weights once, by "
-              "storage; the input embedding counted in full); kv_bytes_per_token = layers x 2 x kv_heads x head_dim x "
-              "dtype bytes; decode step t = 1..S (S = decode_steps) attends to P + t keys per row, averaged over the "
-              "steps: t_avg = (S + 1) / 2. kv_bytes_per_step: expanded, shared, hf-generate, hf-static: rows x "
-              "kv_bytes_per_token x (P + t_avg); prefix: (B x P + rows x t_avg) x kv_bytes_per_token, with rows = "
-              "B x N. achieved_gbps = (weight_bytes + kv_bytes_per_step) / decode_ms_per_step / 1e6 (GB/s, 1e9 "
-              "bytes); roofline_fraction = achieved_gbps / copy_roofline_gbps (CUDA only)")
-ROOFLINE_NOTE = ("CUDA only: at the start of the run, dst.copy_(src) device to device on two buffers of `bytes` each "
-                 "(1 GiB, less when memory is short), timed with CUDA events; copy_roofline_gbps = 2 x bytes (read "
-                 "+ write) / the median of `repeats` timed copies")
-PEAK_NOTE = {"cuda": "torch.cuda.max_memory_allocated over one extra call per mode after the timed rounds, every "
-                     "mode's buffers released first (weights included)",
-             "cpu": "one extra call per mode after the timed rounds, every mode's buffers released first, under "
-                    "torch.profiler(profile_memory=True): peak of the running sum of its [memory] events, i.e. "
-                    "memory held beyond what was allocated when the call began (weights excluded)"}
 WORLD_NOTE = ("torch.distributed: every process runs every case on its own B prompts (global batch = B x world_size), "
               "in lockstep (a status exchange after every call; a call that fails on one process fails that mode on "
               "all). Each iteration's record is the profile of the process with the largest total_ms in that "
@@ -136,108 +118,6 @@ def merge_ranks(per_rank: Sequence[Sequence[dict]]) -> list[dict]:
         m["tokens_per_second"] = m["generated_tokens"] / (m["total_ms"] / 1e3) if m["total_ms"] > 0 else 0.0
         merged.append(m)
     return merged
-
-
-# --- clocks, bytes and the roofline --------------------------------------------------------------
-class Clock:
-    """The one clock every call is timed with: CUDA events recorded on the device's current stream and
-    read after a synchronize (CUDA), time.perf_counter (CPU, where the work is synchronous)."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.cuda = device.type == "cuda"
-
-    def mark(self):
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record(torch.cuda.current_stream(self.device))
-            return event
-        return time.perf_counter()
-
-    def wait(self) -> None:
-        """Host sync (CUDA): the marks recorded so far can be read."""
-        if self.cuda:
-            torch.cuda.synchronize(self.device)
-
-    def ms(self, start, end) -> float:
-        return start.elapsed_time(end) if self.cuda else (end - start) * 1e3
-
-
-def model_weight_bytes(model: nn.Module) -> int:
-    """Bytes of the model's unique parameters and buffers, counted once per storage (tied weights once)."""
-    storages: dict[tuple, int] = {}
-    for t in itertools.chain(model.parameters(), model.buffers()):
-        s = t.untyped_storage()
-        key = (t.device, s.data_ptr())
-        storages[key] = max(storages.get(key, 0), s.nbytes())
-    return sum(storages.values())
-
-
-def kv_bytes_per_token(model: nn.Module) -> int:
-    """layers x (K, V) x kv_heads x head_dim x the bytes of the model's dtype."""
-    shape = KVShape.from_config(model.config)
-    return shape.layers * 2 * shape.kv_heads * shape.head_dim * next(model.parameters()).element_size()
-
-
-@dataclasses.dataclass(frozen=True)
-class Traffic:
-    """What a decode step reads (BYTES_NOTE), and the roofline to compare it with (None on the CPU)."""
-
-    weight_bytes: int
-    kv_bytes_per_token: int
-    roofline_gbps: float | None = None
-
-    @classmethod
-    def of(cls, model: nn.Module, roofline_gbps: float | None = None) -> "Traffic":
-        return cls(model_weight_bytes(model), kv_bytes_per_token(model), roofline_gbps)
-
-    def kv_bytes_per_step(self, mode: str, batch: int, samples: int, prompt_len: int, steps: int) -> float | None:
-        """KV bytes one decode step attends to, averaged over steps t = 1..steps (P + t keys per row)."""
-        if steps <= 0:
-            return None
-        t_avg = (steps + 1) / 2
-        rows = batch * samples
-        if mode == "prefix":  # the prompt once per prompt, each row's own response keys
-            return float(self.kv_bytes_per_token * (batch * prompt_len + rows * t_avg))
-        return float(self.kv_bytes_per_token * rows * (prompt_len + t_avg))
-
-    def annotate(self, mode: str, profile: dict) -> dict:
-        """Add decode_ms_per_step, kv_bytes_per_step, weight_bytes, achieved_gbps, roofline_fraction."""
-        steps, decode_ms = profile.get("decode_steps") or 0, profile.get("decode_ms")
-        per_step = decode_ms / steps if steps > 0 and decode_ms is not None else None
-        kv = self.kv_bytes_per_step(mode, profile["batch_size"], profile["samples_per_prompt"],
-                                    profile["prompt_length"], steps)
-        gbps = (self.weight_bytes + kv) / per_step / 1e6 if per_step and kv is not None else None
-        fraction = gbps / self.roofline_gbps if gbps is not None and self.roofline_gbps else None
-        profile.update(decode_ms_per_step=per_step, kv_bytes_per_step=kv, weight_bytes=self.weight_bytes,
-                       achieved_gbps=gbps, roofline_fraction=fraction)
-        return profile
-
-
-def copy_roofline(device: torch.device, max_bytes: int = 1 << 30, repeats: int = 7) -> dict | None:
-    """ROOFLINE_NOTE: device-to-device dst.copy_(src) bandwidth, on CUDA only (None elsewhere)."""
-    if device.type != "cuda":
-        return None
-    free, _ = torch.cuda.mem_get_info(device)
-    nbytes = min(max_bytes, free // 4) // (1 << 20) * (1 << 20)  # two buffers, and room to spare
-    if nbytes <= 0:
-        return None
-    clock = Clock(device)
-    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    dst.copy_(src)  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = clock.mark()
-        dst.copy_(src)
-        end = clock.mark()
-        clock.wait()
-        times.append(clock.ms(start, end))
-    del src, dst
-    torch.cuda.empty_cache()
-    ms = summarize(times)["p50"]
-    return {"copy_roofline_gbps": 2 * nbytes / ms / 1e6, "bytes": nbytes, "median_ms": ms, "repeats": repeats,
-            "note": ROOFLINE_NOTE}
 
 
 # --- the processes -------------------------------------------------------------------------------
@@ -327,11 +207,6 @@ class World:
 
 
 # --- the modes -----------------------------------------------------------------------------------
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 class _RolloutRunner:
     """One rollout mode. run() is one generate call; profile() reads its stage times afterwards."""
 
@@ -452,65 +327,6 @@ def _timed_call(runner, clock: Clock) -> tuple[dict, Tensor]:
     return profile, responses
 
 
-# --- memory and traces ---------------------------------------------------------------------------
-@contextlib.contextmanager
-def _profiling(prof):
-    """Run the body under `prof`. The profiler's native library prints "profiler_start/stop" (and on
-    CPU-only machines "gpuGetDeviceCount failed") to the process's stderr whatever KINETO_LOG_LEVEL
-    says, so stderr's file descriptor points at /dev/null while it starts and stops, and only then:
-    the body's own errors still show."""
-
-    def quietly(action):
-        sys.stderr.flush()
-        saved = os.dup(2)
-        try:
-            with open(os.devnull, "w") as null:
-                os.dup2(null.fileno(), 2)
-                action()
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
-
-    quietly(prof.start)
-    try:
-        yield prof
-    finally:
-        quietly(prof.stop)
-
-
-def cpu_peak_memory_bytes(fn: Callable[[], object]) -> int:
-    """Run fn once under the profiler with profile_memory=True and return the peak of the running
-    sum of its CPU "[memory]" events (+bytes allocated, -bytes freed) in time order.
-
-    The raw kineto events are read: `prof.events()` folds allocations made inside an op into that op
-    and keeps as "[memory]" only those made outside any op (checked on torch 2.14)."""
-    from torch.autograd.profiler_util import MEMORY_EVENT_NAME
-    from torch.profiler import ProfilerActivity, profile
-
-    with _profiling(profile(activities=[ProfilerActivity.CPU], profile_memory=True)) as prof:
-        fn()
-    cpu_types = {torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.MKLDNN, torch.autograd.DeviceType.IDEEP}
-    events = [e for e in prof.profiler.kineto_results.events()
-              if e.name() == MEMORY_EVENT_NAME and e.device_type() in cpu_types]
-    running = peak = 0
-    for e in sorted(events, key=lambda e: e.start_ns()):
-        running += e.nbytes()
-        peak = max(peak, running)
-    return peak
-
-
-def export_trace(fn: Callable[[], object], path: str, device: torch.device) -> None:
-    """Run fn once under torch.profiler and write a Chrome trace (the torchkvops.* stages show as
-    user annotations)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with _profiling(profile(activities=activities)) as prof:
-        fn()
-        _sync(device)
-    prof.export_chrome_trace(path)
-
-
 # --- running -------------------------------------------------------------------------------------
 def _one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {' '.join(str(e).split())}"
@@ -546,18 +362,6 @@ def _new_entry(mode: str, device: torch.device) -> dict:
             "peak_memory_bytes": None,
             "peak_memory_method": "cuda_allocator" if device.type == "cuda" else "cpu_profiler",
             "tokens_sha256": None, "trace": None}
-
-
-def _peak_memory_bytes(runner, device: torch.device) -> int:
-    """PEAK_NOTE: one call, every mode's buffers already released by the caller."""
-    gc.collect()  # garbage of earlier calls is freed now, not inside the measured call
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-        runner.run()
-        _sync(device)
-        return torch.cuda.max_memory_allocated(device)
-    return cpu_peak_memory_bytes(runner.run)
 
 
 def _run_case(model: nn.Module, case: Case, modes: Sequence[str], prompts: Tensor, s: Settings, traffic: Traffic,
@@ -621,7 +425,7 @@ def _run_case(model: nn.Module, case: Case, modes: Sequence[str], prompts: Tenso
             for runner in runners.values():
                 runner.free()
             if not step(m, lambda m=m: entries[m].__setitem__("peak_memory_bytes",
-                                                              _peak_memory_bytes(runners[m], device))):
+                                                              peak_memory_bytes(runners[m], device))):
                 continue
             if s.trace_dir is not None:
                 suffix = f"_rank{world.rank}" if world.size > 1 else ""

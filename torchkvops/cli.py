@@ -846,14 +846,15 @@ def _ids(ids: list[int], limit: int = 24) -> str:
 def cmd_bench(args) -> int:
     import torch
 
-    from . import __version__, bench, bench_cases, bench_stats
+    from . import __version__, bench, bench_cases, bench_metrics, bench_stats
     from .atomic_write import write_json_atomic
 
     device = start_processes(args.device)
     world = bench.World()
     dtype_name, dtype = resolve_dtype(args.dtype, device)
     modes = list(dict.fromkeys(args.modes))
-    cases = bench_cases.plan_cases(args.batch_sizes, args.samples_per_prompt, args.prompt_lengths, args.response_lengths)
+    cases = bench_cases.plan_cases(args.batch_sizes, args.samples_per_prompt, args.prompt_lengths,
+                                   args.response_lengths)
     model_config, source = load_config(args)
     longest = max(cases, key=lambda c: c.prompt_length + c.response_length)
     check_positions(model_config, longest.prompt_length + longest.response_length,
@@ -867,11 +868,12 @@ def cmd_bench(args) -> int:
             raise CLIError(f"--trace {args.trace}: cannot create the folder: {e}") from None
     model, tokenizer, model_desc = load_model(args, model_config, source, device, dtype)
 
-    roofline = bench.copy_roofline(device)  # CUDA only: measured before any case, on this process's device
-    settings = bench_cases.Settings(temperature=args.temperature, top_p=args.top_p, seed=args.seed, compile=args.compile,
-                              warmup=args.warmup, iterations=args.iterations, trace_dir=args.trace,
-                              roofline_gbps=roofline["copy_roofline_gbps"] if roofline else None)
-    traffic = bench.Traffic.of(model, settings.roofline_gbps)
+    roofline = bench_metrics.copy_roofline(device)  # CUDA only: measured before any case, on this process's device
+    settings = bench_cases.Settings(temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+                                    compile=args.compile, warmup=args.warmup, iterations=args.iterations,
+                                    trace_dir=args.trace,
+                                    roofline_gbps=roofline["copy_roofline_gbps"] if roofline else None)
+    traffic = bench_metrics.Traffic.of(model, settings.roofline_gbps)
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()
     rank_devices = world.device_description(device, device_name)
     if roofline is not None and world.size > 1:
@@ -914,10 +916,10 @@ def cmd_bench(args) -> int:
         "timing": bench.TIMING_NOTE,
         "decode_ms_per_step_method": bench.DECODE_STEP_NOTE,
         "bytes_per_step": {"weight_bytes": traffic.weight_bytes, "kv_bytes_per_token": traffic.kv_bytes_per_token,
-                           "formula": bench.BYTES_NOTE},
+                           "formula": bench_metrics.BYTES_NOTE},
         "roofline": roofline,
         "peak_memory_method": "cuda_allocator" if device.type == "cuda" else "cpu_profiler",
-        "peak_memory_note": bench.PEAK_NOTE[device.type],
+        "peak_memory_note": bench_metrics.PEAK_NOTE[device.type],
         "sampling": "greedy" if settings.greedy else f"temperature={args.temperature} top_p={args.top_p} top_k=0",
         "modes": {m: descriptions[m] for m in modes},
         "file_note": bench.FILE_NOTE,
