@@ -161,7 +161,7 @@ def test_a_mode_that_fails_on_another_process_fails_on_this_one_too(monkeypatch)
     take the same collective steps) and record process 1's error, while `prefix` goes on."""
     import torch
 
-    from torchkvops import bench, bench_cases
+    from torchkvops import bench, bench_cases, bench_world
     from torchkvops.models import build_model
 
     calls = []
@@ -187,7 +187,7 @@ def test_a_mode_that_fails_on_another_process_fails_on_this_one_too(monkeypatch)
         def close(self):
             pass
 
-    class ElsewhereFails(bench.World):
+    class ElsewhereFails(bench_world.World):
         """Process 0 of 2; process 1's statuses are made up (records are this process's only)."""
 
         def __init__(self):

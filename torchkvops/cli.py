@@ -846,11 +846,11 @@ def _ids(ids: list[int], limit: int = 24) -> str:
 def cmd_bench(args) -> int:
     import torch
 
-    from . import __version__, bench, bench_cases, bench_metrics, bench_stats
+    from . import __version__, bench, bench_cases, bench_metrics, bench_stats, bench_world
     from .atomic_write import write_json_atomic
 
     device = start_processes(args.device)
-    world = bench.World()
+    world = bench_world.World()
     dtype_name, dtype = resolve_dtype(args.dtype, device)
     modes = list(dict.fromkeys(args.modes))
     cases = bench_cases.plan_cases(args.batch_sizes, args.samples_per_prompt, args.prompt_lengths,
@@ -930,7 +930,7 @@ def cmd_bench(args) -> int:
         "cases_run_order": [cases[i].name for i in bench_cases.run_order(cases)],
     }
     if world.size > 1:
-        header["world_note"] = bench.WORLD_NOTE
+        header["world_note"] = bench_world.WORLD_NOTE
     per_mode = bench.calls_per_mode(settings, device)
     where = (f"{world.size} processes ({world.backend}), each on {device.type} with its own --batch-sizes prompts"
              if world.size > 1 else f"{device_name} ({device})")
