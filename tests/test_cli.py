@@ -384,7 +384,7 @@ def test_modes_run_interleaved_and_a_failed_mode_leaves_the_rounds(monkeypatch):
         def close(self):
             pass
 
-    monkeypatch.setattr(bench, "_make_runner", lambda mode, *args: Runner(mode))
+    monkeypatch.setattr(bench, "make_runner", lambda mode, *args: Runner(mode))
     modes = ["expanded", "prefix", "hf-generate"]
     (result,) = bench.run_matrix(build_model("tiny"), [case], modes, bench_cases.Settings(warmup=2, iterations=3),
                                  vocab_size=512, special_ids=[0, 1, 2], pad_token_id=0, progress=False)

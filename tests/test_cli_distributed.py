@@ -200,7 +200,7 @@ def test_a_mode_that_fails_on_another_process_fails_on_this_one_too(monkeypatch)
             # steps: the case's prompts, 2 runners made, 1 warm-up each, then round 0: shared's timed call is 6th
             return mine + ([(1, "OutOfMemoryError: simulated")] if len(self.steps) == 6 else [])
 
-    monkeypatch.setattr(bench, "_make_runner", lambda mode, *args: Runner(mode))
+    monkeypatch.setattr(bench, "make_runner", lambda mode, *args: Runner(mode))
     world = ElsewhereFails()
     settings = bench_cases.Settings(warmup=1, iterations=2)
     (result,) = bench.run_matrix(build_model("tiny"), [case], ["shared", "prefix"], settings, vocab_size=512,

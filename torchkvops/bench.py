@@ -58,12 +58,11 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 from torch import Tensor, nn
 
-from .bench_cases import (HF_MODES, ITERATION_FIELDS, MODES, PROFILE_FIELDS, ROLLOUT_MODES, STAGE_FIELDS, SUMMARY_FIELDS,
-                          Case, Settings, run_order, synthetic_prompts)
+from .bench_cases import ITERATION_FIELDS, STAGE_FIELDS, SUMMARY_FIELDS, Case, Settings, run_order, synthetic_prompts
 from .bench_metrics import Clock, Traffic, export_trace, peak_memory_bytes
 from .bench_stats import stage_breakdown, summarize_profiles, token_agreement, tokens_sha256
+from .bench_runners import make_runner, timed_call
 from .bench_world import World, merge_ranks
-from .rollout import Rollout, RolloutConfig
 
 __all__ = [
     "run_matrix", "plot_segments",
@@ -78,14 +77,6 @@ TIMING_NOTE = ("interleaved: per case, each mode's warm-up calls, then `iteratio
                "time.perf_counter (CPU); tokens_per_second = generated_tokens / that total. The stage times of the "
                "rollout modes come from the rollout's own profile (rollout_total_ms: its first stage to its last); "
                "iterations[].round and started_ms (from the case's first timed call) record the order.")
-DECODE_STEP_NOTE = {
-    "rollout modes": "decode_ms / decode_steps from the rollout's profile: its decode stage (sampling the first token "
-                     "from the prefill logits, then R-1 decode steps) over its R-1 steps",
-    "hf modes": "forward pre-hooks on the model record the clock at the start of every forward during the timed call "
-                "(CUDA events, no synchronize in the hook); the first forward is the prefill. prefill_ms = start of "
-                "the second forward - start of the first; decode_ms = end of the call - start of the second forward; "
-                "decode_steps = forwards - 1; decode_ms_per_step = decode_ms / decode_steps",
-}
 FILE_NOTE = ("status: 'partial' while the run goes on (rewritten after every case; a file left 'partial' is from a "
              "run that died), 'interrupted' after Ctrl-C, 'complete' at the end. cases: the finished cases in the "
              "requested order; cases_pending: those not finished.")
@@ -97,127 +88,6 @@ def results_document(header: dict, cases: Sequence["Case"], results: Sequence[di
     others, and the run's status ("partial", "interrupted" or "complete"; see FILE_NOTE)."""
     return {"status": status, "header": header, "cases": [r for r in results if r is not None],
             "cases_pending": [c.name for c, r in zip(cases, results) if r is None]}
-
-
-# --- the modes -----------------------------------------------------------------------------------
-class _RolloutRunner:
-    """One rollout mode. run() is one generate call; profile() reads its stage times afterwards."""
-
-    def __init__(self, model: nn.Module, case: Case, mode: str, s: Settings, prompts: Tensor):
-        self.prompts = prompts
-        self.rollout = Rollout(model, RolloutConfig(
-            samples_per_prompt=case.samples_per_prompt, max_new_tokens=case.response_length,
-            shared_prefill=mode != "expanded", kv_sharing="prefix" if mode == "prefix" else "copy",
-            enable_profiling=True, compile=s.compile, temperature=s.temperature, top_p=s.top_p, seed=s.seed,
-            eos_token_id=[],  # never stop early: every mode generates exactly R tokens
-        ))
-
-    def run(self) -> Tensor:
-        return self.rollout.generate(self.prompts).responses
-
-    def profile(self, clock: Clock, end) -> dict:
-        p = self.rollout.get_last_profile().to_dict()
-        p["rollout_total_ms"] = p["total_ms"]
-        p["peak_memory_bytes"] = None  # while modes interleave, other modes' buffers are held too: see PEAK_NOTE
-        return p
-
-    def free(self) -> None:
-        self.rollout.release()
-
-    def close(self) -> None:
-        self.free()
-
-
-class _HFRunner:
-    """model.generate, default or static cache. A forward pre-hook records the clock at the start of
-    every forward of this runner's calls (DECODE_STEP_NOTE); it stays registered from construction to
-    close(), so that a compiled decode (hf-static on CUDA) sees the same hooks in its warm-up and timed
-    calls and is not recompiled between them."""
-
-    def __init__(self, model: nn.Module, case: Case, s: Settings, prompts: Tensor, pad_token_id: int, clock: Clock,
-                 static: bool):
-        self.model, self.case, self.s, self.clock = model, case, s, clock
-        n = case.samples_per_prompt
-        self.kwargs = dict(max_new_tokens=case.response_length, min_new_tokens=case.response_length,
-                           pad_token_id=pad_token_id, use_cache=True,
-                           # No EOS at all, as the rollout's eos_token_id=[]: with an EOS, min_new_tokens
-                           # would mask its logit and greedy tokens could differ from the rollout's.
-                           eos_token_id=None)
-        if static:
-            self.kwargs["cache_implementation"] = "static"
-        if s.greedy:
-            # HF refuses greedy search with num_return_sequences > 1: repeat the prompts instead
-            # (repeat_interleave, the rollout's row order).
-            self.input_ids = prompts.repeat_interleave(n, dim=0)
-            self.kwargs.update(do_sample=False)
-        else:
-            self.input_ids = prompts
-            self.kwargs.update(do_sample=True, num_return_sequences=n, temperature=s.temperature, top_p=s.top_p,
-                               top_k=0)  # top_k=0: off, as in the rollout (HF's default is 50)
-        self.attention_mask = torch.ones_like(self.input_ids)
-        self._recording: list | None = None  # the marks of the call under way
-        self.marks: list = []  # the marks of the last call
-
-        def mark(module, args):
-            if self._recording is not None:
-                self._recording.append(clock.mark())
-
-        # Outside any compiled graph: a compiled call breaks its graph here and runs the hook eagerly.
-        self._hook = model.register_forward_pre_hook(torch.compiler.disable(mark))
-
-    def run(self) -> Tensor:
-        torch.manual_seed(self.s.seed)
-        self._recording = []
-        try:
-            out = self.model.generate(self.input_ids, attention_mask=self.attention_mask, **self.kwargs)
-        finally:
-            self.marks, self._recording = self._recording, None
-        c = self.case
-        responses = out[:, c.prompt_length:]
-        if tuple(responses.shape) != (c.rows, c.response_length):
-            raise RuntimeError(f"Hugging Face generate returned responses of shape {tuple(responses.shape)}, "
-                               f"expected {(c.rows, c.response_length)}")
-        return responses
-
-    def profile(self, clock: Clock, end) -> dict:
-        c, marks = self.case, self.marks
-        if not marks:
-            raise RuntimeError("Hugging Face generate ran no forward through the model (the timing hook saw none)")
-        profile = dict.fromkeys(PROFILE_FIELDS)  # the stages it cannot report stay None
-        second = marks[1] if len(marks) > 1 else end
-        profile.update(prefill_ms=clock.ms(marks[0], second), decode_ms=clock.ms(second, end),
-                       decode_steps=len(marks) - 1, generated_tokens=c.rows * c.response_length,
-                       batch_size=c.batch_size, samples_per_prompt=c.samples_per_prompt,
-                       prompt_length=c.prompt_length, response_length=c.response_length)
-        return profile
-
-    def free(self) -> None:
-        pass
-
-    def close(self) -> None:
-        self._hook.remove()
-
-
-def _make_runner(mode: str, model: nn.Module, case: Case, s: Settings, prompts: Tensor, pad_token_id: int,
-                 clock: Clock):
-    if mode in ROLLOUT_MODES:
-        return _RolloutRunner(model, case, mode, s, prompts)
-    if mode in HF_MODES:
-        return _HFRunner(model, case, s, prompts, pad_token_id, clock, static=mode == "hf-static")
-    raise ValueError(f"bench: unknown mode {mode!r}; choose from {', '.join(MODES)}")
-
-
-def _timed_call(runner, clock: Clock) -> tuple[dict, Tensor]:
-    """One call of a mode, timed around the whole call by the shared clock (TIMING_NOTE)."""
-    start = clock.mark()
-    responses = runner.run()
-    end = clock.mark()
-    clock.wait()
-    profile = runner.profile(clock, end)
-    total = clock.ms(start, end)
-    profile["total_ms"] = total
-    profile["tokens_per_second"] = profile["generated_tokens"] / (total / 1e3) if total > 0 else 0.0
-    return profile, responses
 
 
 # --- running -------------------------------------------------------------------------------------
@@ -296,7 +166,7 @@ def _run_case(model: nn.Module, case: Case, modes: Sequence[str], prompts: Tenso
 
     def timed(mode: str, k: int, t0: float) -> None:
         started = (time.perf_counter() - t0) * 1e3
-        profile, responses = _timed_call(runners[mode], clock)
+        profile, responses = timed_call(runners[mode], clock)
         record = dict.fromkeys(ITERATION_FIELDS)
         record.update(profile, round=k, started_ms=started)
         entries[mode]["iterations"].append(traffic.annotate(mode, record))
@@ -304,7 +174,7 @@ def _run_case(model: nn.Module, case: Case, modes: Sequence[str], prompts: Tenso
 
     try:
         for m in modes:
-            step(m, lambda m=m: runners.__setitem__(m, _make_runner(m, model, case, s, prompts, pad_token_id, clock)),
+            step(m, lambda m=m: runners.__setitem__(m, make_runner(m, model, case, s, prompts, pad_token_id, clock)),
                  counted=False)
         for m in live():
             for _ in range(s.warmup):

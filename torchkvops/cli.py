@@ -846,7 +846,7 @@ def _ids(ids: list[int], limit: int = 24) -> str:
 def cmd_bench(args) -> int:
     import torch
 
-    from . import __version__, bench, bench_cases, bench_metrics, bench_stats, bench_world
+    from . import __version__, bench, bench_cases, bench_metrics, bench_runners, bench_stats, bench_world
     from .atomic_write import write_json_atomic
 
     device = start_processes(args.device)
@@ -914,7 +914,7 @@ def cmd_bench(args) -> int:
         "backend": world.backend,
         "rank_devices": rank_devices,
         "timing": bench.TIMING_NOTE,
-        "decode_ms_per_step_method": bench.DECODE_STEP_NOTE,
+        "decode_ms_per_step_method": bench_runners.DECODE_STEP_NOTE,
         "bytes_per_step": {"weight_bytes": traffic.weight_bytes, "kv_bytes_per_token": traffic.kv_bytes_per_token,
                            "formula": bench_metrics.BYTES_NOTE},
         "roofline": roofline,
