@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from torchkvops import atomic_write, bench, bench_cases, bench_metrics, bench_stats, cli
+from torchkvops import atomic_write, bench, bench_cases, bench_metrics, bench_report, bench_stats, cli
 
 ROOT = Path(__file__).absolute().parents[1]
 HAS_GPU = torch.cuda.is_available()
@@ -950,7 +950,7 @@ def test_stage_breakdown_adds_up_to_the_median_total():
     stages = sum(split[f] for f in bench_cases.STAGE_FIELDS)
     assert split["other_ms"] == pytest.approx(61.0 - stages) and stages + split["other_ms"] == pytest.approx(61.0)
     assert split["tokens_per_second"] == pytest.approx(8 / 0.061)
-    segments = bench.plot_segments(entry)
+    segments = bench_report.plot_segments(entry)
     assert [label for label, _ in segments] == ["prompt_expansion", "prefill", "kv_expand", "decode",
                                                 "post_processing", "other"]
     assert sum(v for _, v in segments) == pytest.approx(61.0)
@@ -961,14 +961,14 @@ def test_stage_breakdown_adds_up_to_the_median_total():
     split = bench_stats.stage_breakdown(entry)
     assert sorted(split["iterations"]) == [0, 2] and split["total_ms"] == entry["summary"]["total_ms"]["p50"] == 63.5
     assert split["prefill_ms"] == 22.5 and split["decode_ms"] == 40.0
-    assert sum(v for _, v in bench.plot_segments(entry)) == pytest.approx(63.5)
+    assert sum(v for _, v in bench_report.plot_segments(entry)) == pytest.approx(63.5)
 
     # A mode without stages (hf-generate): its total alone.
     hf = [dict(_iteration(t, 0, 0), prefill_ms=None, decode_ms=None, kv_expand_ms=None, prompt_expansion_ms=None,
                post_processing_ms=None) for t in (80.0, 90.0, 85.0)]
     entry = {"error": None, "iterations": hf, "summary": bench_stats.summarize_profiles(hf)}
-    assert bench.plot_segments(entry) == [("total (not split)", 85.0)]
-    assert bench.plot_segments({"error": "boom", "iterations": [], "median_stages": None}) == []
+    assert bench_report.plot_segments(entry) == [("total (not split)", 85.0)]
+    assert bench_report.plot_segments({"error": "boom", "iterations": [], "median_stages": None}) == []
 
 
 def test_table_stages_add_up_to_its_total_and_say_which_statistic():
@@ -978,13 +978,13 @@ def test_table_stages_add_up_to_its_total_and_say_which_statistic():
     entry["median_stages"] = bench_stats.stage_breakdown(entry)
     result = {"case": "B1_N2_P4_R2", "batch_size": 1, "samples_per_prompt": 2, "prompt_length": 4,
               "response_length": 2, "error": None, "modes": {"shared": entry}, "tokens_agree": {"pairs": {}}}
-    table = bench.format_case_table(result, 3)
+    table = bench_report.format_case_table(result, 3)
     assert "3 timed iterations: times of the median-total iteration, so the stages add up to the total" in table
     row = [line for line in table.splitlines() if line.startswith("| shared |")][0]
     prefill, kv, decode, other, total = (float(c) for c in row.split("|")[2:7])
     assert total == 61.0 and prefill + kv + decode + other == pytest.approx(total, abs=0.2)
     one = dict(entry, iterations=its[:1], median_stages=None)
-    table = bench.format_case_table(dict(result, modes={"shared": one}), 1)
+    table = bench_report.format_case_table(dict(result, modes={"shared": one}), 1)
     assert "1 timed iteration:" in table and "1 timed iterations" not in table
 
 

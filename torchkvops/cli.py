@@ -846,7 +846,7 @@ def _ids(ids: list[int], limit: int = 24) -> str:
 def cmd_bench(args) -> int:
     import torch
 
-    from . import __version__, bench, bench_cases, bench_metrics, bench_runners, bench_stats, bench_world
+    from . import __version__, bench, bench_cases, bench_metrics, bench_report, bench_runners, bench_stats, bench_world
     from .atomic_write import write_json_atomic
 
     device = start_processes(args.device)
@@ -922,7 +922,7 @@ def cmd_bench(args) -> int:
         "peak_memory_note": bench_metrics.PEAK_NOTE[device.type],
         "sampling": "greedy" if settings.greedy else f"temperature={args.temperature} top_p={args.top_p} top_k=0",
         "modes": {m: descriptions[m] for m in modes},
-        "file_note": bench.FILE_NOTE,
+        "file_note": bench_report.FILE_NOTE,
         "median_stages_note": bench_stats.MEDIAN_STAGES_NOTE,
         "tokens_agree_note": bench_stats.TOKENS_AGREE_NOTE,
         "flags": {k: v for k, v in vars(args).items() if k not in ("func",)},
@@ -943,7 +943,7 @@ def cmd_bench(args) -> int:
 
     def save(status: str) -> None:
         if args.output and world.is_main:
-            write_json_atomic(args.output, bench.results_document(header, cases, results, status))
+            write_json_atomic(args.output, bench_report.results_document(header, cases, results, status))
 
     def save_during_run() -> None:
         """A write that fails mid-run (the folder removed, the disk full) is reported and retried after
@@ -969,7 +969,7 @@ def cmd_bench(args) -> int:
         finished = [r for r in results if r is not None]
         for result in finished:
             say()
-            say(bench.format_case_table(result, args.iterations))
+            say(bench_report.format_case_table(result, args.iterations))
         save("interrupted")
         kept = f"; {len(finished)} finished case(s) are in {args.output}" if args.output and finished else ""
         if world.is_main:
@@ -977,13 +977,13 @@ def cmd_bench(args) -> int:
         return 130
     for result in results:  # the tables first: they are shown even if the last write fails
         say()
-        say(bench.format_case_table(result, args.iterations))
+        say(bench_report.format_case_table(result, args.iterations))
     save("complete")
     failed = [r["case"] for r in results if r["error"]]
     if args.output:
         say(f"\nwrote {args.output}")
     if args.plot and world.is_main:
-        bench.plot_stage_times(results, args.plot, f"{model_desc}, {dtype_name}, {device_name}")
+        bench_report.plot_stage_times(results, args.plot, f"{model_desc}, {dtype_name}, {device_name}")
         say(f"wrote {args.plot}")
     if args.trace:
         say(f"wrote Chrome traces to {os.path.join(args.trace, '')} (open in chrome://tracing or "
