@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from torchkvops import atomic_write, bench, bench_cases, bench_metrics, bench_report, bench_stats, cli
+from torchkvops import atomic_write, bench, bench_cases, bench_metrics, bench_report, bench_stats, cli, cli_checks
 
 ROOT = Path(__file__).absolute().parents[1]
 HAS_GPU = torch.cuda.is_available()
@@ -498,10 +498,10 @@ def test_prompts_files_plain_and_jsonl(tmp_path):
     assert cli.read_prompts(str(jsonl)) == ["a", "b c"]
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "a"}\n{"text": "b"}\n')
-    with pytest.raises(cli.CLIError, match=r"bad.jsonl:2: .*\"prompt\" field"):
+    with pytest.raises(cli_checks.CLIError, match=r"bad.jsonl:2: .*\"prompt\" field"):
         cli.read_prompts(str(bad))
     (tmp_path / "empty.txt").write_text("\n \n")
-    with pytest.raises(cli.CLIError, match="no prompts"):
+    with pytest.raises(cli_checks.CLIError, match="no prompts"):
         cli.read_prompts(str(tmp_path / "empty.txt"))
 
 
@@ -815,15 +815,15 @@ def test_output_check_leaves_an_existing_file_alone(tmp_path):
     f = tmp_path / "old.json"
     f.write_text('{"keep": true}')
     before = f.stat()
-    cli.check_output_file(str(f), "--output")
-    cli.check_output_dir(str(tmp_path / "new" / "traces"), "--trace")
+    cli_checks.check_output_file(str(f), "--output")
+    cli_checks.check_output_dir(str(tmp_path / "new" / "traces"), "--trace")
     assert f.read_text() == '{"keep": true}' and f.stat().st_mtime_ns == before.st_mtime_ns
     assert sorted(p.name for p in tmp_path.iterdir()) == ["old.json"]  # nothing created
 
 
 def test_sizes_the_model_cannot_take_fail_before_it_is_built(capsys, monkeypatch):
     monkeypatch.setattr(cli, "load_model", lambda *a, **k: pytest.fail("the model was built"))
-    monkeypatch.setattr(cli, "available_memory_bytes", lambda: 2**30)  # 1 GiB free, on any machine
+    monkeypatch.setattr(cli_checks, "available_memory_bytes", lambda: 2**30)  # 1 GiB free, on any machine
     # 64 prompts x 16 samples x (1024 + 512) tokens of opt-125m's KV in fp32: about 108 GiB.
     rc = cli.main(["rollout", "--model-shape", "opt-125m", "--device", "cpu", "--num-prompts", "64", "-n", "16",
                    "--prompt-length", "1024", "--max-new-tokens", "512"])

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from torchkvops import cli
+from torchkvops import cli, cli_checks
 
 ROOT = Path(__file__).absolute().parents[1]
 TIMEOUT = 120
@@ -71,9 +71,9 @@ def test_torchrun_is_detected_from_its_environment():
         "world_size": 2, "rank": 1, "local_rank": 1}
     # torchrun --nproc-per-node 1 is still torchrun
     assert cli.torchrun_env({"TORCHELASTIC_RUN_ID": "x", "WORLD_SIZE": "1", "RANK": "0"})["world_size"] == 1
-    with pytest.raises(cli.CLIError, match="RANK='a' is not an integer"):
+    with pytest.raises(cli_checks.CLIError, match="RANK='a' is not an integer"):
         cli.torchrun_env({"WORLD_SIZE": "2", "RANK": "a"})
-    with pytest.raises(cli.CLIError, match="outside"):
+    with pytest.raises(cli_checks.CLIError, match="outside"):
         cli.torchrun_env({"WORLD_SIZE": "2", "RANK": "2"})
 
 

@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable, Sequence
 
 # No torch at import time: `torchkvops bench-op --help` and bad arguments answer without it.
-from .cli import CLIError, available_memory_bytes, check_output_file, device_name, float_in, gib, int_in
+from .cli_checks import CLIError, available_memory_bytes, check_output_file, device_name, float_in, gib, int_in
 
 DTYPE_NAMES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
 ITEMSIZE = {"fp16": 2, "bf16": 2, "fp32": 4}
