@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from torchkvops import cli, cli_checks
+from torchkvops import cli_checks, cli_launch
 
 ROOT = Path(__file__).absolute().parents[1]
 TIMEOUT = 120
@@ -53,11 +53,11 @@ def records(path: Path) -> list[dict]:
 
 # --- the helpers, directly -----------------------------------------------------------------------
 def test_shards_are_contiguous_and_differ_by_at_most_one():
-    assert cli.shard_bounds(3, 2) == [(0, 2), (2, 3)]
-    assert cli.shard_bounds(2, 4) == [(0, 1), (1, 2), (2, 2), (2, 2)]  # fewer prompts than processes
+    assert cli_launch.shard_bounds(3, 2) == [(0, 2), (2, 3)]
+    assert cli_launch.shard_bounds(2, 4) == [(0, 1), (1, 2), (2, 2), (2, 2)]  # fewer prompts than processes
     for count in range(0, 12):
         for world in range(1, 6):
-            bounds = cli.shard_bounds(count, world)
+            bounds = cli_launch.shard_bounds(count, world)
             assert bounds[0][0] == 0 and bounds[-1][1] == count
             assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
             sizes = [hi - lo for lo, hi in bounds]
@@ -65,16 +65,16 @@ def test_shards_are_contiguous_and_differ_by_at_most_one():
 
 
 def test_torchrun_is_detected_from_its_environment():
-    assert cli.torchrun_env({}) is None
-    assert cli.torchrun_env({"WORLD_SIZE": "1", "RANK": "0"}) is None
-    assert cli.torchrun_env({"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1"}) == {
+    assert cli_launch.torchrun_env({}) is None
+    assert cli_launch.torchrun_env({"WORLD_SIZE": "1", "RANK": "0"}) is None
+    assert cli_launch.torchrun_env({"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1"}) == {
         "world_size": 2, "rank": 1, "local_rank": 1}
     # torchrun --nproc-per-node 1 is still torchrun
-    assert cli.torchrun_env({"TORCHELASTIC_RUN_ID": "x", "WORLD_SIZE": "1", "RANK": "0"})["world_size"] == 1
+    assert cli_launch.torchrun_env({"TORCHELASTIC_RUN_ID": "x", "WORLD_SIZE": "1", "RANK": "0"})["world_size"] == 1
     with pytest.raises(cli_checks.CLIError, match="RANK='a' is not an integer"):
-        cli.torchrun_env({"WORLD_SIZE": "2", "RANK": "a"})
+        cli_launch.torchrun_env({"WORLD_SIZE": "2", "RANK": "a"})
     with pytest.raises(cli_checks.CLIError, match="outside"):
-        cli.torchrun_env({"WORLD_SIZE": "2", "RANK": "2"})
+        cli_launch.torchrun_env({"WORLD_SIZE": "2", "RANK": "2"})
 
 
 # --- under torchrun ------------------------------------------------------------------------------

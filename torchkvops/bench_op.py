@@ -240,7 +240,8 @@ def run(args: Sequence[str] | argparse.Namespace | None = None,
     on_row(rows so far) is called after each size."""
     if not isinstance(args, argparse.Namespace):
         args = parse_args(args)
-    from .cli import load_library, resolve_device
+    from .cli import load_library
+    from .cli_launch import resolve_device
 
     load_library()
     import torch

@@ -35,10 +35,11 @@ from pathlib import Path
 
 from .cli_checks import (CHECKS, CLIError, check_bench_kv_memory, check_kv_memory, check_positions, device_name, int_in,
                          model_source, non_negative_int, positive_int, temperature, top_p)
+from .cli_launch import (RunError, current_rank, current_world_size, say, shard_bounds, start_processes,
+                         stop_processes)
 
-__all__ = ["main", "build_parser", "parse_args", "RunError", "DEFAULT_BENCH_ARGS", "MODEL_SHAPE_NAMES",
-           "MODE_NAMES", "DEFAULT_MODES", "resolve_device", "torchrun_env",
-           "start_processes", "stop_processes", "shard_bounds"]
+__all__ = ["main", "build_parser", "parse_args", "DEFAULT_BENCH_ARGS", "MODEL_SHAPE_NAMES", "MODE_NAMES",
+           "DEFAULT_MODES"]
 
 DTYPE_NAMES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 # The names of torchkvops.models.MODEL_SHAPES, spelled out so that parsing needs no transformers
@@ -52,10 +53,6 @@ DEFAULT_MODES = ("expanded", "shared", "prefix", "hf-generate")
 DEFAULT_BENCH_ARGS = ["--model-shape", "opt-125m", "--batch-sizes", "1", "--samples-per-prompt", "4",
                       "--prompt-lengths", "128", "--response-lengths", "16", "--warmup", "1", "--iterations", "3"]
 MAX_SEED = 2**63 - 1
-
-
-class RunError(Exception):
-    """A failure while running (e.g. on another process of a data-parallel run): one line, exit code 1."""
 
 
 # --- parser ----------------------------------------------------------------------------------------
@@ -198,116 +195,7 @@ def load_library() -> None:
     _load_ops()
 
 
-def resolve_device(text: str | None):
-    """The torch.device for --device (None: cuda when available); the same errors in every command."""
-    import torch
-
-    if text is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(text)
-    except (RuntimeError, ValueError):
-        raise CLIError(f"--device {text!r} is not a device; use cpu, cuda or cuda:N") from None
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise CLIError(f"--device {text}: no CUDA GPU is available here (torch {torch.__version__}, "
-                           f"built for CUDA {torch.version.cuda or 'none'})")
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            raise CLIError(f"--device {text}: only {torch.cuda.device_count()} CUDA device(s) here")
-        if device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-    elif device.type != "cpu":
-        raise CLIError(f"--device {text}: only cpu and cuda are supported")
-    return device
-
-
 # --- torchrun: data-parallel processes -------------------------------------------------------------
-# This process's rank and the number of processes, once start_processes() has run (0 and 1 alone).
-_RANK, _WORLD_SIZE = 0, 1
-_STARTED_GROUP = False
-
-
-def say(*args, **kwargs) -> None:
-    """print, on the first process only (under torchrun every process's stdout reaches the terminal)."""
-    if _RANK == 0:
-        print(*args, **kwargs)
-
-
-def torchrun_env(environ=None) -> dict | None:
-    """What torchrun set for this process ({"rank", "world_size", "local_rank"}), or None when it was
-    not launched by torchrun (WORLD_SIZE unset or 1 and no TORCHELASTIC_RUN_ID): one process."""
-    env = os.environ if environ is None else environ
-
-    def number(name: str, default: str | None = None) -> int:
-        text = env.get(name, default)
-        try:
-            return int(text)
-        except (TypeError, ValueError):
-            raise CLIError(f"launched by torchrun (WORLD_SIZE / TORCHELASTIC_RUN_ID set), but {name}={text!r} is not "
-                           "an integer") from None
-
-    if not env.get("TORCHELASTIC_RUN_ID") and number("WORLD_SIZE", "1") <= 1:
-        return None
-    out = {"world_size": number("WORLD_SIZE"), "rank": number("RANK"), "local_rank": number("LOCAL_RANK", "0")}
-    if not 0 <= out["rank"] < out["world_size"]:
-        raise CLIError(f"torchrun's RANK={out['rank']} is outside [0, WORLD_SIZE={out['world_size']})")
-    return out
-
-
-def start_processes(device_text: str | None):
-    """The device to run on, after joining torch.distributed's default group when launched by torchrun:
-    nccl on CUDA (this process on cuda:LOCAL_RANK), gloo on the CPU. Alone: resolve_device."""
-    global _RANK, _WORLD_SIZE, _STARTED_GROUP
-    launch = torchrun_env()
-    device = resolve_device(device_text)
-    if launch is None:
-        return device
-    import torch
-    import torch.distributed as dist
-
-    backend = "gloo"
-    if device.type == "cuda":
-        if device_text not in (None, "cuda", f"cuda:{launch['local_rank']}"):
-            raise CLIError(f"--device {device_text}: under torchrun each process uses cuda:LOCAL_RANK (here "
-                           f"cuda:{launch['local_rank']}); pass --device cuda (or no --device)")
-        if launch["local_rank"] >= torch.cuda.device_count():
-            raise CLIError(f"torchrun's LOCAL_RANK={launch['local_rank']}, but this machine has "
-                           f"{torch.cuda.device_count()} CUDA device(s); lower --nproc-per-node")
-        device = torch.device("cuda", launch["local_rank"])
-        torch.cuda.set_device(device)
-        backend = "nccl"
-    if not dist.is_initialized():
-        dist.init_process_group(backend, device_id=device if backend == "nccl" else None)
-        _STARTED_GROUP = True
-    _RANK, _WORLD_SIZE = dist.get_rank(), dist.get_world_size()
-    return device
-
-
-def stop_processes() -> None:
-    """Leave the default group if start_processes joined it."""
-    global _STARTED_GROUP, _RANK, _WORLD_SIZE
-    if _STARTED_GROUP:
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        _STARTED_GROUP = False
-    _RANK, _WORLD_SIZE = 0, 1
-
-
-def shard_bounds(count: int, world_size: int) -> list[tuple[int, int]]:
-    """Contiguous [start, end) shards of `count` items over `world_size` processes, in rank order; sizes
-    differ by at most one (the first count % world_size processes take one more), and a process may
-    have none when count < world_size."""
-    base, extra = divmod(count, world_size)
-    bounds, start = [], 0
-    for r in range(world_size):
-        end = start + base + (r < extra)
-        bounds.append((start, end))
-        start = end
-    return bounds
-
-
 def resolve_dtype(name: str | None, device):
     import torch
 
@@ -322,7 +210,7 @@ def resolve_dtype(name: str | None, device):
     if device.type == "cuda" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported(including_emulation=False):
         raise CLIError(f"--dtype bf16: {torch.cuda.get_device_name(device)} has no native bf16; use fp16")
     if device.type == "cpu" and dtype == torch.float16:
-        if _RANK == 0:
+        if current_rank() == 0:
             print("torchkvops: note: fp16 on CPU works but is slow on most CPUs; fp32 or bf16 are faster",
                   file=sys.stderr)
     return name, dtype
@@ -448,7 +336,7 @@ def cmd_rollout(args) -> int:
 
     texts = list(args.prompt or []) + (read_prompts(args.prompts) if args.prompts else [])
     device = start_processes(args.device)
-    rank, world = _RANK, _WORLD_SIZE
+    rank, world = current_rank(), current_world_size()
     _, dtype = resolve_dtype(args.dtype, device)
     config = RolloutConfig(samples_per_prompt=args.samples_per_prompt, max_new_tokens=args.max_new_tokens,
                            shared_prefill=not args.no_shared_prefill, enable_profiling=True, compile=args.compile,
@@ -550,7 +438,7 @@ def _generate_shard(rollout, input_ids, attention_mask, bounds: tuple[int, int])
     except RuntimeError as e:  # distributed.generate's own report of a failed process, or a broken group
         if os.environ.get("TORCHKVOPS_DEBUG"):
             raise
-        raise RunError(f"[rank {_RANK}] {' '.join(str(e).split())}") from None
+        raise RunError(f"[rank {current_rank()}] {' '.join(str(e).split())}") from None
 
 
 def _ids(ids: list[int], limit: int = 24) -> str:
@@ -773,7 +661,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as e:
         if os.environ.get("TORCHKVOPS_DEBUG") or not _one_line_error(e):
             raise
-        where = f"[rank {_RANK}] " if _WORLD_SIZE > 1 else ""
+        where = f"[rank {current_rank()}] " if current_world_size() > 1 else ""
         error_line(f"torchkvops: error: {where}{type(e).__name__}: {' '.join(str(e).split())}")
         return 1
     finally:
