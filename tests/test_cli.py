@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from torchkvops import atomic_write, bench, bench_cases, bench_metrics, bench_report, bench_stats, cli, cli_checks
+from torchkvops import (atomic_write, bench, bench_cases, bench_metrics, bench_report, bench_stats, cli, cli_bench,
+                        cli_checks, cli_rollout)
 
 ROOT = Path(__file__).absolute().parents[1]
 HAS_GPU = torch.cuda.is_available()
@@ -492,17 +493,17 @@ def test_rollout_from_a_checkpoint_left_pads_and_matches_hf_greedy(tmp_path, che
 def test_prompts_files_plain_and_jsonl(tmp_path):
     plain = tmp_path / "prompts.txt"
     plain.write_text("the cat\n\n{not json} the dog ran\n")
-    assert cli.read_prompts(str(plain)) == ["the cat", "{not json} the dog ran"]
+    assert cli_rollout.read_prompts(str(plain)) == ["the cat", "{not json} the dog ran"]
     jsonl = tmp_path / "prompts.data"
     jsonl.write_text('{"prompt": "a", "id": 1}\n\n{"prompt": "b c"}\n')
-    assert cli.read_prompts(str(jsonl)) == ["a", "b c"]
+    assert cli_rollout.read_prompts(str(jsonl)) == ["a", "b c"]
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "a"}\n{"text": "b"}\n')
     with pytest.raises(cli_checks.CLIError, match=r"bad.jsonl:2: .*\"prompt\" field"):
-        cli.read_prompts(str(bad))
+        cli_rollout.read_prompts(str(bad))
     (tmp_path / "empty.txt").write_text("\n \n")
     with pytest.raises(cli_checks.CLIError, match="no prompts"):
-        cli.read_prompts(str(tmp_path / "empty.txt"))
+        cli_rollout.read_prompts(str(tmp_path / "empty.txt"))
 
 
 # --- bad input -----------------------------------------------------------------------------------
@@ -555,7 +556,8 @@ def test_prompt_longer_than_the_checkpoint_allows(checkpoint):
 
 @pytest.mark.skipif(HAS_GPU, reason="this machine has a GPU")
 def test_cuda_without_a_gpu_is_the_same_one_line_in_every_command(capsys, monkeypatch):
-    monkeypatch.setattr(cli, "load_model", lambda *a, **k: pytest.fail("the model was built"))
+    for command in (cli_rollout, cli_bench):
+        monkeypatch.setattr(command, "load_model", lambda *a, **k: pytest.fail("the model was built"))
     errors = []
     for args in (["rollout", *TINY, "--device", "cuda"], ["bench", *TINY, "--device", "cuda"],
                  ["bench-op", "--device", "cuda"]):
@@ -822,7 +824,7 @@ def test_output_check_leaves_an_existing_file_alone(tmp_path):
 
 
 def test_sizes_the_model_cannot_take_fail_before_it_is_built(capsys, monkeypatch):
-    monkeypatch.setattr(cli, "load_model", lambda *a, **k: pytest.fail("the model was built"))
+    monkeypatch.setattr(cli_rollout, "load_model", lambda *a, **k: pytest.fail("the model was built"))
     monkeypatch.setattr(cli_checks, "available_memory_bytes", lambda: 2**30)  # 1 GiB free, on any machine
     # 64 prompts x 16 samples x (1024 + 512) tokens of opt-125m's KV in fp32: about 108 GiB.
     rc = cli.main(["rollout", "--model-shape", "opt-125m", "--device", "cpu", "--num-prompts", "64", "-n", "16",

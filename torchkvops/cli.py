@@ -21,23 +21,28 @@ shards (a prompt's N samples stay together) and the first process prints every s
 one --output file; `bench` runs every case on every process with its own B prompts and the first
 process reports the slowest process's times and the global tokens/s. A failure on one process is one
 line on every process and a non-zero exit. Without torchrun: one process, as before.
+
+This module holds the parser and the entry point (main). The rest, each in a module of its own:
+  cli_checks   the argument types and every check made before the work (CLIError)
+  cli_launch   alone or under torchrun: the process group, the device, the shards, say()
+  cli_model    the dtype, the config, the model and tokenizer, and the token ids they imply
+  cli_rollout  the rollout command          cli_bench  the bench command
+  bench_op     the bench-op command (its own arguments, checks and run)
+Nothing that the parser imports loads torch or transformers.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
-from .cli_checks import (CHECKS, CLIError, check_bench_kv_memory, check_kv_memory, check_positions, device_name, int_in,
-                         non_negative_int, positive_int, temperature, top_p)
-from .cli_launch import (RunError, current_rank, current_world_size, say, shard_bounds, start_processes,
-                         stop_processes)
-from .cli_model import DTYPE_NAMES, load_config, load_model, pad_id, resolve_dtype, special_ids, vocab_size
+from .cli_bench import cmd_bench
+from .cli_checks import CHECKS, CLIError, device_name, int_in, non_negative_int, positive_int, temperature, top_p
+from .cli_launch import RunError, current_rank, current_world_size, stop_processes
+from .cli_model import DTYPE_NAMES
+from .cli_rollout import cmd_rollout
 
 __all__ = ["main", "build_parser", "parse_args", "DEFAULT_BENCH_ARGS", "MODEL_SHAPE_NAMES", "MODE_NAMES",
            "DEFAULT_MODES"]
@@ -195,315 +200,7 @@ def load_library() -> None:
     _load_ops()
 
 
-# --- rollout -------------------------------------------------------------------------------------
-def read_prompts(path: str) -> list[str]:
-    try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as e:
-        raise CLIError(f"--prompts {path}: cannot read: {e}") from None
-    numbered = [(i + 1, line) for i, line in enumerate(lines) if line.strip()]
-    if not numbered:
-        raise CLIError(f"--prompts {path}: no prompts in the file")
-    jsonl = path.endswith(".jsonl")
-    if not jsonl:
-        try:
-            jsonl = isinstance(json.loads(numbered[0][1]), dict)
-        except ValueError:
-            jsonl = False
-    if not jsonl:
-        return [line for _, line in numbered]
-    prompts = []
-    for no, line in numbered:
-        try:
-            record = json.loads(line)
-        except ValueError as e:
-            raise CLIError(f"--prompts {path}:{no}: not JSON ({e})") from None
-        if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
-            raise CLIError(f"--prompts {path}:{no}: a JSONL record needs a string \"prompt\" field")
-        prompts.append(record["prompt"])
-    return prompts
-
-
-def cmd_rollout(args) -> int:
-    import torch
-
-    from .rollout import Rollout, RolloutConfig
-
-    texts = list(args.prompt or []) + (read_prompts(args.prompts) if args.prompts else [])
-    device = start_processes(args.device)
-    rank, world = current_rank(), current_world_size()
-    _, dtype = resolve_dtype(args.dtype, device)
-    config = RolloutConfig(samples_per_prompt=args.samples_per_prompt, max_new_tokens=args.max_new_tokens,
-                           shared_prefill=not args.no_shared_prefill, enable_profiling=True, compile=args.compile,
-                           temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
-    model_config, source = load_config(args)
-    n = args.samples_per_prompt
-    # Under torchrun a process holds the KV of its own shard only: at most ceil(prompts / processes) prompts.
-    most = -(-(len(texts) or args.num_prompts) // world)
-    if not texts:
-        check_positions(model_config, args.prompt_length + args.max_new_tokens,
-                        f"--prompt-length {args.prompt_length} + --max-new-tokens {args.max_new_tokens}",
-                        "lower one of them")
-        check_kv_memory(model_config, device, dtype, most * n, args.prompt_length + args.max_new_tokens,
-                        f"--num-prompts {args.num_prompts} x -n {n}"
-                        + (f" over {world} processes" if world > 1 else ""),
-                        "lower --num-prompts, --samples-per-prompt, --prompt-length or --max-new-tokens")
-    model, tokenizer, _ = load_model(args, model_config, source, device, dtype)
-    if texts:
-        if tokenizer is None:
-            raise CLIError(f"--model {args.model}: has no tokenizer, so text prompts cannot be encoded; "
-                           "use --prompt-length for synthetic prompts")
-        enc = tokenizer(texts, return_tensors="pt", padding=True)
-        input_ids, attention_mask = enc["input_ids"], enc["attention_mask"]
-        if input_ids.shape[1] == 0:
-            raise CLIError("the prompts encode to no tokens")
-        config.pad_token_id = tokenizer.pad_token_id
-        total = input_ids.shape[1] + args.max_new_tokens
-        check_positions(model_config, total, f"the longest prompt's {input_ids.shape[1]} tokens + --max-new-tokens "
-                                             f"{args.max_new_tokens}", "shorten it or lower --max-new-tokens")
-        check_kv_memory(model_config, device, dtype, most * n, total, f"{len(texts)} prompt(s) x -n {n}",
-                        "fewer prompts, a lower --samples-per-prompt or --max-new-tokens")
-    else:
-        from .bench_cases import Case, synthetic_prompts
-
-        case = Case(args.num_prompts, args.samples_per_prompt, args.prompt_length, args.max_new_tokens)
-        input_ids = synthetic_prompts(case, vocab_size(model, tokenizer), special_ids(model, tokenizer), args.seed,
-                                      torch.device("cpu"))
-        attention_mask = torch.ones_like(input_ids)
-        say(f"prompts: {args.num_prompts} synthetic prompts of {args.prompt_length} random token ids (seed {args.seed})")
-    rollout = Rollout(model, config)
-    # Every process holds every prompt (the same seed, the same files) and generates its contiguous shard.
-    shards = shard_bounds(input_ids.shape[0], world)
-    if world > 1:
-        out = _generate_shard(rollout, input_ids, attention_mask, shards[rank])
-    else:
-        out = rollout.generate(input_ids, attention_mask)
-    profile = rollout.get_last_profile()  # this process's own call (None when its shard was empty)
-    kind = "expanded" if args.no_shared_prefill else "shared"
-    if rank != 0:
-        lo, hi = shards[rank]
-        mine = (f"prompts {lo}..{hi - 1} ({hi - lo} x {n} samples), {profile.generated_tokens} tokens in "
-                f"{profile.total_ms:.1f} ms ({profile.tokens_per_second:.1f} tokens/s)") if hi > lo else "no prompts"
-        print(f"rank {rank}/{world}: {mine}; rank 0 prints the samples")
-        return 0
-
-    records = []
-    responses, mask = out.responses.cpu(), out.response_mask.cpu()
-    owner = [r for r, (lo, hi) in enumerate(shards) for _ in range(lo, hi)]
-    for i in range(input_ids.shape[0]):
-        prompt_ids = input_ids[i][attention_mask[i].bool()].tolist()
-        prompt_text = texts[i] if texts else None
-        print(f"\n=== prompt {i}: " + (repr(prompt_text) if texts else f"{len(prompt_ids)} token ids {_ids(prompt_ids)}"))
-        for j in range(n):
-            row = i * n + j
-            ids = responses[row][mask[row].bool()].tolist()
-            text = tokenizer.decode(ids, skip_special_tokens=True) if tokenizer is not None else None
-            print(f"--- sample {j} ({len(ids)} tokens): " + (repr(text) if text is not None else _ids(ids)))
-            records.append({"prompt_index": i, "sample_index": j, "rank": owner[i], "prompt": prompt_text,
-                            "prompt_token_ids": prompt_ids, "token_ids": ids, "text": text})
-    stages = (f"prefill {profile.prefill_ms:.1f} ms, kv_expand {profile.kv_expand_ms:.2f} ms, decode "
-              f"{profile.decode_ms:.1f} ms; {kind} prefill")
-    if world > 1:
-        import torch.distributed as dist
-
-        lo, hi = shards[0]
-        print(f"\n{input_ids.shape[0]} prompts x {n} samples on {world} processes ({dist.get_backend()}), "
-              f"{int(mask.sum())} tokens; rank 0's {hi - lo} prompt(s): {profile.generated_tokens} tokens in "
-              f"{profile.total_ms:.1f} ms ({profile.tokens_per_second:.1f} tokens/s; {stages})")
-    else:
-        print(f"\n{input_ids.shape[0]} prompts x {n} samples, {profile.generated_tokens} tokens in "
-              f"{profile.total_ms:.1f} ms ({profile.tokens_per_second:.1f} tokens/s; {stages})")
-    if args.output:
-        from .atomic_write import write_text_atomic
-
-        write_text_atomic(args.output, "".join(json.dumps(rec) + "\n" for rec in records))
-        print(f"wrote {len(records)} records to {args.output}")
-    return 0
-
-
-def _generate_shard(rollout, input_ids, attention_mask, bounds: tuple[int, int]):
-    """This process's shard through torchkvops.distributed.generate; every process gets every row, in
-    rank order (= prompt order). A failure on any process raises on every process: one line each."""
-    from . import distributed
-
-    lo, hi = bounds
-    ids, mask = (input_ids[lo:hi], attention_mask[lo:hi]) if hi > lo else (None, None)
-    try:
-        return distributed.generate(rollout, ids, mask, gather=True)
-    except RuntimeError as e:  # distributed.generate's own report of a failed process, or a broken group
-        if os.environ.get("TORCHKVOPS_DEBUG"):
-            raise
-        raise RunError(f"[rank {current_rank()}] {' '.join(str(e).split())}") from None
-
-
-def _ids(ids: list[int], limit: int = 24) -> str:
-    return str(ids) if len(ids) <= limit else str(ids[:limit])[:-1] + f", ... ({len(ids) - limit} more)]"
-
-
-# --- bench ---------------------------------------------------------------------------------------
-def cmd_bench(args) -> int:
-    import torch
-
-    from . import __version__, bench, bench_cases, bench_metrics, bench_report, bench_runners, bench_stats, bench_world
-    from .atomic_write import write_json_atomic
-
-    device = start_processes(args.device)
-    world = bench_world.World()
-    dtype_name, dtype = resolve_dtype(args.dtype, device)
-    modes = list(dict.fromkeys(args.modes))
-    cases = bench_cases.plan_cases(args.batch_sizes, args.samples_per_prompt, args.prompt_lengths,
-                                   args.response_lengths)
-    model_config, source = load_config(args)
-    longest = max(cases, key=lambda c: c.prompt_length + c.response_length)
-    check_positions(model_config, longest.prompt_length + longest.response_length,
-                    f"case {longest.name}: --prompt-lengths {longest.prompt_length} + --response-lengths "
-                    f"{longest.response_length}", "lower them")
-    check_bench_kv_memory(model_config, device, dtype, cases, modes)
-    if args.trace:
-        try:
-            os.makedirs(args.trace, exist_ok=True)
-        except OSError as e:
-            raise CLIError(f"--trace {args.trace}: cannot create the folder: {e}") from None
-    model, tokenizer, model_desc = load_model(args, model_config, source, device, dtype)
-
-    roofline = bench_metrics.copy_roofline(device)  # CUDA only: measured before any case, on this process's device
-    settings = bench_cases.Settings(temperature=args.temperature, top_p=args.top_p, seed=args.seed,
-                                    compile=args.compile, warmup=args.warmup, iterations=args.iterations,
-                                    trace_dir=args.trace,
-                                    roofline_gbps=roofline["copy_roofline_gbps"] if roofline else None)
-    traffic = bench_metrics.Traffic.of(model, settings.roofline_gbps)
-    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()
-    rank_devices = world.device_description(device, device_name)
-    if roofline is not None and world.size > 1:
-        rooflines = world.gather_records([roofline], ["copy_roofline_gbps"])
-        roofline["rank_copy_roofline_gbps"] = [rows[0]["copy_roofline_gbps"] for rows in rooflines]
-    import transformers
-
-    compiled = ", compiled" if args.compile else ""
-    descriptions = {
-        "expanded": f"Rollout(shared_prefill=False, eos_token_id=[]){compiled}",
-        "shared": f"Rollout(shared_prefill=True, kv_sharing='copy', eos_token_id=[]){compiled}",
-        "prefix": f"Rollout(shared_prefill=True, kv_sharing='prefix', eos_token_id=[]){compiled}",
-        "hf-generate": "model.generate, default (dynamic) cache, eager (--compile does not apply), "
-                       "max_new_tokens=min_new_tokens=R, eos_token_id=None (no EOS, as the rollout's eos_token_id=[]), "
-                       "top_k=0",
-        "hf-static": "model.generate(cache_implementation='static'), otherwise as hf-generate, run as Hugging Face "
-                     "runs it: on CUDA transformers compiles its decode step (torch.compile, mode 'reduce-overhead') "
-                     "in the first call of each new shape, so the warm-up calls include that compilation (with "
-                     "--warmup 0 the first timed call does); on the CPU it does not compile. transformers sizes the "
-                     "static cache to the longest max length of this process's earlier calls, so a case run after a "
-                     "longer one gets a larger cache",
-    }
-    header = {
-        "tool": "torchkvops bench",
-        "model": model_desc,
-        "model_class": type(model).__name__,
-        "model_shape": None if args.model else args.model_shape,
-        "random_weights": not args.model,
-        "dtype": dtype_name,
-        "device": str(device),
-        "device_name": device_name,
-        "cpu_threads": torch.get_num_threads(),
-        "torch_version": torch.__version__,
-        "transformers_version": transformers.__version__,
-        "torchkvops_version": __version__,
-        "python_version": platform.python_version(),
-        "world_size": world.size,
-        "backend": world.backend,
-        "rank_devices": rank_devices,
-        "timing": bench.TIMING_NOTE,
-        "decode_ms_per_step_method": bench_runners.DECODE_STEP_NOTE,
-        "bytes_per_step": {"weight_bytes": traffic.weight_bytes, "kv_bytes_per_token": traffic.kv_bytes_per_token,
-                           "formula": bench_metrics.BYTES_NOTE},
-        "roofline": roofline,
-        "peak_memory_method": "cuda_allocator" if device.type == "cuda" else "cpu_profiler",
-        "peak_memory_note": bench_metrics.PEAK_NOTE[device.type],
-        "sampling": "greedy" if settings.greedy else f"temperature={args.temperature} top_p={args.top_p} top_k=0",
-        "modes": {m: descriptions[m] for m in modes},
-        "file_note": bench_report.FILE_NOTE,
-        "median_stages_note": bench_stats.MEDIAN_STAGES_NOTE,
-        "tokens_agree_note": bench_stats.TOKENS_AGREE_NOTE,
-        "flags": {k: v for k, v in vars(args).items() if k not in ("func",)},
-        "cases_requested": [c.name for c in cases],
-        "cases_run_order": [cases[i].name for i in bench_cases.run_order(cases)],
-    }
-    if world.size > 1:
-        header["world_note"] = bench_world.WORLD_NOTE
-    per_mode = bench.calls_per_mode(settings, device)
-    where = (f"{world.size} processes ({world.backend}), each on {device.type} with its own --batch-sizes prompts"
-             if world.size > 1 else f"{device_name} ({device})")
-    say(f"bench: {len(cases)} case(s) x {len(modes)} mode(s) x {per_mode} calls on {where}, {dtype_name}, "
-        f"{header['sampling']}, warmup {args.warmup}, {args.iterations} timed "
-        f"iteration{'s' if args.iterations != 1 else ''}, modes interleaved"
-        + (f"; copy_ roofline {roofline['copy_roofline_gbps']:.0f} GB/s" if roofline else ""))
-
-    results: list[dict | None] = [None] * len(cases)
-
-    def save(status: str) -> None:
-        if args.output and world.is_main:
-            write_json_atomic(args.output, bench_report.results_document(header, cases, results, status))
-
-    def save_during_run() -> None:
-        """A write that fails mid-run (the folder removed, the disk full) is reported and retried after
-        the next case; the results so far stay in memory and the run goes on."""
-        try:
-            save("partial")
-        except OSError as e:
-            print(f"torchkvops: warning: cannot write --output {args.output} ({e.strerror or e}); "
-                  "trying again after the next case", file=sys.stderr)
-
-    save_during_run()  # the header at once: a run that dies before its first case still leaves a record
-
-    def case_done(i: int, result: dict) -> None:
-        results[i] = result
-        save_during_run()
-
-    try:
-        with bench.recompile_headroom(args.compile or "hf-static" in modes):
-            bench.run_matrix(model, cases, modes, settings, vocab_size=vocab_size(model, tokenizer),
-                             special_ids=special_ids(model, tokenizer), pad_token_id=pad_id(model, tokenizer),
-                             progress=not args.no_progress, on_case=case_done, world=world)
-    except KeyboardInterrupt:
-        finished = [r for r in results if r is not None]
-        for result in finished:
-            say()
-            say(bench_report.format_case_table(result, args.iterations))
-        save("interrupted")
-        kept = f"; {len(finished)} finished case(s) are in {args.output}" if args.output and finished else ""
-        if world.is_main:
-            print(f"torchkvops: interrupted after {len(finished)} of {len(cases)} case(s){kept}", file=sys.stderr)
-        return 130
-    for result in results:  # the tables first: they are shown even if the last write fails
-        say()
-        say(bench_report.format_case_table(result, args.iterations))
-    save("complete")
-    failed = [r["case"] for r in results if r["error"]]
-    if args.output:
-        say(f"\nwrote {args.output}")
-    if args.plot and world.is_main:
-        bench_report.plot_stage_times(results, args.plot, f"{model_desc}, {dtype_name}, {device_name}")
-        say(f"wrote {args.plot}")
-    if args.trace:
-        say(f"wrote Chrome traces to {os.path.join(args.trace, '')} (open in chrome://tracing or "
-            "https://ui.perfetto.dev)")
-    if failed:
-        if world.is_main:
-            print(f"torchkvops: {len(failed)} case(s) failed: {', '.join(failed)} (errors in the table"
-                  f"{' and the JSON' if args.output else ''})", file=sys.stderr)
-        return 1
-    return 0
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "cpu"
-
-
+# --- bench-op ------------------------------------------------------------------------------------
 def cmd_bench_op(args) -> int:
     from . import bench_op
 
