@@ -25,7 +25,6 @@ Run as `python benchmarks/bench_repeat_kv_cache.py ...` or `torchkvops bench-op 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import statistics

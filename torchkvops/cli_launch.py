@@ -13,6 +13,7 @@ from .cli_checks import CLIError
 __all__ = ["RunError", "say", "current_rank", "current_world_size", "resolve_device", "torchrun_env",
            "start_processes", "stop_processes", "shard_bounds"]
 
+
 class RunError(Exception):
     """A failure while running (e.g. on another process of a data-parallel run): one line, exit code 1."""
 
