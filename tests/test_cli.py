@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from torchkvops import bench, cli
+from torchkvops import (atomic_write, bench, bench_cases, bench_metrics, bench_report, bench_stats, cli, cli_bench,
+                        cli_checks, cli_rollout)
 
 ROOT = Path(__file__).absolute().parents[1]
 HAS_GPU = torch.cuda.is_available()
@@ -57,51 +58,52 @@ def assert_one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> s
 
 # --- the statistics and bookkeeping, directly ----------------------------------------------------
 def test_summary_math():
-    s = bench.summarize(list(range(1, 21)))
+    s = bench_stats.summarize(list(range(1, 21)))
     assert s == {"mean": 10.5, "p50": 10.5, "p95": 19}
-    assert bench.summarize([3, 1, 2]) == {"mean": 2.0, "p50": 2, "p95": 3}
-    assert bench.summarize([5.0]) == {"mean": 5.0, "p50": 5.0, "p95": 5.0}
+    assert bench_stats.summarize([3, 1, 2]) == {"mean": 2.0, "p50": 2, "p95": 3}
+    assert bench_stats.summarize([5.0]) == {"mean": 5.0, "p50": 5.0, "p95": 5.0}
     # nearest rank: the value at rank ceil(0.95 n) of the sorted values
     values = [float(v) for v in range(100, 0, -1)]
-    assert bench.summarize(values)["p95"] == 95.0
-    assert bench.summarize([None, None]) is None
+    assert bench_stats.summarize(values)["p95"] == 95.0
+    assert bench_stats.summarize([None, None]) is None
     with pytest.raises(ValueError, match="None"):
-        bench.summarize([1.0, None, 2.0])
+        bench_stats.summarize([1.0, None, 2.0])
     with pytest.raises(ValueError):
-        bench.summarize([])
+        bench_stats.summarize([])
     profiles = [{"a": float(i), "b": None, "c": 7} for i in range(1, 21)]
-    assert bench.summarize_profiles(profiles) == {"a": {"mean": 10.5, "p50": 10.5, "p95": 19.0}, "b": None,
-                                                  "c": {"mean": 7.0, "p50": 7, "p95": 7}}
+    assert bench_stats.summarize_profiles(profiles) == {"a": {"mean": 10.5, "p50": 10.5, "p95": 19.0}, "b": None,
+                                                        "c": {"mean": 7.0, "p50": 7, "p95": 7}}
 
 
 def test_run_order_is_largest_first_and_stable():
-    cases = bench.plan_cases([1, 8], [4, 16], [32], [8, 16])
+    cases = bench_cases.plan_cases([1, 8], [4, 16], [32], [8, 16])
     assert [c.name for c in cases][:3] == ["B1_N4_P32_R8", "B1_N4_P32_R16", "B1_N16_P32_R8"]
-    order = [cases[i] for i in bench.run_order(cases)]
+    order = [cases[i] for i in bench_cases.run_order(cases)]
     assert [c.rows for c in order] == sorted((c.rows for c in cases), reverse=True)
     assert order[0].name == "B8_N16_P32_R16" and order[1].name == "B8_N16_P32_R8"
-    assert bench.plan_cases([2, 2], [1], [3], [4]) == [bench.Case(2, 1, 3, 4)]  # duplicates dropped
+    assert bench_cases.plan_cases([2, 2], [1], [3], [4]) == [bench_cases.Case(2, 1, 3, 4)]  # duplicates dropped
 
 
 def test_token_agreement_rules():
     same = {"expanded": "h", "shared": "h", "hf-generate": "h"}
-    greedy = bench.token_agreement(same, greedy=True)
+    greedy = bench_stats.token_agreement(same, greedy=True)
     assert greedy["all_agree"] is True and all(v is True for v in greedy["pairs"].values())
-    sampled = bench.token_agreement({"expanded": "h", "shared": "x", "hf-generate": "y"}, greedy=False)
+    sampled = bench_stats.token_agreement({"expanded": "h", "shared": "x", "hf-generate": "y"}, greedy=False)
     assert sampled["pairs"] == {"expanded vs shared": False, "expanded vs hf-generate": None,
                                 "shared vs hf-generate": None}
     assert sampled["all_agree"] is False and "not comparable" in sampled["notes"]["expanded vs hf-generate"]
-    assert bench.token_agreement({"shared": "h", "hf-generate": "y"}, greedy=False)["all_agree"] is None
-    assert bench.token_agreement({"shared": "h", "expanded": None}, greedy=True)["pairs"] == {}
+    assert bench_stats.token_agreement({"shared": "h", "hf-generate": "y"}, greedy=False)["all_agree"] is None
+    assert bench_stats.token_agreement({"shared": "h", "expanded": None}, greedy=True)["pairs"] == {}
 
 
 def test_token_agreement_rules_for_the_prefix_and_static_modes():
-    sampled = bench.token_agreement({"shared": "h", "prefix": "h", "hf-generate": "y", "hf-static": "y"}, greedy=False)
+    sampled = bench_stats.token_agreement({"shared": "h", "prefix": "h", "hf-generate": "y", "hf-static": "y"},
+                                          greedy=False)
     assert sampled["pairs"] == {"shared vs prefix": True, "shared vs hf-generate": None, "shared vs hf-static": None,
                                 "prefix vs hf-generate": None, "prefix vs hf-static": None,
                                 "hf-generate vs hf-static": None}
     assert sampled["all_agree"] is True and "--temperature 0" in sampled["notes"]["hf-generate vs hf-static"]
-    greedy = bench.token_agreement({"prefix": "h", "hf-static": "x"}, greedy=True)
+    greedy = bench_stats.token_agreement({"prefix": "h", "hf-static": "x"}, greedy=True)
     assert greedy["pairs"] == {"prefix vs hf-static": False} and greedy["all_agree"] is False
 
 
@@ -110,8 +112,8 @@ def test_weight_bytes_count_each_storage_once_and_kv_bytes_per_step():
     second.weight = torch.nn.Parameter(first.weight.data)  # another Parameter on the same storage: tied
     model = torch.nn.Sequential(first, second)
     model.register_buffer("scale", torch.ones(3))
-    assert bench.model_weight_bytes(model) == 8 * 4 * 4 + 3 * 4
-    t = bench.Traffic(weight_bytes=100, kv_bytes_per_token=10)
+    assert bench_metrics.model_weight_bytes(model) == 8 * 4 * 4 + 3 * 4
+    t = bench_metrics.Traffic(weight_bytes=100, kv_bytes_per_token=10)
     # B=2 prompts of P=5, N=3, 3 decode steps attending to P+1, P+2, P+3 keys: on average P+2.
     assert t.kv_bytes_per_step("shared", 2, 3, 5, 3) == 10 * 6 * (5 + 2)
     assert t.kv_bytes_per_step("hf-generate", 2, 3, 5, 3) == 10 * 6 * (5 + 2)
@@ -120,7 +122,7 @@ def test_weight_bytes_count_each_storage_once_and_kv_bytes_per_step():
     p = t.annotate("prefix", dict(decode_steps=3, decode_ms=6.0, batch_size=2, samples_per_prompt=3, prompt_length=5))
     assert p["decode_ms_per_step"] == 2.0 and p["achieved_gbps"] == (100 + 220) / 2.0 / 1e6
     assert p["roofline_fraction"] is None
-    with_roofline = bench.Traffic(100, 10, roofline_gbps=0.0004)
+    with_roofline = bench_metrics.Traffic(100, 10, roofline_gbps=0.0004)
     p = with_roofline.annotate("shared", dict(decode_steps=3, decode_ms=6.0, batch_size=2, samples_per_prompt=3,
                                               prompt_length=5))
     assert p["roofline_fraction"] == pytest.approx((100 + 420) / 2.0 / 1e6 / 0.0004)
@@ -130,14 +132,14 @@ def test_tokens_hash_is_of_int64_bytes():
     t = torch.tensor([[1, 2], [3, 4]], dtype=torch.int32)
     import hashlib
 
-    assert bench.tokens_sha256(t) == hashlib.sha256(t.long().numpy().tobytes()).hexdigest()
+    assert bench_stats.tokens_sha256(t) == hashlib.sha256(t.long().numpy().tobytes()).hexdigest()
 
 
 def test_synthetic_prompts_are_seeded_and_avoid_special_ids():
-    case = bench.Case(3, 2, 50, 4)
-    a = bench.synthetic_prompts(case, 8, {0, 1, 2}, seed=5, device=torch.device("cpu"))
-    b = bench.synthetic_prompts(case, 8, {0, 1, 2}, seed=5, device=torch.device("cpu"))
-    c = bench.synthetic_prompts(case, 8, {0, 1, 2}, seed=6, device=torch.device("cpu"))
+    case = bench_cases.Case(3, 2, 50, 4)
+    a = bench_cases.synthetic_prompts(case, 8, {0, 1, 2}, seed=5, device=torch.device("cpu"))
+    b = bench_cases.synthetic_prompts(case, 8, {0, 1, 2}, seed=5, device=torch.device("cpu"))
+    c = bench_cases.synthetic_prompts(case, 8, {0, 1, 2}, seed=6, device=torch.device("cpu"))
     assert a.shape == (3, 50) and a.dtype == torch.long and torch.equal(a, b) and not torch.equal(a, c)
     assert int(a.min()) >= 3 and int(a.max()) <= 7
 
@@ -154,7 +156,7 @@ def test_cpu_peak_memory_counts_allocations_inside_ops():
         d = torch.ones(mib, dtype=torch.uint8)
         del d
 
-    peak = bench.cpu_peak_memory_bytes(work)
+    peak = bench_metrics.cpu_peak_memory_bytes(work)
     assert 6 * mib <= peak < 6 * mib + 64 * 1024
 
 
@@ -260,7 +262,7 @@ def test_bench_json_tables_trace_and_order(tmp_path):
         b, rows = c["batch_size"], c["batch_size"] * c["samples_per_prompt"]
         for mode, e in c["modes"].items():
             assert e["error"] is None and len(e["iterations"]) == 3
-            assert set(e["summary"]) == set(bench.SUMMARY_FIELDS) >= set(bench.PROFILE_FIELDS)
+            assert set(e["summary"]) == set(bench_cases.SUMMARY_FIELDS) >= set(bench_cases.PROFILE_FIELDS)
             for field, s in e["summary"].items():
                 values = [p[field] for p in e["iterations"]]
                 if s is None:
@@ -273,7 +275,7 @@ def test_bench_json_tables_trace_and_order(tmp_path):
             assert e["summary"]["generated_tokens"]["p50"] == rows * R
             assert e["peak_memory_method"] == "cpu_profiler" and e["peak_memory_bytes"] > 0
             assert len(e["tokens_sha256"]) == 64
-            assert e["median_stages"] == bench.stage_breakdown(e)
+            assert e["median_stages"] == bench_stats.stage_breakdown(e)
             assert e["median_stages"]["total_ms"] == e["summary"]["total_ms"]["p50"]
             for it in e["iterations"]:
                 # Decode per step and the bandwidth, recomputed from their definitions.
@@ -358,7 +360,7 @@ def test_modes_run_interleaved_and_a_failed_mode_leaves_the_rounds(monkeypatch):
     from torchkvops.models import build_model
 
     calls = []
-    case = bench.Case(1, 2, 4, 3)
+    case = bench_cases.Case(1, 2, 4, 3)
 
     class Runner:
         def __init__(self, mode):
@@ -372,7 +374,7 @@ def test_modes_run_interleaved_and_a_failed_mode_leaves_the_rounds(monkeypatch):
             return torch.zeros(case.rows, case.response_length, dtype=torch.long)
 
         def profile(self, clock, end):
-            p = dict.fromkeys(bench.PROFILE_FIELDS)
+            p = dict.fromkeys(bench_cases.PROFILE_FIELDS)
             p.update(total_ms=1e9, decode_ms=2.0, decode_steps=2, generated_tokens=case.rows * 3, batch_size=1,
                      samples_per_prompt=2, prompt_length=4, response_length=3)
             return p
@@ -383,9 +385,9 @@ def test_modes_run_interleaved_and_a_failed_mode_leaves_the_rounds(monkeypatch):
         def close(self):
             pass
 
-    monkeypatch.setattr(bench, "_make_runner", lambda mode, *args: Runner(mode))
+    monkeypatch.setattr(bench, "make_runner", lambda mode, *args: Runner(mode))
     modes = ["expanded", "prefix", "hf-generate"]
-    (result,) = bench.run_matrix(build_model("tiny"), [case], modes, bench.Settings(warmup=2, iterations=3),
+    (result,) = bench.run_matrix(build_model("tiny"), [case], modes, bench_cases.Settings(warmup=2, iterations=3),
                                  vocab_size=512, special_ids=[0, 1, 2], pad_token_id=0, progress=False)
     a, b, c = modes
     assert calls == [a, a, b, b, c, c,  # warm-ups
@@ -491,17 +493,17 @@ def test_rollout_from_a_checkpoint_left_pads_and_matches_hf_greedy(tmp_path, che
 def test_prompts_files_plain_and_jsonl(tmp_path):
     plain = tmp_path / "prompts.txt"
     plain.write_text("the cat\n\n{not json} the dog ran\n")
-    assert cli.read_prompts(str(plain)) == ["the cat", "{not json} the dog ran"]
+    assert cli_rollout.read_prompts(str(plain)) == ["the cat", "{not json} the dog ran"]
     jsonl = tmp_path / "prompts.data"
     jsonl.write_text('{"prompt": "a", "id": 1}\n\n{"prompt": "b c"}\n')
-    assert cli.read_prompts(str(jsonl)) == ["a", "b c"]
+    assert cli_rollout.read_prompts(str(jsonl)) == ["a", "b c"]
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "a"}\n{"text": "b"}\n')
-    with pytest.raises(cli.CLIError, match=r"bad.jsonl:2: .*\"prompt\" field"):
-        cli.read_prompts(str(bad))
+    with pytest.raises(cli_checks.CLIError, match=r"bad.jsonl:2: .*\"prompt\" field"):
+        cli_rollout.read_prompts(str(bad))
     (tmp_path / "empty.txt").write_text("\n \n")
-    with pytest.raises(cli.CLIError, match="no prompts"):
-        cli.read_prompts(str(tmp_path / "empty.txt"))
+    with pytest.raises(cli_checks.CLIError, match="no prompts"):
+        cli_rollout.read_prompts(str(tmp_path / "empty.txt"))
 
 
 # --- bad input -----------------------------------------------------------------------------------
@@ -554,7 +556,8 @@ def test_prompt_longer_than_the_checkpoint_allows(checkpoint):
 
 @pytest.mark.skipif(HAS_GPU, reason="this machine has a GPU")
 def test_cuda_without_a_gpu_is_the_same_one_line_in_every_command(capsys, monkeypatch):
-    monkeypatch.setattr(cli, "load_model", lambda *a, **k: pytest.fail("the model was built"))
+    for command in (cli_rollout, cli_bench):
+        monkeypatch.setattr(command, "load_model", lambda *a, **k: pytest.fail("the model was built"))
     errors = []
     for args in (["rollout", *TINY, "--device", "cuda"], ["bench", *TINY, "--device", "cuda"],
                  ["bench-op", "--device", "cuda"]):
@@ -723,7 +726,7 @@ def test_names_spelled_out_for_parsing_match_the_library():
     from torchkvops.models import MODEL_SHAPES
 
     assert list(cli.MODEL_SHAPE_NAMES) == list(MODEL_SHAPES) and "llama-small" in MODEL_SHAPES
-    assert cli.MODE_NAMES == bench.MODES and cli.DEFAULT_MODES == bench.DEFAULT_MODES
+    assert cli.MODE_NAMES == bench_cases.MODES and cli.DEFAULT_MODES == bench_cases.DEFAULT_MODES
 
 
 def test_every_option_has_help_and_bench_op_help_shows_defaults_and_methods(capsys, monkeypatch):
@@ -814,15 +817,15 @@ def test_output_check_leaves_an_existing_file_alone(tmp_path):
     f = tmp_path / "old.json"
     f.write_text('{"keep": true}')
     before = f.stat()
-    cli.check_output_file(str(f), "--output")
-    cli.check_output_dir(str(tmp_path / "new" / "traces"), "--trace")
+    cli_checks.check_output_file(str(f), "--output")
+    cli_checks.check_output_dir(str(tmp_path / "new" / "traces"), "--trace")
     assert f.read_text() == '{"keep": true}' and f.stat().st_mtime_ns == before.st_mtime_ns
     assert sorted(p.name for p in tmp_path.iterdir()) == ["old.json"]  # nothing created
 
 
 def test_sizes_the_model_cannot_take_fail_before_it_is_built(capsys, monkeypatch):
-    monkeypatch.setattr(cli, "load_model", lambda *a, **k: pytest.fail("the model was built"))
-    monkeypatch.setattr(cli, "available_memory_bytes", lambda: 2**30)  # 1 GiB free, on any machine
+    monkeypatch.setattr(cli_rollout, "load_model", lambda *a, **k: pytest.fail("the model was built"))
+    monkeypatch.setattr(cli_checks, "available_memory_bytes", lambda: 2**30)  # 1 GiB free, on any machine
     # 64 prompts x 16 samples x (1024 + 512) tokens of opt-125m's KV in fp32: about 108 GiB.
     rc = cli.main(["rollout", "--model-shape", "opt-125m", "--device", "cpu", "--num-prompts", "64", "-n", "16",
                    "--prompt-length", "1024", "--max-new-tokens", "512"])
@@ -839,19 +842,19 @@ def test_sizes_the_model_cannot_take_fail_before_it_is_built(capsys, monkeypatch
 # --- bench: the JSON after every case, atomically ------------------------------------------------
 def test_write_json_atomic_replaces_the_whole_file_or_nothing(tmp_path, monkeypatch):
     path = tmp_path / "r.json"
-    bench.write_json_atomic(path, {"a": 1})
+    atomic_write.write_json_atomic(path, {"a": 1})
     path.chmod(0o640)
-    bench.write_json_atomic(path, {"a": 2})
+    atomic_write.write_json_atomic(path, {"a": 2})
     assert json.loads(path.read_text()) == {"a": 2} and path.stat().st_mode & 0o777 == 0o640
     with pytest.raises(TypeError):  # not serializable: nothing written
-        bench.write_json_atomic(path, {"a": object()})
+        atomic_write.write_json_atomic(path, {"a": object()})
 
     def full_disk(fd):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(os, "fsync", full_disk)
     with pytest.raises(OSError, match="No space"):
-        bench.write_json_atomic(path, {"a": 3})
+        atomic_write.write_json_atomic(path, {"a": 3})
     assert json.loads(path.read_text()) == {"a": 2}
     assert [p.name for p in tmp_path.iterdir()] == ["r.json"]  # no temporary file left behind
 
@@ -926,8 +929,8 @@ def test_sigint_during_a_bench_keeps_the_finished_cases(tmp_path):
 
 
 def test_estimate_scales_the_first_call_by_each_cases_work():
-    cases = bench.plan_cases([1, 4], [2], [10], [6])  # rows x (P+R): 2 x 16 = 32 and 8 x 16 = 128
-    order = bench.run_order(cases)
+    cases = bench_cases.plan_cases([1, 4], [2], [10], [6])  # rows x (P+R): 2 x 16 = 32 and 8 x 16 = 128
+    order = bench_cases.run_order(cases)
     assert cases[order[0]].batch_size == 4
     assert bench.estimate_seconds(2.0, cases, order, n_modes=3, per_mode=5) == pytest.approx(
         2.0 * 3 * 5 * (32 + 128) / 128)
@@ -942,53 +945,54 @@ def _iteration(total, prefill, decode, kv=0.5, expansion=0.25, post=0.125, token
 def test_stage_breakdown_adds_up_to_the_median_total():
     # Per-field medians (prefill 35, decode 30) would stack to about 66; the median total is 61.
     its = [_iteration(61.0, 10.0, 50.0), _iteration(60.5, 40.0, 20.0), _iteration(66.0, 35.0, 30.0)]
-    entry = {"error": None, "iterations": its, "summary": bench.summarize_profiles(its)}
-    split = bench.stage_breakdown(entry)
+    entry = {"error": None, "iterations": its, "summary": bench_stats.summarize_profiles(its)}
+    split = bench_stats.stage_breakdown(entry)
     assert split["iterations"] == [0] and split["total_ms"] == entry["summary"]["total_ms"]["p50"] == 61.0
     assert (split["prefill_ms"], split["decode_ms"]) == (10.0, 50.0)
-    stages = sum(split[f] for f in bench.STAGE_FIELDS)
+    stages = sum(split[f] for f in bench_cases.STAGE_FIELDS)
     assert split["other_ms"] == pytest.approx(61.0 - stages) and stages + split["other_ms"] == pytest.approx(61.0)
     assert split["tokens_per_second"] == pytest.approx(8 / 0.061)
-    segments = bench.plot_segments(entry)
+    segments = bench_report.plot_segments(entry)
     assert [label for label, _ in segments] == ["prompt_expansion", "prefill", "kv_expand", "decode",
                                                 "post_processing", "other"]
     assert sum(v for _, v in segments) == pytest.approx(61.0)
 
     # An even count: the mean of the two middle iterations, whose mean total is the median.
     its.append(_iteration(70.0, 1.0, 60.0))
-    entry = {"error": None, "iterations": its, "summary": bench.summarize_profiles(its)}
-    split = bench.stage_breakdown(entry)
+    entry = {"error": None, "iterations": its, "summary": bench_stats.summarize_profiles(its)}
+    split = bench_stats.stage_breakdown(entry)
     assert sorted(split["iterations"]) == [0, 2] and split["total_ms"] == entry["summary"]["total_ms"]["p50"] == 63.5
     assert split["prefill_ms"] == 22.5 and split["decode_ms"] == 40.0
-    assert sum(v for _, v in bench.plot_segments(entry)) == pytest.approx(63.5)
+    assert sum(v for _, v in bench_report.plot_segments(entry)) == pytest.approx(63.5)
 
     # A mode without stages (hf-generate): its total alone.
     hf = [dict(_iteration(t, 0, 0), prefill_ms=None, decode_ms=None, kv_expand_ms=None, prompt_expansion_ms=None,
                post_processing_ms=None) for t in (80.0, 90.0, 85.0)]
-    entry = {"error": None, "iterations": hf, "summary": bench.summarize_profiles(hf)}
-    assert bench.plot_segments(entry) == [("total (not split)", 85.0)]
-    assert bench.plot_segments({"error": "boom", "iterations": [], "median_stages": None}) == []
+    entry = {"error": None, "iterations": hf, "summary": bench_stats.summarize_profiles(hf)}
+    assert bench_report.plot_segments(entry) == [("total (not split)", 85.0)]
+    assert bench_report.plot_segments({"error": "boom", "iterations": [], "median_stages": None}) == []
 
 
 def test_table_stages_add_up_to_its_total_and_say_which_statistic():
     its = [_iteration(61.0, 10.0, 50.0), _iteration(60.5, 40.0, 20.0), _iteration(66.0, 35.0, 30.0)]
-    entry = {"error": None, "iterations": its, "summary": bench.summarize_profiles(its), "peak_memory_bytes": 2**20}
-    entry["median_stages"] = bench.stage_breakdown(entry)
+    entry = {"error": None, "iterations": its, "summary": bench_stats.summarize_profiles(its),
+             "peak_memory_bytes": 2**20}
+    entry["median_stages"] = bench_stats.stage_breakdown(entry)
     result = {"case": "B1_N2_P4_R2", "batch_size": 1, "samples_per_prompt": 2, "prompt_length": 4,
               "response_length": 2, "error": None, "modes": {"shared": entry}, "tokens_agree": {"pairs": {}}}
-    table = bench.format_case_table(result, 3)
+    table = bench_report.format_case_table(result, 3)
     assert "3 timed iterations: times of the median-total iteration, so the stages add up to the total" in table
     row = [line for line in table.splitlines() if line.startswith("| shared |")][0]
     prefill, kv, decode, other, total = (float(c) for c in row.split("|")[2:7])
     assert total == 61.0 and prefill + kv + decode + other == pytest.approx(total, abs=0.2)
     one = dict(entry, iterations=its[:1], median_stages=None)
-    table = bench.format_case_table(dict(result, modes={"shared": one}), 1)
+    table = bench_report.format_case_table(dict(result, modes={"shared": one}), 1)
     assert "1 timed iteration:" in table and "1 timed iterations" not in table
 
 
 def test_a_failed_write_mid_run_is_retried_after_the_next_case(tmp_path, monkeypatch, capsys):
     out = tmp_path / "bench.json"
-    real_write, calls = bench.write_json_atomic, []
+    real_write, calls = atomic_write.write_json_atomic, []
 
     def flaky(path, obj):  # the second write (after the first case) fails, as on a full disk
         calls.append(len(obj["cases"]))
@@ -996,7 +1000,7 @@ def test_a_failed_write_mid_run_is_retried_after_the_next_case(tmp_path, monkeyp
             raise OSError(28, "No space left on device")
         real_write(path, obj)
 
-    monkeypatch.setattr(bench, "write_json_atomic", flaky)
+    monkeypatch.setattr(atomic_write, "write_json_atomic", flaky)
     rc = cli.main([*INTERRUPT_BENCH, "--output", str(out)])
     captured = capsys.readouterr()
     assert rc == 0, captured.err

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from torchkvops import cli
+from torchkvops import cli_checks, cli_launch
 
 ROOT = Path(__file__).absolute().parents[1]
 TIMEOUT = 120
@@ -53,11 +53,11 @@ def records(path: Path) -> list[dict]:
 
 # --- the helpers, directly -----------------------------------------------------------------------
 def test_shards_are_contiguous_and_differ_by_at_most_one():
-    assert cli.shard_bounds(3, 2) == [(0, 2), (2, 3)]
-    assert cli.shard_bounds(2, 4) == [(0, 1), (1, 2), (2, 2), (2, 2)]  # fewer prompts than processes
+    assert cli_launch.shard_bounds(3, 2) == [(0, 2), (2, 3)]
+    assert cli_launch.shard_bounds(2, 4) == [(0, 1), (1, 2), (2, 2), (2, 2)]  # fewer prompts than processes
     for count in range(0, 12):
         for world in range(1, 6):
-            bounds = cli.shard_bounds(count, world)
+            bounds = cli_launch.shard_bounds(count, world)
             assert bounds[0][0] == 0 and bounds[-1][1] == count
             assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
             sizes = [hi - lo for lo, hi in bounds]
@@ -65,16 +65,16 @@ def test_shards_are_contiguous_and_differ_by_at_most_one():
 
 
 def test_torchrun_is_detected_from_its_environment():
-    assert cli.torchrun_env({}) is None
-    assert cli.torchrun_env({"WORLD_SIZE": "1", "RANK": "0"}) is None
-    assert cli.torchrun_env({"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1"}) == {
+    assert cli_launch.torchrun_env({}) is None
+    assert cli_launch.torchrun_env({"WORLD_SIZE": "1", "RANK": "0"}) is None
+    assert cli_launch.torchrun_env({"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1"}) == {
         "world_size": 2, "rank": 1, "local_rank": 1}
     # torchrun --nproc-per-node 1 is still torchrun
-    assert cli.torchrun_env({"TORCHELASTIC_RUN_ID": "x", "WORLD_SIZE": "1", "RANK": "0"})["world_size"] == 1
-    with pytest.raises(cli.CLIError, match="RANK='a' is not an integer"):
-        cli.torchrun_env({"WORLD_SIZE": "2", "RANK": "a"})
-    with pytest.raises(cli.CLIError, match="outside"):
-        cli.torchrun_env({"WORLD_SIZE": "2", "RANK": "2"})
+    assert cli_launch.torchrun_env({"TORCHELASTIC_RUN_ID": "x", "WORLD_SIZE": "1", "RANK": "0"})["world_size"] == 1
+    with pytest.raises(cli_checks.CLIError, match="RANK='a' is not an integer"):
+        cli_launch.torchrun_env({"WORLD_SIZE": "2", "RANK": "a"})
+    with pytest.raises(cli_checks.CLIError, match="outside"):
+        cli_launch.torchrun_env({"WORLD_SIZE": "2", "RANK": "2"})
 
 
 # --- under torchrun ------------------------------------------------------------------------------
@@ -161,11 +161,11 @@ def test_a_mode_that_fails_on_another_process_fails_on_this_one_too(monkeypatch)
     take the same collective steps) and record process 1's error, while `prefix` goes on."""
     import torch
 
-    from torchkvops import bench
+    from torchkvops import bench, bench_cases, bench_world
     from torchkvops.models import build_model
 
     calls = []
-    case = bench.Case(1, 2, 4, 3)
+    case = bench_cases.Case(1, 2, 4, 3)
 
     class Runner:
         def __init__(self, mode):
@@ -176,7 +176,7 @@ def test_a_mode_that_fails_on_another_process_fails_on_this_one_too(monkeypatch)
             return torch.zeros(case.rows, case.response_length, dtype=torch.long)
 
         def profile(self, clock, end):
-            p = dict.fromkeys(bench.PROFILE_FIELDS)
+            p = dict.fromkeys(bench_cases.PROFILE_FIELDS)
             p.update(decode_ms=2.0, decode_steps=2, generated_tokens=6, batch_size=1, samples_per_prompt=2,
                      prompt_length=4, response_length=3)
             return p
@@ -187,7 +187,7 @@ def test_a_mode_that_fails_on_another_process_fails_on_this_one_too(monkeypatch)
         def close(self):
             pass
 
-    class ElsewhereFails(bench.World):
+    class ElsewhereFails(bench_world.World):
         """Process 0 of 2; process 1's statuses are made up (records are this process's only)."""
 
         def __init__(self):
@@ -200,9 +200,9 @@ def test_a_mode_that_fails_on_another_process_fails_on_this_one_too(monkeypatch)
             # steps: the case's prompts, 2 runners made, 1 warm-up each, then round 0: shared's timed call is 6th
             return mine + ([(1, "OutOfMemoryError: simulated")] if len(self.steps) == 6 else [])
 
-    monkeypatch.setattr(bench, "_make_runner", lambda mode, *args: Runner(mode))
+    monkeypatch.setattr(bench, "make_runner", lambda mode, *args: Runner(mode))
     world = ElsewhereFails()
-    settings = bench.Settings(warmup=1, iterations=2)
+    settings = bench_cases.Settings(warmup=1, iterations=2)
     (result,) = bench.run_matrix(build_model("tiny"), [case], ["shared", "prefix"], settings, vocab_size=512,
                                  special_ids=[0, 1, 2], pad_token_id=0, progress=False, world=world)
     assert calls == ["shared", "prefix", "shared", "prefix", "prefix", "prefix"]  # warm-ups, rounds, peak

@@ -25,7 +25,6 @@ Run as `python benchmarks/bench_repeat_kv_cache.py ...` or `torchkvops bench-op 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import statistics
@@ -34,7 +33,7 @@ import time
 from collections.abc import Callable, Sequence
 
 # No torch at import time: `torchkvops bench-op --help` and bad arguments answer without it.
-from .cli import CLIError, available_memory_bytes, check_output_file, device_name, float_in, gib, int_in
+from .cli_checks import CLIError, available_memory_bytes, check_output_file, device_name, float_in, gib, int_in
 
 DTYPE_NAMES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
 ITEMSIZE = {"fp16": 2, "bf16": 2, "fp32": 4}
@@ -240,7 +239,8 @@ def run(args: Sequence[str] | argparse.Namespace | None = None,
     on_row(rows so far) is called after each size."""
     if not isinstance(args, argparse.Namespace):
         args = parse_args(args)
-    from .cli import load_library, resolve_device
+    from .cli import load_library
+    from .cli_launch import resolve_device
 
     load_library()
     import torch
@@ -343,7 +343,7 @@ def format_table(results: list[dict]) -> str:
 
 def execute(args: argparse.Namespace) -> int:
     """`torchkvops bench-op`: run, print the table, write --output (after every size, atomically)."""
-    from .bench import write_json_atomic
+    from .atomic_write import write_json_atomic
 
     done: list[dict] = []
 

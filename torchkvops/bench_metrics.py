@@ -1,0 +1,218 @@
+"""How a bench call is measured: the one clock every call is timed with, the bytes a decode step reads
+and the copy_ roofline they are compared with, a call's peak memory, and a Chrome trace of a call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import itertools
+import os
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from .bench_stats import summarize
+from .kv_cache import KVShape
+
+__all__ = ["BYTES_NOTE", "ROOFLINE_NOTE", "PEAK_NOTE", "Clock", "model_weight_bytes", "kv_bytes_per_token", "Traffic",
+           "copy_roofline", "cpu_peak_memory_bytes", "peak_memory_bytes", "export_trace"]
+
+BYTES_NOTE = ("bytes read per decode step, a model of the useful traffic (not what kernels read over padding or masked "
+              "positions): weight_bytes = bytes of the model's unique parameters and buffers (tied weights once, by "
+              "storage; the input embedding counted in full); kv_bytes_per_token = layers x 2 x kv_heads x head_dim x "
+              "dtype bytes; decode step t = 1..S (S = decode_steps) attends to P + t keys per row, averaged over the "
+              "steps: t_avg = (S + 1) / 2. kv_bytes_per_step: expanded, shared, hf-generate, hf-static: rows x "
+              "kv_bytes_per_token x (P + t_avg); prefix: (B x P + rows x t_avg) x kv_bytes_per_token, with rows = "
+              "B x N. achieved_gbps = (weight_bytes + kv_bytes_per_step) / decode_ms_per_step / 1e6 (GB/s, 1e9 "
+              "bytes); roofline_fraction = achieved_gbps / copy_roofline_gbps (CUDA only)")
+ROOFLINE_NOTE = ("CUDA only: at the start of the run, dst.copy_(src) device to device on two buffers of `bytes` each "
+                 "(1 GiB, less when memory is short), timed with CUDA events; copy_roofline_gbps = 2 x bytes (read "
+                 "+ write) / the median of `repeats` timed copies")
+PEAK_NOTE = {"cuda": "torch.cuda.max_memory_allocated over one extra call per mode after the timed rounds, every "
+                     "mode's buffers released first (weights included)",
+             "cpu": "one extra call per mode after the timed rounds, every mode's buffers released first, under "
+                    "torch.profiler(profile_memory=True): peak of the running sum of its [memory] events, i.e. "
+                    "memory held beyond what was allocated when the call began (weights excluded)"}
+
+
+# --- clocks, bytes and the roofline --------------------------------------------------------------
+class Clock:
+    """The one clock every call is timed with: CUDA events recorded on the device's current stream and
+    read after a synchronize (CUDA), time.perf_counter (CPU, where the work is synchronous)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.cuda = device.type == "cuda"
+
+    def mark(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record(torch.cuda.current_stream(self.device))
+            return event
+        return time.perf_counter()
+
+    def wait(self) -> None:
+        """Host sync (CUDA): the marks recorded so far can be read."""
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def ms(self, start, end) -> float:
+        return start.elapsed_time(end) if self.cuda else (end - start) * 1e3
+
+
+def model_weight_bytes(model: nn.Module) -> int:
+    """Bytes of the model's unique parameters and buffers, counted once per storage (tied weights once)."""
+    storages: dict[tuple, int] = {}
+    for t in itertools.chain(model.parameters(), model.buffers()):
+        s = t.untyped_storage()
+        key = (t.device, s.data_ptr())
+        storages[key] = max(storages.get(key, 0), s.nbytes())
+    return sum(storages.values())
+
+
+def kv_bytes_per_token(model: nn.Module) -> int:
+    """layers x (K, V) x kv_heads x head_dim x the bytes of the model's dtype."""
+    shape = KVShape.from_config(model.config)
+    return shape.layers * 2 * shape.kv_heads * shape.head_dim * next(model.parameters()).element_size()
+
+
+@dataclasses.dataclass(frozen=True)
+class Traffic:
+    """What a decode step reads (BYTES_NOTE), and the roofline to compare it with (None on the CPU)."""
+
+    weight_bytes: int
+    kv_bytes_per_token: int
+    roofline_gbps: float | None = None
+
+    @classmethod
+    def of(cls, model: nn.Module, roofline_gbps: float | None = None) -> "Traffic":
+        return cls(model_weight_bytes(model), kv_bytes_per_token(model), roofline_gbps)
+
+    def kv_bytes_per_step(self, mode: str, batch: int, samples: int, prompt_len: int, steps: int) -> float | None:
+        """KV bytes one decode step attends to, averaged over steps t = 1..steps (P + t keys per row)."""
+        if steps <= 0:
+            return None
+        t_avg = (steps + 1) / 2
+        rows = batch * samples
+        if mode == "prefix":  # the prompt once per prompt, each row's own response keys
+            return float(self.kv_bytes_per_token * (batch * prompt_len + rows * t_avg))
+        return float(self.kv_bytes_per_token * rows * (prompt_len + t_avg))
+
+    def annotate(self, mode: str, profile: dict) -> dict:
+        """Add decode_ms_per_step, kv_bytes_per_step, weight_bytes, achieved_gbps, roofline_fraction."""
+        steps, decode_ms = profile.get("decode_steps") or 0, profile.get("decode_ms")
+        per_step = decode_ms / steps if steps > 0 and decode_ms is not None else None
+        kv = self.kv_bytes_per_step(mode, profile["batch_size"], profile["samples_per_prompt"],
+                                    profile["prompt_length"], steps)
+        gbps = (self.weight_bytes + kv) / per_step / 1e6 if per_step and kv is not None else None
+        fraction = gbps / self.roofline_gbps if gbps is not None and self.roofline_gbps else None
+        profile.update(decode_ms_per_step=per_step, kv_bytes_per_step=kv, weight_bytes=self.weight_bytes,
+                       achieved_gbps=gbps, roofline_fraction=fraction)
+        return profile
+
+
+def copy_roofline(device: torch.device, max_bytes: int = 1 << 30, repeats: int = 7) -> dict | None:
+    """ROOFLINE_NOTE: device-to-device dst.copy_(src) bandwidth, on CUDA only (None elsewhere)."""
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    nbytes = min(max_bytes, free // 4) // (1 << 20) * (1 << 20)  # two buffers, and room to spare
+    if nbytes <= 0:
+        return None
+    clock = Clock(device)
+    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = clock.mark()
+        dst.copy_(src)
+        end = clock.mark()
+        clock.wait()
+        times.append(clock.ms(start, end))
+    del src, dst
+    torch.cuda.empty_cache()
+    ms = summarize(times)["p50"]
+    return {"copy_roofline_gbps": 2 * nbytes / ms / 1e6, "bytes": nbytes, "median_ms": ms, "repeats": repeats,
+            "note": ROOFLINE_NOTE}
+
+
+# --- memory and traces ---------------------------------------------------------------------------
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@contextlib.contextmanager
+def _profiling(prof):
+    """Run the body under `prof`. The profiler's native library prints "profiler_start/stop" (and on
+    CPU-only machines "gpuGetDeviceCount failed") to the process's stderr whatever KINETO_LOG_LEVEL
+    says, so stderr's file descriptor points at /dev/null while it starts and stops, and only then:
+    the body's own errors still show."""
+
+    def quietly(action):
+        sys.stderr.flush()
+        saved = os.dup(2)
+        try:
+            with open(os.devnull, "w") as null:
+                os.dup2(null.fileno(), 2)
+                action()
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+
+    quietly(prof.start)
+    try:
+        yield prof
+    finally:
+        quietly(prof.stop)
+
+
+def cpu_peak_memory_bytes(fn: Callable[[], object]) -> int:
+    """Run fn once under the profiler with profile_memory=True and return the peak of the running
+    sum of its CPU "[memory]" events (+bytes allocated, -bytes freed) in time order.
+
+    The raw kineto events are read: `prof.events()` folds allocations made inside an op into that op
+    and keeps as "[memory]" only those made outside any op (checked on torch 2.14)."""
+    from torch.autograd.profiler_util import MEMORY_EVENT_NAME
+    from torch.profiler import ProfilerActivity, profile
+
+    with _profiling(profile(activities=[ProfilerActivity.CPU], profile_memory=True)) as prof:
+        fn()
+    cpu_types = {torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.MKLDNN, torch.autograd.DeviceType.IDEEP}
+    events = [e for e in prof.profiler.kineto_results.events()
+              if e.name() == MEMORY_EVENT_NAME and e.device_type() in cpu_types]
+    running = peak = 0
+    for e in sorted(events, key=lambda e: e.start_ns()):
+        running += e.nbytes()
+        peak = max(peak, running)
+    return peak
+
+
+def peak_memory_bytes(runner, device: torch.device) -> int:
+    """PEAK_NOTE: one call, every mode's buffers already released by the caller."""
+    gc.collect()  # garbage of earlier calls is freed now, not inside the measured call
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        runner.run()
+        _sync(device)
+        return torch.cuda.max_memory_allocated(device)
+    return cpu_peak_memory_bytes(runner.run)
+
+
+def export_trace(fn: Callable[[], object], path: str, device: torch.device) -> None:
+    """Run fn once under torch.profiler and write a Chrome trace (the torchkvops.* stages show as
+    user annotations)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with _profiling(profile(activities=activities)) as prof:
+        fn()
+        _sync(device)
+    prof.export_chrome_trace(path)

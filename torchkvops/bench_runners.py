@@ -1,0 +1,144 @@
+"""The modes, one call at a time: each mode's runner makes one Rollout or Hugging Face generate call
+for a case's prompts (run) and then reports that call's profile (profile); timed_call times the whole
+call with the clock every mode shares.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from .bench_cases import HF_MODES, MODES, PROFILE_FIELDS, ROLLOUT_MODES, Case, Settings
+from .bench_metrics import Clock
+from .rollout import Rollout, RolloutConfig
+
+__all__ = ["DECODE_STEP_NOTE", "make_runner", "timed_call"]
+
+DECODE_STEP_NOTE = {
+    "rollout modes": "decode_ms / decode_steps from the rollout's profile: its decode stage (sampling the first token "
+                     "from the prefill logits, then R-1 decode steps) over its R-1 steps",
+    "hf modes": "forward pre-hooks on the model record the clock at the start of every forward during the timed call "
+                "(CUDA events, no synchronize in the hook); the first forward is the prefill. prefill_ms = start of "
+                "the second forward - start of the first; decode_ms = end of the call - start of the second forward; "
+                "decode_steps = forwards - 1; decode_ms_per_step = decode_ms / decode_steps",
+}
+
+
+class _RolloutRunner:
+    """One rollout mode. run() is one generate call; profile() reads its stage times afterwards."""
+
+    def __init__(self, model: nn.Module, case: Case, mode: str, s: Settings, prompts: Tensor):
+        self.prompts = prompts
+        self.rollout = Rollout(model, RolloutConfig(
+            samples_per_prompt=case.samples_per_prompt, max_new_tokens=case.response_length,
+            shared_prefill=mode != "expanded", kv_sharing="prefix" if mode == "prefix" else "copy",
+            enable_profiling=True, compile=s.compile, temperature=s.temperature, top_p=s.top_p, seed=s.seed,
+            eos_token_id=[],  # never stop early: every mode generates exactly R tokens
+        ))
+
+    def run(self) -> Tensor:
+        return self.rollout.generate(self.prompts).responses
+
+    def profile(self, clock: Clock, end) -> dict:
+        p = self.rollout.get_last_profile().to_dict()
+        p["rollout_total_ms"] = p["total_ms"]
+        p["peak_memory_bytes"] = None  # while modes interleave, other modes' buffers are held too: see PEAK_NOTE
+        return p
+
+    def free(self) -> None:
+        self.rollout.release()
+
+    def close(self) -> None:
+        self.free()
+
+
+class _HFRunner:
+    """model.generate, default or static cache. A forward pre-hook records the clock at the start of
+    every forward of this runner's calls (DECODE_STEP_NOTE); it stays registered from construction to
+    close(), so that a compiled decode (hf-static on CUDA) sees the same hooks in its warm-up and timed
+    calls and is not recompiled between them."""
+
+    def __init__(self, model: nn.Module, case: Case, s: Settings, prompts: Tensor, pad_token_id: int, clock: Clock,
+                 static: bool):
+        self.model, self.case, self.s, self.clock = model, case, s, clock
+        n = case.samples_per_prompt
+        self.kwargs = dict(max_new_tokens=case.response_length, min_new_tokens=case.response_length,
+                           pad_token_id=pad_token_id, use_cache=True,
+                           # No EOS at all, as the rollout's eos_token_id=[]: with an EOS, min_new_tokens
+                           # would mask its logit and greedy tokens could differ from the rollout's.
+                           eos_token_id=None)
+        if static:
+            self.kwargs["cache_implementation"] = "static"
+        if s.greedy:
+            # HF refuses greedy search with num_return_sequences > 1: repeat the prompts instead
+            # (repeat_interleave, the rollout's row order).
+            self.input_ids = prompts.repeat_interleave(n, dim=0)
+            self.kwargs.update(do_sample=False)
+        else:
+            self.input_ids = prompts
+            self.kwargs.update(do_sample=True, num_return_sequences=n, temperature=s.temperature, top_p=s.top_p,
+                               top_k=0)  # top_k=0: off, as in the rollout (HF's default is 50)
+        self.attention_mask = torch.ones_like(self.input_ids)
+        self._recording: list | None = None  # the marks of the call under way
+        self.marks: list = []  # the marks of the last call
+
+        def mark(module, args):
+            if self._recording is not None:
+                self._recording.append(clock.mark())
+
+        # Outside any compiled graph: a compiled call breaks its graph here and runs the hook eagerly.
+        self._hook = model.register_forward_pre_hook(torch.compiler.disable(mark))
+
+    def run(self) -> Tensor:
+        torch.manual_seed(self.s.seed)
+        self._recording = []
+        try:
+            out = self.model.generate(self.input_ids, attention_mask=self.attention_mask, **self.kwargs)
+        finally:
+            self.marks, self._recording = self._recording, None
+        c = self.case
+        responses = out[:, c.prompt_length:]
+        if tuple(responses.shape) != (c.rows, c.response_length):
+            raise RuntimeError(f"Hugging Face generate returned responses of shape {tuple(responses.shape)}, "
+                               f"expected {(c.rows, c.response_length)}")
+        return responses
+
+    def profile(self, clock: Clock, end) -> dict:
+        c, marks = self.case, self.marks
+        if not marks:
+            raise RuntimeError("Hugging Face generate ran no forward through the model (the timing hook saw none)")
+        profile = dict.fromkeys(PROFILE_FIELDS)  # the stages it cannot report stay None
+        second = marks[1] if len(marks) > 1 else end
+        profile.update(prefill_ms=clock.ms(marks[0], second), decode_ms=clock.ms(second, end),
+                       decode_steps=len(marks) - 1, generated_tokens=c.rows * c.response_length,
+                       batch_size=c.batch_size, samples_per_prompt=c.samples_per_prompt,
+                       prompt_length=c.prompt_length, response_length=c.response_length)
+        return profile
+
+    def free(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self._hook.remove()
+
+
+def make_runner(mode: str, model: nn.Module, case: Case, s: Settings, prompts: Tensor, pad_token_id: int,
+                 clock: Clock):
+    if mode in ROLLOUT_MODES:
+        return _RolloutRunner(model, case, mode, s, prompts)
+    if mode in HF_MODES:
+        return _HFRunner(model, case, s, prompts, pad_token_id, clock, static=mode == "hf-static")
+    raise ValueError(f"bench: unknown mode {mode!r}; choose from {', '.join(MODES)}")
+
+
+def timed_call(runner, clock: Clock) -> tuple[dict, Tensor]:
+    """One call of a mode, timed around the whole call by the shared clock (TIMING_NOTE)."""
+    start = clock.mark()
+    responses = runner.run()
+    end = clock.mark()
+    clock.wait()
+    profile = runner.profile(clock, end)
+    total = clock.ms(start, end)
+    profile["total_ms"] = total
+    profile["tokens_per_second"] = profile["generated_tokens"] / (total / 1e3) if total > 0 else 0.0
+    return profile, responses

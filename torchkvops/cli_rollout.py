@@ -1,0 +1,160 @@
+"""`torchkvops rollout`: generate N samples for each prompt (text prompts through the checkpoint's
+tokenizer, or synthetic token ids) and print them, or also write them as JSONL. Under torchrun each
+process generates a contiguous shard of the prompts and the first process prints every sample.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from .cli_checks import CLIError, check_kv_memory, check_positions
+from .cli_launch import RunError, current_rank, current_world_size, say, shard_bounds, start_processes
+from .cli_model import load_config, load_model, resolve_dtype, special_ids, vocab_size
+
+__all__ = ["cmd_rollout", "read_prompts"]
+
+
+def read_prompts(path: str) -> list[str]:
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise CLIError(f"--prompts {path}: cannot read: {e}") from None
+    numbered = [(i + 1, line) for i, line in enumerate(lines) if line.strip()]
+    if not numbered:
+        raise CLIError(f"--prompts {path}: no prompts in the file")
+    jsonl = path.endswith(".jsonl")
+    if not jsonl:
+        try:
+            jsonl = isinstance(json.loads(numbered[0][1]), dict)
+        except ValueError:
+            jsonl = False
+    if not jsonl:
+        return [line for _, line in numbered]
+    prompts = []
+    for no, line in numbered:
+        try:
+            record = json.loads(line)
+        except ValueError as e:
+            raise CLIError(f"--prompts {path}:{no}: not JSON ({e})") from None
+        if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
+            raise CLIError(f"--prompts {path}:{no}: a JSONL record needs a string \"prompt\" field")
+        prompts.append(record["prompt"])
+    return prompts
+
+
+def cmd_rollout(args) -> int:
+    import torch
+
+    from .rollout import Rollout, RolloutConfig
+
+    texts = list(args.prompt or []) + (read_prompts(args.prompts) if args.prompts else [])
+    device = start_processes(args.device)
+    rank, world = current_rank(), current_world_size()
+    _, dtype = resolve_dtype(args.dtype, device)
+    config = RolloutConfig(samples_per_prompt=args.samples_per_prompt, max_new_tokens=args.max_new_tokens,
+                           shared_prefill=not args.no_shared_prefill, enable_profiling=True, compile=args.compile,
+                           temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    model_config, source = load_config(args)
+    n = args.samples_per_prompt
+    # Under torchrun a process holds the KV of its own shard only: at most ceil(prompts / processes) prompts.
+    most = -(-(len(texts) or args.num_prompts) // world)
+    if not texts:
+        check_positions(model_config, args.prompt_length + args.max_new_tokens,
+                        f"--prompt-length {args.prompt_length} + --max-new-tokens {args.max_new_tokens}",
+                        "lower one of them")
+        check_kv_memory(model_config, device, dtype, most * n, args.prompt_length + args.max_new_tokens,
+                        f"--num-prompts {args.num_prompts} x -n {n}"
+                        + (f" over {world} processes" if world > 1 else ""),
+                        "lower --num-prompts, --samples-per-prompt, --prompt-length or --max-new-tokens")
+    model, tokenizer, _ = load_model(args, model_config, source, device, dtype)
+    if texts:
+        if tokenizer is None:
+            raise CLIError(f"--model {args.model}: has no tokenizer, so text prompts cannot be encoded; "
+                           "use --prompt-length for synthetic prompts")
+        enc = tokenizer(texts, return_tensors="pt", padding=True)
+        input_ids, attention_mask = enc["input_ids"], enc["attention_mask"]
+        if input_ids.shape[1] == 0:
+            raise CLIError("the prompts encode to no tokens")
+        config.pad_token_id = tokenizer.pad_token_id
+        total = input_ids.shape[1] + args.max_new_tokens
+        check_positions(model_config, total, f"the longest prompt's {input_ids.shape[1]} tokens + --max-new-tokens "
+                                             f"{args.max_new_tokens}", "shorten it or lower --max-new-tokens")
+        check_kv_memory(model_config, device, dtype, most * n, total, f"{len(texts)} prompt(s) x -n {n}",
+                        "fewer prompts, a lower --samples-per-prompt or --max-new-tokens")
+    else:
+        from .bench_cases import Case, synthetic_prompts
+
+        case = Case(args.num_prompts, args.samples_per_prompt, args.prompt_length, args.max_new_tokens)
+        input_ids = synthetic_prompts(case, vocab_size(model, tokenizer), special_ids(model, tokenizer), args.seed,
+                                      torch.device("cpu"))
+        attention_mask = torch.ones_like(input_ids)
+        say(f"prompts: {args.num_prompts} synthetic prompts of {args.prompt_length} random token ids (seed {args.seed})")
+    rollout = Rollout(model, config)
+    # Every process holds every prompt (the same seed, the same files) and generates its contiguous shard.
+    shards = shard_bounds(input_ids.shape[0], world)
+    if world > 1:
+        out = _generate_shard(rollout, input_ids, attention_mask, shards[rank])
+    else:
+        out = rollout.generate(input_ids, attention_mask)
+    profile = rollout.get_last_profile()  # this process's own call (None when its shard was empty)
+    kind = "expanded" if args.no_shared_prefill else "shared"
+    if rank != 0:
+        lo, hi = shards[rank]
+        mine = (f"prompts {lo}..{hi - 1} ({hi - lo} x {n} samples), {profile.generated_tokens} tokens in "
+                f"{profile.total_ms:.1f} ms ({profile.tokens_per_second:.1f} tokens/s)") if hi > lo else "no prompts"
+        print(f"rank {rank}/{world}: {mine}; rank 0 prints the samples")
+        return 0
+
+    records = []
+    responses, mask = out.responses.cpu(), out.response_mask.cpu()
+    owner = [r for r, (lo, hi) in enumerate(shards) for _ in range(lo, hi)]
+    for i in range(input_ids.shape[0]):
+        prompt_ids = input_ids[i][attention_mask[i].bool()].tolist()
+        prompt_text = texts[i] if texts else None
+        print(f"\n=== prompt {i}: " + (repr(prompt_text) if texts else f"{len(prompt_ids)} token ids {_ids(prompt_ids)}"))
+        for j in range(n):
+            row = i * n + j
+            ids = responses[row][mask[row].bool()].tolist()
+            text = tokenizer.decode(ids, skip_special_tokens=True) if tokenizer is not None else None
+            print(f"--- sample {j} ({len(ids)} tokens): " + (repr(text) if text is not None else _ids(ids)))
+            records.append({"prompt_index": i, "sample_index": j, "rank": owner[i], "prompt": prompt_text,
+                            "prompt_token_ids": prompt_ids, "token_ids": ids, "text": text})
+    stages = (f"prefill {profile.prefill_ms:.1f} ms, kv_expand {profile.kv_expand_ms:.2f} ms, decode "
+              f"{profile.decode_ms:.1f} ms; {kind} prefill")
+    if world > 1:
+        import torch.distributed as dist
+
+        lo, hi = shards[0]
+        print(f"\n{input_ids.shape[0]} prompts x {n} samples on {world} processes ({dist.get_backend()}), "
+              f"{int(mask.sum())} tokens; rank 0's {hi - lo} prompt(s): {profile.generated_tokens} tokens in "
+              f"{profile.total_ms:.1f} ms ({profile.tokens_per_second:.1f} tokens/s; {stages})")
+    else:
+        print(f"\n{input_ids.shape[0]} prompts x {n} samples, {profile.generated_tokens} tokens in "
+              f"{profile.total_ms:.1f} ms ({profile.tokens_per_second:.1f} tokens/s; {stages})")
+    if args.output:
+        from .atomic_write import write_text_atomic
+
+        write_text_atomic(args.output, "".join(json.dumps(rec) + "\n" for rec in records))
+        print(f"wrote {len(records)} records to {args.output}")
+    return 0
+
+
+def _generate_shard(rollout, input_ids, attention_mask, bounds: tuple[int, int]):
+    """This process's shard through torchkvops.distributed.generate; every process gets every row, in
+    rank order (= prompt order). A failure on any process raises on every process: one line each."""
+    from . import distributed
+
+    lo, hi = bounds
+    ids, mask = (input_ids[lo:hi], attention_mask[lo:hi]) if hi > lo else (None, None)
+    try:
+        return distributed.generate(rollout, ids, mask, gather=True)
+    except RuntimeError as e:  # distributed.generate's own report of a failed process, or a broken group
+        if os.environ.get("TORCHKVOPS_DEBUG"):
+            raise
+        raise RunError(f"[rank {current_rank()}] {' '.join(str(e).split())}") from None
+
+
+def _ids(ids: list[int], limit: int = 24) -> str:
+    return str(ids) if len(ids) <= limit else str(ids[:limit])[:-1] + f", ... ({len(ids) - limit} more)]"
