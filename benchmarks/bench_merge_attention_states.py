@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 
 import torchkvops
 from torchkvops import reference
+from torchkvops.bench_op import time_methods
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -36,20 +36,6 @@ def formula(out_a, lse_a, out_b, lse_b):
     s = wa + wb
     out = (wa.unsqueeze(-1) * out_a.float() + wb.unsqueeze(-1) * out_b.float()) / s.unsqueeze(-1)
     return out.to(out_a.dtype), m + torch.log(s)
-
-
-def time_once(device: torch.device, fn) -> float:
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize(device)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize(device)
-        return start.elapsed_time(end) / 1e3
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
 
 
 def main(argv=None) -> int:
@@ -94,13 +80,7 @@ def main(argv=None) -> int:
                 "reference": lambda: reference.merge_attention_states(*inputs),
                 "formula": lambda: formula(*inputs),
             }
-            for fn in fns.values():
-                for _ in range(args.warmup):
-                    fn()
-            times = {k: [] for k in fns}
-            for _ in range(args.iters):
-                for k, fn in fns.items():
-                    times[k].append(time_once(device, fn))
+            times = time_methods(fns, device, args.warmup, args.iters)  # interleaved rounds, one clock
             nbytes = 3 * rows * heads * head_dim * dtype.itemsize + 3 * rows * heads * 4
             op_med = statistics.median(times["op"])
             for k, ts in times.items():
