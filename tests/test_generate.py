@@ -297,3 +297,19 @@ def test_autocast_to_another_dtype_than_the_weights_falls_back(llama, monkeypatc
         warnings.simplefilter("error")
         out = torchkvops.generate(half, ids, attention_mask=mask, **kwargs)
     assert calls and out.shape == (ids.shape[0], ids.shape[1] + 4)
+
+
+@pytest.mark.parametrize("ids, mask, error, match", [
+    (torch.empty(0, 5, dtype=torch.long), None, ValueError, r"input_ids is empty \(shape \(0, 5\)\)"),
+    (torch.ones(2, 5), None, TypeError, "input_ids must hold integer token ids"),
+    (torch.full((2, 5), 10_000), None, ValueError, r"input_ids must be token ids in \[0, "),
+    (torch.ones(2, 5, dtype=torch.long), torch.ones(2, 4, dtype=torch.long), ValueError,
+     r"attention_mask must have input_ids' shape \(2, 5\), got \(2, 4\)"),
+    (torch.ones(2, 5, dtype=torch.long), torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]]), ValueError,
+     "attention_mask must be left-padded"),
+])
+def test_bad_inputs_are_named_for_generate_with_the_callers_shapes(llama, ids, mask, error, match):
+    """Checked before the rows are grouped, so the message names generate and the shapes the caller
+    passed (not the grouped prompts' shapes, nor a RolloutConfig field)."""
+    with pytest.raises(error, match=r"^torchkvops\.generate: " + match):
+        torchkvops.generate(llama, ids, attention_mask=mask, max_new_tokens=2, do_sample=False)

@@ -341,33 +341,38 @@ class Rollout:
                              "token ids (set RolloutConfig.eos_token_id)")
 
     def _check_inputs(self, input_ids, attention_mask) -> tuple[Tensor, Tensor]:
-        where = "Rollout.generate"
-        if not isinstance(input_ids, Tensor):
-            raise TypeError(f"{where}: input_ids must be a torch.Tensor, got {type(input_ids).__name__}")
-        if input_ids.dim() != 2:
-            raise ValueError(f"{where}: input_ids must be 2-D [batch, prompt_length], got shape {tuple(input_ids.shape)}")
-        if input_ids.dtype not in (torch.long, torch.int32, torch.int16, torch.int8, torch.uint8):
-            raise TypeError(f"{where}: input_ids must hold integer token ids, got {input_ids.dtype}")
-        if input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
-            raise ValueError(f"{where}: input_ids is empty (shape {tuple(input_ids.shape)}); need batch >= 1 and prompt_length >= 1")
-        input_ids = input_ids.to(self.device, torch.long)
-        vocab = self.adapter.input_vocab
-        low, high = int(input_ids.min()), int(input_ids.max())  # host sync: input checks, once per call
-        if low < 0 or (vocab is not None and high >= vocab):
-            raise ValueError(f"{where}: input_ids must be token ids in [0, {vocab}) (the model's vocabulary), "
-                             f"got {low if low < 0 else high}")
-        if attention_mask is None:
-            return input_ids, torch.ones_like(input_ids)
-        if not isinstance(attention_mask, Tensor) or attention_mask.shape != input_ids.shape:
-            got = tuple(attention_mask.shape) if isinstance(attention_mask, Tensor) else type(attention_mask).__name__
-            raise ValueError(f"{where}: attention_mask must have input_ids' shape {tuple(input_ids.shape)}, got {got}")
-        if attention_mask.dtype.is_complex:
-            raise TypeError(f"{where}: attention_mask must hold 0 and 1, got dtype {attention_mask.dtype}")
-        mask = attention_mask.to(self.device)
-        if not bool(((mask == 0) | (mask == 1)).all()):  # before any conversion: 0.5 must not become 0
-            raise ValueError(f"{where}: attention_mask must hold only 0 and 1")
-        mask = mask.long()
-        if not bool((mask[:, 1:] >= mask[:, :-1]).all()) or not bool(mask[:, -1].all()):
-            raise ValueError(f"{where}: attention_mask must be left-padded (zeros first, then ones) with at least "
-                             "one token per row")
-        return input_ids, mask
+        return check_prompts(input_ids, attention_mask, self.device, self.adapter.input_vocab, "Rollout.generate")
+
+
+def check_prompts(input_ids, attention_mask, device: torch.device, vocab: int | None,
+                  where: str) -> tuple[Tensor, Tensor]:
+    """Left-padded prompts checked before any work, each problem named for the caller `where`;
+    returns them on `device` as int64 ids and a 0/1 int64 mask."""
+    if not isinstance(input_ids, Tensor):
+        raise TypeError(f"{where}: input_ids must be a torch.Tensor, got {type(input_ids).__name__}")
+    if input_ids.dim() != 2:
+        raise ValueError(f"{where}: input_ids must be 2-D [batch, prompt_length], got shape {tuple(input_ids.shape)}")
+    if input_ids.dtype not in (torch.long, torch.int32, torch.int16, torch.int8, torch.uint8):
+        raise TypeError(f"{where}: input_ids must hold integer token ids, got {input_ids.dtype}")
+    if input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
+        raise ValueError(f"{where}: input_ids is empty (shape {tuple(input_ids.shape)}); need batch >= 1 and prompt_length >= 1")
+    input_ids = input_ids.to(device, torch.long)
+    low, high = int(input_ids.min()), int(input_ids.max())  # host sync: input checks, once per call
+    if low < 0 or (vocab is not None and high >= vocab):
+        raise ValueError(f"{where}: input_ids must be token ids in [0, {vocab}) (the model's vocabulary), "
+                         f"got {low if low < 0 else high}")
+    if attention_mask is None:
+        return input_ids, torch.ones_like(input_ids)
+    if not isinstance(attention_mask, Tensor) or attention_mask.shape != input_ids.shape:
+        got = tuple(attention_mask.shape) if isinstance(attention_mask, Tensor) else type(attention_mask).__name__
+        raise ValueError(f"{where}: attention_mask must have input_ids' shape {tuple(input_ids.shape)}, got {got}")
+    if attention_mask.dtype.is_complex:
+        raise TypeError(f"{where}: attention_mask must hold 0 and 1, got dtype {attention_mask.dtype}")
+    mask = attention_mask.to(device)
+    if not bool(((mask == 0) | (mask == 1)).all()):  # before any conversion: 0.5 must not become 0
+        raise ValueError(f"{where}: attention_mask must hold only 0 and 1")
+    mask = mask.long()
+    if not bool((mask[:, 1:] >= mask[:, :-1]).all()) or not bool(mask[:, -1].all()):
+        raise ValueError(f"{where}: attention_mask must be left-padded (zeros first, then ones) with at least "
+                         "one token per row")
+    return input_ids, mask
