@@ -293,7 +293,7 @@ def test_compiled_matches_eager():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_graph_capture_and_no_host_sync():
     logits = make_logits(32, 50272, torch.bfloat16, "cuda")
-    keys = row_keys(6, 32, "cuda")
+    keys = row_keys(6, torch.arange(32, device="cuda"))
     step = torch.zeros(1, dtype=torch.long, device="cuda")
     for temperature, top_k, top_p in MODES.values():
         torch.cuda.set_sync_debug_mode("error")

@@ -1,5 +1,10 @@
 """write_kv_ against its reference, opcheck, and its errors."""
 
+import os
+import pathlib
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -77,6 +82,34 @@ def test_issue_example_writes_nothing_when_start_is_out_of_range():
     with pytest.raises(ValueError, match="start must be in"):
         torchkvops.ops.write_kv_(cache, torch.ones(2, 2, 3, 4), torch.ones(2, 2, 3, 4), 0, torch.tensor([6]))
     assert not cache.any()
+
+
+@pytest.mark.parametrize("tokens", [4, 0])
+def test_start_out_of_range_is_refused_even_for_an_empty_write(tokens):
+    cache = torch.zeros(2, 2, 4, 2, 8, 4)
+    key = torch.ones(2, 2, tokens, 4)
+    with pytest.raises(ValueError, match=rf"start must be in \[0, {8 - tokens}\].* got 9"):
+        torchkvops.ops.write_kv_(cache, key, key.clone(), 0, torch.tensor([9]))
+    assert not cache.any()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("tokens", [4, 0])
+def test_cuda_start_out_of_range_trips_the_device_side_assert(tokens):
+    """On CUDA `start` is checked by the kernel (no host sync per call), also when there is nothing to
+    write. A device-side assert leaves the process's CUDA context unusable, so it runs in its own process."""
+    script = f"""
+import torch, torchkvops
+cache = torch.zeros(2, 2, 4, 2, 8, 4, device="cuda")
+key = torch.ones(2, 2, {tokens}, 4, device="cuda")
+torchkvops.ops.write_kv_(cache, key, key.clone(), 0, torch.tensor([9], device="cuda"))
+torch.cuda.synchronize()
+"""
+    root = str(pathlib.Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode != 0 and "device-side assert" in proc.stderr, proc.stderr[-2000:]
 
 
 @pytest.mark.cuda

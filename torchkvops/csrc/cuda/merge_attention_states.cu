@@ -55,7 +55,9 @@ __global__ void merge_kernel(const ItemPlan plan,
         const Pack<TB, VEC> pb = b[v];
 #pragma unroll
         for (int j = 0; j < VEC; ++j)
-          r.v[j] = static_cast<TA>(w.ca * static_cast<float>(pa.v[j]) + w.cb * static_cast<float>(pb.v[j]));
+          // Rounded step by step (no fused multiply-add), as the CPU kernel and the reference round.
+          r.v[j] = static_cast<TA>(__fadd_rn(__fmul_rn(w.ca, static_cast<float>(pa.v[j])),
+                                             __fmul_rn(w.cb, static_cast<float>(pb.v[j]))));
       } else if (w.kind == merge::kOnlyA) {
         r = a[v];
       } else if (w.kind == merge::kOnlyB) {

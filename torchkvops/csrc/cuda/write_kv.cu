@@ -52,8 +52,9 @@ void launch(const KVWritePlan& p, const at::Tensor& key, const at::Tensor& value
             const at::Tensor& start, int64_t elem) {
   const int64_t vecs_per_run = p.head_dim * elem / static_cast<int64_t>(sizeof(Vec));
   const int64_t items = 2 * p.rows * p.heads * p.tokens * vecs_per_run;
-  if (items == 0) return;
-  const int64_t blocks = std::min<int64_t>((items + kThreadsPerBlock - 1) / kThreadsPerBlock, 65535);
+  // At least one block even with nothing to write: the kernel also checks `start`, and an empty write
+  // must reject a bad start on CUDA as it does on CPU.
+  const int64_t blocks = std::clamp<int64_t>((items + kThreadsPerBlock - 1) / kThreadsPerBlock, 1, 65535);
   write_kv_kernel<Vec><<<static_cast<unsigned>(blocks), kThreadsPerBlock, 0, c10::cuda::getCurrentCUDAStream()>>>(
       p, static_cast<const char*>(key.data_ptr()), static_cast<const char*>(value.data_ptr()), layer_cache,
       start.data_ptr<int64_t>(), elem, vecs_per_run, items);
