@@ -7,6 +7,7 @@
 // torch's own autogradNotImplemented*Fallback kernels bump only tensors that an op returns, and our
 // mutating ops return nothing, hence these boxed kernels. Both are no-ops (never reached) inside
 // torch.inference_mode(), where the rollout calls the ops.
+#include <ATen/core/LegacyTypeDispatch.h>  // AutoDispatchBelow*: not pulled in by the others on torch 2.11
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/GradMode.h>
 #include <c10/core/InferenceMode.h>
