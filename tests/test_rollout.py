@@ -362,6 +362,40 @@ def test_one_rollout_from_two_threads_gives_the_sequential_results(llama):
         assert torch.equal(results[i], expected[i]), i
 
 
+@pytest.mark.parametrize("kv_sharing", ["copy", "prefix"])
+def test_rollouts_of_two_models_in_two_threads_give_the_sequential_results(kv_sharing):
+    """Two models, one thread each: their decodes must not see each other's attention context (the
+    prompt KV of the prefix layout), whatever the interleaving."""
+    import threading
+
+    models = [FAMILIES["llama"](), FAMILIES["llama"]()]
+    with torch.no_grad():  # same shapes, other weights: reading the other's context would go unnoticed
+        for p in models[1].parameters():
+            p.mul_(-1.5)
+    rollouts = [Rollout(m, RolloutConfig(samples_per_prompt=2, max_new_tokens=8, eos_token_id=NO_EOS,
+                                         kv_sharing=kv_sharing)) for m in models]
+    inputs = [prompts(1 + i % 3, 5 + i, seed=i) for i in range(4)]
+    expected = [[r.generate(ids, mask).sequences for ids, mask in inputs] for r in rollouts]
+    results, errors = {}, []
+
+    def worker(k):
+        try:
+            for i in range(4):
+                results[k, i] = rollouts[k].generate(*inputs[i]).sequences
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors and not any(t.is_alive() for t in threads), errors
+    for k in range(2):
+        for i in range(4):
+            assert torch.equal(results[k, i], expected[k][i]), (k, i)
+
+
 @pytest.mark.parametrize(
     "config,match",
     [

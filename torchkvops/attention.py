@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import threading
 from collections.abc import Iterator
 
 import torch
@@ -47,6 +48,9 @@ class DecodeAttention:
 
 
 _active: DecodeAttention | None = None
+# One decode at a time per process: `_active` is one global (a thread-local would break torch.compile's
+# full graph), and two models decoding in two threads would otherwise read each other's context.
+_decode_lock = threading.RLock()
 
 
 @contextlib.contextmanager
@@ -55,22 +59,24 @@ def decode_attention(model: nn.Module, context: DecodeAttention) -> Iterator[Non
 
     The switch is on the model's config, which every attention layer reads at each call, so it holds
     for eager, CUDA-graphed and compiled decode alike (a compiled graph guards on it). Callers hold the
-    rollout's per-model lock: two rollouts never switch one model at once."""
+    rollout's per-model lock: two rollouts never switch one model at once; rollouts of different
+    models decode one after the other."""
     global _active
-    config = model.config
-    # The setter also sets every sub-config; restore each to what it was.
-    original = {"": config._attn_implementation}
-    for key in getattr(config, "sub_configs", {}) or {}:
-        sub = getattr(config, key, None)
-        if sub is not None:
-            original[key] = getattr(sub, "_attn_implementation", None)
-    config._attn_implementation = NAME
-    _active = context
-    try:
-        yield
-    finally:
-        _active = None
-        config._attn_implementation = original if len(original) > 1 else original[""]
+    with _decode_lock:
+        config = model.config
+        # The setter also sets every sub-config; restore each to what it was.
+        original = {"": config._attn_implementation}
+        for key in getattr(config, "sub_configs", {}) or {}:
+            sub = getattr(config, key, None)
+            if sub is not None:
+                original[key] = getattr(sub, "_attn_implementation", None)
+        config._attn_implementation = NAME
+        _active = context
+        try:
+            yield
+        finally:
+            _active = None
+            config._attn_implementation = original if len(original) > 1 else original[""]
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scale: float | None, with_lse: bool):
