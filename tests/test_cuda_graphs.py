@@ -32,8 +32,11 @@ def rollouts(model, **cfg):
 def test_graph_decode_gives_the_eager_tokens_across_calls_and_shapes(model, kv_sharing, sampling):
     graphs, eager = rollouts(model, samples_per_prompt=3, max_new_tokens=12, eos_token_id=NO_EOS,
                              kv_sharing=kv_sharing, **sampling)
-    cases = [(2, 9, [0, 3], 1), (2, 9, [2, 0], 2), (2, 9, None, 3),  # same shape: one capture, replays
-             (3, 20, [1, 0, 4], 4), (2, 9, [1, 1], 5)]  # a new shape re-captures; the old one comes back
+    # The largest shape first: a larger one later would grow the KV storage, and the smaller shapes
+    # would then be captured once more on its new addresses.
+    cases = [(3, 20, [1, 0, 4], 4),
+             (2, 9, [0, 3], 1), (2, 9, [2, 0], 2), (2, 9, None, 3),  # a new shape: one capture, then replays
+             (3, 20, [1, 2, 0], 5)]  # the first shape comes back: its graph replays
     for batch, length, pads, seed in cases:
         ids, mask = prompts(batch, length, seed=seed, left_pad=pads)
         ids, mask = ids.cuda(), mask.cuda()
@@ -58,25 +61,51 @@ def test_graphs_follow_weights_updated_in_place_and_replaced(model):
     assert torch.equal(graphs.generate(ids, mask).sequences, eager.generate(ids, mask).sequences)
 
 
-def test_capture_failure_falls_back_to_eager_with_one_warning(model):
-    """A model whose forward syncs with the host cannot be captured: one warning, the eager tokens."""
+def assert_cuda_state_is_clean():
+    """What a failed capture can leave behind: the caller's stream switched, and the default generator
+    in capture mode (every eager random op then raises "Offset increment outside graph capture")."""
+    assert torch.cuda.current_stream() == torch.cuda.default_stream()
+    torch.randn(4, device="cuda")
+    torch.nn.functional.dropout(torch.ones(8, device="cuda"), 0.5, training=True)
+    torch.cuda.synchronize()
+
+
+# A model whose forward syncs with the host at every call (as data-dependent routing does), and one that
+# does only while a capture is under way (so that the capture itself fails).
+SYNCS = {
+    "always": lambda mod, args, kwargs: bool(kwargs["position_ids"].max() > -1) and None,
+    "while_capturing": lambda mod, args, kwargs: torch.cuda.synchronize()
+    if torch.cuda.is_current_stream_capturing() else None,
+}
+
+
+@pytest.mark.parametrize("sync", list(SYNCS))
+def test_a_step_that_cannot_be_captured_falls_back_to_eager_with_one_warning(model, sync):
+    """A syncing step is seen during the warm-up step and never captured; a capture that fails anyway is
+    cleaned up. Either way: one warning, the eager tokens, and torch's CUDA state as it was."""
     synced = FAMILIES["llama"]().cuda()
     synced.load_state_dict(model.state_dict())
-    handle = synced.model.register_forward_pre_hook(lambda mod, args, kwargs: bool(kwargs["position_ids"].max() > -1)
-                                                    and None, with_kwargs=True)
+    handle = synced.model.register_forward_pre_hook(SYNCS[sync], with_kwargs=True)
     try:
         graphs, _ = rollouts(synced, samples_per_prompt=2, max_new_tokens=10, eos_token_id=NO_EOS)
         _, eager = rollouts(model, samples_per_prompt=2, max_new_tokens=10, eos_token_id=NO_EOS)
         ids, mask = prompts(2, 9, seed=7)
         ids, mask = ids.cuda(), mask.cuda()
-        with pytest.warns(RuntimeWarning, match="CUDA-graph capture of the decode step failed"):
+        reason = "syncs with the host" if sync == "always" else "CUDA-graph capture failed"
+        with pytest.warns(RuntimeWarning, match=f"decode runs without CUDA graphs .*{reason}"):
             out = graphs.generate(ids, mask)
+        assert_cuda_state_is_clean()
         assert torch.equal(out.sequences, eager.generate(ids, mask).sequences)
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # once only
             assert torch.equal(graphs.generate(ids, mask).sequences, eager.generate(ids, mask).sequences)
+        assert not graphs._runner.graphs
     finally:
         handle.remove()
+    ok, _ = rollouts(model, samples_per_prompt=2, max_new_tokens=10, eos_token_id=NO_EOS)
+    assert torch.equal(ok.generate(ids, mask).sequences, out.sequences)
+    assert torch.equal(ok.generate(ids, mask).sequences, out.sequences)
+    assert len(ok._runner.graphs) == 1  # later rollouts still capture
 
 
 @pytest.mark.parametrize("kv_sharing", ["copy", "prefix"])

@@ -95,7 +95,8 @@ class DecodeStep:
         token = sampled if self.eos is None else torch.where(s.finished, self.pad_id, sampled)
         s.responses.index_copy_(1, s.step, token[:, None])
         if self.eos is not None:
-            s.finished.logical_or_(torch.isin(token, self.eos))
+            # A comparison, not torch.isin: isin sorts (and syncs) when there are many EOS ids.
+            s.finished.logical_or_((token[:, None] == self.eos).any(dim=1))
         s.tokens.copy_(token[:, None])
         s.step.add_(1)
 
@@ -109,11 +110,13 @@ class DecodeRunner:
         self.fn: Callable[[], None] = torch.compile(step.__call__, fullgraph=True) if compile else step.__call__
         self.compiled = compile
         self.use_graphs = cuda_graphs and device.type == "cuda"
+        self.device = device
         self.graphs: OrderedDict[tuple, torch.cuda.CUDAGraph] = OrderedDict()
         self.warmed: set[tuple] = set()
         self.eager_keys: set[tuple] = set()  # shapes whose compile or capture failed: run eagerly
         self._pool = None
         self._stream = None
+        self._failed_graphs: list[torch.cuda.CUDAGraph] = []  # see _recover_from_failed_capture
         self.key: tuple | None = None
 
     def start(self, dynamic_tensors: list[tuple[Tensor, tuple[int, ...]]], graph_key: tuple) -> None:
@@ -136,7 +139,7 @@ class DecodeRunner:
             self.graphs.move_to_end(key)
             return graph.replay()
         if key not in self.warmed:  # the first step of a new key runs for real, on the capture stream
-            self._on_side_stream(lambda: self._run_compiled_or_eager(key))
+            self._warm_up(key)
             self.warmed.add(key)
             return None
         graph = self._capture(key)
@@ -159,37 +162,121 @@ class DecodeRunner:
             self.eager_keys.add(key)
             return self.step()
 
+    def _warm_up(self, key) -> None:
+        """Run the first step of a new key for real on the capture stream. Eager steps are watched for
+        host syncs (the model's own, e.g. data-dependent routing): a step that syncs cannot be captured,
+        and a failed capture leaves torch's CUDA state half torn down, so such a model runs without
+        graphs and no capture is tried. (Compiled steps are not watched: compiling copies constants to
+        the device once, and a model that syncs does not compile with fullgraph=True anyway.)"""
+        def run() -> None:
+            self._on_side_stream(lambda: self._run_compiled_or_eager(key))
+
+        if self.compiled:
+            return run()
+        sync = _first_host_sync(run)
+        if sync is not None:
+            self._give_up_graphs(key, f"the decode step syncs with the host ({sync})")
+
     def _on_side_stream(self, fn: Callable[[], None]) -> None:
         if self._stream is None:
-            self._stream = torch.cuda.Stream()
-        current = torch.cuda.current_stream()
+            self._stream = torch.cuda.Stream(device=self.device)  # the model's device, not the current one
+        current = torch.cuda.current_stream(self.device)
         self._stream.wait_stream(current)
-        with torch.cuda.stream(self._stream):
+        with torch.cuda.stream(self._stream):  # also makes the stream's device current
             fn()
         current.wait_stream(self._stream)
 
     def _capture(self, key) -> torch.cuda.CUDAGraph | None:
+        """Capture one step on the side stream (torch.cuda.graph's steps, written out so that a failed
+        capture still restores the caller's stream; torch 2.11's graph context skips that when
+        capture_end raises)."""
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=self.device)
         graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(graph, pool=self._pool, stream=self._stream):
+        torch.cuda.synchronize(self.device)
+        error: BaseException | None = None
+        with torch.cuda.stream(self._stream):
+            # thread_local: unsafe CUDA calls of other threads (a data loader's pinned-memory thread)
+            # do not invalidate this capture.
+            graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+            try:
                 self._run_compiled_or_eager(key)
-        except Exception as e:  # noqa: BLE001 - any failure to capture means: run this shape eagerly
-            warnings.warn(f"torchkvops: CUDA-graph capture of the decode step failed, so it runs without a graph "
-                          f"(for example, the model syncs with the host in its forward): "
-                          f"{type(e).__name__}: {' '.join(str(e).split())[:300]}", RuntimeWarning, stacklevel=3)
-            self.use_graphs = False
-            self.eager_keys.add(key)
-            torch.cuda.synchronize()
+            except Exception as e:  # noqa: BLE001 - reported below, after the capture is ended
+                error = e
+            try:
+                graph.capture_end()
+            except Exception as e:  # noqa: BLE001 - an invalidated capture; the first error is the cause
+                error = error or e
+        if error is not None:
+            self._recover_from_failed_capture(graph)
+            self._give_up_graphs(key, f"its CUDA-graph capture failed ({type(error).__name__}: "
+                                      f"{' '.join(str(error).split())[:300]})")
             return None
         self.graphs[key] = graph
         while len(self.graphs) > MAX_CUDA_GRAPHS:
             self.graphs.popitem(last=False)
         return graph
 
+    def _recover_from_failed_capture(self, graph: torch.cuda.CUDAGraph) -> None:
+        """Undo what a failed capture leaves behind (torch 2.11's capture_end raises before its own
+        clean-up): the caching allocator still routes this capture's allocations to the pool and holds
+        a filter that points at `graph` (kept alive here, so that it never dangles), and the default
+        CUDA generator stays in capture mode, so that every later eager random op (dropout, HF's
+        sampling) would raise "Offset increment outside graph capture". The allocator calls are the
+        ones torch.cuda.use_mem_pool makes on leaving; a capture that succeeds resets the generator."""
+        self._failed_graphs.append(graph)
+        device = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        try:
+            torch._C._cuda_endAllocateToPool(device, self._pool)
+            torch._C._cuda_releasePool(device, self._pool)
+        except Exception:  # noqa: BLE001 - best effort: newer torch cleans up itself
+            pass
+        self._pool = None  # the graphs captured so far keep theirs alive; new captures use a new one
+        _end_generator_capture(self._stream, self.device)
+
+    def _give_up_graphs(self, key, reason: str) -> None:
+        warnings.warn(f"torchkvops: decode runs without CUDA graphs for this rollout, because {reason}",
+                      RuntimeWarning, stacklevel=4)
+        self.use_graphs = False
+        self.eager_keys.add(key)
+
     def reset(self) -> None:
         """Forget every captured graph (their pool memory is freed once no graph uses it)."""
         self.graphs.clear()
         self.warmed.clear()
         self._pool = None
+
+
+def _end_generator_capture(stream: torch.cuda.Stream, device: torch.device) -> None:
+    """Take the default CUDA generator out of capture mode after a failed capture: a capture that
+    succeeds ends with it out of capture mode."""
+    probe, scratch = torch.cuda.CUDAGraph(), torch.zeros(1, device=device)
+    torch.cuda.synchronize(device)
+    with torch.cuda.stream(stream):
+        probe.capture_begin(capture_error_mode="thread_local")
+        scratch.add_(1)
+        probe.capture_end()
+    torch.cuda.synchronize(device)
+
+
+def _first_host_sync(fn: Callable[[], None]) -> str | None:
+    """Run `fn` with torch's CUDA sync debug mode on; the first host sync it made (torch's warning), or
+    None. Other warnings `fn` raises are passed on. A caller's own sync debug mode is left alone (and
+    nothing is watched then: "error" raises at the sync anyway)."""
+    if torch.cuda.get_sync_debug_mode() != 0:
+        fn()
+        return None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [w for w in caught if "synchronizing CUDA operation" in str(w.message)]
+    for w in caught:
+        if w not in syncs:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    return str(syncs[0].message).splitlines()[0] if syncs else None
