@@ -10,6 +10,10 @@
 #
 #   scripts/gpu_check.sh OUT_DIR
 #
+# Through the device tool, which brings back at most 8 files from $OUT, pack the results (and give the
+# call timeout_s >= 540, so that the tar runs after the budget below):
+#   scripts/gpu_check.sh /tmp/gc; tar czf $OUT/gpu_check.tgz -C /tmp gc
+#
 # It ends within 8 minutes: every step runs under `timeout`, clipped to what is left of a
 # GPU_CHECK_BUDGET_S budget (default 470 s); a step with under 15 s left is skipped. SKIP_BUILD=1
 # skips the build (already built on this machine). Exit code: 0 when every step passed.
@@ -18,7 +22,7 @@ set -u -o pipefail
 out_arg="${1:?usage: scripts/gpu_check.sh OUT_DIR}"
 mkdir -p "$out_arg" && out="$(cd "$out_arg" && pwd)"
 cd "$(dirname "$0")/.."
-PY="${PYTHON:-$(command -v python || command -v python3)}"
+PY="${PYTHON:-$(command -v python3 || command -v python)}"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PIP_NO_INDEX=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONUNBUFFERED=1
 export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}" MAX_JOBS="${MAX_JOBS:-$(nproc)}"
 budget="${GPU_CHECK_BUDGET_S:-470}"
@@ -79,7 +83,7 @@ step anchor-6.7b 120 "$PY" -m torchkvops bench --model-shape opt-6.7b --dtype fp
   --samples-per-prompt 4 --prompt-lengths 512 --response-lengths 32 --modes expanded shared prefix hf-generate \
   hf-static --warmup 2 --iterations 5 --no-progress --output "$out/anchor_opt6.7b_fp16.json"
 # Long prompts, grouped-query attention: Qwen3-0.6B shape, bf16, B=2 N=16 P=4096 R=64.
-step long-prompt 100 "$PY" -m torchkvops bench --model-shape qwen3-0.6b --dtype bf16 --device cuda --batch-sizes 2 \
+step long-prompt 130 "$PY" -m torchkvops bench --model-shape qwen3-0.6b --dtype bf16 --device cuda --batch-sizes 2 \
   --samples-per-prompt 16 --prompt-lengths 4096 --response-lengths 64 --modes shared prefix hf-generate hf-static \
   --warmup 1 --iterations 3 --no-progress --output "$out/long_prompt_qwen3_bf16.json"
 # The OPT-125m bf16 matrix of the first GPU run.
@@ -88,9 +92,10 @@ step matrix-125m 70 "$PY" -m torchkvops bench --model-shape opt-125m --dtype bf1
   --warmup 2 --iterations 5 --no-progress --output "$out/matrix_opt125m_bf16.json"
 step bench-sampler 30 "$PY" benchmarks/bench_sampler.py --device cuda --rows 64 8 --vocab 151936 50272 --dtype bf16 --iters 50
 step bench-merge 20 "$PY" benchmarks/bench_merge_attention_states.py --device cuda
-# Compiled decode (about 100 s of compile per mode on this shape): last, skipped when the budget is spent.
+# Compiled decode (about 100 s of compile per mode on this shape, so one mode): last, skipped when the
+# budget is spent.
 step anchor-compiled 160 "$PY" -m torchkvops bench --model-shape opt-6.7b --dtype fp16 --device cuda --compile \
-  --batch-sizes 1 --samples-per-prompt 4 --prompt-lengths 512 --response-lengths 32 --modes shared prefix \
+  --batch-sizes 1 --samples-per-prompt 4 --prompt-lengths 512 --response-lengths 32 --modes shared \
   --warmup 2 --iterations 5 --no-progress --output "$out/anchor_opt6.7b_fp16_compiled.json"
 
 {
