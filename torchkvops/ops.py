@@ -86,7 +86,8 @@ def merge_attention_states(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: T
       NaN or +inf would give).
 
     All four tensors must be on one device; any strides are accepted (e.g. `[B, L, H, D]` views of a
-    `[B, H, L, D]` buffer), read in place when head_dim has stride 1. Not differentiable: there is no
+    `[B, H, L, D]` buffer), read in place when head_dim has stride 1 (an input with a strided head_dim,
+    or with more than 6 strided leading dims, is copied to a contiguous temporary first). Not differentiable: there is no
     autograd formula, and a backward pass through it raises NotImplementedError (rather than leaving
     the inputs' gradients silently unset).
     """
