@@ -182,3 +182,20 @@ def test_a_callers_sync_debug_mode_is_left_as_it_is(fake):
     with pytest.raises(RuntimeError, match="synchronizing"):
         steps(runner_for(Step(fake, sync="always")), KEY_A, 1)
     assert fake.mode == 2
+
+
+def test_the_pool_is_released_only_when_no_captured_graph_shares_it(fake):
+    """Graphs of one rollout share a memory pool: after a failed capture, the pool is not released on
+    behalf of the failed graph while an earlier graph holds it too (a torch that released it itself
+    would otherwise count it released twice). The rollout then runs without graphs and drops them."""
+    step = Step(fake)
+    runner = runner_for(step)
+    steps(runner, KEY_A, 3)  # captured
+    step.sync = "while_capturing"
+    with pytest.warns(RuntimeWarning, match="CUDA-graph capture failed"):
+        steps(runner, KEY_B, 3)
+    assert fake.pool_calls == [("end", 0, ("pool", 1))]
+    assert not runner.graphs
+    runs = step.runs
+    steps(runner, KEY_A, 2)  # eager from now on
+    assert step.runs == runs + 2 and fake.captures == 2

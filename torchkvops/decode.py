@@ -229,9 +229,13 @@ class DecodeRunner:
         self._failed_graphs.append(graph)
         device = self.device.index if self.device.index is not None else torch.cuda.current_device()
         try:
-            torch._C._cuda_endAllocateToPool(device, self._pool)
-            torch._C._cuda_releasePool(device, self._pool)
-        except Exception:  # noqa: BLE001 - best effort: newer torch cleans up itself
+            torch._C._cuda_endAllocateToPool(device, self._pool)  # a no-op where torch already did it
+            if not self.graphs:
+                # The failed capture's hold on the pool, released only when no captured graph shares
+                # the pool: a torch that released it itself must never see it released twice while
+                # live graphs use it (this leaks the pool's memory then, rather than freeing it early).
+                torch._C._cuda_releasePool(device, self._pool)
+        except Exception:  # noqa: BLE001 - best effort: a torch that cleaned up itself may refuse these
             pass
         self._pool = None  # the graphs captured so far keep theirs alive; new captures use a new one
         _end_generator_capture(self._stream, self.device)
@@ -241,6 +245,7 @@ class DecodeRunner:
                       RuntimeWarning, stacklevel=4)
         self.use_graphs = False
         self.eager_keys.add(key)
+        self.graphs.clear()  # never replayed again: free their memory
 
     def reset(self) -> None:
         """Forget every captured graph (their pool memory is freed once no graph uses it)."""
