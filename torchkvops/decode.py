@@ -177,14 +177,18 @@ class DecodeRunner:
         if sync is not None:
             self._give_up_graphs(key, f"the decode step syncs with the host ({sync})")
 
-    def _on_side_stream(self, fn: Callable[[], None]) -> None:
+    def _side_stream(self) -> torch.cuda.Stream:
+        """The stream that warm-up and capture run on, on the model's device (not the current one)."""
         if self._stream is None:
-            self._stream = torch.cuda.Stream(device=self.device)  # the model's device, not the current one
+            self._stream = torch.cuda.Stream(device=self.device)
+        return self._stream
+
+    def _on_side_stream(self, fn: Callable[[], None]) -> None:
         current = torch.cuda.current_stream(self.device)
-        self._stream.wait_stream(current)
-        with torch.cuda.stream(self._stream):  # also makes the stream's device current
+        self._side_stream().wait_stream(current)
+        with torch.cuda.stream(self._side_stream()):  # also makes the stream's device current
             fn()
-        current.wait_stream(self._stream)
+        current.wait_stream(self._side_stream())
 
     def _capture(self, key) -> torch.cuda.CUDAGraph | None:
         """Capture one step on the side stream (torch.cuda.graph's steps, written out so that a failed
@@ -192,12 +196,10 @@ class DecodeRunner:
         capture_end raises)."""
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(device=self.device)
         graph = torch.cuda.CUDAGraph()
         torch.cuda.synchronize(self.device)
         error: BaseException | None = None
-        with torch.cuda.stream(self._stream):
+        with torch.cuda.stream(self._side_stream()):
             # thread_local: unsafe CUDA calls of other threads (a data loader's pinned-memory thread)
             # do not invalidate this capture.
             graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
@@ -238,7 +240,7 @@ class DecodeRunner:
         except Exception:  # noqa: BLE001 - best effort: a torch that cleaned up itself may refuse these
             pass
         self._pool = None  # the graphs captured so far keep theirs alive; new captures use a new one
-        _end_generator_capture(self._stream, self.device)
+        _end_generator_capture(self._side_stream(), self.device)
 
     def _give_up_graphs(self, key, reason: str) -> None:
         warnings.warn(f"torchkvops: decode runs without CUDA graphs for this rollout, because {reason}",

@@ -39,6 +39,7 @@ from torch import Tensor, nn
 from transformers import GenerationConfig
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from .hf import input_vocab
 from .rollout import Rollout, RolloutConfig, check_prompts
 
 __all__ = ["generate", "patch_generate", "GeneratePatch", "PATCH_OPTIONS"]
@@ -248,8 +249,8 @@ def _plan(config: GenerationConfig, model: nn.Module, prompt_length: int) -> _Pl
 
 def _run(session: _Session, plan: _Plan, input_ids: Tensor, attention_mask: Tensor | None) -> Tensor:
     device = input_ids.device
-    vocab = getattr(session.model_ref().get_input_embeddings(), "num_embeddings", None)
-    input_ids, attention_mask = check_prompts(input_ids, attention_mask, device, vocab, "torchkvops.generate")
+    input_ids, attention_mask = check_prompts(input_ids, attention_mask, device, input_vocab(session.model_ref()),
+                                              "torchkvops.generate")
     k = plan.num_return_sequences
     # Runs of consecutive identical rows (ids and mask): each becomes one prompt of `count` rows.
     same = (input_ids[1:] == input_ids[:-1]).all(dim=1) & (attention_mask[1:] == attention_mask[:-1]).all(dim=1)

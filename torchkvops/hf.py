@@ -27,6 +27,12 @@ def _as_id_list(value) -> list[int]:
     return [int(v) for v in value]
 
 
+def input_vocab(model: nn.Module) -> int | None:
+    """How many token ids the model can embed: its input embedding's size, else its config's vocab_size."""
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    return getattr(embeddings, "num_embeddings", None) or getattr(model.config, "vocab_size", None)
+
+
 class ModelAdapter:
     """Reads a decoder-only model's shape and forward signature once, at construction."""
 
@@ -67,8 +73,7 @@ class ModelAdapter:
         self.kv_shape = KVShape.from_config(config)
         self.max_positions = getattr(config, "max_position_embeddings", None)
         # Token ids the model can embed (inputs, and the pad id fed back after EOS) and produce (EOS ids).
-        embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-        self.input_vocab = getattr(embeddings, "num_embeddings", None) or getattr(config, "vocab_size", None)
+        self.input_vocab = input_vocab(model)
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         self.output_vocab = getattr(head, "out_features", None) or getattr(config, "vocab_size", None)
 
