@@ -25,7 +25,7 @@ import torch
 
 import torchkvops
 from torchkvops import reference
-from torchkvops.bench_op import time_methods
+from torchkvops.bench.op import time_methods
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 

@@ -1,10 +1,13 @@
 """Bandwidth of torchkvops.repeat_kv_cache_ against a copy roofline, repeat_interleave and a row loop.
 
-Thin entry point; the implementation lives in torchkvops/bench_op.py (also `torchkvops bench-op`).
+Thin entry point: the same as `torchkvops bench-op ARGS` (the measurement is torchkvops/bench/op.py,
+the command torchkvops/cli/bench_op.py).
 Example: python benchmarks/bench_repeat_kv_cache.py --device cpu --dtype fp16 --output out.json
 """
 
-from torchkvops.bench_op import main
+import sys
+
+from torchkvops.cli.main import main
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(main(["bench-op", *sys.argv[1:]]))

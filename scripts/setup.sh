@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Sets up .venv (torch, transformers, test tools, trl) and builds torchkvops._C into it. Idempotent and cheap
 # when nothing changed: it installs only what is missing and rebuilds only when a C++/CUDA source,
-# setup.py or the torch version changed.
+# setup.py, pyproject.toml or the torch version changed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export MAX_JOBS="${MAX_JOBS:-2}"
@@ -21,7 +21,8 @@ if ! "$py" -c "import trl, accelerate, datasets; from trl import GRPOTrainer" >/
 fi
 
 stamp=build/.torchkvops-built
-want="$("$py" -c 'import torch; print(torch.__version__)') $(cat setup.py torchkvops/csrc/*.* torchkvops/csrc/*/*.* | sha1sum)"
+# pyproject.toml too: it names the packages and the console script that the install writes.
+want="$("$py" -c 'import torch; print(torch.__version__)') $(cat setup.py pyproject.toml torchkvops/csrc/*.* torchkvops/csrc/*/*.* | sha1sum)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ] || ! ls torchkvops/_C*.so >/dev/null 2>&1; then
   "$py" -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps -e .
   mkdir -p build && echo "$want" > "$stamp"

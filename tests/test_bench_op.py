@@ -1,4 +1,4 @@
-"""Smoke test of the repeat_kv_cache_ bandwidth benchmark (torchkvops.bench_op): tiny sizes, one
+"""Smoke test of the repeat_kv_cache_ bandwidth benchmark (torchkvops.bench.op, and its command torchkvops.cli.bench_op): tiny sizes, one
 timed round; checks the byte accounting, the size plan and the table, not the speed. (Its flags'
 checks at parse time are in tests/test_cli.py, with the other commands'.)"""
 
@@ -7,7 +7,17 @@ import math
 
 import pytest
 
-from torchkvops import bench_op
+from torchkvops.bench import op as bench_op
+from torchkvops.cli import bench_op as cli_bench_op
+from torchkvops.cli import main as cli
+
+
+def parse_args(argv):
+    return cli.parse_args(["bench-op", *argv])
+
+
+def run(argv, **kwargs):
+    return cli_bench_op.run(parse_args(argv), **kwargs)
 
 
 def test_cache_shape_hits_the_target_size():
@@ -21,7 +31,7 @@ def test_cache_shape_hits_the_target_size():
 
 def test_run_and_main_cpu(tmp_path, capsys):
     argv = ["--device", "cpu", "--max-mib", "4", "--warmup", "1", "--iters", "2", "--batch", "3", "--repeats", "2"]
-    rows = bench_op.run(argv)
+    rows = run(argv)
     assert [r["cache_mib"] for r in rows] == pytest.approx([1, 4], rel=0.05)
     for r in rows:
         layers, _, nrows, heads, _, hd = r["shape"]
@@ -32,7 +42,7 @@ def test_run_and_main_cpu(tmp_path, capsys):
         assert r["op_over_copy"] == pytest.approx(r["op_gbps"] / r["copy_gbps"])
 
     out = tmp_path / "bench.json"
-    assert bench_op.main(argv + ["--methods", "op,copy", "--output", str(out)]) == 0
+    assert cli.main(["bench-op", *argv, "--methods", "op,copy", "--output", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "| cache MiB |" in printed and "op/copy" in printed
     saved = json.loads(out.read_text())
@@ -42,13 +52,13 @@ def test_run_and_main_cpu(tmp_path, capsys):
 
 def test_rows_are_reported_after_each_size():
     seen = []
-    rows = bench_op.run(["--device", "cpu", "--dtype", "fp32", "--max-mib", "4", "--warmup", "0", "--iters", "1",
+    rows = run(["--device", "cpu", "--dtype", "fp32", "--max-mib", "4", "--warmup", "0", "--iters", "1",
                          "--methods", "op", "--batch", "2", "--repeats", "2"], on_row=lambda r: seen.append(len(r)))
     assert seen == [1, 2] and len(rows) == 2
 
 
 def test_size_plan_and_peak_memory():
-    args = bench_op.parse_args(["--device", "cpu", "--min-mib", "1", "--max-mib", "64", "--factor", "4",
+    args = parse_args(["--device", "cpu", "--min-mib", "1", "--max-mib", "64", "--factor", "4",
                                 "--batch", "2", "--repeats", "4", "--kv-heads", "2", "--head-dim", "64"])
     plan = bench_op.plan(args)
     assert [mib for mib, _, _ in plan] == [1, 4, 16, 64]
@@ -69,6 +79,6 @@ def test_size_plan_and_peak_memory():
 
 def test_bad_arguments():
     with pytest.raises(SystemExit):
-        bench_op.run(["--device", "cpu", "--methods", "op,nope"])
+        run(["--device", "cpu", "--methods", "op,nope"])
     with pytest.raises(SystemExit):
-        bench_op.run(["--device", "cpu", "--repeats", "1"])
+        run(["--device", "cpu", "--repeats", "1"])

@@ -18,8 +18,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from torchkvops import (atomic_write, bench, bench_cases, bench_metrics, bench_report, bench_stats, cli, cli_bench,
-                        cli_checks, cli_rollout)
+from torchkvops import atomic_write
+from torchkvops.bench import cases as bench_cases
+from torchkvops.bench import matrix as bench
+from torchkvops.bench import metrics as bench_metrics
+from torchkvops.bench import report as bench_report
+from torchkvops.bench import stats as bench_stats
+from torchkvops.cli import bench as cli_bench
+from torchkvops.cli import checks as cli_checks
+from torchkvops.cli import main as cli
+from torchkvops.cli import rollout as cli_rollout
 
 ROOT = Path(__file__).absolute().parents[1]
 HAS_GPU = torch.cuda.is_available()
@@ -410,7 +418,7 @@ def test_plot_without_matplotlib_fails_at_startup_with_the_install_hint(tmp_path
         "        if name.split('.')[0] == 'matplotlib':\n"
         "            raise ModuleNotFoundError(\"No module named 'matplotlib'\")\n"
         "sys.meta_path.insert(0, Block())\n"
-        "from torchkvops.cli import main\n"
+        "from torchkvops.cli.main import main\n"
         "sys.exit(main(sys.argv[1:]))\n"
     )
     proc = run_cli(*SMALL_BENCH, "--plot", str(tmp_path / "p.png"), code=block)
@@ -569,7 +577,6 @@ def test_cuda_without_a_gpu_is_the_same_one_line_in_every_command(capsys, monkey
 
 # --- bench-op and the console script -------------------------------------------------------------
 def test_bench_op_delegates():
-    pytest.importorskip("torchkvops.bench_op")
     proc = run_cli("bench-op", "--device", "cpu", "--dtype", "fp32", "--max-mib", "1", "--warmup", "0", "--iters", "1",
                    "--methods", "op,copy", "--batch", "2", "--repeats", "2")
     assert proc.returncode == 0, proc.stderr
@@ -707,7 +714,7 @@ def test_torch_is_deferred_only_for_python_m_torchkvops(monkeypatch, orig_argv, 
 def test_import_loads_the_ops_and_defers_the_rollout_engine():
     code = (
         "import sys\n"
-        "from torchkvops.cli import main\n"  # as the console script does: torch and the ops are loaded ...
+        "from torchkvops.cli.main import main\n"  # as the console script does: torch and the ops are loaded ...
         "try:\n    main(['bench', '--help'])\nexcept SystemExit:\n    pass\n"
         "assert 'transformers' not in sys.modules and 'torchkvops.rollout' not in sys.modules\n"  # ... not these
         "import torch, torchkvops\n"
@@ -905,7 +912,7 @@ def test_sigint_during_a_bench_keeps_the_finished_cases(tmp_path):
         "        time.sleep(0.02)\n"
         "    return real(self, input_ids, attention_mask)\n"
         "Rollout.generate = generate\n"
-        "from torchkvops.cli import main\n"
+        "from torchkvops.cli.main import main\n"
         "sys.exit(main(sys.argv[1:]))\n")
     proc = subprocess.Popen([sys.executable, "-c", code, *INTERRUPT_BENCH, "--output", str(out)], cwd=ROOT,
                             env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

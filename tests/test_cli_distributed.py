@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from torchkvops import cli_checks, cli_launch
+from torchkvops.cli import checks as cli_checks
+from torchkvops.cli import launch as cli_launch
 
 ROOT = Path(__file__).absolute().parents[1]
 TIMEOUT = 120
@@ -139,7 +140,7 @@ FAIL_ON_RANK_1 = (
     "        raise torch.OutOfMemoryError('simulated: out of memory on rank 1')\n"
     "    return real(self, *args, **kwargs)\n"
     "Rollout._generate = generate\n"
-    "from torchkvops.cli import main\n"
+    "from torchkvops.cli.main import main\n"
     "sys.exit(main(sys.argv[1:]))\n"
 )
 
@@ -161,7 +162,9 @@ def test_a_mode_that_fails_on_another_process_fails_on_this_one_too(monkeypatch)
     take the same collective steps) and record process 1's error, while `prefix` goes on."""
     import torch
 
-    from torchkvops import bench, bench_cases, bench_world
+    from torchkvops.bench import cases as bench_cases
+    from torchkvops.bench import matrix as bench
+    from torchkvops.bench import world as bench_world
     from torchkvops.models import build_model
 
     calls = []

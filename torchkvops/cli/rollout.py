@@ -9,9 +9,9 @@ import json
 import os
 from pathlib import Path
 
-from .cli_checks import CLIError, check_kv_memory, check_positions
-from .cli_launch import RunError, current_rank, current_world_size, say, shard_bounds, start_processes
-from .cli_model import load_config, load_model, resolve_dtype, special_ids, vocab_size
+from .checks import CLIError, check_kv_memory, check_positions
+from .launch import RunError, current_rank, current_world_size, say, shard_bounds, start_processes
+from .model import load_config, load_model, resolve_dtype, special_ids, vocab_size
 
 __all__ = ["cmd_rollout", "read_prompts"]
 
@@ -47,7 +47,7 @@ def read_prompts(path: str) -> list[str]:
 def cmd_rollout(args) -> int:
     import torch
 
-    from .rollout import Rollout, RolloutConfig
+    from ..rollout import Rollout, RolloutConfig
 
     texts = list(args.prompt or []) + (read_prompts(args.prompts) if args.prompts else [])
     device = start_processes(args.device)
@@ -84,7 +84,7 @@ def cmd_rollout(args) -> int:
         check_kv_memory(model_config, device, dtype, most * n, total, f"{len(texts)} prompt(s) x -n {n}",
                         "fewer prompts, a lower --samples-per-prompt or --max-new-tokens")
     else:
-        from .bench_cases import Case, synthetic_prompts
+        from ..bench.cases import Case, synthetic_prompts
 
         case = Case(args.num_prompts, args.samples_per_prompt, args.prompt_length, args.max_new_tokens)
         input_ids = synthetic_prompts(case, vocab_size(model, tokenizer), special_ids(model, tokenizer), args.seed,
@@ -134,7 +134,7 @@ def cmd_rollout(args) -> int:
         print(f"\n{input_ids.shape[0]} prompts x {n} samples, {profile.generated_tokens} tokens in "
               f"{profile.total_ms:.1f} ms ({profile.tokens_per_second:.1f} tokens/s; {stages})")
     if args.output:
-        from .atomic_write import write_text_atomic
+        from ..atomic_write import write_text_atomic
 
         write_text_atomic(args.output, "".join(json.dumps(rec) + "\n" for rec in records))
         print(f"wrote {len(records)} records to {args.output}")
@@ -144,7 +144,7 @@ def cmd_rollout(args) -> int:
 def _generate_shard(rollout, input_ids, attention_mask, bounds: tuple[int, int]):
     """This process's shard through torchkvops.distributed.generate; every process gets every row, in
     rank order (= prompt order). A failure on any process raises on every process: one line each."""
-    from . import distributed
+    from .. import distributed
 
     lo, hi = bounds
     ids, mask = (input_ids[lo:hi], attention_mask[lo:hi]) if hi > lo else (None, None)

@@ -16,8 +16,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from .bench_stats import summarize
-from .kv_cache import KVShape
+from .stats import summarize
+from ..kv_cache import KVShape
 
 __all__ = ["BYTES_NOTE", "ROOFLINE_NOTE", "PEAK_NOTE", "Clock", "model_weight_bytes", "kv_bytes_per_token", "Traffic",
            "copy_roofline", "cpu_peak_memory_bytes", "peak_memory_bytes", "export_trace"]

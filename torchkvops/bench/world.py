@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from .bench_cases import INT_FIELDS
+from .cases import INT_FIELDS
 
 __all__ = ["WORLD_NOTE", "World", "merge_ranks"]
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from .bench_cases import HF_MODES, MODES, PROFILE_FIELDS, ROLLOUT_MODES, Case, Settings
-from .bench_metrics import Clock
-from .rollout import Rollout, RolloutConfig
+from .cases import HF_MODES, MODES, PROFILE_FIELDS, ROLLOUT_MODES, Case, Settings
+from .metrics import Clock
+from ..rollout import Rollout, RolloutConfig
 
 __all__ = ["DECODE_STEP_NOTE", "make_runner", "timed_call"]
 

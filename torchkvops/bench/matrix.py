@@ -45,14 +45,14 @@ interrupted or crashed run leaves the cases that finished, and never a half-writ
 
 This module runs the matrix: the cases one after another, each case's modes interleaved (run_matrix).
 Each other part has a module of its own:
-  bench_cases    the modes, the cases and their run order, synthetic prompts, settings, record fields
-  bench_runners  one call of a mode, timed (DECODE_STEP_NOTE)
-  bench_metrics  the clock, the bytes per decode step, the copy_ roofline, peak memory, traces
-                 (BYTES_NOTE, ROOFLINE_NOTE, PEAK_NOTE)
-  bench_stats    summaries, the median-total iteration's stages, token agreement (MEDIAN_STAGES_NOTE,
-                 TOKENS_AGREE_NOTE)
-  bench_world    the processes, and how their records become one (WORLD_NOTE)
-  bench_report   the table, the plot and the JSON document (FILE_NOTE); atomic_write writes the files
+  cases    the modes, the cases and their run order, synthetic prompts, settings, record fields
+  runners  one call of a mode, timed (DECODE_STEP_NOTE)
+  metrics  the clock, the bytes per decode step, the copy_ roofline, peak memory, traces
+           (BYTES_NOTE, ROOFLINE_NOTE, PEAK_NOTE)
+  stats    summaries, the median-total iteration's stages, token agreement (MEDIAN_STAGES_NOTE,
+           TOKENS_AGREE_NOTE)
+  world    the processes, and how their records become one (WORLD_NOTE)
+  report   the table, the plot and the JSON document (FILE_NOTE); torchkvops.atomic_write writes the files
 """
 
 from __future__ import annotations
@@ -68,11 +68,11 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 from torch import Tensor, nn
 
-from .bench_cases import ITERATION_FIELDS, SUMMARY_FIELDS, Case, Settings, run_order, synthetic_prompts
-from .bench_metrics import Clock, Traffic, export_trace, peak_memory_bytes
-from .bench_runners import make_runner, timed_call
-from .bench_stats import stage_breakdown, summarize_profiles, token_agreement, tokens_sha256
-from .bench_world import World, merge_ranks
+from .cases import ITERATION_FIELDS, SUMMARY_FIELDS, Case, Settings, run_order, synthetic_prompts
+from .metrics import Clock, Traffic, export_trace, peak_memory_bytes
+from .runners import make_runner, timed_call
+from .stats import stage_breakdown, summarize_profiles, token_agreement, tokens_sha256
+from .world import World, merge_ranks
 
 __all__ = ["TIMING_NOTE", "run_matrix", "calls_per_mode", "estimate_seconds", "recompile_headroom"]
 

@@ -1,5 +1,5 @@
 """How a bench's results are shown and kept: a Markdown table per case, a PNG of stacked stage times,
-and the --output JSON document. The numbers themselves come from bench_stats.
+and the --output JSON document. The numbers themselves come from stats.py.
 """
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from .bench_cases import STAGE_FIELDS, Case
-from .bench_stats import stage_breakdown
+from .cases import STAGE_FIELDS, Case
+from .stats import stage_breakdown
 
 __all__ = ["FILE_NOTE", "results_document", "format_case_table", "plot_segments", "plot_stage_times"]
 

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from .bench_cases import HF_MODES, PER_STEP_FIELDS, ROLLOUT_MODES, STAGE_FIELDS
+from .cases import HF_MODES, PER_STEP_FIELDS, ROLLOUT_MODES, STAGE_FIELDS
 
 __all__ = ["NOT_COMPARABLE", "HF_NOT_COMPARED", "TOKENS_AGREE_NOTE", "MEDIAN_STAGES_NOTE", "summarize",
            "summarize_profiles", "stage_breakdown", "tokens_sha256", "token_agreement"]

@@ -18,7 +18,7 @@ from pathlib import Path
 
 __all__ = ["CLIError", "int_in", "positive_int", "non_negative_int", "float_in", "temperature", "top_p", "device_name",
            "available_memory_bytes", "gib", "check_output_file", "check_output_dir", "check_plot_path",
-           "model_source", "CHECKS", "check_positions", "check_kv_memory", "check_bench_kv_memory"]
+           "model_source", "check_rollout_args", "check_bench_args", "check_positions", "check_kv_memory", "check_bench_kv_memory"]
 
 PLOT_HINT = "pip install matplotlib  (or: pip install torchkvops[plot])"
 
@@ -224,15 +224,6 @@ def check_bench_args(args) -> None:
         max(args.response_lengths)
     check_token_memory(b, n, p, r, f"the largest case (B={b} N={n} P={p} R={r})",
                        "lower --batch-sizes, --samples-per-prompt, --prompt-lengths or --response-lengths")
-
-
-def check_bench_op_args(args) -> None:
-    from . import bench_op
-
-    bench_op.check_args(args)
-
-
-CHECKS = {"rollout": check_rollout_args, "bench": check_bench_args, "bench-op": check_bench_op_args}
 
 
 # --- checks before the model is built (its config read, torch loaded) ----------------------------

@@ -1,8 +1,8 @@
 """The `torchkvops` command line (also `python -m torchkvops`).
 
   torchkvops rollout   generate N samples per prompt and print them (or write JSONL)
-  torchkvops bench     the A/B matrix: the rollout's modes vs HF generate, interleaved (torchkvops.bench)
-  torchkvops bench-op  the repeat_kv_cache_ bandwidth table (torchkvops.bench_op)
+  torchkvops bench     the A/B matrix: the rollout's modes vs HF generate, interleaved (torchkvops.bench.matrix)
+  torchkvops bench-op  the repeat_kv_cache_ bandwidth table (torchkvops.bench.op)
   torchkvops           with no arguments: a short default `bench` (about a minute on a small CPU)
 
 Without --model the model is built in memory from a named shape with random weights (nothing is
@@ -22,13 +22,15 @@ one --output file; `bench` runs every case on every process with its own B promp
 process reports the slowest process's times and the global tokens/s. A failure on one process is one
 line on every process and a non-zero exit. Without torchrun: one process, as before.
 
-This module holds the parser and the entry point (main). The rest, each in a module of its own:
-  cli_checks   the argument types and every check made before the work (CLIError)
-  cli_launch   alone or under torchrun: the process group, the device, the shards, say()
-  cli_model    the dtype, the config, the model and tokenizer, and the token ids they imply
-  cli_rollout  the rollout command          cli_bench  the bench command
-  bench_op     the bench-op command (its own arguments, checks and run)
-Nothing that the parser imports loads torch or transformers.
+This module holds the parser and the entry point (main). The rest of torchkvops/cli/, each in a module
+of its own:
+  checks    the argument types and every check made before the work (CLIError)
+  launch    alone or under torchrun: the process group, the device, the shards, say()
+  model     the dtype, the config, the model and tokenizer, and the token ids they imply
+  rollout   the rollout command          bench  the bench command
+  bench_op  the bench-op command (its own arguments, checks and run)
+The measurements themselves are the benchmark harness's (torchkvops/bench/). Nothing that the parser
+imports loads torch or transformers.
 """
 
 from __future__ import annotations
@@ -38,11 +40,14 @@ import os
 import sys
 from collections.abc import Sequence
 
-from .cli_bench import cmd_bench
-from .cli_checks import CHECKS, CLIError, device_name, int_in, non_negative_int, positive_int, temperature, top_p
-from .cli_launch import RunError, current_rank, current_world_size, stop_processes
-from .cli_model import DTYPE_NAMES
-from .cli_rollout import cmd_rollout
+from .. import _load_ops
+from . import bench_op
+from .bench import cmd_bench
+from .checks import (CLIError, check_bench_args, check_rollout_args, device_name, int_in, non_negative_int,
+                     positive_int, temperature, top_p)
+from .launch import RunError, current_rank, current_world_size, stop_processes
+from .model import DTYPE_NAMES
+from .rollout import cmd_rollout
 
 __all__ = ["main", "build_parser", "parse_args", "DEFAULT_BENCH_ARGS", "MODEL_SHAPE_NAMES", "MODE_NAMES",
            "DEFAULT_MODES"]
@@ -50,7 +55,7 @@ __all__ = ["main", "build_parser", "parse_args", "DEFAULT_BENCH_ARGS", "MODEL_SH
 # The names of torchkvops.models.MODEL_SHAPES, spelled out so that parsing needs no transformers
 # (tests/test_cli.py checks that the two agree).
 MODEL_SHAPE_NAMES = ("tiny", "llama-small", "opt-125m", "gpt2", "qwen3-0.6b", "opt-6.7b")
-# torchkvops.bench_cases.MODES and DEFAULT_MODES, spelled out for the same reason (checked by the same test).
+# torchkvops.bench.cases.MODES and DEFAULT_MODES, spelled out for the same reason (checked by the same test).
 MODE_NAMES = ("expanded", "shared", "prefix", "hf-generate", "hf-static")
 DEFAULT_MODES = ("expanded", "shared", "prefix", "hf-generate")
 # The bare `torchkvops`: measured at 38 s on a shared 2-core CPU, model build included (5 iterations: 59 s);
@@ -100,9 +105,11 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int_in(0, MAX_SEED, " (2**63 - 1)"), default=0, help="sampling and prompt seed")
 
 
-def build_parser() -> _Parser:
-    from . import bench_op
+# What each command checks once its arguments are parsed, before any work.
+CHECKS = {"rollout": check_rollout_args, "bench": check_bench_args, "bench-op": bench_op.check_args}
 
+
+def build_parser() -> _Parser:
     parser = _Parser(prog="torchkvops", description=__doc__.split("\n\n")[0],
                      epilog="With no command: a short default `bench` (" + " ".join(DEFAULT_BENCH_ARGS) + ").")
     sub = parser.add_subparsers(dest="command", metavar="{rollout,bench,bench-op}", parser_class=_Parser)
@@ -172,7 +179,7 @@ def build_parser() -> _Parser:
     o = sub.add_parser("bench-op", help="the repeat_kv_cache_ bandwidth table",
                        description=bench_op.DESCRIPTION, epilog=bench_op.EPILOG)
     bench_op.add_arguments(o)
-    o.set_defaults(func=cmd_bench_op)
+    o.set_defaults(func=bench_op.execute)
     parser.commands = {"rollout": r, "bench": b, "bench-op": o}
     return parser
 
@@ -195,16 +202,7 @@ def parse_args(argv: Sequence[str], parser: _Parser | None = None) -> argparse.N
 # --- the library ---------------------------------------------------------------------------------
 def load_library() -> None:
     """torch and the compiled ops (deferred while `python -m torchkvops` parses its arguments)."""
-    from . import _load_ops
-
     _load_ops()
-
-
-# --- bench-op ------------------------------------------------------------------------------------
-def cmd_bench_op(args) -> int:
-    from . import bench_op
-
-    return bench_op.execute(args)
 
 
 # --- entry point ---------------------------------------------------------------------------------

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import sys
 
-from .cli_checks import CLIError, model_source
-from .cli_launch import current_rank, say
+from .checks import CLIError, model_source
+from .launch import current_rank, say
 
 __all__ = ["DTYPE_NAMES", "resolve_dtype", "load_config", "load_model", "special_ids", "vocab_size", "pad_id"]
 
@@ -40,7 +40,7 @@ def load_config(args):
     """(config, source): the model's config, read before the model is built so that the sizes can be
     checked against it. source is the checkpoint folder or cached name, None for --model-shape."""
     if not args.model:
-        from .models import model_config
+        from ..models import model_config
 
         return model_config(args.model_shape), None
     from transformers import AutoConfig
@@ -63,7 +63,7 @@ def load_config(args):
 def load_model(args, config, source, device, dtype):
     """(model, tokenizer or None, description). Without --model: random weights of --model-shape."""
     if source is None:
-        from .models import build_model
+        from ..models import build_model
 
         model = build_model(args.model_shape, dtype, device, seed=0)  # --seed changes prompts and sampling only
         say(f"model: {args.model_shape} shape with RANDOM weights (built in memory, nothing downloaded); "

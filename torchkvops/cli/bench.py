@@ -1,4 +1,4 @@
-"""`torchkvops bench`: the A/B matrix of torchkvops.bench from the command line. Resolves the device,
+"""`torchkvops bench`: the A/B matrix of torchkvops.bench.matrix from the command line. Resolves the device,
 checks the sizes against the model's config and the memory free, builds the model, writes the JSON
 header, runs the matrix (rewriting --output after every case), then prints a table per case and
 draws the plot.
@@ -11,9 +11,9 @@ import platform
 import sys
 from pathlib import Path
 
-from .cli_checks import CLIError, check_bench_kv_memory, check_positions
-from .cli_launch import say, start_processes
-from .cli_model import load_config, load_model, pad_id, resolve_dtype, special_ids, vocab_size
+from .checks import CLIError, check_bench_kv_memory, check_positions
+from .launch import say, start_processes
+from .model import load_config, load_model, pad_id, resolve_dtype, special_ids, vocab_size
 
 __all__ = ["cmd_bench"]
 
@@ -21,8 +21,11 @@ __all__ = ["cmd_bench"]
 def cmd_bench(args) -> int:
     import torch
 
-    from . import __version__, bench, bench_cases, bench_metrics, bench_report, bench_runners, bench_stats, bench_world
-    from .atomic_write import write_json_atomic
+    from .. import __version__
+    from ..bench import cases as bench_cases
+    from ..atomic_write import write_json_atomic
+    from ..bench import matrix, metrics, report, runners, stats
+    from ..bench import world as bench_world
 
     device = start_processes(args.device)
     world = bench_world.World()
@@ -43,12 +46,12 @@ def cmd_bench(args) -> int:
             raise CLIError(f"--trace {args.trace}: cannot create the folder: {e}") from None
     model, tokenizer, model_desc = load_model(args, model_config, source, device, dtype)
 
-    roofline = bench_metrics.copy_roofline(device)  # CUDA only: measured before any case, on this process's device
+    roofline = metrics.copy_roofline(device)  # CUDA only: measured before any case, on this process's device
     settings = bench_cases.Settings(temperature=args.temperature, top_p=args.top_p, seed=args.seed,
                                     compile=args.compile, warmup=args.warmup, iterations=args.iterations,
                                     trace_dir=args.trace,
                                     roofline_gbps=roofline["copy_roofline_gbps"] if roofline else None)
-    traffic = bench_metrics.Traffic.of(model, settings.roofline_gbps)
+    traffic = metrics.Traffic.of(model, settings.roofline_gbps)
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()
     rank_devices = world.device_description(device, device_name)
     if roofline is not None and world.size > 1:
@@ -88,25 +91,25 @@ def cmd_bench(args) -> int:
         "world_size": world.size,
         "backend": world.backend,
         "rank_devices": rank_devices,
-        "timing": bench.TIMING_NOTE,
-        "decode_ms_per_step_method": bench_runners.DECODE_STEP_NOTE,
+        "timing": matrix.TIMING_NOTE,
+        "decode_ms_per_step_method": runners.DECODE_STEP_NOTE,
         "bytes_per_step": {"weight_bytes": traffic.weight_bytes, "kv_bytes_per_token": traffic.kv_bytes_per_token,
-                           "formula": bench_metrics.BYTES_NOTE},
+                           "formula": metrics.BYTES_NOTE},
         "roofline": roofline,
         "peak_memory_method": "cuda_allocator" if device.type == "cuda" else "cpu_profiler",
-        "peak_memory_note": bench_metrics.PEAK_NOTE[device.type],
+        "peak_memory_note": metrics.PEAK_NOTE[device.type],
         "sampling": "greedy" if settings.greedy else f"temperature={args.temperature} top_p={args.top_p} top_k=0",
         "modes": {m: descriptions[m] for m in modes},
-        "file_note": bench_report.FILE_NOTE,
-        "median_stages_note": bench_stats.MEDIAN_STAGES_NOTE,
-        "tokens_agree_note": bench_stats.TOKENS_AGREE_NOTE,
+        "file_note": report.FILE_NOTE,
+        "median_stages_note": stats.MEDIAN_STAGES_NOTE,
+        "tokens_agree_note": stats.TOKENS_AGREE_NOTE,
         "flags": {k: v for k, v in vars(args).items() if k not in ("func",)},
         "cases_requested": [c.name for c in cases],
         "cases_run_order": [cases[i].name for i in bench_cases.run_order(cases)],
     }
     if world.size > 1:
         header["world_note"] = bench_world.WORLD_NOTE
-    per_mode = bench.calls_per_mode(settings, device)
+    per_mode = matrix.calls_per_mode(settings, device)
     where = (f"{world.size} processes ({world.backend}), each on {device.type} with its own --batch-sizes prompts"
              if world.size > 1 else f"{device_name} ({device})")
     say(f"bench: {len(cases)} case(s) x {len(modes)} mode(s) x {per_mode} calls on {where}, {dtype_name}, "
@@ -118,7 +121,7 @@ def cmd_bench(args) -> int:
 
     def save(status: str) -> None:
         if args.output and world.is_main:
-            write_json_atomic(args.output, bench_report.results_document(header, cases, results, status))
+            write_json_atomic(args.output, report.results_document(header, cases, results, status))
 
     def save_during_run() -> None:
         """A write that fails mid-run (the folder removed, the disk full) is reported and retried after
@@ -136,15 +139,15 @@ def cmd_bench(args) -> int:
         save_during_run()
 
     try:
-        with bench.recompile_headroom(args.compile or "hf-static" in modes):
-            bench.run_matrix(model, cases, modes, settings, vocab_size=vocab_size(model, tokenizer),
+        with matrix.recompile_headroom(args.compile or "hf-static" in modes):
+            matrix.run_matrix(model, cases, modes, settings, vocab_size=vocab_size(model, tokenizer),
                              special_ids=special_ids(model, tokenizer), pad_token_id=pad_id(model, tokenizer),
                              progress=not args.no_progress, on_case=case_done, world=world)
     except KeyboardInterrupt:
         finished = [r for r in results if r is not None]
         for result in finished:
             say()
-            say(bench_report.format_case_table(result, args.iterations))
+            say(report.format_case_table(result, args.iterations))
         save("interrupted")
         kept = f"; {len(finished)} finished case(s) are in {args.output}" if args.output and finished else ""
         if world.is_main:
@@ -152,13 +155,13 @@ def cmd_bench(args) -> int:
         return 130
     for result in results:  # the tables first: they are shown even if the last write fails
         say()
-        say(bench_report.format_case_table(result, args.iterations))
+        say(report.format_case_table(result, args.iterations))
     save("complete")
     failed = [r["case"] for r in results if r["error"]]
     if args.output:
         say(f"\nwrote {args.output}")
     if args.plot and world.is_main:
-        bench_report.plot_stage_times(results, args.plot, f"{model_desc}, {dtype_name}, {device_name}")
+        report.plot_stage_times(results, args.plot, f"{model_desc}, {dtype_name}, {device_name}")
         say(f"wrote {args.plot}")
     if args.trace:
         say(f"wrote Chrome traces to {os.path.join(args.trace, '')} (open in chrome://tracing or "

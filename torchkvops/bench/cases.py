@@ -1,7 +1,7 @@
 """What a bench run is made of: the modes it compares, its cases (B, N, P, R) and the order they run
 in, each case's synthetic prompts, the settings of a run, and the fields of every timed call's record.
 
-The modes themselves are described in torchkvops.bench; nothing here runs a model.
+The modes themselves are described in torchkvops.bench.matrix; nothing here runs a model.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import Tensor
 
-from .profiling import RolloutProfile
+from ..profiling import RolloutProfile
 
 __all__ = [
     "MODES", "DEFAULT_MODES", "ROLLOUT_MODES", "HF_MODES", "PROFILE_FIELDS", "ITERATION_FIELDS", "BOOKKEEPING_FIELDS",

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-from .cli_checks import CLIError
+from .checks import CLIError
 
 __all__ = ["RunError", "say", "current_rank", "current_world_size", "resolve_device", "torchrun_env",
            "start_processes", "stop_processes", "shard_bounds"]

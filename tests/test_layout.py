@@ -1,0 +1,129 @@
+"""The package's architecture, checked from its source: no import cycles, and the layers stay apart
+(the library never imports the command line or the benchmark harness; the harness never imports the
+command line). Imports are read with `ast`, function-level ones included, so a lazy import that would
+close a cycle is caught too."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE_ROOT = Path(__file__).absolute().parents[1] / "torchkvops"
+
+
+def module_names(root: Path) -> dict[str, Path]:
+    """Dotted module name -> file, for every .py file under `root` (a package folder)."""
+    names = {}
+    for path in sorted(root.rglob("*.py")):
+        parts = list(path.relative_to(root.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        names[".".join(parts)] = path
+    return names
+
+
+def _parents(name: str) -> list[str]:
+    parts = name.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
+
+
+def import_graph(root: Path) -> dict[str, set[str]]:
+    """Module -> the package's modules it imports (anywhere in its source). Importing a.b.c also
+    imports the packages a and a.b; `from p import x` imports p.x when that is a module, else p."""
+    modules = module_names(root)
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        is_package = path.name == "__init__.py"
+        package = name if is_package else name.rpartition(".")[0]
+        targets: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                found = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base_parts = package.split(".")
+                    base_parts = base_parts[: len(base_parts) - (node.level - 1)]
+                    base = ".".join(base_parts + ([node.module] if node.module else []))
+                else:
+                    base = node.module or ""
+                found = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base
+                         for alias in node.names]
+            else:
+                continue
+            for target in found:
+                for candidate in [*_parents(target), target]:
+                    if candidate in modules and candidate != name:
+                        targets.add(candidate)
+        graph[name] = targets
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_checker_finds_a_cycle_through_a_lazy_import(tmp_path):
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from .sub import b\n")
+    (pkg / "sub" / "b.py").write_text("def f():\n    from ..c import g\n")
+    (pkg / "c.py").write_text("import pkg.a\n")
+    (pkg / "d.py").write_text("from . import a\n")
+    graph = import_graph(pkg)
+    assert graph["pkg.a"] == {"pkg", "pkg.sub", "pkg.sub.b"}
+    assert cycles(graph) == [["pkg.a", "pkg.c", "pkg.sub.b"]]
+
+
+def test_no_import_cycles():
+    graph = import_graph(PACKAGE_ROOT)
+    assert {"torchkvops.cli.main", "torchkvops.bench.matrix", "torchkvops.rollout"} <= set(graph)
+    assert cycles(graph) == []
+
+
+def test_the_library_never_imports_the_command_line_or_the_harness():
+    graph = import_graph(PACKAGE_ROOT)
+
+    def layer(name: str) -> str:
+        if name == "torchkvops.__main__":  # `python -m torchkvops`: the command line's entry point
+            return "cli"
+        for sub in ("cli", "bench"):
+            if name == f"torchkvops.{sub}" or name.startswith(f"torchkvops.{sub}."):
+                return sub
+        return "library"
+
+    allowed = {"library": {"library"}, "bench": {"library", "bench"}, "cli": {"library", "bench", "cli"}}
+    wrong = sorted((a, b) for a, targets in graph.items() for b in targets if layer(b) not in allowed[layer(a)])
+    assert wrong == []
