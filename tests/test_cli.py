@@ -214,7 +214,9 @@ def _table_rows(stdout: str, case: str) -> dict[str, list[str]]:
 
 def test_bench_json_tables_trace_and_order(tmp_path):
     from torchkvops.models import build_model, model_config
-    from torchkvops.rollout import round_up
+
+    def round_up(n: int, multiple: int) -> int:  # the rollout's rule: prompts to 64 positions, responses to 8
+        return -(-n // multiple) * multiple
 
     out, trace = tmp_path / "bench.json", tmp_path / "trace"
     P, R = 130, 4
@@ -315,8 +317,8 @@ def test_bench_json_tables_trace_and_order(tmp_path):
         assert [(m, k) for _, m, k in starts] == [(m, k) for k in range(3) for m in modes]
         # KV storage: the buffers as the rollout sizes them; the prefix layout keeps each prompt once.
         kv_bytes = {m: c["modes"][m]["summary"]["kv_cache_bytes"]["p50"] for m in ("expanded", "shared", "prefix")}
-        assert kv_bytes["shared"] == kv_bytes["expanded"] == rows * round_up(P + R - 1) * per_token
-        assert kv_bytes["prefix"] == (b * round_up(P) + rows * round_up(R - 1)) * per_token < kv_bytes["shared"]
+        assert kv_bytes["shared"] == kv_bytes["expanded"] == rows * round_up(P + R - 1, 64) * per_token
+        assert kv_bytes["prefix"] == (b * round_up(P, 64) + rows * round_up(R - 1, 8)) * per_token < kv_bytes["shared"]
         # The table shows the median-total iteration's figures.
         cells = _table_rows(proc.stdout, c["case"])
         for mode, e in c["modes"].items():

@@ -62,11 +62,12 @@ def test_prefix_buffer_reuse_across_lengths_and_kv_cache_bytes(family_models):
     for ids, mask in ((long_ids, long_mask), (short_ids, short_mask), (long_ids, long_mask)):
         out = r.generate(ids, mask)
         assert torch.equal(out.responses, hf_greedy(model, ids, mask, 6).repeat_interleave(4, dim=0))
-    # The bytes it used: B prompts of P positions (rounded to 64) + B*N rows of R-1 positions (rounded).
+    # The bytes it used: B prompts of P positions (rounded to 64) + B*N rows of R-1 = 5 positions
+    # (rounded to 8).
     shape = r.cache.shape
     per_position = shape.layers * 2 * shape.kv_heads * shape.head_dim * 4  # float32
     p = r.get_last_profile()
-    assert p.kv_cache_bytes == per_position * (2 * 64 + 8 * 64)
+    assert p.kv_cache_bytes == per_position * (2 * 64 + 8 * 8)
     copy = Rollout(model, RolloutConfig(samples_per_prompt=4, max_new_tokens=6, eos_token_id=NO_EOS,
                                         enable_profiling=True))
     copy.generate(long_ids, long_mask)
@@ -90,6 +91,30 @@ def test_prefix_kv_bytes_shrink_as_the_formula_says():
         rollout.generate(ids)
         used[sharing] = rollout.get_last_profile().kv_cache_bytes
     assert used["prefix"] / used["copy"] == pytest.approx((b * p + b * n * (r - 1)) / (b * n * (p + r - 1)))
+
+
+def test_prefix_kv_bytes_at_short_responses():
+    """Issue #15's case: B=2, N=8, P=200, R=8. Each row's response KV is rounded up to 8 positions (not
+    64), so the prefix layout holds (2*256 + 16*8) / (16*256) = 0.156 of copy's KV, not 0.375."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
+                                         pad_token_id=0, bos_token_id=1, eos_token_id=2)).eval()
+    b, n, p, r = 2, 8, 200, 8
+    ids, mask = prompts(b, p, seed=4, left_pad=[0, 3])
+    used, tokens = {}, {}
+    for sharing in ("copy", "prefix"):
+        rollout = Rollout(model, RolloutConfig(samples_per_prompt=n, max_new_tokens=r, eos_token_id=NO_EOS,
+                                               temperature=1.0, seed=1, kv_sharing=sharing, enable_profiling=True))
+        tokens[sharing] = rollout.generate(ids, mask).sequences
+        used[sharing] = rollout.get_last_profile().kv_cache_bytes
+    per_position = 1 * 2 * 1 * 16 * 4  # layers x (K, V) x kv_heads x head_dim x float32
+    assert used["copy"] == per_position * b * n * 256  # P + R - 1 = 207 -> 256
+    assert used["prefix"] == per_position * (b * 256 + b * n * 8)  # P -> 256, R - 1 = 7 -> 8
+    assert used["prefix"] / used["copy"] < 0.16
+    assert torch.equal(tokens["prefix"], tokens["copy"])  # the narrower response mask changes no sample
 
 
 def test_prefix_needs_shared_prefill():
