@@ -5,7 +5,7 @@ rollout rounds them), for a model shape of torchkvops.models, with no model buil
 and no memory allocated (the views are made on the meta device). For each number of samples N
 per prompt it finds the largest number of prompts B whose KV fits the budget.
 
-    python benchmarks/kv_capacity.py --model-shape qwen3-0.6b --dtype bf16 --budget-gib 40 \\
+    .venv/bin/python benchmarks/kv_capacity.py --model-shape qwen3-0.6b --dtype bf16 --budget-gib 40 \\
         --prompt-length 4096 --response-length 64 --samples-per-prompt 4 16 64
 """
 
