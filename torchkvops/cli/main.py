@@ -25,7 +25,7 @@ line on every process and a non-zero exit. Without torchrun: one process, as bef
 This module holds the parser and the entry point (main). The rest of torchkvops/cli/, each in a module
 of its own:
   checks    the argument types and every check made before the work (CLIError)
-  launch    alone or under torchrun: the process group, the device, the shards, say()
+  launch    alone or under torchrun: the process group, the device, --threads, the shards, say()
   model     the dtype, the config, the model and tokenizer, and the token ids they imply
   rollout   the rollout command          bench  the bench command
   bench_op  the bench-op command (its own arguments, checks and run)
