@@ -4,6 +4,7 @@ response KV. The oracle is Hugging Face's greedy generate; seeded sampling must 
 import pytest
 import torch
 
+from devices import DEVICES
 from models import FAMILIES, hf_greedy, prompts
 from torchkvops import Rollout, RolloutConfig
 
@@ -115,6 +116,35 @@ def test_prefix_kv_bytes_at_short_responses():
     assert used["prefix"] == per_position * (b * 256 + b * n * 8)  # P -> 256, R - 1 = 7 -> 8
     assert used["prefix"] / used["copy"] < 0.16
     assert torch.equal(tokens["prefix"], tokens["copy"])  # the narrower response mask changes no sample
+
+
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 3e-2}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", list(TOLERANCE), ids=str)
+def test_decode_attention_takes_masks_as_narrow_as_the_response_rounding(device, dtype):
+    """The prefix layout's response mask is a multiple of RESPONSE_KV_MULTIPLE (8) positions wide: the fused
+    kernels (CPU flash; CUDA memory-efficient, which needs each mask row 16-byte aligned) must take it, over
+    several rows, and give the reference's attention and log-sum-exp."""
+    from torchkvops.attention import attend
+    from torchkvops.rollout import RESPONSE_KV_MULTIPLE
+
+    g = torch.Generator().manual_seed(0)
+    rows, heads, queries, head_dim = 6, 2, 3, 32
+    for length in (RESPONSE_KV_MULTIPLE, 3 * RESPONSE_KV_MULTIPLE):
+        q, k, v = (torch.randn(rows, heads, n, head_dim, generator=g).to(dtype)
+                   for n in (queries, length, length))
+        bias = torch.zeros(rows, 1, 1, length)
+        for r in range(rows):  # row r sees its first r + 1 keys, as decode step r would
+            bias[r, ..., r + 1:] = float("-inf")
+        out, lse = attend(q.to(device), k.to(device), v.to(device), bias.to(device, dtype), None, with_lse=True)
+        scores = q.float() @ k.float().transpose(-1, -2) / head_dim**0.5 + bias
+        ref_lse = torch.logsumexp(scores, dim=-1)
+        ref = torch.softmax(scores, dim=-1) @ v.float()
+        tol = TOLERANCE[dtype]
+        torch.testing.assert_close(out.cpu().float(), ref, atol=tol, rtol=tol)
+        torch.testing.assert_close(lse.cpu(), ref_lse, atol=tol, rtol=tol)
 
 
 def test_prefix_needs_shared_prefill():
