@@ -13,7 +13,7 @@ Warm-up runs are excluded; the methods are timed in interleaved rounds (op, refe
 both lse in, one of each out) / median time. CUDA timings use events on the current stream with a
 synchronize around each; CPU timings use perf_counter.
 
-Example: python benchmarks/bench_merge_attention_states.py --device cpu --sizes 32x16x128,512x32x128
+Example: .venv/bin/python benchmarks/bench_merge_attention_states.py --device cpu --sizes 32x16x128,512x32x128
 """
 
 from __future__ import annotations

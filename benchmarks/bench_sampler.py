@@ -1,8 +1,8 @@
 """Time the fused sampler, torchkvops.ops.sample_tokens, against the Python sampler it replaced
 (torchkvops.reference.sample_tokens, ~55 ATen ops and a full-vocabulary sort for top-p).
 
-    python benchmarks/bench_sampler.py --device cpu --rows 64 8 --vocab 151936 50272 --dtype bf16 --iters 10
-    python benchmarks/bench_sampler.py --device cuda --rows 64 8 --vocab 151936 50272 --iters 50
+    .venv/bin/python benchmarks/bench_sampler.py --device cpu --rows 64 8 --vocab 151936 50272 --dtype bf16 --iters 10
+    .venv/bin/python benchmarks/bench_sampler.py --device cuda --rows 64 8 --vocab 151936 50272 --iters 50
 
 Each (rows, vocab) pair is timed in five modes: greedy, temperature 0.8, top-k 50, top-p 0.9 and
 top-k 50 + top-p 0.9 (temperature 0.8 in all but greedy). After one warm-up call of each, op and

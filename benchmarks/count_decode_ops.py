@@ -6,7 +6,7 @@ of R2 new tokens are counted; the difference divided by R2 - R1 is the count of 
 prefill and set-up cancelling out. Greedy and temperature + top-k + top-p sampling, on an OPT-style
 (multi-head) and a Llama-style (grouped-query) model with random weights, on the CPU.
 
-    python benchmarks/count_decode_ops.py [--layers 4] [--r1 8] [--r2 24]
+    .venv/bin/python benchmarks/count_decode_ops.py [--layers 4] [--r1 8] [--r2 24]
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """How many sample rows (B*N) fit a fixed KV-memory budget with kv_sharing="copy" and "prefix".
 
-The bytes are the rollout's own: the KV views a RolloutKVCache prepares (lengths rounded up to 64
-positions, as the rollout does), for a model shape of torchkvops.models, with no model built (the config
-is enough) and no memory allocated (the views are made on the meta device). For each number of samples N
+The bytes are the rollout's own: the KV views a RolloutKVCache prepares (lengths rounded up as the
+rollout rounds them), for a model shape of torchkvops.models, with no model built (the config is enough)
+and no memory allocated (the views are made on the meta device). For each number of samples N
 per prompt it finds the largest number of prompts B whose KV fits the budget.
 
-    python benchmarks/kv_capacity.py --model-shape qwen3-0.6b --dtype bf16 --budget-gib 40 \\
+    .venv/bin/python benchmarks/kv_capacity.py --model-shape qwen3-0.6b --dtype bf16 --budget-gib 40 \\
         --prompt-length 4096 --response-length 64 --samples-per-prompt 4 16 64
 """
 
@@ -17,7 +17,7 @@ import torch
 
 from torchkvops.kv_cache import KVShape, RolloutKVCache
 from torchkvops.models import MODEL_SHAPES, model_config
-from torchkvops.rollout import round_up
+from torchkvops.rollout import kv_lengths
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -26,10 +26,11 @@ def kv_bytes(shape: KVShape, dtype: torch.dtype, layout: str, prompts: int, samp
              response_len: int) -> int:
     cache = RolloutKVCache(shape, dtype, torch.device("meta"))
     rows = prompts * samples
+    lengths = kv_lengths(layout, prompt_len, response_len)
     if layout == "copy":
-        cache.prepare_copy(rows, round_up(prompt_len + response_len - 1))
+        cache.prepare_copy(rows, *lengths)
     else:
-        cache.prepare_prefix(prompts, round_up(prompt_len), rows, round_up(response_len - 1))
+        cache.prepare_prefix(prompts, lengths[0], rows, lengths[1])
     return cache.used_bytes
 
 

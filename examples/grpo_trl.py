@@ -12,9 +12,10 @@ The script runs the same GRPO steps twice, from the same initial weights and see
 patched generate, once with Hugging Face's, and prints each step's generate time and whole-step time
 side by side (with medians). On CPU:
 
-    python examples/grpo_trl.py                                  # tiny model, both paths (~30 s)
-    python examples/grpo_trl.py --model-shape opt-125m --steps 3 --batch-size 16 --max-completion-length 32  # ~3 min
-    python examples/grpo_trl.py --generate torchkvops            # one path only
+    .venv/bin/python examples/grpo_trl.py                        # tiny model, both paths (~30 s)
+    .venv/bin/python examples/grpo_trl.py --model-shape opt-125m --steps 3 --batch-size 16 \\
+        --max-completion-length 32                                # ~3 min
+    .venv/bin/python examples/grpo_trl.py --generate torchkvops  # one path only
 
 Generate times are the wall time of each `model.generate` call TRL makes (TRL's own "transformers.generate"
 profiling reaches only wandb, mlflow or trackio); step times run from the trainer's on_step_begin to its

@@ -5,7 +5,8 @@
 Each rank writes OUT_DIR/rank<r>.pt with what it saw; the test compares it with a single-process rollout.
 Scenarios: "equivalence" (uneven shards, one of them empty in the last case; greedy and sampled;
 gather on and off), "failure" (rank 1 passes bad input: both ranks must raise), "absent" (rank 1 exits
-without calling: rank 0 must get an error within the group's timeout).
+without calling: rank 0 must get an error within the group's timeout), "mismatch" (rank 1 runs another
+N, temperature or gather: both ranks must raise the same error before generating).
 """
 
 import datetime
@@ -72,6 +73,24 @@ def main() -> None:
         result["seconds"] = time.monotonic() - start
         # The group still works afterwards: a good call succeeds on both ranks.
         ids, mask = shard("uneven", rank)
+        result["after"] = torchkvops.distributed.generate(Rollout(model, RolloutConfig(max_new_tokens=2)), ids, mask)
+    elif scenario == "mismatch":
+        ids, mask = shard("uneven", rank)
+        generated = []  # every local generation: a mismatch must be caught before any
+        real_generate = Rollout._generate
+        Rollout._generate = lambda self, *a, **k: generated.append(1) or real_generate(self, *a, **k)
+        settings = {"samples_per_prompt": ({"samples_per_prompt": 2}, {"samples_per_prompt": 3}),
+                    "temperature": ({"temperature": 1.0, "seed": 1}, {"temperature": 0.7, "seed": 1}),
+                    "gather": ({}, {})}
+        result["errors"] = {}
+        for name, per_rank in settings.items():
+            cfg = RolloutConfig(max_new_tokens=3, eos_token_id=[], **per_rank[rank])
+            try:
+                torchkvops.distributed.generate(Rollout(model, cfg), ids, mask, gather=rank == 0 or name != "gather")
+                result["errors"][name] = None
+            except Exception as e:  # noqa: BLE001 - what the caller sees
+                result["errors"][name] = f"{type(e).__name__}: {e}"
+        result["generated"] = len(generated)
         result["after"] = torchkvops.distributed.generate(Rollout(model, RolloutConfig(max_new_tokens=2)), ids, mask)
     elif scenario == "absent":
         if rank == 1:

@@ -214,7 +214,9 @@ def _table_rows(stdout: str, case: str) -> dict[str, list[str]]:
 
 def test_bench_json_tables_trace_and_order(tmp_path):
     from torchkvops.models import build_model, model_config
-    from torchkvops.rollout import round_up
+
+    def round_up(n: int, multiple: int) -> int:  # the rollout's rule: prompts to 64 positions, responses to 8
+        return -(-n // multiple) * multiple
 
     out, trace = tmp_path / "bench.json", tmp_path / "trace"
     P, R = 130, 4
@@ -315,8 +317,8 @@ def test_bench_json_tables_trace_and_order(tmp_path):
         assert [(m, k) for _, m, k in starts] == [(m, k) for k in range(3) for m in modes]
         # KV storage: the buffers as the rollout sizes them; the prefix layout keeps each prompt once.
         kv_bytes = {m: c["modes"][m]["summary"]["kv_cache_bytes"]["p50"] for m in ("expanded", "shared", "prefix")}
-        assert kv_bytes["shared"] == kv_bytes["expanded"] == rows * round_up(P + R - 1) * per_token
-        assert kv_bytes["prefix"] == (b * round_up(P) + rows * round_up(R - 1)) * per_token < kv_bytes["shared"]
+        assert kv_bytes["shared"] == kv_bytes["expanded"] == rows * round_up(P + R - 1, 64) * per_token
+        assert kv_bytes["prefix"] == (b * round_up(P, 64) + rows * round_up(R - 1, 8)) * per_token < kv_bytes["shared"]
         # The table shows the median-total iteration's figures.
         cells = _table_rows(proc.stdout, c["case"])
         for mode, e in c["modes"].items():
@@ -336,9 +338,10 @@ def test_bench_sampling_agreement_and_mode_subset(tmp_path):
     proc = run_cli(*SMALL_BENCH, "--iterations", "1", "--warmup", "0", "--temperature", "0.8", "--top-p", "0.9",
                    "--batch-sizes", "2", "--samples-per-prompt", "2", "--prompt-lengths", "5",
                    "--response-lengths", "3", "--modes", "shared", "hf-static", "prefix", "hf-generate", "expanded",
-                   "--output", str(out))
+                   "--output", str(out), "--threads", "1")
     assert proc.returncode == 0, proc.stderr
     data = json.loads(out.read_text())
+    assert data["header"]["cpu_threads"] == 1 and data["header"]["flags"]["threads"] == 1  # --threads applied
     (case,) = data["cases"]
     assert list(case["modes"]) == ["shared", "hf-static", "prefix", "hf-generate", "expanded"]
     assert "cache_implementation='static'" in data["header"]["modes"]["hf-static"]
@@ -422,7 +425,8 @@ def test_plot_without_matplotlib_fails_at_startup_with_the_install_hint(tmp_path
         "sys.exit(main(sys.argv[1:]))\n"
     )
     proc = run_cli(*SMALL_BENCH, "--plot", str(tmp_path / "p.png"), code=block)
-    assert_one_line_error(proc, "pip install matplotlib", "torchkvops[plot]")
+    line = assert_one_line_error(proc, "pip install matplotlib", "pip install -e '.[plot]'")
+    assert "torchkvops[plot]" not in line  # a name PyPI does not have: it cannot work from a clone
     assert "bench:" not in proc.stdout and "model:" not in proc.stdout  # nothing ran before the check
     assert not (tmp_path / "p.png").exists()
 
@@ -440,14 +444,55 @@ def test_plot_png(tmp_path):
 def test_rollout_synthetic_prompts_print_and_jsonl(tmp_path):
     out = tmp_path / "samples.jsonl"
     proc = run_cli("rollout", *TINY, "--device", "cpu", "--prompt-length", "5", "--num-prompts", "2", "-n", "3",
-                   "--max-new-tokens", "4", "--seed", "3", "--output", str(out))
+                   "--max-new-tokens", "4", "--seed", "3", "--output", str(out), "--threads", "1")
     assert proc.returncode == 0, proc.stderr
     assert "RANDOM weights" in proc.stdout and "=== prompt 1" in proc.stdout and "--- sample 2" in proc.stdout
+    assert "; 1 CPU thread)" in proc.stdout  # --threads 1 was applied (torch's default here is one per core)
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert [(r["prompt_index"], r["sample_index"]) for r in records] == [(i, j) for i in range(2) for j in range(3)]
     for r in records:
         assert len(r["prompt_token_ids"]) == 5 and 1 <= len(r["token_ids"]) <= 4
         assert r["text"] is None and r["prompt"] is None
+
+
+def test_rollout_compile_reports_its_warm_up_apart_from_the_samples_times(monkeypatch, capsys):
+    """With --compile the first call compiles: it runs as a warm-up, timed on its own line, and the
+    throughput printed is the second call's. A stand-in keeps the test fast: torch.compile returns the
+    function as it is, and the first call sleeps 1 s as a compilation would take."""
+    from torchkvops.rollout import Rollout
+
+    monkeypatch.setattr(torch, "compile", lambda fn=None, **kwargs: fn if fn is not None else (lambda f: f))
+    calls, real_generate = [], Rollout.generate
+
+    def generate(self, input_ids, attention_mask=None):
+        assert self.config.compile
+        if not calls:
+            time.sleep(1.0)  # the compilation the first call pays
+        out = real_generate(self, input_ids, attention_mask)
+        calls.append((input_ids, out.sequences, self.get_last_profile()))
+        return out
+
+    monkeypatch.setattr(Rollout, "generate", generate)
+    assert cli.main(["rollout", *TINY, "--device", "cpu", "--prompt-length", "5", "--num-prompts", "2", "-n", "2",
+                     "--max-new-tokens", "4", "--compile"]) == 0
+    out = capsys.readouterr().out
+    assert len(calls) == 2 and torch.equal(calls[0][0], calls[1][0])  # the same prompts twice
+    assert torch.equal(calls[0][1], calls[1][1])  # the same seed: the same samples
+    (warm_up,) = [line for line in out.splitlines() if line.startswith("warm-up: ")]
+    assert float(warm_up.split()[1]) >= 1.0
+    # The figures printed are the second call's own profile (the warm-up's second is not in them).
+    profile = calls[1][2]
+    assert f"tokens in {profile.total_ms:.1f} ms ({profile.tokens_per_second:.1f} tokens/s" in out
+
+
+def test_bench_compile_without_warmup_warns(monkeypatch, capsys):
+    monkeypatch.setattr(torch, "compile", lambda fn=None, **kwargs: fn if fn is not None else (lambda f: f))
+    assert cli.main(SMALL_BENCH + ["--compile", "--warmup", "0", "--iterations", "1", "--modes", "shared",
+                                   "--prompt-lengths", "4", "--response-lengths", "2"]) == 0
+    assert "warning: --compile with --warmup 0: the first timed calls compile" in capsys.readouterr().err
+    assert cli.main(SMALL_BENCH + ["--compile", "--warmup", "1", "--iterations", "1", "--modes", "shared",
+                                   "--prompt-lengths", "4", "--response-lengths", "2"]) == 0
+    assert "warning" not in capsys.readouterr().err
 
 
 @pytest.fixture(scope="module")
@@ -635,6 +680,9 @@ PARSE_ERRORS = [
     (["bench-op", "--head-dim", "-8"], "--head-dim: must be >= 1, got -8"),
     (["bench-op", "--threads", "-1"], "--threads: must be >= 1, got -1"),
     (["bench-op", "--threads", "100000"], "--threads: must be <= "),
+    (["rollout", "--threads", "0"], "rollout: argument --threads: must be >= 1, got 0"),
+    (["rollout", "--threads", "two"], "--threads: expected an integer, got 'two'"),
+    (["bench", "--threads", "100000"], f"bench: argument --threads: must be <= {os.cpu_count()} (the "),
     (["bench-op", "--batch", "0"], "--batch: must be >= 1"),
     (["bench-op", "--repeats", "1"], "--repeats: must be >= 2"),
     (["bench-op", "--prompt-frac", "0"], "--prompt-frac: must be in (0, 1]"),

@@ -28,6 +28,9 @@ def free_port() -> int:
 
 def env(**extra) -> dict:
     e = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    # The worker script's folder, not ROOT, starts its sys.path: import this tree's torchkvops, not an
+    # installed copy from elsewhere (a git worktree beside an editable install of another).
+    e["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
     e.update(extra)
     return e
 
@@ -98,6 +101,23 @@ def test_a_rank_that_raises_makes_every_rank_raise(tmp_path):
         assert result["error"] is not None and "rank 1 failed while generating" in result["error"]
         assert "input_ids must be token ids" in result["error"]
         assert result["seconds"] < 10  # no waiting for a timeout
+        assert result["after"].sequences.shape[0] == 3  # and the group still works
+
+
+def test_ranks_with_different_settings_raise_the_same_error_before_generating(tmp_path):
+    launch("mismatch", tmp_path)
+    results = [load(tmp_path, r) for r in range(2)]
+    expected = {"samples_per_prompt": "samples_per_prompt: 2 on rank 0; 3 on rank 1",
+                "temperature": "temperature: 1.0 on rank 0; 0.7 on rank 1",
+                "gather": "gather: True on rank 0; False on rank 1"}
+    for name, needle in expected.items():
+        error = results[0]["errors"][name]
+        assert error == results[1]["errors"][name], name  # the same error on every rank
+        assert error.startswith("ValueError: torchkvops.distributed.generate: the processes' settings differ")
+        assert needle in error
+        assert [field for field in expected if f"{field}: " in error] == [name]  # only the field that differs
+    for result in results:
+        assert result["generated"] == 0  # refused before any rank generated
         assert result["after"].sequences.shape[0] == 3  # and the group still works
 
 

@@ -4,6 +4,7 @@ response KV. The oracle is Hugging Face's greedy generate; seeded sampling must 
 import pytest
 import torch
 
+from devices import DEVICES
 from models import FAMILIES, hf_greedy, prompts
 from torchkvops import Rollout, RolloutConfig
 
@@ -62,11 +63,12 @@ def test_prefix_buffer_reuse_across_lengths_and_kv_cache_bytes(family_models):
     for ids, mask in ((long_ids, long_mask), (short_ids, short_mask), (long_ids, long_mask)):
         out = r.generate(ids, mask)
         assert torch.equal(out.responses, hf_greedy(model, ids, mask, 6).repeat_interleave(4, dim=0))
-    # The bytes it used: B prompts of P positions (rounded to 64) + B*N rows of R-1 positions (rounded).
+    # The bytes it used: B prompts of P positions (rounded to 64) + B*N rows of R-1 = 5 positions
+    # (rounded to 8).
     shape = r.cache.shape
     per_position = shape.layers * 2 * shape.kv_heads * shape.head_dim * 4  # float32
     p = r.get_last_profile()
-    assert p.kv_cache_bytes == per_position * (2 * 64 + 8 * 64)
+    assert p.kv_cache_bytes == per_position * (2 * 64 + 8 * 8)
     copy = Rollout(model, RolloutConfig(samples_per_prompt=4, max_new_tokens=6, eos_token_id=NO_EOS,
                                         enable_profiling=True))
     copy.generate(long_ids, long_mask)
@@ -90,6 +92,59 @@ def test_prefix_kv_bytes_shrink_as_the_formula_says():
         rollout.generate(ids)
         used[sharing] = rollout.get_last_profile().kv_cache_bytes
     assert used["prefix"] / used["copy"] == pytest.approx((b * p + b * n * (r - 1)) / (b * n * (p + r - 1)))
+
+
+def test_prefix_kv_bytes_at_short_responses():
+    """Issue #15's case: B=2, N=8, P=200, R=8. Each row's response KV is rounded up to 8 positions (not
+    64), so the prefix layout holds (2*256 + 16*8) / (16*256) = 0.156 of copy's KV, not 0.375."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
+                                         pad_token_id=0, bos_token_id=1, eos_token_id=2)).eval()
+    b, n, p, r = 2, 8, 200, 8
+    ids, mask = prompts(b, p, seed=4, left_pad=[0, 3])
+    used, tokens = {}, {}
+    for sharing in ("copy", "prefix"):
+        rollout = Rollout(model, RolloutConfig(samples_per_prompt=n, max_new_tokens=r, eos_token_id=NO_EOS,
+                                               temperature=1.0, seed=1, kv_sharing=sharing, enable_profiling=True))
+        tokens[sharing] = rollout.generate(ids, mask).sequences
+        used[sharing] = rollout.get_last_profile().kv_cache_bytes
+    per_position = 1 * 2 * 1 * 16 * 4  # layers x (K, V) x kv_heads x head_dim x float32
+    assert used["copy"] == per_position * b * n * 256  # P + R - 1 = 207 -> 256
+    assert used["prefix"] == per_position * (b * 256 + b * n * 8)  # P -> 256, R - 1 = 7 -> 8
+    assert used["prefix"] / used["copy"] < 0.16
+    assert torch.equal(tokens["prefix"], tokens["copy"])  # the narrower response mask changes no sample
+
+
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 3e-2}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", list(TOLERANCE), ids=str)
+def test_decode_attention_takes_masks_as_narrow_as_the_response_rounding(device, dtype):
+    """The prefix layout's response mask is a multiple of RESPONSE_KV_MULTIPLE (8) positions wide: the fused
+    kernels (CPU flash; CUDA memory-efficient, which needs each mask row 16-byte aligned) must take it, over
+    several rows, and give the reference's attention and log-sum-exp."""
+    from torchkvops.attention import attend
+    from torchkvops.rollout import RESPONSE_KV_MULTIPLE
+
+    g = torch.Generator().manual_seed(0)
+    rows, heads, queries, head_dim = 6, 2, 3, 32
+    for length in (RESPONSE_KV_MULTIPLE, 3 * RESPONSE_KV_MULTIPLE):
+        q, k, v = (torch.randn(rows, heads, n, head_dim, generator=g).to(dtype)
+                   for n in (queries, length, length))
+        bias = torch.zeros(rows, 1, 1, length)
+        for r in range(rows):  # row r sees its first r + 1 keys, as decode step r would
+            bias[r, ..., r + 1:] = float("-inf")
+        out, lse = attend(q.to(device), k.to(device), v.to(device), bias.to(device, dtype), None, with_lse=True)
+        scores = q.float() @ k.float().transpose(-1, -2) / head_dim**0.5 + bias
+        ref_lse = torch.logsumexp(scores, dim=-1)
+        ref = torch.softmax(scores, dim=-1) @ v.float()
+        tol = TOLERANCE[dtype]
+        torch.testing.assert_close(out.cpu().float(), ref, atol=tol, rtol=tol)
+        torch.testing.assert_close(lse.cpu(), ref_lse, atol=tol, rtol=tol)
 
 
 def test_prefix_needs_shared_prefill():

@@ -20,11 +20,19 @@ Everything moves as tensors through the group's collectives (`all_gather` of pad
 CPU for gloo and on the current CUDA device for NCCL. Before and after generating, the processes
 exchange a status: if any of them failed (bad input, out of memory, ...), EVERY process raises a
 RuntimeError naming the rank and its error, instead of waiting in a collective for a process that
-will never come. A process that dies or never calls leaves the others waiting until the group's
-timeout (`init_process_group(timeout=...)`), after which torch.distributed raises.
+will never come. The first status also carries each process's settings (the rollout configuration
+fields that change the gathered result, the EOS and pad ids resolved from the model, and `gather`):
+if they differ, EVERY process raises the same ValueError naming each field that differs and its value
+on each rank, before anything is generated (a different N would otherwise abort gloo or hang NCCL, and
+a different temperature silently mix two configurations in one result). A process that dies or never
+calls leaves the others waiting until the group's timeout (`init_process_group(timeout=...)`), after
+which torch.distributed raises.
 """
 
 from __future__ import annotations
+
+import hashlib
+import json
 
 import torch
 import torch.distributed as dist
@@ -36,6 +44,8 @@ __all__ = ["generate"]
 
 # Bytes of an error message carried to the other processes.
 _ERROR_BYTES = 2048
+# Bytes of a process's settings (JSON) carried to the others; a longer EOS list is sent as its digest.
+_SETTINGS_BYTES = 1024
 
 
 def generate(rollout: Rollout, input_ids: Tensor | None, attention_mask: Tensor | None = None, *, group=None,
@@ -50,7 +60,7 @@ def generate(rollout: Rollout, input_ids: Tensor | None, attention_mask: Tensor 
     exchange = _Exchange(group, rollout.device)
     n = rollout.config.samples_per_prompt
 
-    # 1. Every process's batch size, prompt length and seed (rank 0's is used), or its error.
+    # 1. Every process's batch size, prompt length and seed (rank 0's is used), or its error; and its settings.
     local = None
     try:
         input_ids, attention_mask = _local_inputs(input_ids, attention_mask)
@@ -58,7 +68,8 @@ def generate(rollout: Rollout, input_ids: Tensor | None, attention_mask: Tensor 
         local = (input_ids.shape[0], input_ids.shape[1], seed)
     except Exception as e:  # noqa: BLE001 - reported to every process below
         exchange.fail(e)
-    batches, prompt_lengths, seeds = exchange.gather_status(local, "checking its prompts")
+    batches, prompt_lengths, seeds = exchange.gather_status(local, "checking its prompts",
+                                                            settings=_settings(rollout, gather))
     rank = exchange.rank
     first_row = sum(batches[:rank]) * n
     seed = seeds[0]
@@ -77,6 +88,35 @@ def generate(rollout: Rollout, input_ids: Tensor | None, attention_mask: Tensor 
     if not gather:
         return out if out is not None else _empty(rollout, input_ids.shape[1])
     return _gather(exchange, rollout, out, [b * n for b in batches], max(prompt_lengths), max(response_lengths))
+
+
+def _settings(rollout: Rollout, gather: bool) -> dict:
+    """What every process must agree on: the RolloutConfig fields that change the gathered result (the
+    seed is rank 0's whatever the others say; compile, cuda_graphs and profiling change no token), the
+    EOS and pad ids as the rollout resolved them from its model, and `gather` (a process that does not
+    gather would leave the others waiting in the collective)."""
+    c = rollout.config
+    eos: list[int] | str = sorted(set(rollout.eos_ids))
+    if len(json.dumps(eos)) > _SETTINGS_BYTES // 2:
+        eos = f"{len(eos)} ids, sha256 {hashlib.sha256(json.dumps(eos).encode()).hexdigest()[:16]}"
+    return dict(samples_per_prompt=c.samples_per_prompt, max_new_tokens=c.max_new_tokens,
+                min_new_tokens=c.min_new_tokens, temperature=float(c.temperature), top_k=c.top_k,
+                top_p=float(c.top_p), eos_token_id=eos, pad_token_id=rollout.pad_id, shared_prefill=c.shared_prefill,
+                kv_sharing=c.kv_sharing, gather=bool(gather))
+
+
+def _settings_mismatch(settings: list[dict]) -> str | None:
+    """'field: value on rank(s) ...; value on rank(s) ...' for each field whose value differs, or None."""
+    differing = []
+    for name in settings[0]:
+        ranks_by_value: dict[str, list[int]] = {}
+        for rank, values in enumerate(settings):
+            ranks_by_value.setdefault(json.dumps(values.get(name)), []).append(rank)
+        if len(ranks_by_value) > 1:
+            parts = [f"{json.loads(value)!r} on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+                     for value, ranks in ranks_by_value.items()]
+            differing.append(f"{name}: {'; '.join(parts)}")
+    return " | ".join(differing) or None
 
 
 def _local_inputs(input_ids, attention_mask) -> tuple[Tensor, Tensor | None]:
@@ -114,8 +154,8 @@ def _gather(exchange: "_Exchange", rollout: Rollout, out: RolloutOutput | None, 
 
 
 class _Exchange:
-    """The collectives of one call: statuses (three ints and an error message per process) and padded
-    tensors, on the device the group's backend works on."""
+    """The collectives of one call: statuses (three ints, an error message and the settings per process)
+    and padded tensors, on the device the group's backend works on."""
 
     def __init__(self, group, rollout_device: torch.device):
         self.group = group
@@ -136,19 +176,34 @@ class _Exchange:
         dist.all_gather(parts, t.contiguous(), group=self.group)
         return parts
 
-    def gather_status(self, values: tuple[int, int, int] | None, stage: str) -> tuple[list[int], list[int], list[int]]:
-        """Every process's (a, b, c), or raise on every process if any process failed."""
+    def gather_status(self, values: tuple[int, int, int] | None, stage: str,
+                      settings: dict | None = None) -> tuple[list[int], list[int], list[int]]:
+        """Every process's (a, b, c), or raise on every process if any process failed or, given
+        `settings`, if the processes' settings differ."""
         message = (self.error or "").encode()[:_ERROR_BYTES]
-        status = torch.zeros(4 + _ERROR_BYTES, dtype=torch.long, device=self.device)
+        sent = json.dumps(settings).encode() if settings is not None else b""
+        status = torch.zeros(4 + _ERROR_BYTES + _SETTINGS_BYTES, dtype=torch.long, device=self.device)
         status[0] = 1 if self.error else 0
         if not self.error and values is not None:
             status[1:4] = torch.tensor(values, dtype=torch.long)
         status[4: 4 + len(message)] = torch.tensor(list(message), dtype=torch.long)
+        status[4 + _ERROR_BYTES: 4 + _ERROR_BYTES + len(sent)] = torch.tensor(list(sent), dtype=torch.long)
         parts = torch.stack(self.all_gather(status)).cpu()  # host sync: the statuses, twice per call
+
+        def text(r: int, start: int, end: int) -> str:
+            return bytes(parts[r, start:end].tolist()).rstrip(b"\0").decode(errors="replace")
+
         failed = [r for r in range(self.world) if parts[r, 0]]
         if failed:
             r = failed[0]
-            text = bytes(parts[r, 4:].tolist()).rstrip(b"\0").decode(errors="replace")
             others = f" (and ranks {failed[1:]})" if len(failed) > 1 else ""
-            raise RuntimeError(f"torchkvops.distributed.generate: rank {r}{others} failed while {stage}: {text}")
+            raise RuntimeError(f"torchkvops.distributed.generate: rank {r}{others} failed while {stage}: "
+                               f"{text(r, 4, 4 + _ERROR_BYTES)}")
+        if settings is not None:
+            end = 4 + _ERROR_BYTES + _SETTINGS_BYTES
+            differing = _settings_mismatch([json.loads(text(r, 4 + _ERROR_BYTES, end)) for r in range(self.world)])
+            if differing:
+                raise ValueError(f"torchkvops.distributed.generate: the processes' settings differ ({differing}); "
+                                 "every process must call it with the same RolloutConfig, model EOS and pad ids, "
+                                 "and gather")
         return parts[:, 1].tolist(), parts[:, 2].tolist(), parts[:, 3].tolist()

@@ -35,6 +35,11 @@ FINISHED_CHECK_INTERVAL = 8
 # Decode buffers are rounded up to a multiple of this many positions: nearby prompt lengths then share
 # one decode shape (graph), and the attention kernels get aligned mask widths.
 KV_LENGTH_MULTIPLE = 64
+# The prefix layout's response KV (R - 1 positions) is rounded less: its length is fixed per config, so
+# it adds no decode shape, and a multiple of 8 is what the fused kernels need: CUDA's memory-efficient
+# kernel, called directly (torch's SDPA would pad the mask), requires the mask's row stride to be a
+# multiple of 16 bytes (8 fp16/bf16 elements, 4 fp32). With R=8 a row holds 8 response positions, not 64.
+RESPONSE_KV_MULTIPLE = 8
 # A positive temperature below this would overflow logits / temperature in float32 (1e-44 did): use 0.
 MIN_TEMPERATURE = 1e-6
 _INT64_MAX = 2**63 - 1
@@ -44,6 +49,15 @@ MAX_DECODE_STATES = 8
 
 def round_up(n: int, multiple: int = KV_LENGTH_MULTIPLE) -> int:
     return max(1, -(-n // multiple)) * multiple
+
+
+def kv_lengths(kv_sharing: str, prompt_len: int, new_tokens: int) -> tuple[int, ...]:
+    """The positions the KV buffers hold: ("copy") each row's prompt and response, or ("prefix") the
+    prompts' and the rows' responses. The last sampled token is never fed back: decode writes
+    new_tokens - 1 positions."""
+    if kv_sharing == "prefix":
+        return round_up(prompt_len), round_up(new_tokens - 1, RESPONSE_KV_MULTIPLE)
+    return (round_up(prompt_len + new_tokens - 1),)
 
 
 @dataclasses.dataclass
@@ -200,11 +214,11 @@ class Rollout:
             prefill_attn = self._prefill_attention_mask(prefill_mask)
 
         with timer.stage("prefill"):
-            # The last sampled token is never fed back: decode writes new_tokens - 1 positions.
+            lengths = kv_lengths(cfg.kv_sharing, prompt_len, new_tokens)
             if prefix:
-                self.cache.prepare_prefix(batch, round_up(prompt_len), rows, round_up(new_tokens - 1))
+                self.cache.prepare_prefix(batch, lengths[0], rows, lengths[1])
             else:
-                self.cache.prepare_copy(rows, round_up(prompt_len + new_tokens - 1))
+                self.cache.prepare_copy(rows, *lengths)
             self.cache.start_prefill()
             logits = self._prefill_fn(prefill_ids, prefill_attn, prefill_positions)
 

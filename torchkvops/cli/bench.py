@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from .checks import CLIError, check_bench_kv_memory, check_positions
-from .launch import say, start_processes
+from .launch import say, set_threads, start_processes
 from .model import load_config, load_model, pad_id, resolve_dtype, special_ids, vocab_size
 
 __all__ = ["cmd_bench"]
@@ -28,6 +28,7 @@ def cmd_bench(args) -> int:
     from ..bench import world as bench_world
 
     device = start_processes(args.device)
+    set_threads(args)
     world = bench_world.World()
     dtype_name, dtype = resolve_dtype(args.dtype, device)
     modes = list(dict.fromkeys(args.modes))
@@ -116,6 +117,10 @@ def cmd_bench(args) -> int:
         f"{header['sampling']}, warmup {args.warmup}, {args.iterations} timed "
         f"iteration{'s' if args.iterations != 1 else ''}, modes interleaved"
         + (f"; copy_ roofline {roofline['copy_roofline_gbps']:.0f} GB/s" if roofline else ""))
+
+    if args.compile and args.warmup == 0 and world.is_main:
+        print("torchkvops: warning: --compile with --warmup 0: the first timed calls compile, and their time counts "
+              "in the results (give --warmup 1 or more)", file=sys.stderr)
 
     results: list[dict | None] = [None] * len(cases)
 

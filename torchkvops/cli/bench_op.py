@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 from collections.abc import Callable
 
 from ..bench.op import DTYPE_NAMES, ITEMSIZE, METHODS, MiB, format_table, peak_bytes, plan
 from .checks import CLIError, available_memory_bytes, check_output_file, device_name, float_in, gib, int_in
+from .launch import add_threads_argument, resolve_device, set_threads
 
 MAX_MIB = 1 << 20  # 1 TiB: a cache size beyond any machine this runs on
 MAX_SIZES = 64
@@ -46,9 +46,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--factor", type=int_in(2), default=4, help="ratio between successive sizes")
     p.add_argument("--warmup", type=int_in(0), default=3, help="untimed runs per method and size")
     p.add_argument("--iters", type=int_in(1), default=10, help="timed runs per method and size (median reported)")
-    cpus = os.cpu_count() or 1
-    p.add_argument("--threads", type=int_in(1, cpus, f" (the {cpus} CPUs here)"), default=None,
-                   help="torch.set_num_threads, CPU only (default: torch's choice)")
+    add_threads_argument(p)
     p.add_argument("--methods", type=methods_list, default=",".join(METHODS),
                    help=f"comma-separated subset of {', '.join(METHODS)} to time (see below)")
     p.add_argument("--no-check", action="store_true", help="skip the check that op and loop agree")
@@ -92,7 +90,6 @@ def run(args: argparse.Namespace, on_row: Callable[[list[dict]], None] | None = 
     on_row(rows so far) is called after each size."""
     from .. import _load_ops
     from ..bench.op import measure
-    from .launch import resolve_device
 
     _load_ops()
     import torch
@@ -103,8 +100,7 @@ def run(args: argparse.Namespace, on_row: Callable[[list[dict]], None] | None = 
         check_memory(args, sizes, torch.cuda.mem_get_info(device)[0], f"free on {device}")
     else:  # (already checked at parse time when --device cpu was given)
         check_memory(args, sizes, available_memory_bytes(), "available here")
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_threads(args)
     return measure(args, device, on_row)
 
 

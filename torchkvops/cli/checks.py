@@ -20,7 +20,7 @@ __all__ = ["CLIError", "int_in", "positive_int", "non_negative_int", "float_in",
            "available_memory_bytes", "gib", "check_output_file", "check_output_dir", "check_plot_path",
            "model_source", "check_rollout_args", "check_bench_args", "check_positions", "check_kv_memory", "check_bench_kv_memory"]
 
-PLOT_HINT = "pip install matplotlib  (or: pip install torchkvops[plot])"
+PLOT_HINT = "pip install matplotlib  (or, in a clone of torchkvops: pip install -e '.[plot]')"
 
 
 class CLIError(Exception):

@@ -1,17 +1,19 @@
 """How and where this process runs: alone, or as one of the data-parallel processes torchrun launched
 (torchrun_env), in torch.distributed's default group from start_processes() to stop_processes(); on
-which device (resolve_device); which contiguous shard of the prompts it takes (shard_bounds); and
-what only the first process prints (say). No torch at import time.
+which device (resolve_device); how many CPU threads torch uses (--threads: add_threads_argument,
+set_threads); which contiguous shard of the prompts it takes (shard_bounds); and what only the first
+process prints (say). No torch at import time.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 
-from .checks import CLIError
+from .checks import CLIError, int_in
 
 __all__ = ["RunError", "say", "current_rank", "current_world_size", "resolve_device", "torchrun_env",
-           "start_processes", "stop_processes", "shard_bounds"]
+           "start_processes", "stop_processes", "shard_bounds", "add_threads_argument", "set_threads"]
 
 
 class RunError(Exception):
@@ -137,3 +139,21 @@ def resolve_device(text: str | None):
     elif device.type != "cpu":
         raise CLIError(f"--device {text}: only cpu and cuda are supported")
     return device
+
+
+# --- CPU threads ---------------------------------------------------------------------------------
+def add_threads_argument(parser) -> None:
+    """--threads N, the same in every command (applied by set_threads before the work)."""
+    cpus = os.cpu_count() or 1
+    parser.add_argument("--threads", type=int_in(1, cpus, f" (the {cpus} CPUs here)"), default=None, metavar="N",
+                        help="CPU threads torch uses in this process (torch.set_num_threads; default: torch's "
+                             "choice, one per core). On a machine other jobs share, fewer threads can be much "
+                             "faster")
+
+
+def set_threads(args: argparse.Namespace) -> None:
+    """torch.set_num_threads(--threads), before any work; nothing without --threads."""
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)

@@ -25,7 +25,7 @@ line on every process and a non-zero exit. Without torchrun: one process, as bef
 This module holds the parser and the entry point (main). The rest of torchkvops/cli/, each in a module
 of its own:
   checks    the argument types and every check made before the work (CLIError)
-  launch    alone or under torchrun: the process group, the device, the shards, say()
+  launch    alone or under torchrun: the process group, the device, --threads, the shards, say()
   model     the dtype, the config, the model and tokenizer, and the token ids they imply
   rollout   the rollout command          bench  the bench command
   bench_op  the bench-op command (its own arguments, checks and run)
@@ -45,7 +45,7 @@ from . import bench_op
 from .bench import cmd_bench
 from .checks import (CLIError, check_bench_args, check_rollout_args, device_name, int_in, non_negative_int,
                      positive_int, temperature, top_p)
-from .launch import RunError, current_rank, current_world_size, stop_processes
+from .launch import RunError, add_threads_argument, current_rank, current_world_size, stop_processes
 from .model import DTYPE_NAMES
 from .rollout import cmd_rollout
 
@@ -103,6 +103,7 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    help="cpu, cuda or cuda:N (default: cuda when available, else cpu)")
     g.add_argument("--compile", action="store_true", help="torch.compile the rollout's prefill and decode")
     g.add_argument("--seed", type=int_in(0, MAX_SEED, " (2**63 - 1)"), default=0, help="sampling and prompt seed")
+    add_threads_argument(g)
 
 
 # What each command checks once its arguments are parsed, before any work.

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 from .checks import CLIError, check_kv_memory, check_positions
-from .launch import RunError, current_rank, current_world_size, say, shard_bounds, start_processes
+from .launch import RunError, current_rank, current_world_size, say, set_threads, shard_bounds, start_processes
 from .model import load_config, load_model, resolve_dtype, special_ids, vocab_size
 
 __all__ = ["cmd_rollout", "read_prompts"]
@@ -51,6 +52,7 @@ def cmd_rollout(args) -> int:
 
     texts = list(args.prompt or []) + (read_prompts(args.prompts) if args.prompts else [])
     device = start_processes(args.device)
+    set_threads(args)
     rank, world = current_rank(), current_world_size()
     _, dtype = resolve_dtype(args.dtype, device)
     config = RolloutConfig(samples_per_prompt=args.samples_per_prompt, max_new_tokens=args.max_new_tokens,
@@ -94,10 +96,20 @@ def cmd_rollout(args) -> int:
     rollout = Rollout(model, config)
     # Every process holds every prompt (the same seed, the same files) and generates its contiguous shard.
     shards = shard_bounds(input_ids.shape[0], world)
-    if world > 1:
-        out = _generate_shard(rollout, input_ids, attention_mask, shards[rank])
-    else:
-        out = rollout.generate(input_ids, attention_mask)
+
+    def generate():
+        if world > 1:
+            return _generate_shard(rollout, input_ids, attention_mask, shards[rank])
+        return rollout.generate(input_ids, attention_mask)
+
+    if args.compile:  # the first call compiles: a warm-up, timed on its own line and not counted below
+        start = time.perf_counter()
+        generate()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # host sync: the warm-up's time includes its last kernels
+        say(f"warm-up: {time.perf_counter() - start:.1f} s for a first call (--compile compiles in it); the samples "
+            "and times below are the second call's (the same seed gives the same samples)")
+    out = generate()
     profile = rollout.get_last_profile()  # this process's own call (None when its shard was empty)
     kind = "expanded" if args.no_shared_prefill else "shared"
     if rank != 0:
@@ -121,8 +133,10 @@ def cmd_rollout(args) -> int:
             print(f"--- sample {j} ({len(ids)} tokens): " + (repr(text) if text is not None else _ids(ids)))
             records.append({"prompt_index": i, "sample_index": j, "rank": owner[i], "prompt": prompt_text,
                             "prompt_token_ids": prompt_ids, "token_ids": ids, "text": text})
+    threads = torch.get_num_threads()
     stages = (f"prefill {profile.prefill_ms:.1f} ms, kv_expand {profile.kv_expand_ms:.2f} ms, decode "
-              f"{profile.decode_ms:.1f} ms; {kind} prefill")
+              f"{profile.decode_ms:.1f} ms; {kind} prefill"
+              + (f"; {threads} CPU thread{'s' if threads != 1 else ''}" if device.type == "cpu" else ""))
     if world > 1:
         import torch.distributed as dist
 
