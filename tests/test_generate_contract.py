@@ -16,6 +16,7 @@ import transformers
 from transformers import CompileConfig, GenerationConfig
 
 import torchkvops
+from devices import DEVICES
 from models import COMMON, FAMILIES, prompts
 
 def hf_generate(model, *args, **kwargs):
@@ -128,7 +129,9 @@ def test_4_cached_state_is_rebuilt_when_the_model_changes(served, family, change
 
 # --- 5. del model frees the model, its rollouts and their KV buffers --------------------------------
 @pytest.mark.parametrize("how", ["generate", "patch", "patch_then_undo"])
-def test_5_a_model_used_through_torchkvops_is_freed(monkeypatch, how):
+@pytest.mark.parametrize("device", DEVICES)
+def test_5_a_model_used_through_torchkvops_is_freed(monkeypatch, device, how):
+    """On CUDA the decode graphs (captured from the second call of a shape on) go with the rollout."""
     kv_buffers = []
     original = torchkvops.Rollout._generate
 
@@ -138,20 +141,21 @@ def test_5_a_model_used_through_torchkvops_is_freed(monkeypatch, how):
         return out
 
     monkeypatch.setattr(torchkvops.Rollout, "_generate", spy)
-    model = FAMILIES["llama"]()
-    ids, mask = prompts(2, 6, seed=5)
+    model = FAMILIES["llama"]().to(device)
+    ids, mask = (t.to(device) for t in prompts(2, 6, seed=5))
     handle = None
-    if how == "generate":
-        torchkvops.generate(model, ids, attention_mask=mask, **GREEDY)
-    else:
-        handle = torchkvops.patch_generate(model)
-        model.generate(ids, attention_mask=mask, **GREEDY)
-        if how == "patch_then_undo":
-            handle.undo()
+    for _ in range(2):
+        if how == "generate":
+            torchkvops.generate(model, ids, attention_mask=mask, **GREEDY)
+        else:
+            handle = handle or torchkvops.patch_generate(model)
+            model.generate(ids, attention_mask=mask, **GREEDY)
+    if how == "patch_then_undo":
+        handle.undo()
     model_ref = weakref.ref(model)
     del model
     gc.collect()
-    assert model_ref() is None and len(kv_buffers) == 1 and kv_buffers[0]() is None
+    assert model_ref() is None and len(kv_buffers) == 2 and all(kv() is None for kv in kv_buffers)
     if handle is not None:  # the handle outlives the model, harmlessly
         assert handle.session is None
         handle.undo()
