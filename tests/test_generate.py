@@ -305,9 +305,7 @@ def test_autocast_to_another_dtype_than_the_weights_falls_back(llama, monkeypatc
     (torch.full((2, 5), 10_000), None, ValueError, r"input_ids must be token ids in \[0, "),
     (torch.ones(2, 5, dtype=torch.long), torch.ones(2, 4, dtype=torch.long), ValueError,
      r"attention_mask must have input_ids' shape \(2, 5\), got \(2, 4\)"),
-    (torch.ones(2, 5, dtype=torch.long), torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]]), ValueError,
-     "attention_mask must be left-padded"),
-])
+])  # (a right-padded mask is not an error: HF's generate takes it, see test_generate_contract.py)
 def test_bad_inputs_are_named_for_generate_with_the_callers_shapes(llama, ids, mask, error, match):
     """Checked before the rows are grouped, so the message names generate and the shapes the caller
     passed (not the grouped prompts' shapes, nor a RolloutConfig field)."""

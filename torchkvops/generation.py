@@ -10,25 +10,34 @@ rows (same ids and same mask), prefills each run's prompt once and decodes all i
 expanded KV cache; rows that are equal but not adjacent are not merged. Runs of different lengths are
 padded to the longest with filler rows that end at once, so one rollout decodes the whole batch.
 
-Generation parameters are resolved as HF resolves them (keyword arguments over `generation_config` over
-the model's `generation_config` over HF's global defaults), with HF's own `_prepare_generation_config`.
-Honoured: max_new_tokens / max_length, min_new_tokens / min_length, do_sample, temperature, top_k,
-top_p, eos_token_id (int or list), pad_token_id, num_return_sequences, return_dict_in_generate.
-Anything else that would change the output (beam search, repetition penalty, logits processors,
-stopping criteria, streamers, output_scores, extra model inputs, a forward that autocasts to another
-dtype than the weights', ...) goes to the model's own `generate`, with a warning the first time each
-cause is seen.
+The contract. Where a call is served, its output is HF's: greedy tokens equal HF's, sampled ones follow
+the same distribution (from the rollout's counter-based sampler, seeded per call from torch's global
+generator, so `torch.manual_seed` makes it reproducible; not HF's random stream). Every other call goes,
+unchanged, to the model's own `generate`, with a warning naming the cause the first time it is seen;
+nothing raises that HF's generate would not (the exceptions are clear errors for inputs that HF's
+generate fails on too: ids outside the vocabulary, a mask of another shape). The decision is made
+before any work, mostly by HF's own code: HF resolves the generation config
+(`_prepare_generation_config`, whose validation raises what HF raises), the special tokens, the
+attention mask when none is given (`_prepare_attention_mask_for_generation`), the length
+(`_prepare_generated_length`: 20 new tokens by default) and the logits processors and stopping
+criteria; a call is served when those are greedy or sampling with temperature, top-k, top-p, min
+lengths, EOS and the length limit only, the prompts left-padded, and the model one the rollout
+implements. Anything else (beams, repetition penalty, output_scores, extra model inputs, right padding,
+a model with ALiBi or attention sinks, a forward that autocasts to another dtype than the weights', ...)
+falls back.
 
-Sampling uses the rollout's counter-based sampler, seeded per call from torch's global generator (so
-`torch.manual_seed` makes it reproducible, as it does HF's). Greedy tokens equal HF's; sampled ones
-follow the same distribution but not the same random stream.
+State kept between calls (rollouts with their KV buffers and decode graphs) lives on the model object
+itself, so `del model` frees it, and it is rebuilt when the model changes (attention implementation,
+dtype, device, vocabulary: `hf.model_state`). Copies of a patched model (`copy.deepcopy`, pickle,
+`torch.save`) are unpatched: their `generate` is the one the patch replaced.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
+import inspect
+import operator
 import sys
 import threading
 import warnings
@@ -37,28 +46,52 @@ import weakref
 import torch
 from torch import Tensor, nn
 from transformers import GenerationConfig
+from transformers.generation import (
+    EosTokenCriteria,
+    GenerationMixin,
+    LogitsProcessorList,
+    MaxLengthCriteria,
+    MinLengthLogitsProcessor,
+    MinNewTokensLengthLogitsProcessor,
+    StoppingCriteriaList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .hf import input_vocab
-from .rollout import Rollout, RolloutConfig, check_prompts
+from .hf import ModelAdapter, input_vocab, model_state, output_vocab
+from .rollout import MIN_TEMPERATURE, Rollout, RolloutConfig, check_prompts
 
 __all__ = ["generate", "patch_generate", "GeneratePatch", "PATCH_OPTIONS"]
 
 # RolloutConfig fields that make sense per model (the rest come from each call's generation config).
 PATCH_OPTIONS = ("compile", "cuda_graphs", "kv_sharing", "shared_prefill", "enable_profiling")
-# generate() arguments besides the generation config: any of them set means HF's own generate.
-_HF_ONLY_ARGUMENTS = ("logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn", "synced_gpus",
-                      "assistant_model", "streamer", "negative_prompt_ids", "negative_prompt_attention_mask",
-                      "custom_generate")
-# Generation config fields that we honour, or that cannot change a decoder-only model's sampled tokens.
+# HF's generate signature: calls are bound to it as HF binds them (same defaults, same TypeErrors).
+_SIGNATURE = inspect.signature(GenerationMixin.generate)
+# generate() arguments that select something the rollout does not do, whenever they are given.
+_HF_ONLY_ARGUMENTS = ("prefix_allowed_tokens_fn", "assistant_model", "streamer", "negative_prompt_ids",
+                      "negative_prompt_attention_mask", "custom_generate")
+# Generation config fields honoured here (through HF's own resolution of them, below) ...
 _HONOURED = {"max_new_tokens", "max_length", "min_new_tokens", "min_length", "do_sample", "temperature", "top_k",
              "top_p", "eos_token_id", "pad_token_id", "num_return_sequences", "return_dict_in_generate"}
+# ... those that cannot change a decoder-only model's greedy or sampled tokens here (beam-only ones are
+# harmless since num_beams must be 1; assisted-only ones since no assistant is allowed) ...
 _HARMLESS = {"bos_token_id", "decoder_start_token_id", "use_cache", "cache_implementation", "cache_config",
-             "disable_compile", "compile_config", "prefill_chunk_size", "return_legacy_cache", "early_stopping",
-             "length_penalty", "transformers_version", "_from_model_config", "_commit_hash",
-             "_original_object_hash", "num_assistant_tokens", "num_assistant_tokens_schedule",
-             "assistant_confidence_threshold", "assistant_early_exit", "assistant_lookbehind",
-             "target_lookbehind", "is_assistant", "generation_kwargs", "use_model_defaults"}
+             "max_cache_len", "disable_compile", "compile_config", "prefill_chunk_size", "continuous_batching_config",
+             "early_stopping", "length_penalty", "num_beam_groups", "diversity_penalty", "num_assistant_tokens",
+             "num_assistant_tokens_schedule", "assistant_confidence_threshold", "assistant_lookbehind",
+             "target_lookbehind", "max_matching_ngram_size", "assistant_ensemble_weight", "speculation_type",
+             "transformers_version"}
+# ... those that only sampling reads (ignored by greedy decoding, as HF ignores them) ...
+_SAMPLING_ONLY = {"min_p", "top_h", "typical_p", "epsilon_cutoff", "eta_cutoff"}
+# ... and on/off flags whose None and False both mean off. Every other field must equal HF's default.
+_FLAGS = {"output_attentions", "output_hidden_states", "output_scores", "output_logits", "token_healing",
+          "renormalize_logits", "remove_invalid_values", "use_mtp", "is_assistant", "low_memory"}
+# Cache implementations whose output is not the exact computation's (or not generate's usual output).
+_FALLBACK_CACHES = {"paged": "continuous batching, another output format", "quantized": "a lossy KV cache"}
+_SESSION_ATTRIBUTE = "_torchkvops_generate_session"
 # How many rollouts (one per distinct sampling setup) a model keeps between calls.
 _MAX_ROLLOUTS = 4
 
@@ -79,32 +112,58 @@ class _Plan:
 
 
 class _Session:
-    """A model's rollouts, reused across calls: one per distinct (samples per group, lengths,
-    sampling, special ids), least recently used dropped first."""
+    """A model's rollouts, reused across calls: one per distinct (samples per group, lengths, sampling,
+    special ids), least recently used dropped first. Kept on the model (`_SESSION_ATTRIBUTE`), so that
+    it lives exactly as long as the model; copies of the model get none."""
 
-    def __init__(self, model: nn.Module, options: dict, original_generate):
+    def __init__(self, model: nn.Module, options: dict, original_generate=None):
         self.model_ref = weakref.ref(model)
         self.options = options
+        # What calls fall back to: the generate a patch replaced; None: the model class's own.
         self.original_generate = original_generate
         self.rollouts: collections.OrderedDict[tuple, Rollout] = collections.OrderedDict()
         self.warned: set[str] = set()
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()
+        self.state: tuple | None = None  # hf.model_state when the rollouts were built
+        self.adapter: ModelAdapter | None = None  # the model read in that state
+        self.refusal: str | None = None  # why the rollout cannot run the model in that state (None: it can)
+        self.proven = False  # a call was served in that state (until then a failure falls back)
 
-    def rollout(self, samples: int, plan: _Plan) -> Rollout:
+    def __reduce__(self):
+        return (type(None), ())  # a copy of the model starts without a session
+
+    def fallback(self, model: nn.Module):
+        if self.original_generate is not None:
+            return self.original_generate
+        return type(model).generate.__get__(model)
+
+    def check_model(self, model: nn.Module) -> str | None:
+        """Why the rollout cannot run `model` as it is now, or None. Rebuilds the rollouts when the
+        model changed since they were built (they read its dtype, attention implementation, ...)."""
+        state = model_state(model)
+        if state != self.state:
+            self.release()
+            self.state, self.proven = state, False
+            try:
+                self.adapter, self.refusal = ModelAdapter(model), None
+            except (TypeError, ValueError) as e:
+                self.adapter, self.refusal = None, f"this model ({str(e).removeprefix('torchkvops: ')})"
+        return self.refusal
+
+    def rollout(self, model: nn.Module, samples: int, plan: _Plan) -> Rollout:
         key = (samples, plan.max_new_tokens, plan.min_new_tokens, plan.temperature, plan.top_k, plan.top_p, plan.eos,
                plan.pad)
-        with self.lock:
-            rollout = self.rollouts.get(key)
-            if rollout is None:
-                config = RolloutConfig(samples_per_prompt=samples, max_new_tokens=plan.max_new_tokens,
-                                       min_new_tokens=plan.min_new_tokens, temperature=plan.temperature,
-                                       top_k=plan.top_k, top_p=plan.top_p, eos_token_id=list(plan.eos),
-                                       pad_token_id=plan.pad, **self.options)
-                rollout = self.rollouts[key] = Rollout(self.model_ref(), config)
-                while len(self.rollouts) > _MAX_ROLLOUTS:
-                    self.rollouts.popitem(last=False)[1].release()
-            self.rollouts.move_to_end(key)
-            return rollout
+        rollout = self.rollouts.get(key)
+        if rollout is None:
+            config = RolloutConfig(samples_per_prompt=samples, max_new_tokens=plan.max_new_tokens,
+                                   min_new_tokens=plan.min_new_tokens, temperature=plan.temperature,
+                                   top_k=plan.top_k, top_p=plan.top_p, eos_token_id=list(plan.eos),
+                                   pad_token_id=plan.pad, **self.options)
+            rollout = self.rollouts[key] = Rollout(model, config)
+            while len(self.rollouts) > _MAX_ROLLOUTS:
+                self.rollouts.popitem(last=False)[1].release()
+        self.rollouts.move_to_end(key)
+        return rollout
 
     def release(self) -> None:
         with self.lock:
@@ -112,74 +171,191 @@ class _Session:
                 rollout.release()
             self.rollouts.clear()
 
-    def warn_once(self, reason: str) -> None:
+    def warn_once(self, reason: str, where: str = "torchkvops.generate", stacklevel: int = 4) -> None:
         if reason not in self.warned:
             self.warned.add(reason)
-            warnings.warn(f"torchkvops.generate: {reason} is not supported; this call (and every call with it) "
-                          "runs the model's own generate", UserWarning, stacklevel=4)
+            warnings.warn(f"{where}: {reason} is not supported; this call (and every call with it) runs the "
+                          "model's own generate", UserWarning, stacklevel=stacklevel)
 
 
-_sessions: weakref.WeakKeyDictionary[nn.Module, _Session] = weakref.WeakKeyDictionary()
 _sessions_lock = threading.Lock()
 
 
 def _session(model: nn.Module) -> _Session:
-    with _sessions_lock:
-        session = _sessions.get(model)
-        if session is None:
-            session = _sessions[model] = _Session(model, {}, None)
+    session = vars(model).get(_SESSION_ATTRIBUTE)
+    if session is not None and session.model_ref() is model:
         return session
+    with _sessions_lock:
+        session = vars(model).get(_SESSION_ATTRIBUTE)
+        if session is None or session.model_ref() is not model:  # none yet, or a shallow copy's original's
+            session = vars(model)[_SESSION_ATTRIBUTE] = _Session(model, {})
+        return session
+
+
+def _check_generative(model, where: str) -> None:
+    """A bare backbone (LlamaModel) has no generate to serve or fall back to: the caller's mistake."""
+    if not callable(getattr(type(model), "generate", None)):
+        name = type(model).__name__
+        raise TypeError(f"{where}: {name} has no generate method (a bare backbone without a language-model "
+                        f"head?); use the causal LM that wraps it, e.g. {name.removesuffix('Model') or name}ForCausalLM")
 
 
 def generate(model: nn.Module, input_ids: Tensor | None = None, attention_mask: Tensor | None = None,
              generation_config: GenerationConfig | None = None, **kwargs):
     """`model.generate(input_ids, attention_mask=..., generation_config=..., **kwargs)` for a decoder-only
-    Hugging Face model, with runs of identical prompts prefilled once. Returns `[rows, P + T]` token ids
-    (the prompts as given, then the new tokens; rows that ended early are filled with the pad id), or
-    with `return_dict_in_generate=True` a `GenerateDecoderOnlyOutput` with `.sequences`."""
-    if input_ids is None:
-        input_ids = kwargs.pop("inputs", None)
-    return _generate(_session(model), model, input_ids, attention_mask, generation_config, kwargs)
+    Hugging Face model, with runs of identical prompts prefilled once. Returns what HF's generate returns:
+    `[rows, P + T]` token ids (the prompts as given, then the new tokens; rows that ended early are
+    filled with the pad id), or with `return_dict_in_generate=True` a `GenerateDecoderOnlyOutput` whose
+    `.sequences` is set and whose `.cache` is None (the rollout's KV buffers are reused by the next call;
+    a call that needs HF's cache must go to `model.generate` unpatched). Calls the rollout cannot serve
+    run the model's own generate (see the module docstring)."""
+    _check_generative(model, "torchkvops.generate")
+    args = () if input_ids is None else (input_ids,)
+    if attention_mask is not None:
+        kwargs["attention_mask"] = attention_mask
+    if generation_config is not None:
+        kwargs["generation_config"] = generation_config
+    session = _session(model)
+    return _serve(session, model, args, kwargs, session.fallback(model))
 
 
-def _generate(session: _Session, model: nn.Module, input_ids, attention_mask, generation_config, kwargs):
-    def fall_back(reason: str):
-        session.warn_once(reason)
-        original = session.original_generate or model.generate
-        return original(input_ids, attention_mask=attention_mask, generation_config=generation_config, **kwargs)
+def _serve(session: _Session, model: nn.Module, args: tuple, kwargs: dict, original):
+    """One call with generate's arguments as the caller passed them: served by a rollout, or passed
+    unchanged to `original` (the model's own generate) with a warning naming the cause."""
+    with session.lock:
+        call = _prepare(session, model, args, kwargs)
+        if not isinstance(call, str):
+            try:
+                sequences = _run(session, model, *call)
+                session.proven = True
+            except torch.OutOfMemoryError:
+                raise
+            except Exception as e:
+                if session.proven:
+                    raise
+                # The first call for this model state failed inside the rollout: the model does something
+                # the rollout does not implement. Not the caller's doing: HF's generate takes this call and
+                # every later one (until the model changes).
+                session.release()
+                call = session.refusal = f"this model (the rollout failed on it: {type(e).__name__}: {e})"
+    if isinstance(call, str):
+        session.warn_once(call)
+        return original(*args, **kwargs)
+    return GenerateDecoderOnlyOutput(sequences=sequences) if call[0].return_dict else sequences
 
-    hf_only = [name for name in _HF_ONLY_ARGUMENTS if kwargs.get(name) is not None]
-    if hf_only:
-        return fall_back(f"the argument {hf_only[0]!r}")
-    if not isinstance(input_ids, Tensor) or input_ids.dim() != 2:
-        return fall_back("input that is not a 2-D tensor of token ids (inputs_embeds, or no input_ids)")
-    gen_kwargs = {k: v for k, v in kwargs.items() if k not in _HF_ONLY_ARGUMENTS}
-    config, model_kwargs = model._prepare_generation_config(generation_config, **gen_kwargs)
-    model_kwargs.pop("use_cache", None)
-    if model_kwargs:
-        return fall_back(f"the model input {sorted(model_kwargs)[0]!r}")
-    reason = _unsupported(config, model)
+
+@dataclasses.dataclass
+class _Arguments:
+    """A call's arguments, bound as HF's generate binds them."""
+
+    input_ids: Tensor
+    attention_mask: Tensor | None
+    generation_config: GenerationConfig | None
+    tokenizer: object
+    extra: dict  # the rest of **kwargs: generation settings (and model inputs, which fall back)
+
+
+def _prepare(session: _Session, model: nn.Module, args: tuple, kwargs: dict):
+    """(plan, input_ids, attention_mask) for a call the rollout serves, else the reason it does not, in
+    order: the arguments, the model and the call's context, the generation settings, the inputs."""
+    arguments = _bind(model, args, kwargs)
+    if isinstance(arguments, str):
+        return arguments
+    reason = session.check_model(model) or _unsupported_context(model)
     if reason:
-        return fall_back(reason)
-    plan = _plan(config, model, input_ids.shape[1])
+        return reason
+    resolved = _resolve(model, arguments)
+    if isinstance(resolved, str):
+        return resolved
+    config, ids, mask, processors, criteria = resolved
+    reason = _unsupported_mask(mask)
+    if reason:
+        return reason
+    plan = _plan(config, model, ids.shape[1], processors, criteria)
     if isinstance(plan, str):
-        return fall_back(plan)
-    sequences = _run(session, plan, input_ids, attention_mask)
-    return GenerateDecoderOnlyOutput(sequences=sequences) if plan.return_dict else sequences
+        return plan
+    try:  # the positions (and sliding window) the rollout's KV cache covers
+        session.adapter.check_length(ids.shape[1] + plan.max_new_tokens)
+    except ValueError as e:
+        return f"this length ({str(e).removeprefix('torchkvops: ')})"
+    return plan, ids, mask
 
 
-def _unsupported(config: GenerationConfig, model: nn.Module) -> str | None:
-    """The first generation setting that would change the output and that we do not implement."""
-    reference = GenerationConfig()
-    reference.update(**GenerationConfig._get_default_generation_params(), defaults_only=True)
-    defaults = reference.to_dict()
-    for field, value in config.to_dict().items():
-        if field in _HONOURED or field in _HARMLESS:
-            continue
-        if value != defaults.get(field) and value not in (None, False):
-            return f"generation_config.{field}={value!r}"
-    if not config.do_sample and (config.num_return_sequences or 1) > 1:
-        return "num_return_sequences > 1 with greedy decoding (HF refuses it too)"
+def _bind(model: nn.Module, args: tuple, kwargs: dict) -> _Arguments | str:
+    """The call's arguments, or the first one that selects something the rollout does not do."""
+    try:
+        bound = _SIGNATURE.bind(model, *args, **kwargs)
+    except TypeError as e:
+        return f"a call that Hugging Face's generate refuses ({e})"
+    arguments = bound.arguments
+    extra = dict(arguments.get("kwargs", {}))
+    given = [name for name in _HF_ONLY_ARGUMENTS if arguments.get(name) is not None]
+    given += [name for name in ("logits_processor", "stopping_criteria") if arguments.get(name)]  # None or empty: none
+    if given:
+        return f"the argument {given[0]!r}"
+    extra.pop("trust_remote_code", None)  # only read with custom_generate, refused above
+    extra.pop("assistant_tokenizer", None)  # only read with an assistant model, refused above
+    tokenizer = extra.pop("tokenizer", None)  # only read for stop_strings and token healing, which fall back
+    # synced_gpus: as HF resolves it (True under DeepSpeed ZeRO-3 or FSDP with several processes).
+    if model._extract_generation_mode_kwargs(None, {}, arguments.get("synced_gpus"), None, None)["synced_gpus"]:
+        return ("synced_gpus=True (every process must run as many forwards as the others, and the rollout stops "
+                "as soon as its own rows have ended)")
+    input_ids = arguments.get("inputs")
+    if input_ids is not None and "input_ids" in extra:
+        return "both inputs and input_ids"
+    if input_ids is None:
+        input_ids = extra.pop("input_ids", None)
+    if not isinstance(input_ids, Tensor) or input_ids.dim() != 2:
+        return "input that is not a 2-D tensor of token ids (inputs_embeds, or no input_ids)"
+    return _Arguments(input_ids, extra.pop("attention_mask", None), arguments.get("generation_config"), tokenizer, extra)
+
+
+def _resolve(model: nn.Module, call: _Arguments):
+    """What HF's generate would make of the call, by HF's own code: (generation config with special
+    tokens and length set, ids, attention mask (inferred from the pad id when none is given), logits
+    processors, stopping criteria); else the reason the rollout cannot do it."""
+    # Whether no length was given anywhere, as HF's generate decides it before resolving the config.
+    has_default = {name: call.extra.get(name) is None and getattr(call.generation_config, name, None) is None
+                   and getattr(model.generation_config, name, None) is None for name in ("max_length", "min_length")}
+    try:
+        config, model_kwargs = model._prepare_generation_config(call.generation_config, **call.extra)
+    except Exception as e:  # HF's validation: its generate raises the same
+        return f"a generation config that Hugging Face's generate refuses ({type(e).__name__}: {e})"
+    reason = _unsupported_setting(config)
+    if reason:
+        return reason
+    model_kwargs = sorted(k for k, v in model_kwargs.items() if v is not None and k != "use_cache")
+    if model_kwargs:
+        return f"the model input {model_kwargs[0]!r}"
+
+    input_ids = call.input_ids
+    ids, mask = check_prompts(input_ids, call.attention_mask, input_ids.device, input_vocab(model),
+                              "torchkvops.generate", require_left_padding=False)
+    batch, prompt_length = ids.shape
+    try:
+        model._prepare_special_tokens(config, call.attention_mask is not None, device=input_ids.device,
+                                      batch_size=batch)
+        if call.attention_mask is None and "attention_mask" in inspect.signature(model.forward).parameters:
+            mask = model._prepare_attention_mask_for_generation(input_ids, config, {}).to(ids.device, torch.long)
+        config = model._prepare_generated_length(
+            generation_config=config, has_default_max_length=has_default["max_length"],
+            has_default_min_length=has_default["min_length"], model_input_name="input_ids",
+            input_ids_length=prompt_length, inputs_tensor=input_ids)
+        model._validate_generated_length(config, prompt_length, has_default["max_length"])
+        processors = model._get_logits_processor(
+            generation_config=config, input_ids_seq_length=prompt_length, encoder_input_ids=input_ids,
+            logits_processor=LogitsProcessorList(), device=input_ids.device, model_kwargs={"attention_mask": mask})
+        criteria = model._get_stopping_criteria(generation_config=config, stopping_criteria=StoppingCriteriaList(),
+                                                tokenizer=call.tokenizer)
+    except Exception as e:  # HF's checks: its generate raises the same
+        return f"settings that Hugging Face's generate refuses ({type(e).__name__}: {e})"
+    return config, ids, mask, processors, criteria
+
+
+def _unsupported_context(model: nn.Module) -> str | None:
+    """What this call's context (rather than its arguments) does that the rollout's decode does not."""
+    if type(model).generate is not GenerationMixin.generate:
+        return f"{type(model).__name__}'s own generate method"
     autocast = _forward_autocast_dtype(model)
     weights = next(model.parameters()).dtype
     if autocast is not None and autocast != weights:
@@ -190,6 +366,115 @@ def _unsupported(config: GenerationConfig, model: nn.Module) -> str | None:
         return ("a model in train mode with attention dropout (the rollout's decode attention applies none; "
                 "call model.eval() or set the dropout to 0)")
     return None
+
+
+def _same(value, default) -> bool:
+    """Whether a config value is its default: None, False and 0 are three different values here."""
+    if value is None or default is None:
+        return value is default
+    if isinstance(value, bool) or isinstance(default, bool):
+        return type(value) is type(default) and value == default
+    try:
+        return bool(value == default)
+    except Exception:  # tensors, or anything else without a plain equality
+        return False
+
+
+_DEFAULTS: dict | None = None
+
+
+def _defaults() -> dict:
+    """HF's global generation defaults, by field: what each field is when nobody set it."""
+    global _DEFAULTS
+    if _DEFAULTS is None:
+        reference = GenerationConfig()
+        reference.update(**GenerationConfig._get_default_generation_params(), defaults_only=True)
+        _DEFAULTS = reference.to_dict()
+    return _DEFAULTS
+
+
+def _unsupported_setting(config: GenerationConfig) -> str | None:
+    """The first generation setting that would change the output and that the rollout does not
+    implement. Honoured fields are checked later, through the logits processors HF builds from them."""
+    defaults = _defaults()
+    sampled = config.get_generation_mode() == GenerationMode.SAMPLE
+    for field, value in vars(config).items():
+        if field not in defaults or field in _HONOURED or field in _HARMLESS or field.startswith("_"):
+            continue  # unknown (custom) entries are not read by generate
+        if field in _SAMPLING_ONLY and not sampled:
+            continue
+        if field in _FLAGS and (value is None or value is False):
+            continue
+        if field not in _FLAGS and _same(value, defaults[field]):
+            continue
+        return f"generation_config.{field}={value!r}"
+    if config.cache_implementation in _FALLBACK_CACHES:
+        return f"cache_implementation={config.cache_implementation!r} ({_FALLBACK_CACHES[config.cache_implementation]})"
+    mode = config.get_generation_mode()
+    if mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
+        return f"the generation mode {mode.value!r}"
+    return None
+
+
+def _unsupported_mask(mask: Tensor) -> str | None:
+    """The rollout takes left-padded rows with at least one token each (the layout of batched prompts)."""
+    if not bool(mask.any(dim=1).all()):  # host sync: a mask check, once per call
+        return "an attention mask with a row of zeros (a prompt without tokens)"
+    if not bool(mask[:, -1].all()):
+        return "an attention mask with a 0 in the last column (right padding)"
+    if not bool((mask[:, 1:] >= mask[:, :-1]).all()):
+        return "an attention mask with a 0 after a 1 (a hole; the rollout takes left padding only)"
+    return None
+
+
+def _plan(config: GenerationConfig, model: nn.Module, prompt_length: int, processors, criteria) -> _Plan | str:
+    """The rollout's parameters from what HF built for this call, or why the rollout cannot do it."""
+    sampled = config.get_generation_mode() == GenerationMode.SAMPLE
+    temperature, top_k, top_p, min_new = 1.0, 0, 1.0, 0
+    for processor in processors:
+        if isinstance(processor, TemperatureLogitsWarper):
+            temperature = processor.temperature
+        elif isinstance(processor, TopKLogitsWarper):
+            top_k = processor.top_k
+        elif isinstance(processor, TopPLogitsWarper):
+            top_p = processor.top_p
+        elif isinstance(processor, MinLengthLogitsProcessor):
+            min_new = max(min_new, processor.min_length - prompt_length)
+        elif isinstance(processor, MinNewTokensLengthLogitsProcessor):
+            min_new = max(min_new, processor.min_new_tokens)
+        else:
+            return f"the logits processor {type(processor).__name__}"
+    for criterion in criteria:
+        if not isinstance(criterion, (MaxLengthCriteria, EosTokenCriteria)):
+            return f"the stopping criterion {type(criterion).__name__}"
+    if sampled and temperature < MIN_TEMPERATURE:
+        return f"temperature={temperature!r} (below {MIN_TEMPERATURE:g}, the logits / temperature overflow)"
+    if sampled and top_p <= 0:
+        return f"top_p={top_p!r}"
+    eos = config._eos_token_tensor
+    if eos is not None and (eos.is_floating_point() or eos.is_complex()):
+        return f"eos_token_id={config.eos_token_id!r} (not integers)"
+    eos = () if eos is None else tuple(eos.tolist())  # host sync: a handful of ids, once per call
+    vocab_out = output_vocab(model)
+    bad = [e for e in eos if e < 0 or (vocab_out is not None and e >= vocab_out)]
+    if bad:
+        return f"eos_token_id {bad[0]} (outside the model's {vocab_out} token ids)"
+    pad = 0  # without EOS ids no row ever ends, and the pad id is never written
+    if eos:
+        pad_tensor = config._pad_token_tensor  # HF's: the pad id, else the first EOS id
+        vocab_in = input_vocab(model)
+        # host sync: one id, once per call
+        pad = pad_tensor.item() if pad_tensor.numel() == 1 and not pad_tensor.is_floating_point() else None
+        if pad is None or pad < 0 or (vocab_in is not None and pad >= vocab_in):
+            return f"pad_token_id={config.pad_token_id!r} (not one of the model's {vocab_in} token ids)"
+    k = config.num_return_sequences
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        return f"num_return_sequences={k!r}"
+    max_new = config.max_length - prompt_length  # HF's _prepare_generated_length set max_length
+    return _Plan(max_new_tokens=max_new, min_new_tokens=min(max(min_new, 0), max_new),
+                 temperature=float(temperature) if sampled else 0.0, top_k=int(top_k) if sampled else 0,
+                 top_p=min(float(top_p), 1.0) if sampled else 1.0, eos=eos, pad=int(pad), num_return_sequences=k,
+                 return_dict=bool(config.return_dict_in_generate))
 
 
 def _forward_autocast_dtype(model: nn.Module) -> torch.dtype | None:
@@ -225,32 +510,8 @@ def _attention_dropout(model: nn.Module) -> float:
     return most
 
 
-def _plan(config: GenerationConfig, model: nn.Module, prompt_length: int) -> _Plan | str:
-    if config.max_new_tokens is not None:
-        max_new = config.max_new_tokens
-    else:
-        max_new = (config.max_length or 0) - prompt_length
-    if max_new < 1:
-        return f"max_new_tokens={max_new} (max_length={config.max_length} with a prompt of {prompt_length} tokens)"
-    min_new = config.min_new_tokens if config.min_new_tokens is not None else max(0, (config.min_length or 0) - prompt_length)
-    eos = config.eos_token_id
-    eos = () if eos is None else (int(eos),) if isinstance(eos, int) else tuple(int(e) for e in eos)
-    pad = config.pad_token_id
-    if pad is None:  # HF uses the first EOS id (and warns); with neither, nothing is ever padded
-        pad = eos[0] if eos else 0
-    sampled = bool(config.do_sample)
-    return _Plan(max_new_tokens=max_new, min_new_tokens=min(min_new, max_new),
-                 temperature=float(config.temperature) if sampled else 0.0,
-                 top_k=int(config.top_k or 0) if sampled else 0,
-                 top_p=float(config.top_p if config.top_p is not None else 1.0) if sampled else 1.0,
-                 eos=eos, pad=int(pad), num_return_sequences=int(config.num_return_sequences or 1),
-                 return_dict=bool(config.return_dict_in_generate))
-
-
-def _run(session: _Session, plan: _Plan, input_ids: Tensor, attention_mask: Tensor | None) -> Tensor:
+def _run(session: _Session, model: nn.Module, plan: _Plan, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
     device = input_ids.device
-    input_ids, attention_mask = check_prompts(input_ids, attention_mask, device, input_vocab(session.model_ref()),
-                                              "torchkvops.generate")
     k = plan.num_return_sequences
     # Runs of consecutive identical rows (ids and mask): each becomes one prompt of `count` rows.
     same = (input_ids[1:] == input_ids[:-1]).all(dim=1) & (attention_mask[1:] == attention_mask[:-1]).all(dim=1)
@@ -263,7 +524,7 @@ def _run(session: _Session, plan: _Plan, input_ids: Tensor, attention_mask: Tens
     live = (slot[None, :] < counts[:, None]).flatten()  # [groups * samples]
     first_out_row = torch.cumsum(counts, 0) - counts  # output row of each prompt's slot 0
     row_ids = (first_out_row[:, None] + slot[None, :]).flatten()
-    rollout = session.rollout(samples, plan)
+    rollout = session.rollout(model, samples, plan)
     seed = int(torch.randint(0, 2**62, (1,)).item())  # from torch's global generator, as HF's sampling
     out = rollout._generate(input_ids[starts], attention_mask[starts], row_ids=row_ids, live=live, seed=seed)
     responses = out.responses[live.to(out.responses.device)]  # [rows, R], in output order
@@ -284,38 +545,85 @@ def _trim_to_hf_length(responses: Tensor, plan: _Plan) -> Tensor:
     return responses[:, :length]
 
 
-class GeneratePatch:
-    """What `patch_generate` returns: `undo()` (or leaving the `with` block) restores the model's
-    own generate; `release()` frees the rollout state (KV buffers, decode graphs) kept between calls."""
+class _PatchedGenerate:
+    """What `patch_generate` puts in the model's `generate` (an instance attribute): HF's generate
+    signature, served by the rollout. Undone, it passes every call to what it replaced. Pickled or
+    deep-copied (with its model), it becomes the generate it replaced: copies are unpatched."""
 
-    def __init__(self, model: nn.Module, options: dict):
+    def __init__(self, model: nn.Module, session: _Session, replaced):
+        self.__self__ = model  # as a bound method holds its instance
+        self.session = session
+        self.replaced = replaced  # the instance attribute it shadows; None: the class's generate
+        self.active = True
+        self.__doc__ = type(model).generate.__doc__
+        self.__signature__ = _SIGNATURE.replace(parameters=list(_SIGNATURE.parameters.values())[1:])  # HF's, bound
+
+    def original(self):
+        model = self.__self__
+        return self.replaced if self.replaced is not None else type(model).generate.__get__(model)
+
+    def __call__(self, *args, **kwargs):
+        if not self.active:
+            return self.original()(*args, **kwargs)
+        return _serve(self.session, self.__self__, args, kwargs, self.session.fallback(self.__self__))
+
+    def __reduce__(self):
+        replaced = _unwrap(self.replaced)
+        if replaced is None:  # the copy's own class generate, bound to the copy
+            return (getattr, (self.__self__, "generate"))
+        return (operator.getitem, ([replaced], 0))
+
+
+def _unwrap(replaced):
+    """What a chain of undone patches stands for: the first thing in it that is not an undone patch."""
+    while isinstance(replaced, _PatchedGenerate) and not replaced.active:
+        replaced = replaced.replaced
+    return replaced
+
+
+class GeneratePatch:
+    """What `patch_generate` returns: `undo()` (or leaving the `with` block) restores the generate this
+    patch replaced; `release()` frees the rollout state (KV buffers, decode graphs) kept between calls.
+    The handle holds the model weakly: `del model` frees the model, its patch and its state."""
+
+    def __init__(self, model: nn.Module, patched: _PatchedGenerate):
         self._model_ref = weakref.ref(model)
-        self._had_instance_attr = "generate" in vars(model)
-        self._previous = vars(model).get("generate")
-        self.session = _Session(model, options, model.generate)
-        with _sessions_lock:
-            _sessions[model] = self.session
-        patched = functools.partial(_patched_generate, self.session, self._model_ref)
-        functools.update_wrapper(patched, generate)
-        model.generate = patched
+        self._patched_ref = weakref.ref(patched)
+        self._session_ref = weakref.ref(patched.session)
         self.active = True
 
+    @property
+    def session(self) -> _Session | None:
+        return self._session_ref()
+
     def undo(self) -> None:
-        model = self._model_ref()
-        if not self.active or model is None:
+        """Put back the `generate` this patch replaced (what was set over the patch since, e.g. a
+        wrapper around it, goes too), in whatever order handles are undone: the patch itself is switched
+        off, so that anything still holding it (a later patch set over a wrapper of it) passes its calls
+        through, and the one exception is a later torchkvops patch now in place, which stays until its
+        own undo() puts back what it replaced."""
+        if not self.active:
             return
-        if self._had_instance_attr:
-            model.generate = self._previous
-        else:
-            del model.generate
-        with _sessions_lock:
-            if _sessions.get(model) is self.session:
-                del _sessions[model]
-        self.release()
         self.active = False
+        model, patched = self._model_ref(), self._patched_ref()
+        if model is None or patched is None:
+            return
+        patched.active = False
+        current = vars(model).get("generate")
+        if not (isinstance(current, _PatchedGenerate) and current.active):
+            replaced = _unwrap(patched.replaced)
+            if replaced is None:
+                vars(model).pop("generate", None)
+            else:
+                model.generate = replaced
+        patched.session.release()
+        if vars(model).get(_SESSION_ATTRIBUTE) is patched.session:
+            del vars(model)[_SESSION_ATTRIBUTE]
 
     def release(self) -> None:
-        self.session.release()
+        session = self.session
+        if session is not None:
+            session.release()
 
     def __enter__(self) -> "GeneratePatch":
         return self
@@ -324,27 +632,35 @@ class GeneratePatch:
         self.undo()
 
 
-def _patched_generate(session: _Session, model_ref, inputs: Tensor | None = None,
-                      generation_config: GenerationConfig | None = None, **kwargs):
-    model = model_ref()
-    input_ids = inputs if inputs is not None else kwargs.pop("input_ids", None)
-    attention_mask = kwargs.pop("attention_mask", None)
-    return _generate(session, model, input_ids, attention_mask, generation_config, kwargs)
-
-
 def patch_generate(model: nn.Module, **options) -> GeneratePatch:
     """Make `model.generate` run through torchkvops (this instance only). `options` are rollout options
     that make sense per model: compile, cuda_graphs, kv_sharing, shared_prefill, enable_profiling
     (validated as RolloutConfig validates them). Returns a handle: `handle.undo()` restores the
     original generate, `with patch_generate(model): ...` does so on leaving the block, and
-    `handle.release()` frees the KV buffers and decode graphs kept between calls."""
+    `handle.release()` frees the KV buffers and decode graphs kept between calls.
+
+    A model the rollout cannot run (ALiBi, attention sinks, an attention implementation it does not
+    take, ...) is patched all the same, with a warning now: its calls run its own generate."""
     unknown = sorted(set(options) - set(PATCH_OPTIONS))
     if unknown:
         raise TypeError(f"patch_generate: unknown option {unknown[0]!r}; the options are {', '.join(PATCH_OPTIONS)} "
                         "(the rest comes from each call's generation config)")
     RolloutConfig(**options)  # the same checks and messages
-    Rollout(model, RolloutConfig(**options))  # refuses models it cannot run, now rather than at the first call
-    if "generate" in vars(model) and isinstance(model.generate, functools.partial) \
-            and model.generate.func is _patched_generate:
-        raise RuntimeError("patch_generate: this model's generate is already patched; undo() that handle first")
-    return GeneratePatch(model, dict(options))
+    _check_generative(model, "patch_generate")
+    current = vars(model).get("generate")
+    if isinstance(current, _PatchedGenerate) and current.active:
+        raise RuntimeError("patch_generate: this model's generate is already patched by torchkvops; call undo() on "
+                           "the handle that patch_generate returned (or leave its `with` block) before patching "
+                           "again, or keep using that patch")
+    session = _Session(model, dict(options))
+    patched = _PatchedGenerate(model, session, current)
+    session.original_generate = patched.original()
+    previous = vars(model).get(_SESSION_ATTRIBUTE)
+    if previous is not None:
+        previous.release()
+    vars(model)[_SESSION_ATTRIBUTE] = session
+    model.generate = patched
+    reason = session.check_model(model)
+    if reason:
+        session.warn_once(reason, where="torchkvops.patch_generate", stacklevel=3)
+    return GeneratePatch(model, patched)

@@ -11,9 +11,11 @@ from torch import nn
 
 from .kv_cache import KVShape
 
-__all__ = ["ModelAdapter"]
+__all__ = ["ModelAdapter", "model_state"]
 
 _ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention"}
+# The parameter dtypes the rollout computes in (those its sampling operator takes logits in).
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Attention implementations that take an arbitrary 4-D mask as we build it: SDPA a boolean one
 # (True = may attend), eager an additive one.
 _MASK_FORMATS = {"sdpa": "bool", "eager": "additive"}
@@ -31,6 +33,51 @@ def input_vocab(model: nn.Module) -> int | None:
     """How many token ids the model can embed: its input embedding's size, else its config's vocab_size."""
     embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     return getattr(embeddings, "num_embeddings", None) or getattr(model.config, "vocab_size", None)
+
+
+def output_vocab(model: nn.Module) -> int | None:
+    """How many token ids the model can produce: its LM head's size, else its config's vocab_size."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return getattr(head, "out_features", None) or getattr(model.config, "vocab_size", None)
+
+
+# Every config field that ModelAdapter (and KVShape) read: `model_state` watches them.
+_CONFIG_FIELDS = ("_attn_implementation", "is_encoder_decoder", "layer_types", "num_hidden_layers", "num_attention_heads",
+                  "num_key_value_heads", "head_dim", "hidden_size", "max_position_embeddings", "use_sliding_window",
+                  "sliding_window", "vocab_size", "model_type", "alibi", "attn_logit_softcapping", "kv_lora_rank",
+                  "v_head_dim")
+
+
+def model_state(model: nn.Module) -> tuple:
+    """Everything a ModelAdapter reads from a model, as a tuple that compares equal while an adapter built
+    before (and a rollout built on it) is still right: the attention implementation
+    (`set_attn_implementation`), the parameters' dtype and device (`.to()`, `.half()`), the vocabularies
+    (`resize_token_embeddings`), the forward and the config fields the adapter reads. Cheap: attribute
+    reads only, no device work, no walk over the parameters."""
+    config = getattr(model, "config", None)
+    first = next(model.parameters(), None) if isinstance(model, nn.Module) else None
+    forward = getattr(model, "forward", None)
+    fields = []
+    for name in _CONFIG_FIELDS:
+        value = getattr(config, name, None)
+        fields.append(tuple(value) if isinstance(value, list) else value)
+    return (id(config), tuple(fields), None if first is None else (first.dtype, first.device),
+            input_vocab(model) if config is not None else None, output_vocab(model) if config is not None else None,
+            getattr(forward, "__func__", forward))
+
+
+def _unsupported_attention(model: nn.Module, config) -> str | None:
+    """What the model's attention does beyond softmax(q k^T * scale + mask) v over a plain per-layer KV
+    cache, which the rollout's prefill and decode would silently drop or fail on; None when nothing."""
+    if getattr(config, "alibi", False) or getattr(config, "model_type", None) in ("bloom", "mpt"):
+        return "adds ALiBi biases to its attention scores"
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        return "caps its attention logits (attn_logit_softcapping)"
+    if getattr(config, "kv_lora_rank", None) is not None:
+        return "uses multi-head latent attention (keys and values of different sizes)"
+    if any(name.rpartition(".")[2] == "sinks" for name, _ in model.named_parameters()):
+        return "has attention sinks"
+    return None
 
 
 class ModelAdapter:
@@ -58,8 +105,14 @@ class ModelAdapter:
                 f"attn_implementation='sdpa' or 'eager'"
             )
         self.mask_format = _MASK_FORMATS[attn]
+        unsupported = _unsupported_attention(model, config)
+        if unsupported:
+            raise ValueError(f"torchkvops: {type(model).__name__} {unsupported}, which the rollout does not implement")
         first_param = next(model.parameters())
         self.device, self.dtype = first_param.device, first_param.dtype  # where and in what the model computes
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"torchkvops: {type(model).__name__} has {self.dtype} parameters; the rollout's "
+                             f"sampler takes {', '.join(map(str, _DTYPES))}")
         params = inspect.signature(model.forward).parameters
         if "cache" in params:
             self.cache_kwarg = "cache"
@@ -74,8 +127,7 @@ class ModelAdapter:
         self.max_positions = getattr(config, "max_position_embeddings", None)
         # Token ids the model can embed (inputs, and the pad id fed back after EOS) and produce (EOS ids).
         self.input_vocab = input_vocab(model)
-        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-        self.output_vocab = getattr(head, "out_features", None) or getattr(config, "vocab_size", None)
+        self.output_vocab = output_vocab(model)
 
     def sliding_window(self) -> int | None:
         """The attention window that binds some layer, or None when every layer sees all tokens."""

@@ -359,9 +359,10 @@ class Rollout:
 
 
 def check_prompts(input_ids, attention_mask, device: torch.device, vocab: int | None,
-                  where: str) -> tuple[Tensor, Tensor]:
+                  where: str, require_left_padding: bool = True) -> tuple[Tensor, Tensor]:
     """Left-padded prompts checked before any work, each problem named for the caller `where`;
-    returns them on `device` as int64 ids and a 0/1 int64 mask."""
+    returns them on `device` as int64 ids and a 0/1 int64 mask. With require_left_padding=False the
+    mask's layout is left to the caller (the drop-in generate hands other layouts to HF's generate)."""
     if not isinstance(input_ids, Tensor):
         raise TypeError(f"{where}: input_ids must be a torch.Tensor, got {type(input_ids).__name__}")
     if input_ids.dim() != 2:
@@ -386,7 +387,7 @@ def check_prompts(input_ids, attention_mask, device: torch.device, vocab: int | 
     if not bool(((mask == 0) | (mask == 1)).all()):  # before any conversion: 0.5 must not become 0
         raise ValueError(f"{where}: attention_mask must hold only 0 and 1")
     mask = mask.long()
-    if not bool((mask[:, 1:] >= mask[:, :-1]).all()) or not bool(mask[:, -1].all()):
+    if require_left_padding and (not bool((mask[:, 1:] >= mask[:, :-1]).all()) or not bool(mask[:, -1].all())):
         raise ValueError(f"{where}: attention_mask must be left-padded (zeros first, then ones) with at least "
                          "one token per row")
     return input_ids, mask

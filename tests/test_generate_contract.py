@@ -1,0 +1,326 @@
+"""Issue #15: torchkvops.generate / patch_generate keep Hugging Face generate's contract. Where a call is
+served its output is HF's (HF's own generate, unpatched, is the oracle); anything else goes to HF's
+generate with a warning naming the cause, never an exception HF would not raise, never a silent
+difference. One test (or parametrized family) per item of the issue."""
+
+import copy
+import gc
+import io
+import pickle
+import warnings
+import weakref
+
+import pytest
+import torch
+import transformers
+from transformers import CompileConfig, GenerationConfig
+
+import torchkvops
+from devices import DEVICES
+from models import COMMON, FAMILIES, prompts
+
+def hf_generate(model, *args, **kwargs):
+    """The oracle: the model class's own generate, whatever is patched on the instance."""
+    return type(model).generate(model, *args, **kwargs)
+
+
+@pytest.fixture
+def served(monkeypatch):
+    """How many rollouts ran (calls the rollout served rather than HF's generate)."""
+    calls = []
+    original = torchkvops.Rollout._generate
+
+    def spy(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        calls.append(1)  # after it returned: a rollout that raised served nothing
+        return out
+
+    monkeypatch.setattr(torchkvops.Rollout, "_generate", spy)
+    return calls
+
+
+def same_tokens(out, expected):
+    out, expected = getattr(out, "sequences", out), getattr(expected, "sequences", expected)
+    return out.shape == expected.shape and torch.equal(out, expected)
+
+
+def quiet(fn, *args, **kwargs):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return fn(*args, **kwargs)
+
+
+GREEDY = dict(max_new_tokens=5, do_sample=False)
+
+
+# --- 1. no attention_mask on left-padded ids: HF infers it from the pad id ---------------------------
+@pytest.mark.parametrize("pad_id", [0, 2], ids=["pad_not_eos", "pad_is_eos"])
+def test_1_missing_mask_is_inferred_from_pad_tokens_as_hf_does(llama, served, pad_id):
+    """pad 0 != eos 2: HF masks the pads (the rollout must too); pad == eos: HF cannot tell pads from
+    EOS and attends to everything."""
+    ids, _ = prompts(3, 8, seed=1, pad_id=pad_id, left_pad=[0, 2, 4])
+    kwargs = dict(GREEDY, pad_token_id=pad_id, eos_token_id=2)
+    out = torchkvops.generate(llama, ids, **kwargs)
+    assert served and same_tokens(out, hf_generate(llama, ids, **kwargs))
+
+
+# --- 2. default length: HF 5.x generates 20 new tokens, capped by the model's positions -------------
+@pytest.mark.parametrize("prompt_length,new_tokens", [(8, 20), (120, 8)])  # max_position_embeddings=128
+def test_2_default_length_is_hfs(llama, served, prompt_length, new_tokens):
+    ids, mask = prompts(2, prompt_length, seed=2)
+    kwargs = dict(attention_mask=mask, do_sample=False, eos_token_id=None, pad_token_id=0)
+    out = quiet(torchkvops.generate, llama, ids, **kwargs)  # HF warns that the default length is used
+    assert served and out.shape == (2, prompt_length + new_tokens)
+    assert same_tokens(out, quiet(hf_generate, llama, ids, **kwargs))
+
+
+# --- 3. settings equal to 0 are settings; invalid ones get HF's own error --------------------------
+@pytest.mark.parametrize("setting", [dict(forced_eos_token_id=0), dict(forced_bos_token_id=0), dict(guidance_scale=0),
+                                     dict(max_time=0.0)], ids=lambda s: next(iter(s)))
+def test_3_zero_valued_settings_fall_back(llama, served, setting):
+    ids, mask = prompts(2, 6, seed=3)
+    kwargs = dict(GREEDY, attention_mask=mask, eos_token_id=None, pad_token_id=0, **setting)
+    with pytest.warns(UserWarning, match=f"torchkvops.generate: generation_config.{next(iter(setting))}="):
+        out = torchkvops.generate(llama, ids, **kwargs)
+    assert not served and same_tokens(out, hf_generate(llama, ids, **kwargs))
+
+
+@pytest.mark.parametrize("setting", [dict(do_sample=True, temperature=0), dict(do_sample=True, temperature=2),
+                                     dict(repetition_penalty=0), dict(do_sample=True, typical_p=0),
+                                     dict(num_beams=0), dict(do_sample=False, num_return_sequences=2)],
+                         ids=["temperature_0", "temperature_int", "repetition_penalty_0", "typical_p_0", "num_beams_0",
+                              "greedy_num_return_sequences"])
+def test_3_settings_hf_rejects_raise_hfs_error(llama, served, setting):
+    ids, mask = prompts(2, 6, seed=3)
+    kwargs = dict(attention_mask=mask, max_new_tokens=3, **setting)
+    with pytest.raises(Exception) as expected:
+        hf_generate(llama, ids, **kwargs)
+    with pytest.raises(type(expected.value), match=str(expected.value)[:40].replace("(", r"\(").replace(")", r"\)")):
+        quiet(torchkvops.generate, llama, ids, **kwargs)
+    assert not served
+
+
+# --- 4. state kept across calls follows the model ---------------------------------------------------
+@pytest.mark.parametrize("change", ["eager", "float64", "half", "resize"])
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_4_cached_state_is_rebuilt_when_the_model_changes(served, family, change):
+    model = FAMILIES[family]()
+    ids, mask = prompts(3, 8, seed=4, left_pad=[0, 2, 5])
+    kwargs = dict(GREEDY, attention_mask=mask, eos_token_id=None, pad_token_id=0)
+    torchkvops.generate(model, ids, **kwargs)  # builds the session's rollout for the model as it was
+    if change == "eager":
+        model.set_attn_implementation("eager")
+    elif change == "float64":
+        model.to(torch.float64)
+    elif change == "half":
+        model.half()
+    else:
+        model.resize_token_embeddings(COMMON["vocab_size"] + 24)
+        ids[:, -1] = COMMON["vocab_size"] + 20  # an id only the resized model has
+    served.clear()
+    if change == "float64":  # the rollout's sampler takes float32, float16 and bfloat16
+        with pytest.warns(UserWarning, match="torch.float64 parameters"):
+            out = torchkvops.generate(model, ids, **kwargs)
+        assert not served and same_tokens(out, hf_generate(model, ids, **kwargs))
+        return
+    out = torchkvops.generate(model, ids, **kwargs)
+    assert served and same_tokens(out, hf_generate(model, ids, **kwargs))
+
+
+# --- 5. del model frees the model, its rollouts and their KV buffers --------------------------------
+@pytest.mark.parametrize("how", ["generate", "patch", "patch_then_undo"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_5_a_model_used_through_torchkvops_is_freed(monkeypatch, device, how):
+    """On CUDA the decode graphs (captured from the second call of a shape on) go with the rollout."""
+    kv_buffers = []
+    original = torchkvops.Rollout._generate
+
+    def spy(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        kv_buffers.append(weakref.ref(self.cache._storage))
+        return out
+
+    monkeypatch.setattr(torchkvops.Rollout, "_generate", spy)
+    model = FAMILIES["llama"]().to(device)
+    ids, mask = (t.to(device) for t in prompts(2, 6, seed=5))
+    handle = None
+    for _ in range(2):
+        if how == "generate":
+            torchkvops.generate(model, ids, attention_mask=mask, **GREEDY)
+        else:
+            handle = handle or torchkvops.patch_generate(model)
+            model.generate(ids, attention_mask=mask, **GREEDY)
+    if how == "patch_then_undo":
+        handle.undo()
+    model_ref = weakref.ref(model)
+    del model
+    gc.collect()
+    assert model_ref() is None and len(kv_buffers) == 2 and all(kv() is None for kv in kv_buffers)
+    if handle is not None:  # the handle outlives the model, harmlessly
+        assert handle.session is None
+        handle.undo()
+        handle.release()
+
+
+# --- 6. copies of a patched model work, and are unpatched -------------------------------------------
+@pytest.mark.parametrize("how", ["deepcopy", "pickle", "torch.save"])
+def test_6_a_patched_model_copies_unpatched(served, how):
+    model = FAMILIES["llama"]()
+    ids, mask = prompts(2, 6, seed=6)
+    kwargs = dict(GREEDY, attention_mask=mask)
+    with torchkvops.patch_generate(model):
+        expected = model.generate(ids, **kwargs)  # served: a session with rollouts, locks and buffers
+        if how == "deepcopy":
+            twin = copy.deepcopy(model)
+        elif how == "pickle":
+            twin = pickle.loads(pickle.dumps(model))
+        else:
+            buffer = io.BytesIO()
+            torch.save(model, buffer)
+            buffer.seek(0)
+            twin = torch.load(buffer, weights_only=False)
+        served.clear()
+        assert same_tokens(twin.generate(ids, **kwargs), expected) and not served  # the copy: HF's generate
+        assert same_tokens(model.generate(ids, **kwargs), expected) and served  # the original: still patched
+    assert same_tokens(torchkvops.patch_generate(twin).session.original_generate(ids, **kwargs), expected)
+
+
+# --- 7. undo in any order; refusals say what to do ---------------------------------------------------
+def test_7_undo_in_either_order_restores_hfs_generate(llama, served):
+    ids, mask = prompts(2, 6, seed=7)
+    kwargs = dict(GREEDY, attention_mask=mask)
+    expected = hf_generate(llama, ids, **kwargs)
+    for order in ("first_patch_first", "second_patch_first"):
+        first = torchkvops.patch_generate(llama)
+        inner = llama.generate
+        llama.generate = lambda *args, **kw: inner(*args, **kw)  # a caller's wrapper around the patch
+        second = torchkvops.patch_generate(llama)
+        for handle in ((first, second) if order == "first_patch_first" else (second, first)):
+            handle.undo()
+        served.clear()
+        assert same_tokens(llama.generate(ids, **kwargs), expected) and not served, order
+        again = torchkvops.patch_generate(llama)  # and it can be patched again
+        assert same_tokens(llama.generate(ids, **kwargs), expected) and served
+        again.undo()
+        vars(llama).pop("generate", None)
+
+
+def test_7_refusals_say_what_to_do(llama):
+    with pytest.raises(TypeError, match="LlamaModel has no generate method .*use the causal LM that wraps it, e.g. "
+                                        "LlamaForCausalLM"):
+        torchkvops.patch_generate(llama.model)
+    with torchkvops.patch_generate(llama):
+        with pytest.raises(RuntimeError, match=r"already patched by torchkvops; call undo\(\) on the handle"):
+            torchkvops.patch_generate(llama)
+
+
+# --- 8. models the rollout cannot run fall back, from patch time ------------------------------------
+def _tiny(cls, config_cls, **fields):
+    torch.manual_seed(0)
+    return cls(config_cls(**COMMON, **fields)).eval()
+
+
+UNSERVABLE = {
+    "bloom": (lambda: _tiny(transformers.BloomForCausalLM, transformers.BloomConfig, hidden_size=32, n_layer=2, n_head=4),
+              "ALiBi"),
+    "falcon_alibi": (lambda: _tiny(transformers.FalconForCausalLM, transformers.FalconConfig, hidden_size=32,
+                                   num_hidden_layers=2, num_attention_heads=4, alibi=True, multi_query=False), "ALiBi"),
+    "gemma2": (lambda: _tiny(transformers.Gemma2ForCausalLM, transformers.Gemma2Config, hidden_size=32,
+                             intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                             head_dim=8), "attn_logit_softcapping"),
+    "deepseek_v3": (lambda: _tiny(transformers.DeepseekV3ForCausalLM, transformers.DeepseekV3Config, hidden_size=32,
+                                  intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
+                                  num_experts_per_tok=2, n_group=1, topk_group=1, kv_lora_rank=16, q_lora_rank=16,
+                                  qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, first_k_dense_replace=1),
+                    "multi-head latent attention"),
+    "gpt_oss": (lambda: _tiny(transformers.GptOssForCausalLM, transformers.GptOssConfig, hidden_size=32,
+                              intermediate_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                              head_dim=8, num_local_experts=4, num_experts_per_tok=2, sliding_window=16),
+                "attention sinks"),
+    # Multi-query Falcon: nothing in its config says the rollout cannot run it; its first call shows it.
+    "falcon_multi_query": (lambda: _tiny(transformers.FalconForCausalLM, transformers.FalconConfig, hidden_size=32,
+                                         num_hidden_layers=2, num_attention_heads=4, multi_query=True,
+                                         new_decoder_architecture=False), None),
+}
+
+
+@pytest.mark.parametrize("name", list(UNSERVABLE))
+def test_8_models_the_rollout_cannot_run_fall_back_with_a_warning(monkeypatch, name):
+    attempts = []
+    original = torchkvops.Rollout._generate
+    monkeypatch.setattr(torchkvops.Rollout, "_generate", lambda self, *a, **k: attempts.append(1) or original(self, *a, **k))
+    build, cause = UNSERVABLE[name]
+    model = build()
+    ids, mask = prompts(2, 6, seed=8, left_pad=[0, 2])
+    kwargs = dict(GREEDY, attention_mask=mask, eos_token_id=None, pad_token_id=0)
+    expected = hf_generate(model, ids, **kwargs)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        handle = torchkvops.patch_generate(model)
+        first = model.generate(ids, **kwargs)
+        second = model.generate(ids, **kwargs)
+    messages = [str(w.message) for w in caught if "torchkvops" in str(w.message)]
+    assert len(messages) == 1, messages  # once, at patch time or at the first call
+    assert (cause or "the rollout failed on it") in messages[0]
+    assert same_tokens(first, expected) and same_tokens(second, expected)
+    assert len(attempts) == (1 if cause is None else 0)  # a failed first call is not retried
+    handle.undo()
+
+
+# --- 9. inputs and settings HF accepts fall back instead of raising ---------------------------------
+MASKS = {"right_padded": [[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]], "hole": [[1, 1, 1, 1, 1, 1], [0, 1, 0, 1, 1, 1]],
+         "empty_row": [[1, 1, 1, 1, 1, 1], [0, 0, 0, 0, 0, 0]]}
+SETTINGS = {"top_p_0": dict(do_sample=True, top_p=0.0), "temperature_1e-8": dict(do_sample=True, temperature=1e-8),
+            "eos_-1": dict(eos_token_id=-1), "eos_outside_vocab": dict(eos_token_id=1000),
+            "beyond_positions": dict(max_new_tokens=30), "beyond_sliding_window": dict(max_new_tokens=30)}
+PROMPT_LENGTHS = {"beyond_positions": 100, "beyond_sliding_window": 40}  # + 30 > 128 positions, > window of 64
+
+
+@pytest.mark.parametrize("case", list(MASKS) + ["tril"] + list(SETTINGS))
+def test_9_what_hf_accepts_falls_back_with_hfs_output(served, case):
+    model = FAMILIES["mistral" if case == "beyond_sliding_window" else "llama"]()  # window 64, 128 positions
+    ids, mask = prompts(2, PROMPT_LENGTHS.get(case, 6), seed=9)
+    if case in MASKS:
+        mask = torch.tensor(MASKS[case])
+    elif case == "tril":  # transformers' own generation tests build their masks so
+        ids, mask = ids[:, :2], torch.tril(torch.ones(2, 2, dtype=torch.long))
+    kwargs = dict(GREEDY, attention_mask=mask, pad_token_id=0)
+    kwargs.update(SETTINGS.get(case, {}))
+    torch.manual_seed(9)
+    with pytest.warns(UserWarning, match="torchkvops.generate: "):
+        out = torchkvops.generate(model, ids, **kwargs)
+    torch.manual_seed(9)  # the fallback is HF's generate: its own random stream
+    assert not served and same_tokens(out, quiet(hf_generate, model, ids, **kwargs))
+
+
+def test_9_eos_as_a_tensor_is_served(llama, served):
+    ids, mask = prompts(2, 6, seed=9)
+    free = hf_generate(llama, ids, attention_mask=mask, **GREEDY, eos_token_id=None, pad_token_id=0)
+    kwargs = dict(GREEDY, attention_mask=mask, eos_token_id=torch.tensor(int(free[0, 8])), pad_token_id=0)
+    assert same_tokens(torchkvops.generate(llama, ids, **kwargs), hf_generate(llama, ids, **kwargs)) and served
+
+
+# --- 10. arguments that change nothing do not cost the speed-up -------------------------------------
+@pytest.mark.parametrize("extra", [dict(synced_gpus=False), dict(tokenizer=None),
+                                   dict(cache_implementation="static", compile_config=CompileConfig()),
+                                   dict(return_dict_in_generate=True)],
+                         ids=["synced_gpus_False", "tokenizer_None", "static_cache_compile_config", "return_dict"])
+def test_10_harmless_arguments_are_served(llama, served, extra):
+    ids, mask = prompts(2, 6, seed=10)
+    kwargs = dict(GREEDY, attention_mask=mask, **extra)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback warning
+        out = torchkvops.generate(llama, ids, **kwargs)
+    assert served and same_tokens(out, hf_generate(llama, ids, **kwargs))
+    if extra.get("return_dict_in_generate"):  # documented: sequences only, no HF cache
+        assert out.cache is None and hf_generate(llama, ids, **kwargs).cache is not None
+
+
+def test_generation_config_precedence_with_a_config_passed_positionally(llama, served):
+    """The patched generate binds its arguments with HF's signature (inputs, generation_config, ...)."""
+    ids, mask = prompts(2, 6, seed=11)
+    config = GenerationConfig(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    with torchkvops.patch_generate(llama):
+        out = llama.generate(ids, config, attention_mask=mask)
+    assert served and same_tokens(out, hf_generate(llama, ids, config, attention_mask=mask))
