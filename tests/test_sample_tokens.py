@@ -14,12 +14,15 @@ perturbed scores and a float64 recomputation of the cut; every other row must ma
 greedy rows must always match exactly.
 """
 
+import math
+import random
+
 import pytest
 import torch
 
 import torchkvops
 from torchkvops import ops, reference
-from torchkvops.sampling import SamplingParams, row_keys, sample
+from torchkvops.sampling import LOW_SALT, STEP_SALT, TOKEN_SALT, SamplingParams, _hash32, row_keys, sample
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 DEVICE_PARAMS = [pytest.param(d, marks=pytest.mark.cuda) if d == "cuda" else d for d in DEVICES]
@@ -161,23 +164,52 @@ def test_greedy_ties_and_special_values(device):
 
 
 @pytest.mark.parametrize("device", DEVICE_PARAMS)
-def test_noise_is_finite_where_32_bit_uniforms_rounded_to_one(device):
-    """With u = (float(bits) + 0.5) * 2^-32 (the first version), the 128 largest hash values gave
-    u == 1.0 and infinite noise: such a token won even when top-k had dropped it. These (key, step,
-    token) triples were such cases; now the noise is finite and the top-k mask holds."""
-    vocab = 2048
-    keys = torch.tensor([1147639537, 12345, 819774325, 3621315197], device=device)
-    logits = make_logits(4, vocab, torch.float32, device)
-    for step, row, token in [(0, 0, 461), (1, 2, 267), (0, 3, 1256)]:
-        step_t = torch.tensor([step], device=device)
-        noise = reference.gumbel_noise(keys, step_t, vocab)
-        assert bool(torch.isfinite(noise).all()) and float(noise.max()) < 16.64
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_greedy_is_argmax_on_ties_and_special_values_anywhere(device, dtype):
+    """Rows of every length around the kernels' block sizes, drawn from a few values (so that ties are
+    common) with NaN, +-inf and +-0.0 at random places: the op equals torch.argmax on every row,
+    contiguous or not."""
+    g = torch.Generator().manual_seed(7)
+    values = torch.tensor([float("nan"), float("inf"), float("-inf"), -0.0, 0.0, 1.0, -1.0, 2.5, 2.5, 2.5])
+    for vocab in (1, 2, 15, 16, 17, 31, 33, 64, 100, 257):
+        for nan_rate in (0.0, 0.01):
+            weights = torch.tensor([nan_rate, 0.02, 0.05, 0.2, 0.2, 0.2, 0.2, 0.01, 0.01, 0.01])
+            picks = torch.multinomial(weights, 64 * vocab, replacement=True, generator=g)
+            logits = values[picks].view(64, vocab).to(device=device, dtype=dtype)
+            keys, step = torch.arange(64, device=device), torch.zeros(1, dtype=torch.long, device=device)
+            assert torch.equal(ops.sample_tokens(logits, keys, step, 0.0, 0, 1.0), logits.argmax(dim=-1))
+            strided = logits.t().contiguous().t()
+            assert torch.equal(ops.sample_tokens(strided, keys, step, 0.0, 0, 1.0), logits.argmax(dim=-1))
+
+
+def key_and_step_for_word(token: int, high: int, low: int) -> tuple[int, int]:
+    """A (key, step) pair whose noise word for `token` is (high, low): reference.noise_words inverted."""
+    row_low = unhash32(low) ^ high
+    row_high = unhash32(high) ^ _hash32((token + TOKEN_SALT) ^ row_low)
+    step = unhash32(row_low) ^ _hash32(row_high + LOW_SALT)
+    return unhash32(row_high) ^ _hash32(step + STEP_SALT), step
+
+
+@pytest.mark.parametrize("device", DEVICE_PARAMS)
+def test_extreme_noise_words_are_finite_and_masked(device):
+    """The largest word (2^64 - 1) gives the largest noise, -log(2^-65) = 45.05 (the 23-bit noise
+    stopped at 16.64; a 32-bit uniform once rounded to 1.0 here and gave infinite noise, which beat
+    even the tokens top-k had dropped); the smallest word gives -log(45.05) = -3.81. Both finite, the
+    draws equal the reference's, and a token with the largest noise stays out when top-k drops it."""
+    vocab, token = 2048, 1234
+    logits = make_logits(1, vocab, torch.float32, device)
+    logits[0, token] = -30.0  # 45.05 - 30 beats every other token here, unless top-k / top-p drop it
+    for word, noise in [((0xFFFFFFFF, 0xFFFFFFFF), 65 * math.log(2)), ((0, 0), -math.log(65 * math.log(2)))]:
+        key, step = key_and_step_for_word(token, *word)
+        keys, step_t = torch.tensor([key], device=device), torch.tensor([step], device=device)
+        g = reference.gumbel_noise(keys, step_t, vocab)
+        assert bool(torch.isfinite(g).all())
+        assert float(g[0, token]) == pytest.approx(noise, abs=1e-5)
         for temperature, top_k, top_p in [(1.0, 0, 1.0), (1.0, 5, 1.0), (0.7, 0, 0.5), (1.0, 3, 0.9)]:
             out = ops.sample_tokens(logits, keys, step_t, temperature, top_k, top_p)
             assert torch.equal(out, reference.sample_tokens(logits, keys, step_t, temperature, top_k, top_p))
-            if top_k:
-                kept = torch.topk(logits[row].float() / temperature, top_k).indices
-                assert int(out[row]) in kept.tolist()
+            if noise > 0:
+                assert (int(out) == token) == (top_k == 0 and top_p == 1.0)
 
 
 @pytest.mark.parametrize("device", DEVICE_PARAMS)
@@ -242,6 +274,85 @@ def test_frequencies_follow_the_distribution(device, temperature, top_k, top_p):
     expected = probs[kept] * rows * steps
     chi2 = ((counts[kept] - expected) ** 2 / expected).sum().item()
     assert chi2 < 30, (counts.tolist(), expected.tolist(), chi2)
+
+
+def tail_logits(rows, vocab, p_each, top, device):
+    """`rows` equal rows (one row, expanded: nothing is copied) with one token (index `top`) at logit 0
+    and vocab - 1 tail tokens at one logit -c, c such that each tail token's softmax probability is
+    about p_each. Returns the float32 logits and the exact total probability of the tail, computed in
+    float64 from the float32 value of -c."""
+    c = -math.log(p_each / (1.0 - (vocab - 1) * p_each))
+    row = torch.full((vocab,), -c, dtype=torch.float32)
+    row[top] = 0.0
+    w = math.exp(float(row[top - 1]))
+    return row.to(device).expand(rows, vocab), (vocab - 1) * w / (1.0 + (vocab - 1) * w)
+
+
+def assert_within_3_sd(observed, draws, p):
+    expected, sd = draws * p, math.sqrt(draws * p * (1 - p))
+    assert expected >= 40, f"too few expected tail draws: {expected}"
+    assert abs(observed - expected) <= 3 * sd, f"{observed} tail draws in {draws}, {expected:.1f} +- {sd:.1f} expected"
+
+
+@pytest.mark.parametrize("device", DEVICE_PARAMS)
+@pytest.mark.parametrize("p_each,vocab,rows", [(1e-7, 49152, 10_000), (1.5e-8, 49152, 60_000)])
+def test_far_tail_is_drawn_at_its_probability(device, p_each, vocab, rows):
+    """Issue #20: the 23-bit noise capped the Gumbel at 16.64, and tokens of probability 1.5e-8 came
+    out 5 times in 50,000 rows where 37 were due. One token at logit 0, the rest at a logit that gives
+    each p_each: the rows that draw a tail token, over 5 steps, are within 3 standard deviations of
+    softmax's count (>= 40 expected; fixed keys, so the test is deterministic)."""
+    steps = 5
+    logits, tail = tail_logits(rows // steps, vocab, p_each, top=vocab // 2, device=device)
+    keys = row_keys(20, torch.arange(rows // steps, device=device))
+    hits = 0
+    for step in range(steps):
+        out = ops.sample_tokens(logits, keys, torch.tensor([step], device=device), 1.0, 0, 1.0)
+        hits += int((out != vocab // 2).sum())
+    assert_within_3_sd(hits, rows // steps * steps, tail)
+
+
+def unhash32(x: int) -> int:
+    """The inverse of sampling._hash32 on one 32-bit int."""
+    x ^= x >> 16
+    x = (x * pow(0x68E31DA5, -1, 2**32)) & 0xFFFFFFFF
+    x ^= (x >> 15) ^ (x >> 30)
+    x = (x * pow(0x7FEB352D, -1, 2**32)) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+@pytest.mark.parametrize("device", DEVICE_PARAMS)
+def test_tail_of_1e_10_is_drawn_at_its_probability(device):
+    """A token of probability 1e-10 would need 4e11 token draws for 40 expected hits, so this samples
+    only where it can win. Rows [0, -c]: token 1 has probability p = 1e-10. Its noise comes from a
+    64-bit word whose high half h, with ~h >= 64, gives noise at most -log(64 * 2^-32) = 18.02; token
+    0's noise is at least -3.81, and 18.02 - c < -3.81: token 1 loses. So P(token 1) = (64 / 2^32) *
+    q, with q = P(token 1 | ~h < 64). For one token, (key, step) -> (its word) is a bijection built
+    from invertible hashes: each row below inverts them to get a (key, step) whose word has ~h
+    uniform in [0, 64) and a uniform low half (and so a uniform word given ~h < 64). Their count of
+    token 1 must be within 3 standard deviations of q = p * 2^32 / 64 = 6.7e-3 per row."""
+    for v in (0, 1, 0xDEADBEEF, 0xFFFFFFFF):  # the inverse is right
+        assert unhash32(_hash32(v)) == v
+    c = -math.log(1e-10 / (1 - 1e-10))
+    low = float(torch.tensor(-c, dtype=torch.float32))
+    p = math.exp(low) / (1 + math.exp(low))
+    strata, rows = 64, 8192
+    logits = torch.tensor([[0.0, low]], device=device)
+    rng = random.Random(10)
+    keys, steps = [], []
+    for row in range(rows):
+        # Invert noise_words for token 1: its high word h = 2^32 - 1 - (row % strata), row_low random.
+        row_low = rng.getrandbits(32)
+        row_high = unhash32(0xFFFFFFFF - row % strata) ^ _hash32((1 + TOKEN_SALT) ^ row_low)
+        step = unhash32(row_low) ^ _hash32(row_high + LOW_SALT)
+        keys.append(unhash32(row_high) ^ _hash32(step + STEP_SALT))
+        steps.append(step)
+    high, _ = reference.noise_words(torch.tensor(keys[:strata]), torch.tensor([steps[0]]), 2)
+    assert high[0, 1] == 0xFFFFFFFF  # the inversion is right
+    hits = 0
+    for key, step in zip(keys, steps):  # the operator takes one step per call
+        hits += int(ops.sample_tokens(logits, torch.tensor([key], device=device), torch.tensor([step], device=device),
+                                      1.0, 0, 1.0))
+    assert_within_3_sd(hits, rows, p * 2**32 / strata)
 
 
 @pytest.mark.parametrize("device", DEVICE_PARAMS)

@@ -158,7 +158,9 @@ def sample_tokens(logits: Tensor, keys: Tensor, step: Tensor, temperature: float
     `argmax(logits / temperature + noise)` over the tokens kept by `top_k` (0 or >= vocab: off; ties
     with the k-th largest value are kept) and then `top_p` (1: off; a token is dropped when the tokens
     with a larger value already hold top_p of the probability), with Gumbel noise hashed from (key,
-    step, token). Equals `torchkvops.reference.sample_tokens` except for near-ties of the perturbed
+    step, token): a 64-bit uniform per token, so the noise reaches 45.05 and a token is drawn at its
+    probability down to about e^-45 of the best one's (see csrc/sample_tokens.h). Equals
+    `torchkvops.reference.sample_tokens` except for near-ties of the perturbed
     scores (the kernels' log may differ from torch's in the last bit) and tokens tied at the top-p
     threshold value (all kept here). No host sync, nothing allocated but the output. Not
     differentiable: the output is an integer tensor.

@@ -3,7 +3,7 @@
 import torch
 from torch import Tensor
 
-from .sampling import STEP_SALT, TOKEN_SALT, _hash32
+from .sampling import LOW_SALT, STEP_SALT, TOKEN_SALT, _hash32
 
 
 def repeat_kv_cache_(cache: Tensor, batch: int, repeats: int, num_tokens: int) -> None:
@@ -40,14 +40,33 @@ def merge_attention_states(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: T
     return out.to(out_a.dtype), lse
 
 
+def noise_words(keys: Tensor, step: Tensor, vocab: int) -> tuple[Tensor, Tensor]:
+    """The high and low 32 bits of each token's 64-bit noise word at decode step `step` (a 1-element
+    tensor): two [rows, vocab] int64 tensors holding values in [0, 2^32). For one token the map from
+    (key, step) (their low 32 bits) to the word is a bijection."""
+    step = step.reshape(())
+    row_high = _hash32(keys ^ _hash32(step + STEP_SALT))  # [rows]
+    row_low = _hash32(step ^ _hash32(row_high + LOW_SALT))  # [rows]
+    token = torch.arange(vocab, dtype=torch.long, device=keys.device)
+    high = _hash32(row_high[:, None] ^ _hash32((token + TOKEN_SALT)[None, :] ^ row_low[:, None]))
+    return high, _hash32(row_low[:, None] ^ high)
+
+
+def gumbel_from_words(high: Tensor, low: Tensor) -> Tensor:
+    """Gumbel noise -log(-log(u)) of u = (x + 1/2) 2^-64, x = high * 2^32 + low, in float32 as the kernels
+    compute it: -log(u) from u itself when u < 1/2, from its complement (~x + 1/2) 2^-64 with log1p
+    otherwise, so both tails keep float32's relative precision. In [-3.81, 45.06]."""
+    upper = high >= 2**31
+    y_high = torch.where(upper, high ^ 0xFFFFFFFF, high)  # < 2^31: exact in float32 products below
+    y_low = torch.where(upper, low ^ 0xFFFFFFFF, low)
+    v = (y_high.to(torch.float32) * 4294967296.0 + (y_low.to(torch.float32) + 0.5)) * 2.0**-64
+    e = torch.where(upper, -torch.log1p(-v), -torch.log(v))
+    return -torch.log(e)
+
+
 def gumbel_noise(keys: Tensor, step: Tensor, vocab: int) -> Tensor:
     """The sampler's Gumbel noise [rows, vocab] at decode step `step` (a 1-element tensor), float32."""
-    step_key = _hash32(keys ^ _hash32(step + STEP_SALT))  # [rows]
-    token = torch.arange(vocab, dtype=torch.long, device=keys.device)
-    bits = _hash32(step_key[:, None] ^ _hash32(token + TOKEN_SALT)[None, :])
-    # The top 23 bits: exact in float32, u in [2^-24, 1 - 2^-24], so the noise is finite (< 16.64).
-    u = ((bits >> 9).to(torch.float32) + 0.5) * (1.0 / 8388608.0)
-    return -torch.log(-torch.log(u))
+    return gumbel_from_words(*noise_words(keys, step, vocab))
 
 
 def perturbed_scores(logits: Tensor, keys: Tensor, step: Tensor, temperature: float, top_k: int,

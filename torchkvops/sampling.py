@@ -22,6 +22,7 @@ _MASK32 = 0xFFFFFFFF
 # The salts of the per-step and per-token hashes; the C++ kernels use the same (csrc/sample_tokens.h).
 STEP_SALT = 0x5BD1E995
 TOKEN_SALT = 0x27D4EB2F
+LOW_SALT = 0x165667B1
 
 
 def _hash32(x):

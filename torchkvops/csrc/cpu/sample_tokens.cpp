@@ -92,51 +92,154 @@ uint32_t select_threshold(const float* values, int64_t vocab, uint32_t lower, We
   return prefix;
 }
 
-// noise_reach_threshold(0..17), computed once.
-const float* noise_reach() {
+// noise_reach_threshold(0..46), computed once.
+const uint32_t* noise_reach() {
   static const auto table = [] {
-    std::array<float, kNoiseSteps> t{};
+    std::array<uint32_t, kNoiseSteps> t{};
     for (int d = 0; d < kNoiseSteps; ++d) t[d] = noise_reach_threshold(d);
     return t;
   }();
   return table.data();
 }
 
-// The running Gumbel-max draw of one row. Tokens must be offered in increasing index order.
+// Tokens are drawn in blocks: the scaled logits, high words and candidate flags of a whole block are
+// computed by loops the compiler vectorizes, and only the candidates go through the exact test.
+constexpr int kDrawBlock = 256;
+
+// The running Gumbel-max draw of one row. Blocks must be offered in increasing token order.
 class Draw {
  public:
-  explicit Draw(uint32_t step_key) : step_key_(step_key), reach_(noise_reach()) {}
+  explicit Draw(NoiseKey key) : key_(key), reach_(noise_reach()) {}
 
-  void offer(int64_t token, float l, bool kept) {
-    const float u = uniform(step_key_, token);
-    // u == 1 gives infinite noise: that token scores +inf (or NaN when not kept) and must be seen.
-    if (u < 1.0f && (!kept || cannot_beat(l, u, best_, reach_))) return;
-    const float score = (kept ? l : -kInf) + gumbel(u);
-    if (beats(score, token, best_, best_token_)) {
-      best_ = score;
-      best_token_ = token;
+  // Offers tokens first .. first + n - 1 (n <= kDrawBlock) with scaled logits l[0 .. n). With
+  // kMasked, kept[j] says whether top-k / top-p kept token first + j: a dropped token scores
+  // -inf + g = -inf, which never beats the (-inf, 0) start or a lower index, so it is skipped.
+  // A token is a candidate unless noise_bound rules it out against the best score at the block's
+  // start (the best only grows, so that stays true); candidates take the exact test.
+  template <bool kMasked>
+  void offer_block(int64_t first, const float* l, const uint8_t* kept, int n) {
+    const uint32_t first_token = static_cast<uint32_t>(first);
+    if (kMasked) {
+      int num_kept = 0;
+      for (int j = 0; j < n; ++j) num_kept += kept[j];
+      if (4 * num_kept < n) {  // cheaper to hash the few kept tokens one by one
+        for (int j = 0; j < n; ++j) {
+          if (kept[j]) offer(first + j, l[j], noise_high(key_, first_token + static_cast<uint32_t>(j)));
+        }
+        return;
+      }
+    }
+    uint32_t high[kDrawBlock];
+    uint8_t candidate[kDrawBlock + 8] = {};  // read 8 at a time, past n as zeros
+    const float best = best_;
+    for (int j = 0; j < n; ++j) {
+      const uint32_t h = noise_high(key_, first_token + static_cast<uint32_t>(j));
+      high[j] = h;
+      // (best - l) shrunk by 2^-23 is at most the exact gap (see cannot_beat); NaN: a candidate.
+      uint8_t c = !((best - l[j]) * 0.99999988079071044921875f >= noise_bound(h));
+      if (kMasked) c &= kept[j];
+      candidate[j] = c;
+    }
+    for (int j0 = 0; j0 < n; j0 += 8) {  // 8 flags at a time: nearly all are 0
+      uint64_t flags;
+      __builtin_memcpy(&flags, candidate + j0, sizeof(flags));
+      if (flags == 0) continue;
+      for (int j = j0; j < std::min(j0 + 8, n); ++j) {
+        if (candidate[j]) offer(first + j, l[j], high[j]);
+      }
     }
   }
 
   int64_t token() const { return best_token_; }
 
  private:
-  uint32_t step_key_;
-  const float* reach_;
+  C10_ALWAYS_INLINE void offer(int64_t token, float l, uint32_t high) {
+    if (cannot_beat(l, high, best_, reach_)) return;
+    const float score = l + gumbel(key_, high);
+    if (beats(score, token, best_, best_token_)) {
+      best_ = score;
+      best_token_ = token;
+    }
+  }
+
+  NoiseKey key_;
+  const uint32_t* reach_;
   // Every token scores at least -inf, so (-inf, 0) is what argmax returns when nothing beats it.
   float best_ = -kInf;
   int64_t best_token_ = 0;
 };
 
+// Greedy works on the logits' raw bits, in their own width (no conversion to float, which float16
+// does not vectorize): a sign-magnitude float becomes a signed integer with the same order (-0.0 and
+// +0.0 both 0), and integer maxima vectorize where float ones would not.
 template <typename scalar_t>
-int64_t sample_row(const scalar_t* row, int64_t col_stride, int64_t vocab, int64_t key, int64_t step,
-                   const SampleParams& p, Scratch& scratch) {
-  auto logit = [&](int64_t i) { return static_cast<float>(row[i * col_stride]); };
-  if (p.greedy) {
+struct RawFloat;
+template <>
+struct RawFloat<float> {
+  using Bits = uint32_t;
+  using Key = int32_t;
+  static constexpr Bits kInfBits = 0x7F800000u;
+};
+template <>
+struct RawFloat<c10::Half> {
+  using Bits = uint16_t;
+  using Key = int16_t;
+  static constexpr Bits kInfBits = 0x7C00u;
+};
+template <>
+struct RawFloat<c10::BFloat16> {
+  using Bits = uint16_t;
+  using Key = int16_t;
+  static constexpr Bits kInfBits = 0x7F80u;
+};
+
+template <typename scalar_t>
+struct RawOrder {
+  using Bits = typename RawFloat<scalar_t>::Bits;
+  using Key = typename RawFloat<scalar_t>::Key;
+  static constexpr int kSignShift = 8 * sizeof(Bits) - 1;
+  static constexpr Bits kAbs = static_cast<Bits>(~(Bits{1} << kSignShift));
+
+  static Bits bits(const scalar_t& v) {
+    Bits b;
+    __builtin_memcpy(&b, &v, sizeof(b));
+    return b;
+  }
+  static Key key(Bits b) {  // NaNs get keys beyond the infinities': callers test is_nan apart
+    const Key magnitude = static_cast<Key>(b & kAbs);
+    return (b >> kSignShift) ? static_cast<Key>(-magnitude) : magnitude;
+  }
+  static bool is_nan(Bits b) { return (b & kAbs) > RawFloat<scalar_t>::kInfBits; }
+};
+
+// The first index of a contiguous row whose raw bits satisfy `hit`: blocks of 16 tested at once (a
+// loop the compiler vectorizes), then the block that holds it one by one. `vocab` if none does.
+template <typename scalar_t, typename HitFn>
+int64_t find_first(const scalar_t* row, int64_t vocab, HitFn hit) {
+  using R = RawOrder<scalar_t>;
+  constexpr int kBlock = 16;
+  int64_t i = 0;
+  for (; i + kBlock <= vocab; i += kBlock) {
+    int any = 0;
+    for (int j = 0; j < kBlock; ++j) any |= hit(R::bits(row[i + j]));
+    if (any) break;
+  }
+  for (; i < vocab; ++i) {
+    if (hit(R::bits(row[i]))) return i;
+  }
+  return vocab;
+}
+
+// Greedy, under torch.argmax's rules (the first index of the largest value, NaN above everything).
+// A contiguous row takes two vectorized loops: the largest key (and whether a NaN is present), then
+// the first index holding it, which stops early.
+template <typename scalar_t>
+int64_t argmax_row(const scalar_t* row, int64_t col_stride, int64_t vocab) {
+  if (col_stride != 1) {
     float best = -kInf;
     int64_t best_i = 0;
     for (int64_t i = 0; i < vocab; ++i) {
-      const float v = logit(i);
+      const float v = static_cast<float>(row[i * col_stride]);
       if (beats(v, i, best, best_i)) {
         best = v;
         best_i = i;
@@ -144,10 +247,38 @@ int64_t sample_row(const scalar_t* row, int64_t col_stride, int64_t vocab, int64
     }
     return best_i;
   }
+  using R = RawOrder<scalar_t>;
+  using Key = typename R::Key;
+  Key best = std::numeric_limits<Key>::min();
+  int has_nan = 0;
+  for (int64_t i = 0; i < vocab; ++i) {
+    const auto b = R::bits(row[i]);
+    const Key k = R::key(b);
+    best = k > best ? k : best;
+    has_nan |= R::is_nan(b);
+  }
+  if (has_nan) return find_first(row, vocab, [](auto b) { return R::is_nan(b); });
+  return find_first(row, vocab, [best](auto b) { return R::key(b) == best; });
+}
 
-  Draw draw(step_key(key, step));
+template <typename scalar_t>
+int64_t sample_row(const scalar_t* row, int64_t col_stride, int64_t vocab, int64_t key, int64_t step,
+                   const SampleParams& p, Scratch& scratch) {
+  auto logit = [&](int64_t i) { return static_cast<float>(row[i * col_stride]); };
+  if (p.greedy) return argmax_row(row, col_stride, vocab);
+
+  Draw draw(noise_key(key, step));
   if (p.top_k == 0 && !p.use_top_p) {
-    for (int64_t i = 0; i < vocab; ++i) draw.offer(i, logit(i) / p.temperature, true);
+    float l[kDrawBlock];
+    for (int64_t first = 0; first < vocab; first += kDrawBlock) {
+      const int n = static_cast<int>(std::min<int64_t>(kDrawBlock, vocab - first));
+      if (col_stride == 1) {  // a loop the compiler vectorizes
+        for (int j = 0; j < n; ++j) l[j] = static_cast<float>(row[first + j]) / p.temperature;
+      } else {
+        for (int j = 0; j < n; ++j) l[j] = logit(first + j) / p.temperature;
+      }
+      draw.offer_block<false>(first, l, nullptr, n);
+    }
     return draw.token();
   }
 
@@ -173,7 +304,12 @@ int64_t sample_row(const scalar_t* row, int64_t col_stride, int64_t vocab, int64
         values, vocab, threshold, [&](float l) { return fixed_mass(l - max_value); },
         [&](uint64_t total) { return top_p_target(p.top_p, total); }, scratch.bucket);
   }
-  for (int64_t i = 0; i < vocab; ++i) draw.offer(i, values[i], order_key(values[i]) >= threshold);
+  uint8_t kept[kDrawBlock];
+  for (int64_t first = 0; first < vocab; first += kDrawBlock) {
+    const int n = static_cast<int>(std::min<int64_t>(kDrawBlock, vocab - first));
+    for (int j = 0; j < n; ++j) kept[j] = order_key(values[first + j]) >= threshold;
+    draw.offer_block<true>(first, values + first, kept, n);
+  }
   return draw.token();
 }
 

@@ -63,7 +63,7 @@ struct SharedStorage {
   unsigned long long above;        // broadcast: the weight of the digits above the chosen one
   unsigned int digit;              // broadcast: the chosen digit
   float max_value;                 // broadcast: the row's largest l
-  float reach[kNoiseSteps];        // noise_reach_threshold(0..17)
+  uint32_t reach[kNoiseSteps];     // noise_reach_threshold(0..46)
 };
 
 // Reads one row of logits as float: thread t visits tokens t, t + blockDim.x, ... (in vectors of 16
@@ -217,14 +217,14 @@ __global__ void __launch_bounds__(kThreads) sample_tokens_kernel(
     }
   }
 
-  const uint32_t sk = step_key(keys[r * key_stride], step[0]);
+  const NoiseKey nk = noise_key(keys[r * key_stride], step[0]);
   reader.for_each([&](int i, float x) {
     const float l = scaled(x);
-    const bool kept = order_key(l) >= threshold;
-    const float u = uniform(sk, i);
-    // u == 1 gives infinite noise: that token scores +inf (or NaN when not kept) and must be seen.
-    if (u < 1.0f && (!kept || cannot_beat(l, u, best.score, smem.reach))) return;
-    const float score = (kept ? l : -kInf) + gumbel(u);
+    // A token top-k / top-p dropped scores -inf + g = -inf: it never beats (-inf, 0) or a lower index.
+    if (order_key(l) < threshold) return;
+    const uint32_t high = noise_high(nk, static_cast<uint32_t>(i));
+    if (cannot_beat(l, high, best.score, smem.reach)) return;
+    const float score = __fadd_rn(l, gumbel(nk, high));
     if (beats(score, i, best.score, best.token)) best = {score, i};
   });
   __syncthreads();  // smem.cub may still be in use by the selections
