@@ -19,6 +19,7 @@ import random
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 import torchkvops
 from torchkvops import ops, reference
@@ -459,6 +460,10 @@ def bad_args():
         (lambda a: (*a[:5], 0.0), ValueError, r"top_p must be in \(0, 1\]"),
         (lambda a: (*a[:5], 1.5), ValueError, "top_p"),
         (lambda a: (*a[:5], float("nan")), ValueError, "top_p"),
+        # The value as given (repr), not rounded to 6 digits ("got 1").
+        (lambda a: (*a[:5], 1.0000001), ValueError, r"top_p must be in \(0, 1\] \(1 = off\), got 1\.0000001$"),
+        (lambda a: (*a[:3], -1e-300, *a[4:]), ValueError, r"temperature .*, got -1e-300$"),
+        (lambda a: (*a[:3], float("inf"), *a[4:]), ValueError, r"temperature .*, got inf$"),
     ],
 )
 def test_bad_inputs(change, error, match):
@@ -470,6 +475,20 @@ def test_bad_inputs(change, error, match):
         args[3] = 0.0
         with pytest.raises(error, match=match):
             ops.sample_tokens(*args)
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(-0.5, 0, 1.0), (float("nan"), 0, 1.0), (1.0, -2, 1.0),
+                                                     (1.0, 0, 1.0000001), (1.0, 0, 0.0), (1e-320, 0, 1.5)])
+def test_fake_kernel_checks_like_the_kernels(temperature, top_k, top_p):
+    """Under torch.compile the fake kernel sees the arguments first: it refuses what the kernels
+    refuse, with the same exception type and message."""
+    logits, keys, step = bad_args()[:3]
+    with pytest.raises(ValueError) as real:
+        ops.sample_tokens(logits, keys, step, temperature, top_k, top_p)
+    with FakeTensorMode() as mode, pytest.raises(ValueError) as fake:
+        ops.sample_tokens(mode.from_tensor(logits), mode.from_tensor(keys), mode.from_tensor(step), temperature,
+                          top_k, top_p)
+    assert str(fake.value) == str(real.value).splitlines()[0]
 
 
 def test_error_names_the_op():

@@ -1,5 +1,7 @@
 """Typed Python face of the torchkvops operators, plus their fake kernels and autograd formulas."""
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -168,6 +170,16 @@ def sample_tokens(logits: Tensor, keys: Tensor, step: Tensor, temperature: float
     return torch.ops.torchkvops.sample_tokens.default(logits, keys, step, temperature, top_k, top_p)
 
 
+def _check_sample_scalars(temperature: float, top_k: int, top_p: float) -> None:
+    """The scalar checks of sample_tokens.h, with the same exception types and messages (values as
+    Python's repr writes them, as the kernels do)."""
+    op = "sample_tokens"
+    torch._check_value(math.isfinite(temperature) and temperature >= 0.0,
+                       lambda: f"{op}: temperature must be finite and >= 0 (0 = greedy), got {temperature!r}")
+    torch._check_value(top_k >= 0, lambda: f"{op}: top_k must be >= 0 (0 = off), got {top_k!r}")
+    torch._check_value(0.0 < top_p <= 1.0, lambda: f"{op}: top_p must be in (0, 1] (1 = off), got {top_p!r}")
+
+
 @torch.library.register_fake("torchkvops::sample_tokens")
 def _sample_tokens_fake(logits: Tensor, keys: Tensor, step: Tensor, temperature: float, top_k: int,
                         top_p: float) -> Tensor:
@@ -176,4 +188,5 @@ def _sample_tokens_fake(logits: Tensor, keys: Tensor, step: Tensor, temperature:
     torch._check(keys.shape[0] == logits.shape[0],
                  lambda: f"sample_tokens: keys must have one key per row ({logits.shape[0]}), got {keys.shape[0]}")
     torch._check(step.numel() == 1, lambda: f"sample_tokens: step must be a 1-element int64 tensor, got {step.numel()}")
+    _check_sample_scalars(temperature, top_k, top_p)
     return logits.new_empty((logits.shape[0],), dtype=torch.long)

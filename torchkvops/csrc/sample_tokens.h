@@ -33,8 +33,10 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 
+#include <charconv>
 #include <cmath>
 #include <cstdint>
+#include <string>
 
 #if defined(__CUDACC__)
 #define TORCHKVOPS_HD __host__ __device__ __forceinline__
@@ -215,6 +217,16 @@ struct SampleParams {
   float top_p = 1.0f;            // float32, the value the reference compares against
 };
 
+// A float argument as Python's repr writes it (the shortest text that reads back as the same double),
+// so that an error shows the value as given: 1.0000001, not 1.
+inline std::string repr_double(double v) {
+  char buf[32];
+  const auto [end, ec] = std::to_chars(buf, buf + sizeof(buf), v);
+  std::string text(buf, ec == std::errc() ? end : buf);
+  if (text.find_first_of(".en") == std::string::npos) text += ".0";  // 1 -> 1.0 (not 1e+16, nan, inf)
+  return text;
+}
+
 inline void check_sample_args(const at::Tensor& logits, const at::Tensor& keys, const at::Tensor& step,
                               double temperature, int64_t top_k, double top_p) {
   const char* op = "sample_tokens";
@@ -239,9 +251,9 @@ inline void check_sample_args(const at::Tensor& logits, const at::Tensor& keys, 
   TORCH_CHECK_VALUE(step.device() == logits.device(), op, ": step must be on logits' device ", logits.device(),
                     ", got ", step.device());
   TORCH_CHECK_VALUE(std::isfinite(temperature) && temperature >= 0.0, op,
-                    ": temperature must be finite and >= 0 (0 = greedy), got ", temperature);
+                    ": temperature must be finite and >= 0 (0 = greedy), got ", repr_double(temperature));
   TORCH_CHECK_VALUE(top_k >= 0, op, ": top_k must be >= 0 (0 = off), got ", top_k);
-  TORCH_CHECK_VALUE(top_p > 0.0 && top_p <= 1.0, op, ": top_p must be in (0, 1] (1 = off), got ", top_p);
+  TORCH_CHECK_VALUE(top_p > 0.0 && top_p <= 1.0, op, ": top_p must be in (0, 1] (1 = off), got ", repr_double(top_p));
 }
 
 inline SampleParams make_sample_params(int64_t vocab, double temperature, int64_t top_k, double top_p) {
