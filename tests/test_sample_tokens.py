@@ -6,14 +6,14 @@ How the op may differ from the reference, and what these tests allow for it:
   vectorized log, so the noise can differ in the last bit: two tokens whose perturbed scores are
   within TIE_TOL can come out in either order.
 - The top-p cut is summed differently (exact 64-bit fixed point in the op, a float32 softmax and
-  cumsum in the reference), and where the threshold value is tied the op keeps every tied token
-  while the reference keeps the ones its sort ranks first. So a token whose position against the cut
-  is within MASS_TOL of top_p, or tied at the cut, can be kept by one and dropped by the other.
+  cumsum in the reference; both keep every token tied at the cut). So a token whose position against
+  the cut is within MASS_TOL of top_p can be kept by one and dropped by the other.
 A row may disagree only for one of these reasons, checked row by row below from the reference's own
 perturbed scores and a float64 recomputation of the cut; every other row must match exactly, and
 greedy rows must always match exactly.
 """
 
+import itertools
 import math
 import random
 
@@ -23,7 +23,16 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import torchkvops
 from torchkvops import ops, reference
-from torchkvops.sampling import LOW_SALT, STEP_SALT, TOKEN_SALT, SamplingParams, _hash32, row_keys, sample
+from torchkvops.sampling import (
+    LOW_SALT,
+    STEP_SALT,
+    TOKEN_SALT,
+    SamplingParams,
+    _hash32,
+    row_keys,
+    sample,
+    sample_with_logprobs,
+)
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 DEVICE_PARAMS = [pytest.param(d, marks=pytest.mark.cuda) if d == "cuda" else d for d in DEVICES]
@@ -51,8 +60,7 @@ def make_logits(rows, vocab, dtype, device, seed=0, scale=3.0):
 
 def on_top_p_cut(l, token, top_k, top_p):
     """Whether the op's and the reference's top-p rules may disagree on keeping `token` of one row of
-    scaled logits `l`: the probability of the tokens with a larger value is within MASS_TOL of top_p,
-    or top_p falls among the tokens tied with it."""
+    scaled logits `l`: the probability of the tokens with a larger value is within MASS_TOL of top_p."""
     if top_p >= 1.0:
         return False
     l = l.double().cpu()
@@ -62,8 +70,7 @@ def on_top_p_cut(l, token, top_k, top_p):
     probs = torch.where(kept, l, float("-inf")).softmax(dim=0)
     v = l[token]
     larger = probs[l > v].sum().item()
-    tied_others = probs[l == v].sum().item() - probs[token].item()
-    return larger - MASS_TOL < top_p <= larger + tied_others + MASS_TOL
+    return abs(larger - top_p) < MASS_TOL
 
 
 def assert_matches_reference(out, logits, keys, step, temperature, top_k, top_p):
@@ -366,6 +373,96 @@ def test_sample_is_the_operator(device):
         assert torch.equal(got, ops.sample_tokens(logits, keys, step, temperature, top_k, top_p))
 
 
+def top_p_uncertainty(scaled, top_k, top_p):
+    """Per row of scaled logits: the probability held by tokens whose side of the top-p cut the op and
+    the reference may judge differently, the mass above them being within the error of the sums that
+    decide it (MASS_TOL, plus the worst case of the reference's float32 cumsum over the row). The
+    normalizer of every log-probability of the row can differ by that much (relative to top_p).
+    [rows] float64; 0 without top-p and on rows whose probabilities are NaN."""
+    rows, vocab = scaled.shape
+    if top_p >= 1.0:
+        return torch.zeros(rows, dtype=torch.float64)
+    l = scaled.double().cpu()
+    if 0 < top_k < vocab:
+        l = l.masked_fill(l < torch.topk(l, top_k, dim=-1).values[:, -1:], float("-inf"))
+    ls, _ = torch.sort(l, dim=-1, descending=True)
+    ps = ls.softmax(dim=-1)
+    above = ps.cumsum(dim=-1) - ps
+    # Tied values are judged by the mass above the first of them.
+    starts = torch.ones_like(ls, dtype=torch.bool)
+    starts[:, 1:] = ls[:, 1:] != ls[:, :-1]
+    first = torch.where(starts, torch.arange(vocab).expand(rows, vocab), 0).cummax(dim=-1).values
+    above = above.gather(-1, first)
+    close = (above - top_p).abs() < MASS_TOL + vocab * 2.0**-24
+    return (ps * close).sum(dim=-1).nan_to_num(0.0) / top_p
+
+
+def special_rows(vocab):
+    """Rows with ties, -inf, NaN and +inf, each pattern repeated to `vocab` tokens."""
+    inf, nan = float("inf"), float("nan")
+    patterns = [[1.0, 3.0, 3.0, 2.0], [-inf] * 4, [0.0, nan, 5.0, nan], [-0.0, 0.0, -1.0, -0.0], [inf, 1.0, inf, 2.0],
+                [-inf, 0.5, -inf, -inf], [2.0] * 4, [0.5, -inf, 0.5, -3.0]]
+    return torch.tensor([(p * vocab)[:vocab] for p in patterns])
+
+
+def assert_logprobs_match_reference(logits, keys, step, temperature, top_k, top_p):
+    """sample_tokens_with_logprobs: the same tokens as sample_tokens, and the log-probabilities of the
+    reference (log_softmax of processed_logits) at those tokens, up to float32 rounding of a sum over
+    the row and the uncertainty of the top-p cut (top_p_uncertainty); NaN where the reference has NaN."""
+    tokens, logprobs = ops.sample_tokens_with_logprobs(logits, keys, step, temperature, top_k, top_p)
+    assert torch.equal(tokens, ops.sample_tokens(logits, keys, step, temperature, top_k, top_p))
+    assert logprobs.dtype == torch.float32 and logprobs.shape == tokens.shape and logprobs.device == logits.device
+    expected = reference.processed_logprobs(logits, tokens, temperature, top_k, top_p)
+    assert torch.equal(logprobs.isnan(), expected.isnan())
+    uncertain = top_p_uncertainty(logits.float() / temperature, top_k, top_p) if temperature else 0.0
+    tolerance = 2e-5 * (1 + expected.abs().double().cpu().nan_to_num(0.0)) + 2 * uncertain
+    diff = (logprobs - expected).abs().double().cpu().nan_to_num(0.0)
+    assert (diff <= tolerance).all(), (diff.max().item(), (diff - tolerance).max().item())
+
+
+@pytest.mark.parametrize("device", DEVICE_PARAMS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("mode", MODES)
+def test_logprobs_match_reference(device, dtype, mode):
+    """Random rows (bf16 / fp16 ones full of ties), rows of few values (ties at the top-k and top-p
+    cuts), rows with -inf, NaN and +inf, contiguous and not, a large vocabulary."""
+    temperature, top_k, top_p = MODES[mode]
+    step = torch.tensor([3], device=device)
+    few_values = (torch.randint(0, 6, (32, 300), generator=torch.Generator().manual_seed(1)) * 0.5).to(device, dtype)
+    cases = [make_logits(64, 3000, dtype, device), few_values, special_rows(257).to(device, dtype),
+             make_logits(16, 3 * 1001, dtype, device).view(16, 3, 1001)[:, -1],  # row-strided
+             make_logits(1001, 9, dtype, device).t(),  # vocab not innermost
+             make_logits(2, 151936, dtype, device, scale=2.0)]
+    for logits in cases:
+        keys = row_keys(5, torch.arange(logits.shape[0], device=device))
+        assert_logprobs_match_reference(logits, keys, step, temperature, top_k, top_p)
+
+
+@pytest.mark.parametrize("device", DEVICE_PARAMS)
+def test_logprobs_are_of_the_kept_distribution(device):
+    """Independent of the reference: exp(logprob) summed over the tokens the op draws with each
+    setting, one row per token of a small vocabulary forced by top-k = 1 ... is a probability; and
+    with top-k = 2 on [2, 1, 0, ...] the two kept tokens have log_softmax([2, 1] / T)."""
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]] * 64, device=device)
+    keys, step = row_keys(1, torch.arange(64, device=device)), torch.zeros(1, dtype=torch.long, device=device)
+    tokens, logprobs = ops.sample_tokens_with_logprobs(logits, keys, step, 0.5, 2, 1.0)
+    assert set(tokens.tolist()) == {0, 1}
+    expected = torch.tensor([2.0, 1.0], device=device).div(0.5).log_softmax(dim=0)[tokens]
+    torch.testing.assert_close(logprobs, expected)
+    _, greedy = ops.sample_tokens_with_logprobs(logits, keys, step, 0.0, 2, 0.5)  # greedy: raw logits, no cut
+    torch.testing.assert_close(greedy, logits[0].log_softmax(dim=0)[0].expand(64))
+
+
+@pytest.mark.parametrize("device", DEVICE_PARAMS)
+def test_sample_with_logprobs_is_the_operator(device):
+    logits = make_logits(8, 100, torch.float32, device)
+    keys, step = row_keys(0, torch.arange(8, device=device)), torch.tensor([2], device=device)
+    for temperature, top_k, top_p in MODES.values():
+        got = sample_with_logprobs(logits, SamplingParams(temperature, top_k, top_p), keys, step)
+        want = ops.sample_tokens_with_logprobs(logits, keys, step, temperature, top_k, top_p)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
 def opcheck_samples(device):
     keys = row_keys(1, torch.arange(5, device=device))
     step = torch.tensor([4], device=device)
@@ -381,24 +478,29 @@ def opcheck_samples(device):
     ]
 
 
+OPS = {"sample_tokens": ops.sample_tokens, "sample_tokens_with_logprobs": ops.sample_tokens_with_logprobs}
+
+
 @pytest.mark.parametrize("device", DEVICE_PARAMS)
-def test_opcheck(device):
+@pytest.mark.parametrize("op", OPS)
+def test_opcheck(device, op):
     for args in opcheck_samples(device):
-        torch.library.opcheck(torch.ops.torchkvops.sample_tokens.default, args)
+        torch.library.opcheck(getattr(torch.ops.torchkvops, op).default, args)
 
 
-def test_compiled_matches_eager():
+@pytest.mark.parametrize("op", OPS)
+def test_compiled_matches_eager(op):
     logits = make_logits(6, 257, torch.bfloat16, "cpu")
     keys = row_keys(8, torch.arange(6))
 
     @torch.compile(fullgraph=True)
     def decode_sample(logits, keys, step):
-        return ops.sample_tokens(logits.float() * 2.0, keys, step, 0.9, 40, 0.95)
+        return OPS[op](logits.float() * 2.0, keys, step, 0.9, 40, 0.95)
 
     for step in range(3):  # step is a tensor: one graph for every step
         step_t = torch.tensor([step])
-        expected = ops.sample_tokens(logits.float() * 2.0, keys, step_t, 0.9, 40, 0.95)
-        assert torch.equal(decode_sample(logits, keys, step_t), expected)
+        expected = OPS[op](logits.float() * 2.0, keys, step_t, 0.9, 40, 0.95)
+        torch.testing.assert_close(decode_sample(logits, keys, step_t), expected, rtol=0, atol=0)
 
 
 @pytest.mark.cuda
@@ -407,21 +509,21 @@ def test_cuda_graph_capture_and_no_host_sync():
     logits = make_logits(32, 50272, torch.bfloat16, "cuda")
     keys = row_keys(6, torch.arange(32, device="cuda"))
     step = torch.zeros(1, dtype=torch.long, device="cuda")
-    for temperature, top_k, top_p in MODES.values():
+    for (temperature, top_k, top_p), op in itertools.product(MODES.values(), OPS.values()):
         torch.cuda.set_sync_debug_mode("error")
         try:
-            eager = [ops.sample_tokens(logits, keys, step + s, temperature, top_k, top_p) for s in range(2)]
+            eager = [op(logits, keys, step + s, temperature, top_k, top_p) for s in range(2)]
         finally:
             torch.cuda.set_sync_debug_mode("default")
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         step.zero_()
         with torch.cuda.graph(graph):
-            out = ops.sample_tokens(logits, keys, step, temperature, top_k, top_p)
+            out = op(logits, keys, step, temperature, top_k, top_p)
         for s in range(2):
             step.fill_(s)
             graph.replay()
-            assert torch.equal(out, eager[s])
+            torch.testing.assert_close(out, eager[s], rtol=0, atol=0)
 
 
 @pytest.mark.cuda
@@ -466,28 +568,29 @@ def bad_args():
         (lambda a: (*a[:3], float("inf"), *a[4:]), ValueError, r"temperature .*, got inf$"),
     ],
 )
-def test_bad_inputs(change, error, match):
-    with pytest.raises(error, match=match):
-        ops.sample_tokens(*change(bad_args()))
+@pytest.mark.parametrize("op", OPS)
+def test_bad_inputs(change, error, match, op):
+    with pytest.raises(error, match=f"^{op}: .*{match}"):
+        OPS[op](*change(bad_args()))
     # Checked before anything is written, greedy or not.
     args = list(change(bad_args()))
     if args[3] == 1.0:
         args[3] = 0.0
         with pytest.raises(error, match=match):
-            ops.sample_tokens(*args)
+            OPS[op](*args)
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p", [(-0.5, 0, 1.0), (float("nan"), 0, 1.0), (1.0, -2, 1.0),
                                                      (1.0, 0, 1.0000001), (1.0, 0, 0.0), (1e-320, 0, 1.5)])
-def test_fake_kernel_checks_like_the_kernels(temperature, top_k, top_p):
+@pytest.mark.parametrize("op", OPS)
+def test_fake_kernel_checks_like_the_kernels(temperature, top_k, top_p, op):
     """Under torch.compile the fake kernel sees the arguments first: it refuses what the kernels
     refuse, with the same exception type and message."""
     logits, keys, step = bad_args()[:3]
     with pytest.raises(ValueError) as real:
-        ops.sample_tokens(logits, keys, step, temperature, top_k, top_p)
+        OPS[op](logits, keys, step, temperature, top_k, top_p)
     with FakeTensorMode() as mode, pytest.raises(ValueError) as fake:
-        ops.sample_tokens(mode.from_tensor(logits), mode.from_tensor(keys), mode.from_tensor(step), temperature,
-                          top_k, top_p)
+        OPS[op](mode.from_tensor(logits), mode.from_tensor(keys), mode.from_tensor(step), temperature, top_k, top_p)
     assert str(fake.value) == str(real.value).splitlines()[0]
 
 

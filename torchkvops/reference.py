@@ -69,23 +69,35 @@ def gumbel_noise(keys: Tensor, step: Tensor, vocab: int) -> Tensor:
     return gumbel_from_words(*noise_words(keys, step, vocab))
 
 
+def processed_logits(logits: Tensor, temperature: float, top_k: int, top_p: float) -> Tensor:
+    """What sample_tokens draws from, as float32 logits [..., vocab]: the raw logits when greedy
+    (temperature 0), else logits / temperature with the tokens that top-k / top-p drop set to -inf."""
+    logits = logits.float()
+    if temperature == 0.0:
+        return logits
+    logits = logits / temperature
+    vocab = logits.shape[-1]
+    if 0 < top_k < vocab:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, _ = torch.sort(logits, dim=-1, descending=True)
+        probs = sorted_logits.softmax(dim=-1)
+        # Drop a token when the tokens ranked above it already reach top_p (the first always stays),
+        # then keep every token tied with the smallest kept value: a token is kept exactly when the
+        # tokens with a strictly larger value hold less than top_p, as the kernels decide. (NaN
+        # probabilities, from a NaN or an infinite logit, drop nothing.)
+        kept_sorted = ~((probs.cumsum(dim=-1) - probs) >= top_p)
+        smallest_kept = sorted_logits.masked_fill(~kept_sorted, float("inf")).amin(dim=-1, keepdim=True)
+        logits = logits.masked_fill(logits < smallest_kept, float("-inf"))
+    return logits
+
+
 def perturbed_scores(logits: Tensor, keys: Tensor, step: Tensor, temperature: float, top_k: int,
                      top_p: float) -> Tensor:
     """What sample_tokens takes the argmax of when temperature > 0: the scaled logits with the tokens
     that top-k / top-p drop set to -inf, plus the Gumbel noise. [rows, vocab] float32."""
-    logits = logits.float() / temperature
-    vocab = logits.shape[-1]
-    if 0 < top_k < vocab:
-        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        probs = sorted_logits.softmax(dim=-1)
-        # Drop a token when the tokens ranked above it already reach top_p (the first always stays).
-        drop_sorted = (probs.cumsum(dim=-1) - probs) >= top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    return logits + gumbel_noise(keys, step, vocab)
+    return processed_logits(logits, temperature, top_k, top_p) + gumbel_noise(keys, step, logits.shape[-1])
 
 
 def sample_tokens(logits: Tensor, keys: Tensor, step: Tensor, temperature: float, top_k: int,
@@ -94,3 +106,17 @@ def sample_tokens(logits: Tensor, keys: Tensor, step: Tensor, temperature: float
     if temperature == 0.0:
         return logits.argmax(dim=-1)
     return perturbed_scores(logits, keys, step, temperature, top_k, top_p).argmax(dim=-1)
+
+
+def processed_logprobs(logits: Tensor, tokens: Tensor, temperature: float, top_k: int, top_p: float) -> Tensor:
+    """The log-probability of `tokens` [...] under the distribution sample_tokens draws from given
+    `logits` [..., vocab] (vLLM's processed logprobs): log_softmax of processed_logits. float32 [...]."""
+    logprobs = processed_logits(logits, temperature, top_k, top_p).log_softmax(dim=-1)
+    return logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def sample_tokens_with_logprobs(logits: Tensor, keys: Tensor, step: Tensor, temperature: float, top_k: int,
+                                top_p: float) -> tuple[Tensor, Tensor]:
+    """sample_tokens and the drawn tokens' processed log-probabilities: ([rows] int64, [rows] float32)."""
+    tokens = sample_tokens(logits, keys, step, temperature, top_k, top_p)
+    return tokens, processed_logprobs(logits, tokens, temperature, top_k, top_p)

@@ -10,9 +10,13 @@
 //     kept, as the reference's `l < kth` masking does) and >= the top-p threshold t*: the largest
 //     value among the top-k-kept tokens such that the mass of the tokens with l >= t* reaches
 //     top_p * Z (mass = exp(l - max l), Z = the sum over the top-k-kept tokens). So a token is kept
-//     exactly when the mass of the tokens with a STRICTLY larger l is below top_p * Z. The
-//     reference ranks tied values by a sort and may drop some of the tokens tied at t*; the two can
-//     differ only when the top-p threshold value is tied.
+//     exactly when the mass of the tokens with a STRICTLY larger l is below top_p * Z (every token
+//     tied at t* is kept; the reference keeps them too).
+// sample_tokens_with_logprobs also returns the log-probability of the drawn token under the
+// distribution it was drawn from (vLLM's "processed" logprobs): greedy, log_softmax(raw logits)[token];
+// otherwise the log_softmax over the kept tokens' l: l[token] - max - log(sum over kept of exp(l - max)),
+// in float32 (the sum in double). NaN when the kept values hold a NaN or their maximum is infinite
+// (+inf, or -inf: nothing finite is kept), as torch's log_softmax gives.
 // Both thresholds are found by radix selection on the keys (4 passes of 8-bit digits), never by
 // sorting the row. Masses are summed as 64-bit fixed-point integers, so every sum is exact and the
 // result does not depend on the order of the additions (or on the number of threads).
@@ -228,8 +232,7 @@ inline std::string repr_double(double v) {
 }
 
 inline void check_sample_args(const at::Tensor& logits, const at::Tensor& keys, const at::Tensor& step,
-                              double temperature, int64_t top_k, double top_p) {
-  const char* op = "sample_tokens";
+                              double temperature, int64_t top_k, double top_p, const char* op = "sample_tokens") {
   TORCH_CHECK_VALUE(logits.dim() == 2, op, ": logits must be 2-D [rows, vocab], got shape ", logits.sizes());
   const auto dtype = logits.scalar_type();
   TORCH_CHECK_TYPE(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16, op,

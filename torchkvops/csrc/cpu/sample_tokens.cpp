@@ -1,5 +1,7 @@
-// CPU kernel of sample_tokens: rows in parallel (at::parallel_for), each row sampled by one thread.
-// Greedy and temperature-only rows take one pass over the logits. With top-k or top-p the row's
+// CPU kernels of sample_tokens and sample_tokens_with_logprobs: rows in parallel (at::parallel_for),
+// each row sampled by one thread. Temperature-only rows take one pass over the logits, greedy rows a
+// vectorized max and a scan to the first maximum (and each one more pass for the log-probability's
+// maximum or sum). With top-k or top-p the row's
 // scaled logits go to a per-thread scratch buffer once, each threshold is found by radix selection
 // (one pass over the row for the first digit, the other three over the shrinking bucket that holds
 // the threshold), and a last pass draws the token. What a row computes: see sample_tokens.h.
@@ -14,6 +16,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <tuple>
 #include <vector>
 
 #include "../sample_tokens.h"
@@ -112,16 +115,14 @@ class Draw {
   explicit Draw(NoiseKey key) : key_(key), reach_(noise_reach()) {}
 
   // Offers tokens first .. first + n - 1 (n <= kDrawBlock) with scaled logits l[0 .. n). With
-  // kMasked, kept[j] says whether top-k / top-p kept token first + j: a dropped token scores
-  // -inf + g = -inf, which never beats the (-inf, 0) start or a lower index, so it is skipped.
+  // kMasked, kept[j] says whether top-k / top-p kept token first + j (num_kept of them): a dropped
+  // token scores -inf + g = -inf, which never beats the (-inf, 0) start or a lower index: skipped.
   // A token is a candidate unless noise_bound rules it out against the best score at the block's
   // start (the best only grows, so that stays true); candidates take the exact test.
   template <bool kMasked>
-  void offer_block(int64_t first, const float* l, const uint8_t* kept, int n) {
+  void offer_block(int64_t first, const float* l, const uint8_t* kept, int n, int num_kept = 0) {
     const uint32_t first_token = static_cast<uint32_t>(first);
     if (kMasked) {
-      int num_kept = 0;
-      for (int j = 0; j < n; ++j) num_kept += kept[j];
       if (4 * num_kept < n) {  // cheaper to hash the few kept tokens one by one
         for (int j = 0; j < n; ++j) {
           if (kept[j]) offer(first + j, l[j], noise_high(key_, first_token + static_cast<uint32_t>(j)));
@@ -230,6 +231,51 @@ int64_t find_first(const scalar_t* row, int64_t vocab, HitFn hit) {
   return vocab;
 }
 
+// The largest value of a row (NaN aside) and whether it holds a NaN.
+struct RowMax {
+  float value;
+  bool has_nan;
+};
+
+// A contiguous row: one vectorized loop over the raw keys; `key` gets the largest key.
+template <typename scalar_t>
+RowMax contiguous_row_max(const scalar_t* row, int64_t vocab, typename RawOrder<scalar_t>::Key& key) {
+  using R = RawOrder<scalar_t>;
+  using Key = typename R::Key;
+  Key best = std::numeric_limits<Key>::min();
+  int has_nan = 0;
+  for (int64_t i = 0; i < vocab; ++i) {
+    const auto b = R::bits(row[i]);
+    const Key k = R::key(b);
+    best = k > best ? k : best;  // a NaN's key may win here: has_nan says to ignore it
+    has_nan |= R::is_nan(b);
+  }
+  key = best;
+  // The value back from its key (an involution on the magnitude, the sign apart).
+  using Bits = typename R::Bits;
+  const Bits bits = best < 0 ? static_cast<Bits>(static_cast<Bits>(-best) | (Bits{1} << R::kSignShift))
+                             : static_cast<Bits>(best);
+  scalar_t v;
+  __builtin_memcpy(&v, &bits, sizeof(v));
+  return {static_cast<float>(v), has_nan != 0};
+}
+
+template <typename scalar_t>
+RowMax row_max(const scalar_t* row, int64_t col_stride, int64_t vocab) {
+  if (col_stride == 1) {
+    typename RawOrder<scalar_t>::Key key;
+    return contiguous_row_max(row, vocab, key);
+  }
+  float best = -kInf;
+  bool has_nan = false;
+  for (int64_t i = 0; i < vocab; ++i) {
+    const float v = static_cast<float>(row[i * col_stride]);
+    best = v > best ? v : best;
+    has_nan |= v != v;
+  }
+  return {best, has_nan};
+}
+
 // Greedy, under torch.argmax's rules (the first index of the largest value, NaN above everything).
 // A contiguous row takes two vectorized loops: the largest key (and whether a NaN is present), then
 // the first index holding it, which stops early.
@@ -248,27 +294,103 @@ int64_t argmax_row(const scalar_t* row, int64_t col_stride, int64_t vocab) {
     return best_i;
   }
   using R = RawOrder<scalar_t>;
-  using Key = typename R::Key;
-  Key best = std::numeric_limits<Key>::min();
-  int has_nan = 0;
-  for (int64_t i = 0; i < vocab; ++i) {
-    const auto b = R::bits(row[i]);
-    const Key k = R::key(b);
-    best = k > best ? k : best;
-    has_nan |= R::is_nan(b);
-  }
-  if (has_nan) return find_first(row, vocab, [](auto b) { return R::is_nan(b); });
+  typename R::Key best;
+  if (contiguous_row_max(row, vocab, best).has_nan) return find_first(row, vocab, [](auto b) { return R::is_nan(b); });
   return find_first(row, vocab, [best](auto b) { return R::key(b) == best; });
 }
 
+// exp(x) in float32 for x <= 0 (about 1 ulp; 0 below -87, where float32 would go subnormal), without
+// branches or library calls, so that loops over it vectorize: x = n ln 2 + r, |r| <= ln 2 / 2, and
+// Cephes' expf polynomial for e^r scaled by 2^n. NaN in, unspecified out: callers flag NaN apart.
+inline float exp_nonpositive(float x) {
+  const float xc = x < -87.0f ? -87.0f : x;
+  const float n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round(x / ln 2); 1.5 * 2^23
+  const float r = (xc - n * 0.693359375f) - n * -2.12194440e-4f;              // ln 2 in two parts
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = (p * r) * r + r + 1.0f;
+  const int32_t scale_bits = (static_cast<int32_t>(n) + 127) << 23;  // 2^n, n in [-126, 0]
+  float scale;
+  __builtin_memcpy(&scale, &scale_bits, sizeof(scale));
+  return x < -87.0f ? 0.0f : p * scale;
+}
+
+// Sum of exp(l - max) over a row's kept tokens, block by block: float lanes that the compiler
+// vectorizes (a plain float sum would not be, its order being fixed), added up in double per block.
+class ExpSum {
+ public:
+  explicit ExpSum(float max) : max_(max) {}
+
+  // l[0 .. n) (n <= kDrawBlock); with kMasked only the tokens with kept[j].
+  template <bool kMasked>
+  void add_block(const float* l, const uint8_t* kept, int n) {
+    constexpr int kLanes = 16;
+    float lanes[kLanes] = {};
+    int j = 0;
+    for (; j + kLanes <= n; j += kLanes) {
+      for (int k = 0; k < kLanes; ++k) {
+        const float e = exp_nonpositive(l[j + k] - max_);
+        lanes[k] += (!kMasked || kept[j + k]) ? e : 0.0f;
+      }
+    }
+    double total = 0.0;
+    for (; j < n; ++j) {
+      if (!kMasked || kept[j]) total += exp_nonpositive(l[j] - max_);
+    }
+    for (int k = 0; k < kLanes; ++k) total += lanes[k];
+    sum_ += total;
+  }
+
+  void add(float l) { sum_ += exp_nonpositive(l - max_); }
+
+  // log_softmax of a kept token: l - max - log(sum); NaN when the maximum is not finite (+inf, or -inf:
+  // nothing kept is finite) or `has_nan`, as torch's log_softmax gives.
+  float log_prob(float l, bool has_nan) const {
+    if (has_nan || !std::isfinite(max_)) return std::numeric_limits<float>::quiet_NaN();
+    return static_cast<float>(static_cast<double>(l - max_) - std::log(sum_));
+  }
+
+ private:
+  float max_;
+  double sum_ = 0.0;
+};
+
+// Greedy with its log-probability: log_softmax(raw logits)[token] = -log(sum of exp(x - max)), one
+// more pass over the row.
+template <typename scalar_t>
+int64_t greedy_row(const scalar_t* row, int64_t col_stride, int64_t vocab, float* log_prob) {
+  const int64_t token = argmax_row(row, col_stride, vocab);
+  if (log_prob == nullptr) return token;
+  const RowMax m = row_max(row, col_stride, vocab);
+  ExpSum sum(m.value);
+  float x[kDrawBlock];
+  for (int64_t first = 0; first < vocab; first += kDrawBlock) {
+    const int n = static_cast<int>(std::min<int64_t>(kDrawBlock, vocab - first));
+    for (int j = 0; j < n; ++j) x[j] = static_cast<float>(row[(first + j) * col_stride]);
+    sum.add_block<false>(x, nullptr, n);
+  }
+  *log_prob = sum.log_prob(m.value, m.has_nan);
+  return token;
+}
+
+// One row: the drawn token, and with log_prob != nullptr its log-probability under the distribution
+// it was drawn from (see sample_tokens.h).
 template <typename scalar_t>
 int64_t sample_row(const scalar_t* row, int64_t col_stride, int64_t vocab, int64_t key, int64_t step,
-                   const SampleParams& p, Scratch& scratch) {
+                   const SampleParams& p, Scratch& scratch, float* log_prob) {
   auto logit = [&](int64_t i) { return static_cast<float>(row[i * col_stride]); };
-  if (p.greedy) return argmax_row(row, col_stride, vocab);
+  if (p.greedy) return greedy_row(row, col_stride, vocab, log_prob);
 
   Draw draw(noise_key(key, step));
   if (p.top_k == 0 && !p.use_top_p) {
+    // With log_prob: the largest l first (one more pass; l = x / T is monotone in x, so it is the
+    // largest x divided), then the sum rides along with the draw.
+    const RowMax m = log_prob ? row_max(row, col_stride, vocab) : RowMax{0.0f, false};
+    ExpSum sum(m.value / p.temperature);
     float l[kDrawBlock];
     for (int64_t first = 0; first < vocab; first += kDrawBlock) {
       const int n = static_cast<int>(std::min<int64_t>(kDrawBlock, vocab - first));
@@ -278,7 +400,9 @@ int64_t sample_row(const scalar_t* row, int64_t col_stride, int64_t vocab, int64
         for (int j = 0; j < n; ++j) l[j] = logit(first + j) / p.temperature;
       }
       draw.offer_block<false>(first, l, nullptr, n);
+      if (log_prob) sum.add_block<false>(l, nullptr, n);
     }
+    if (log_prob) *log_prob = sum.log_prob(logit(draw.token()) / p.temperature, m.has_nan);
     return draw.token();
   }
 
@@ -290,7 +414,11 @@ int64_t sample_row(const scalar_t* row, int64_t col_stride, int64_t vocab, int64
     for (int64_t i = 0; i < vocab; ++i) values[i] = logit(i) / p.temperature;
   }
   float max_value = -kInf;
-  for (int64_t i = 0; i < vocab; ++i) max_value = values[i] > max_value ? values[i] : max_value;  // skips NaN
+  bool has_nan = false;
+  for (int64_t i = 0; i < vocab; ++i) {
+    max_value = values[i] > max_value ? values[i] : max_value;  // skips NaN
+    has_nan |= values[i] != values[i];
+  }
   uint32_t threshold = 0;  // keep the tokens with order_key(l) >= threshold
   if (p.top_k > 0) {
     threshold = select_threshold(
@@ -304,23 +432,36 @@ int64_t sample_row(const scalar_t* row, int64_t col_stride, int64_t vocab, int64
         values, vocab, threshold, [&](float l) { return fixed_mass(l - max_value); },
         [&](uint64_t total) { return top_p_target(p.top_p, total); }, scratch.bucket);
   }
+  // The largest value is always kept (top-k keeps >= 1 token, top-p the most likely), and a NaN too
+  // (its key is the largest): the kept tokens' maximum and NaN flag are the row's.
+  ExpSum sum(max_value);
   uint8_t kept[kDrawBlock];
   for (int64_t first = 0; first < vocab; first += kDrawBlock) {
     const int n = static_cast<int>(std::min<int64_t>(kDrawBlock, vocab - first));
-    for (int j = 0; j < n; ++j) kept[j] = order_key(values[first + j]) >= threshold;
-    draw.offer_block<true>(first, values + first, kept, n);
+    int num_kept = 0;
+    for (int j = 0; j < n; ++j) {
+      kept[j] = order_key(values[first + j]) >= threshold;
+      num_kept += kept[j];
+    }
+    draw.offer_block<true>(first, values + first, kept, n, num_kept);
+    if (!log_prob || num_kept == 0) continue;
+    if (4 * num_kept < n) {
+      for (int j = 0; j < n; ++j) {
+        if (kept[j]) sum.add(values[first + j]);
+      }
+    } else {
+      sum.add_block<true>(values + first, kept, n);
+    }
   }
+  if (log_prob) *log_prob = sum.log_prob(values[draw.token()], has_nan);
   return draw.token();
 }
 
-at::Tensor sample_tokens_cpu(const at::Tensor& logits, const at::Tensor& keys, const at::Tensor& step,
-                             double temperature, int64_t top_k, double top_p) {
-  check_sample_args(logits, keys, step, temperature, top_k, top_p);
-  TORCH_INTERNAL_ASSERT(logits.device().is_cpu());
+// Both ops: `log_probs` is nullptr for sample_tokens.
+void sample_rows(const at::Tensor& logits, const at::Tensor& keys, const at::Tensor& step, const SampleParams& params,
+                 at::Tensor& out, float* log_probs) {
   const int64_t rows = logits.size(0), vocab = logits.size(1);
-  at::Tensor out = at::empty({rows}, logits.options().dtype(at::kLong));
-  if (rows == 0) return out;
-  const SampleParams params = make_sample_params(vocab, temperature, top_k, top_p);
+  if (rows == 0) return;
   const int64_t step_value = step.data_ptr<int64_t>()[0];
   const int64_t* key_ptr = keys.data_ptr<int64_t>();
   const int64_t key_stride = keys.stride(0);
@@ -333,17 +474,38 @@ at::Tensor sample_tokens_cpu(const at::Tensor& logits, const at::Tensor& keys, c
       Scratch scratch;
       for (int64_t r = begin; r < end; ++r) {
         out_ptr[r] = sample_row(base + r * row_stride, col_stride, vocab, key_ptr[r * key_stride], step_value,
-                                params, scratch);
+                                params, scratch, log_probs ? log_probs + r : nullptr);
       }
     });
   }), at::kFloat, at::kHalf, at::kBFloat16);
+}
+
+at::Tensor sample_tokens_cpu(const at::Tensor& logits, const at::Tensor& keys, const at::Tensor& step,
+                             double temperature, int64_t top_k, double top_p) {
+  check_sample_args(logits, keys, step, temperature, top_k, top_p);
+  TORCH_INTERNAL_ASSERT(logits.device().is_cpu());
+  at::Tensor out = at::empty({logits.size(0)}, logits.options().dtype(at::kLong));
+  sample_rows(logits, keys, step, make_sample_params(logits.size(1), temperature, top_k, top_p), out, nullptr);
   return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> sample_tokens_with_logprobs_cpu(const at::Tensor& logits, const at::Tensor& keys,
+                                                                   const at::Tensor& step, double temperature,
+                                                                   int64_t top_k, double top_p) {
+  check_sample_args(logits, keys, step, temperature, top_k, top_p, "sample_tokens_with_logprobs");
+  TORCH_INTERNAL_ASSERT(logits.device().is_cpu());
+  at::Tensor out = at::empty({logits.size(0)}, logits.options().dtype(at::kLong));
+  at::Tensor log_probs = at::empty({logits.size(0)}, logits.options().dtype(at::kFloat));
+  sample_rows(logits, keys, step, make_sample_params(logits.size(1), temperature, top_k, top_p), out,
+              log_probs.data_ptr<float>());
+  return {out, log_probs};
 }
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(torchkvops, CPU, m) {
   m.impl("sample_tokens", &sample_tokens_cpu);
+  m.impl("sample_tokens_with_logprobs", &sample_tokens_with_logprobs_cpu);
 }
 
 }  // namespace torchkvops
