@@ -11,7 +11,9 @@ see `decode_attention`), so every attention layer of any supported decoder-only 
 - With `kv_sharing="prefix"`, the N rows of a prompt attend to ONE copy of its prompt KV: their queries
   are stacked into one [prompts, kv_heads, N * group, head_dim] matrix against it (Hydragen's trick),
   each row attends to its own response KV separately, and the two partial attentions are merged with
-  their log-sum-exps (`merge_attention_states`).
+  their log-sum-exps (`merge_attention_states`). Once the batch is compacted as rows end
+  (`torchkvops.compaction`), the rows of a prompt are no longer N consecutive ones: the queries are
+  gathered into S slots per prompt (`slot_rows`), and each row reads its slot's prefix attention back.
 
 The kernel is torch's own fused attention that also returns the log-sum-exp: the CPU flash kernel on
 CPU, the memory-efficient kernel on CUDA (plain matmul + softmax elsewhere). Masks are additive biases

@@ -20,11 +20,13 @@ ever produce the pad id. A batch is compacted when its bucket is at most COMPACT
 it has (with four sizes per octave: whenever the bucket drops) and a check interval of steps is left.
 
 The prefix layout stacks the queries of a prompt's rows against that prompt's KV. Compacted rows no
-longer come in equal groups per prompt, so the shared-prefix attention takes two index maps instead:
-`slot_rows` [G * S] (the row whose query fills each of S slots of each of G prompts; padding slots repeat
-a row) and `row_slot` [rows] (the slot each row reads its prefix attention from). Only the attention's
-prefix part sees the padding (extra queries against KV it reads anyway); the model's projections, MLPs
-and LM head run on the compacted rows alone. Prompts without a live row are dropped from the prompt KV.
+longer come in equal groups per prompt, so a compacted batch's shared-prefix attention takes index maps
+instead (`torchkvops.attention`): `slot_rows` [G * S] (the row whose query fills each of S slots of each
+of G prompts; padding slots repeat a row) and, per row, the (prompt, slot) its prefix attention is read
+from. Only the attention's prefix part sees the padding (extra queries against KV it reads anyway); the
+model's projections, MLPs and LM head run on the compacted rows alone. Prompts without a live row are
+dropped from the prompt KV. Until the first compaction the batch keeps the plain layout (N rows per
+prompt, no maps), so a rollout in which no row ends early runs exactly as without compaction.
 
 Outputs. The first decode state's `responses` and `logprobs` hold every original row: at each compaction
 the rows of the batch being left are written back to their original rows (`original`), and columns from
