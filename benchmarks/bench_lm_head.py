@@ -34,7 +34,8 @@ VARIANTS = {
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-shape", choices=MODEL_SHAPES, default="opt-125m")
     p.add_argument("--device", default="cpu")
     p.add_argument("--rows", type=int, nargs=2, default=[2, 4], metavar=("B", "N"), help="prompts and samples each")

@@ -23,7 +23,8 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-shape", choices=MODEL_SHAPES, default="llama-small")
     p.add_argument("--head-scale", type=float, default=10.0)
     p.add_argument("--dtype", choices=DTYPES, default="bf16")
@@ -54,7 +55,8 @@ def main(argv=None) -> int:
         if "error" in m:
             print(f"| {name} | failed: {m['error']} |")
         else:
-            print(f"| {name} | {m['tokens']} | {m['mean_abs_delta']:.3g} | {m['max_abs_delta']:.3g} | {m['k3_kl']:.3g} |")
+            print(f"| {name} | {m['tokens']} | {m['mean_abs_delta']:.3g} | {m['max_abs_delta']:.3g} | "
+                  f"{m['k3_kl']:.3g} |")
     return 0
 
 

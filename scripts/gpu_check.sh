@@ -4,9 +4,9 @@
 # merge_attention_states, the KV ops), the repeat_kv_cache_ bandwidth table, the decode benchmarks of
 # issues #8 and #9 (OPT-6.7B anchor, Qwen3-0.6B long prompts, OPT-125m matrix; CUDA-graph decode, both
 # KV layouts, HF generate with its default and static cache), the sampler and merge benchmarks, the
-# log-probability mismatch and float32-head cost of issue #18, and the compiled anchor if time is left. Everything lands in OUT_DIR: one log per step, the JSON results,
-# exit_codes.txt and summary.txt. A failing step does not stop the next one. Copy OUT_DIR to
-# benchmarks/results/<date>_h200/ and commit it.
+# log-probability mismatch and float32-head cost of issue #18, and the compiled anchor if time is left.
+# Everything lands in OUT_DIR: one log per step, the JSON results, exit_codes.txt and summary.txt. A
+# failing step does not stop the next one. Copy OUT_DIR to benchmarks/results/<date>_h200/ and commit it.
 #
 #   scripts/gpu_check.sh OUT_DIR
 #

@@ -269,7 +269,8 @@ class Rollout:
         mask_len = cache.decode_kv.shape[4]
         prefix = cfg.kv_sharing == "prefix"
         prefix_len = cache.prompt_kv.shape[4] if prefix else 0
-        shape = (rows, mask_len, cfg.max_new_tokens, self.dtype, batch if prefix else 0, prefix_len, cfg.return_logprobs)
+        shape = (rows, mask_len, cfg.max_new_tokens, self.dtype, batch if prefix else 0, prefix_len,
+                 cfg.return_logprobs)
         # One state per decode shape, kept: a shape that comes back finds the addresses its graph was
         # captured on.
         s = self._states.pop(shape, None) or DecodeState(rows, mask_len, cfg.max_new_tokens, self.dtype, self.device,
