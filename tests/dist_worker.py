@@ -33,7 +33,8 @@ CASES = {
 CONFIGS = {
     "greedy": dict(samples_per_prompt=2, max_new_tokens=6, eos_token_id=[]),
     "sampled": dict(samples_per_prompt=3, max_new_tokens=6, eos_token_id=[], temperature=1.0, top_k=30, seed=5),
-    "sampled-eos": dict(samples_per_prompt=2, max_new_tokens=12, eos_token_id=[7, 9, 11], temperature=1.0, seed=1),
+    "sampled-eos": dict(samples_per_prompt=2, max_new_tokens=12, eos_token_id=[7, 9, 11], temperature=1.0, seed=1,
+                        return_logprobs=True),
     "prefix": dict(samples_per_prompt=2, max_new_tokens=6, eos_token_id=[], temperature=1.0, seed=3,
                    kv_sharing="prefix"),
 }

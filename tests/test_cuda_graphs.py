@@ -115,7 +115,7 @@ def test_no_host_sync_inside_decode(model, kv_sharing):
     for cuda_graphs in (False, True):
         r = Rollout(model, RolloutConfig(samples_per_prompt=2, max_new_tokens=10, eos_token_id=NO_EOS,
                                          cuda_graphs=cuda_graphs, kv_sharing=kv_sharing, temperature=1.0,
-                                         top_k=10, top_p=0.9, seed=1))
+                                         top_k=10, top_p=0.9, seed=1, return_logprobs=True))
         ids, mask = prompts(2, 9, seed=8, left_pad=[0, 2])
         ids, mask = ids.cuda(), mask.cuda()
         r.generate(ids, mask)  # warm-up and capture happen outside the checked region

@@ -83,6 +83,9 @@ def test_gathered_output_equals_a_single_process_rollout(equivalence, case, conf
         assert torch.equal(got.sequences[:, : got.prompt_length + r], expected.sequences), (rank, case, config)
         assert torch.equal(got.response_mask[:, :r], expected.response_mask)
         assert not got.response_mask[:, r:].any()
+        if expected.logprobs is not None:  # gathered too (issue #18); rows batched differently: rounding
+            torch.testing.assert_close(got.logprobs[:, :r], expected.logprobs, rtol=1e-4, atol=1e-4)
+            assert not got.logprobs[:, r:].any()
     # gather=False: each rank's own rows, in order.
     first = 0
     for rank in range(2):

@@ -212,14 +212,18 @@ def test_prefill_never_builds_full_logits(llama, monkeypatch):
 
 @pytest.fixture(scope="module")
 def compiled_llama(llama):
-    return Rollout(llama, RolloutConfig(samples_per_prompt=2, max_new_tokens=10, compile=True, eos_token_id=NO_EOS))
+    return Rollout(llama, RolloutConfig(samples_per_prompt=2, max_new_tokens=10, compile=True, eos_token_id=NO_EOS,
+                                        return_logprobs=True))
 
 
 @pytest.mark.parametrize("length,pads", [(9, [0, 3]), (14, [2, 0]), (12, None)])
 def test_compiled_rollout_gives_the_eager_tokens(llama, compiled_llama, length, pads):
     ids, mask = prompts(2, length, seed=length, left_pad=pads)
-    eager = Rollout(llama, RolloutConfig(samples_per_prompt=2, max_new_tokens=10, eos_token_id=NO_EOS)).generate(ids, mask)
-    assert torch.equal(compiled_llama.generate(ids, mask).sequences, eager.sequences)
+    eager = Rollout(llama, RolloutConfig(samples_per_prompt=2, max_new_tokens=10, eos_token_id=NO_EOS,
+                                         return_logprobs=True)).generate(ids, mask)
+    compiled = compiled_llama.generate(ids, mask)
+    assert torch.equal(compiled.sequences, eager.sequences)
+    torch.testing.assert_close(compiled.logprobs, eager.logprobs, rtol=1e-5, atol=1e-5)  # issue #18
 
 
 # --- errors ------------------------------------------------------------------------------------

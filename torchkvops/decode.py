@@ -1,7 +1,8 @@
 """The decode loop: one statically shaped step, run eagerly, compiled, or replayed from a CUDA graph.
 
 A step feeds every row's last token, writes its K/V at `write_pos`, samples the next token with the
-`sample_tokens` operator and records it; it reads and updates only tensors that keep their addresses
+`sample_tokens` operator (`sample_tokens_with_logprobs` when log-probabilities are asked for) and
+records it; it reads and updates only tensors that keep their addresses
 for the whole rollout (`DecodeState`, the KV buffers, the model's parameters) and never syncs with the
 host, so on CUDA it is captured once per decode shape and replayed (`DecodeRunner`).
 
@@ -24,7 +25,7 @@ from torch import Tensor
 
 from .hf import ModelAdapter
 from .kv_cache import RolloutKVCache
-from .sampling import SamplingParams, sample
+from .sampling import SamplingParams, sample, sample_with_logprobs
 
 __all__ = ["DecodeState", "DecodeStep", "DecodeRunner"]
 
@@ -38,8 +39,8 @@ class DecodeState:
     """Statically shaped tensors that the decode step reads and updates in place."""
 
     def __init__(self, rows: int, mask_len: int, max_new_tokens: int, dtype: torch.dtype, device: torch.device,
-                 prompts: int = 0, prompt_len: int = 0):
-        self.shape = (rows, mask_len, max_new_tokens, dtype, prompts, prompt_len)
+                 prompts: int = 0, prompt_len: int = 0, logprobs: bool = False):
+        self.shape = (rows, mask_len, max_new_tokens, dtype, prompts, prompt_len, logprobs)
         self.tokens = torch.zeros(rows, 1, dtype=torch.long, device=device)  # the token fed next
         self.position_ids = torch.zeros(rows, 1, dtype=torch.long, device=device)
         # Additive bias over the decode buffer's keys: 0 where a row may attend, -inf elsewhere.
@@ -48,6 +49,8 @@ class DecodeState:
         self.step = torch.zeros(1, dtype=torch.long, device=device)  # index of the token sampled next
         self.keys = torch.zeros(rows, dtype=torch.long, device=device)  # per-row sampling keys
         self.responses = torch.zeros(rows, max_new_tokens, dtype=torch.long, device=device)
+        # With logprobs: each sampled token's log-probability (0 once the row has ended), as responses.
+        self.logprobs = torch.zeros(rows, max_new_tokens, dtype=torch.float32, device=device) if logprobs else None
         # Prefix layout only: the bias over each prompt's shared KV [prompts, 1, 1, prompt_len].
         self.prompt_bias = torch.zeros(prompts, 1, 1, prompt_len, dtype=dtype, device=device) if prompts else None
 
@@ -59,8 +62,9 @@ class DecodeStep:
     """One decode step over every row; `bind()` points it at a rollout's state first."""
 
     def __init__(self, adapter: ModelAdapter, cache: RolloutKVCache, params: SamplingParams, pad_id: int,
-                 eos: Tensor | None, min_new_tokens: int = 0):
+                 eos: Tensor | None, min_new_tokens: int = 0, logprobs: bool = False):
         self.adapter, self.cache, self.params, self.pad_id, self.eos = adapter, cache, params, pad_id, eos
+        self.logprobs = logprobs  # also record each token's log-probability (DecodeState.logprobs)
         self.min_new_tokens = min_new_tokens if eos is not None else 0
         self.eos_mask: Tensor | None = None  # [vocab] bool, True at the EOS ids (only with min_new_tokens)
         self.state: DecodeState | None = None
@@ -75,9 +79,18 @@ class DecodeStep:
         s, cache = self.state, self.cache
         s.bias.index_fill_(-1, cache.write_pos, 0.0)  # the key written this step becomes visible
         logits = self.adapter.model(input_ids=s.tokens, **self.kwargs).logits[:, -1, :]
-        self.accept(sample(self.suppress_eos(logits), self.params, s.keys, s.step))
+        self.draw(logits)
         s.position_ids.add_(1)
         cache.write_pos.add_(1)
+
+    def draw(self, logits: Tensor) -> None:
+        """Sample every row's next token from its logits [rows, vocab] (with its log-probability when
+        asked) and record it."""
+        logits = self.suppress_eos(logits)
+        if self.logprobs:
+            self.accept(*sample_with_logprobs(logits, self.params, self.state.keys, self.state.step))
+        else:
+            self.accept(sample(logits, self.params, self.state.keys, self.state.step))
 
     def suppress_eos(self, logits: Tensor) -> Tensor:
         """While fewer than min_new_tokens tokens exist, EOS ids cannot be sampled (as HF's
@@ -89,11 +102,14 @@ class DecodeStep:
             self.eos_mask[self.eos] = True
         return logits.masked_fill(self.eos_mask & (self.state.step < self.min_new_tokens), float("-inf"))
 
-    def accept(self, sampled: Tensor) -> None:
-        """Record sampled tokens [rows] at index `step`; rows that already ended get the pad id."""
+    def accept(self, sampled: Tensor, logprob: Tensor | None = None) -> None:
+        """Record sampled tokens [rows] (and their log-probabilities) at index `step`; rows that
+        already ended get the pad id (and 0)."""
         s = self.state
         token = sampled if self.eos is None else torch.where(s.finished, self.pad_id, sampled)
         s.responses.index_copy_(1, s.step, token[:, None])
+        if logprob is not None:
+            s.logprobs.index_copy_(1, s.step, torch.where(s.finished, 0.0, logprob)[:, None])
         if self.eos is not None:
             # A comparison, not torch.isin: isin sorts (and syncs) when there are many EOS ids.
             s.finished.logical_or_((token[:, None] == self.eos).any(dim=1))

@@ -131,7 +131,8 @@ def _local_inputs(input_ids, attention_mask) -> tuple[Tensor, Tensor | None]:
 def _empty(rollout: Rollout, prompt_length: int) -> RolloutOutput:
     z = torch.zeros(0, prompt_length, dtype=torch.long, device=rollout.device)
     r = torch.zeros(0, 0, dtype=torch.long, device=rollout.device)
-    return RolloutOutput(z, r, r.clone(), prompt_length)
+    logprobs = r.float() if rollout.config.return_logprobs else None
+    return RolloutOutput(z, r, r.clone(), prompt_length, logprobs)
 
 
 def _gather(exchange: "_Exchange", rollout: Rollout, out: RolloutOutput | None, rows: list[int], prompt_len: int,
@@ -150,7 +151,13 @@ def _gather(exchange: "_Exchange", rollout: Rollout, out: RolloutOutput | None, 
     all_masks = exchange.all_gather(mask)
     sequences = torch.cat([s[:r] for s, r in zip(all_sequences, rows)]).to(rollout.device)
     mask = torch.cat([m[:r] for m, r in zip(all_masks, rows)]).to(rollout.device)
-    return RolloutOutput(sequences, sequences[:, prompt_len:], mask, prompt_len)
+    logprobs = None
+    if rollout.config.return_logprobs:  # right-padded with 0, as the responses with the pad id
+        logprobs = torch.zeros(most, response_len, dtype=torch.float32, device=exchange.device)
+        if out is not None:
+            logprobs[:r, :resp] = out.logprobs.to(exchange.device)
+        logprobs = torch.cat([lp[:r] for lp, r in zip(exchange.all_gather(logprobs), rows)]).to(rollout.device)
+    return RolloutOutput(sequences, sequences[:, prompt_len:], mask, prompt_len, logprobs)
 
 
 class _Exchange:

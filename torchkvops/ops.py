@@ -1,9 +1,12 @@
 """Typed Python face of the torchkvops operators, plus their fake kernels and autograd formulas."""
 
+import math
+
 import torch
 from torch import Tensor
 
-__all__ = ["repeat_kv_cache_", "repeat_kv_cache", "write_kv_", "merge_attention_states", "sample_tokens"]
+__all__ = ["repeat_kv_cache_", "repeat_kv_cache", "write_kv_", "merge_attention_states", "sample_tokens",
+           "sample_tokens_with_logprobs"]
 
 
 def repeat_kv_cache_(cache: Tensor, batch: int, repeats: int, num_tokens: int) -> None:
@@ -158,20 +161,56 @@ def sample_tokens(logits: Tensor, keys: Tensor, step: Tensor, temperature: float
     `argmax(logits / temperature + noise)` over the tokens kept by `top_k` (0 or >= vocab: off; ties
     with the k-th largest value are kept) and then `top_p` (1: off; a token is dropped when the tokens
     with a larger value already hold top_p of the probability), with Gumbel noise hashed from (key,
-    step, token). Equals `torchkvops.reference.sample_tokens` except for near-ties of the perturbed
-    scores (the kernels' log may differ from torch's in the last bit) and tokens tied at the top-p
-    threshold value (all kept here). No host sync, nothing allocated but the output. Not
-    differentiable: the output is an integer tensor.
+    step, token): a 64-bit uniform per token, so the noise reaches 45.05 and a token is drawn at its
+    probability down to about e^-45 of the best one's (see csrc/sample_tokens.h). Equals
+    `torchkvops.reference.sample_tokens` except for near-ties of the perturbed scores (the kernels'
+    log may differ from torch's in the last bit) and tokens whose place against the top-p cut is
+    within the rounding of the reference's float32 sums (the kernels sum exactly). No host sync,
+    nothing allocated but the output. Not differentiable: the output is an integer tensor.
     """
     return torch.ops.torchkvops.sample_tokens.default(logits, keys, step, temperature, top_k, top_p)
+
+
+def sample_tokens_with_logprobs(logits: Tensor, keys: Tensor, step: Tensor, temperature: float, top_k: int,
+                                top_p: float) -> tuple[Tensor, Tensor]:
+    """`sample_tokens`' tokens (the same ones) and each one's log-probability under the distribution it
+    was drawn from: `([rows] int64, [rows] float32)`. For sampling, the log_softmax of `logits /
+    temperature` over the tokens top-k / top-p keep (vLLM's processed logprobs, what TRL's importance
+    sampling correction expects); greedy, of the raw logits. NaN where the kept logits hold a NaN or
+    an infinite maximum (as `torch.log_softmax` gives). Computed in the sampling pass (one more pass
+    over a row at most), no host sync. Equals `reference.processed_logprobs` up to float32 rounding
+    where the tokens agree (see `sample_tokens`). Not differentiable.
+    """
+    return torch.ops.torchkvops.sample_tokens_with_logprobs.default(logits, keys, step, temperature, top_k, top_p)
+
+
+def _check_sample_args(op: str, logits: Tensor, keys: Tensor, step: Tensor, temperature: float, top_k: int,
+                       top_p: float) -> None:
+    """The checks of sample_tokens.h that a fake tensor allows, with the same exception types and
+    messages (floats as Python's repr writes them, as the kernels do)."""
+    torch._check_value(logits.dim() == 2,
+                       lambda: f"{op}: logits must be 2-D [rows, vocab], got shape {list(logits.shape)}")
+    torch._check_value(keys.dim() == 1 and keys.shape[0] == logits.shape[0],
+                       lambda: f"{op}: keys must be 1-D with one key per row ({logits.shape[0]}), got shape "
+                               f"{list(keys.shape)}")
+    torch._check_value(step.numel() == 1,
+                       lambda: f"{op}: step must be a 1-element int64 tensor, got {step.numel()} elements")
+    torch._check_value(math.isfinite(temperature) and temperature >= 0.0,
+                       lambda: f"{op}: temperature must be finite and >= 0 (0 = greedy), got {temperature!r}")
+    torch._check_value(top_k >= 0, lambda: f"{op}: top_k must be >= 0 (0 = off), got {top_k!r}")
+    torch._check_value(0.0 < top_p <= 1.0, lambda: f"{op}: top_p must be in (0, 1] (1 = off), got {top_p!r}")
 
 
 @torch.library.register_fake("torchkvops::sample_tokens")
 def _sample_tokens_fake(logits: Tensor, keys: Tensor, step: Tensor, temperature: float, top_k: int,
                         top_p: float) -> Tensor:
-    torch._check(logits.dim() == 2, lambda: f"sample_tokens: logits must be 2-D [rows, vocab], got {logits.dim()} dims")
-    torch._check(keys.dim() == 1, lambda: f"sample_tokens: keys must be 1-D, got {keys.dim()} dims")
-    torch._check(keys.shape[0] == logits.shape[0],
-                 lambda: f"sample_tokens: keys must have one key per row ({logits.shape[0]}), got {keys.shape[0]}")
-    torch._check(step.numel() == 1, lambda: f"sample_tokens: step must be a 1-element int64 tensor, got {step.numel()}")
+    _check_sample_args("sample_tokens", logits, keys, step, temperature, top_k, top_p)
     return logits.new_empty((logits.shape[0],), dtype=torch.long)
+
+
+@torch.library.register_fake("torchkvops::sample_tokens_with_logprobs")
+def _sample_tokens_with_logprobs_fake(logits: Tensor, keys: Tensor, step: Tensor, temperature: float, top_k: int,
+                                      top_p: float) -> tuple[Tensor, Tensor]:
+    _check_sample_args("sample_tokens_with_logprobs", logits, keys, step, temperature, top_k, top_p)
+    rows = logits.shape[0]
+    return logits.new_empty((rows,), dtype=torch.long), logits.new_empty((rows,), dtype=torch.float32)

@@ -3,7 +3,7 @@
 import torch
 from torch import Tensor
 
-from .sampling import STEP_SALT, TOKEN_SALT, _hash32
+from .sampling import LOW_SALT, STEP_SALT, TOKEN_SALT, _hash32
 
 
 def repeat_kv_cache_(cache: Tensor, batch: int, repeats: int, num_tokens: int) -> None:
@@ -40,33 +40,64 @@ def merge_attention_states(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: T
     return out.to(out_a.dtype), lse
 
 
+def noise_words(keys: Tensor, step: Tensor, vocab: int) -> tuple[Tensor, Tensor]:
+    """The high and low 32 bits of each token's 64-bit noise word at decode step `step` (a 1-element
+    tensor): two [rows, vocab] int64 tensors holding values in [0, 2^32). For one token the map from
+    (key, step) (their low 32 bits) to the word is a bijection."""
+    step = step.reshape(())
+    row_high = _hash32(keys ^ _hash32(step + STEP_SALT))  # [rows]
+    row_low = _hash32(step ^ _hash32(row_high + LOW_SALT))  # [rows]
+    token = torch.arange(vocab, dtype=torch.long, device=keys.device)
+    high = _hash32(row_high[:, None] ^ _hash32((token + TOKEN_SALT)[None, :] ^ row_low[:, None]))
+    return high, _hash32(row_low[:, None] ^ high)
+
+
+def gumbel_from_words(high: Tensor, low: Tensor) -> Tensor:
+    """Gumbel noise -log(-log(u)) of u = (x + 1/2) 2^-64, x = high * 2^32 + low, in float32 as the kernels
+    compute it: -log(u) from u itself when u < 1/2, from its complement (~x + 1/2) 2^-64 with log1p
+    otherwise, so both tails keep float32's relative precision. In [-3.81, 45.06]."""
+    upper = high >= 2**31
+    y_high = torch.where(upper, high ^ 0xFFFFFFFF, high)  # < 2^31: exact in float32 products below
+    y_low = torch.where(upper, low ^ 0xFFFFFFFF, low)
+    v = (y_high.to(torch.float32) * 4294967296.0 + (y_low.to(torch.float32) + 0.5)) * 2.0**-64
+    e = torch.where(upper, -torch.log1p(-v), -torch.log(v))
+    return -torch.log(e)
+
+
 def gumbel_noise(keys: Tensor, step: Tensor, vocab: int) -> Tensor:
     """The sampler's Gumbel noise [rows, vocab] at decode step `step` (a 1-element tensor), float32."""
-    step_key = _hash32(keys ^ _hash32(step + STEP_SALT))  # [rows]
-    token = torch.arange(vocab, dtype=torch.long, device=keys.device)
-    bits = _hash32(step_key[:, None] ^ _hash32(token + TOKEN_SALT)[None, :])
-    # The top 23 bits: exact in float32, u in [2^-24, 1 - 2^-24], so the noise is finite (< 16.64).
-    u = ((bits >> 9).to(torch.float32) + 0.5) * (1.0 / 8388608.0)
-    return -torch.log(-torch.log(u))
+    return gumbel_from_words(*noise_words(keys, step, vocab))
+
+
+def processed_logits(logits: Tensor, temperature: float, top_k: int, top_p: float) -> Tensor:
+    """What sample_tokens draws from, as float32 logits [..., vocab]: the raw logits when greedy
+    (temperature 0), else logits / temperature with the tokens that top-k / top-p drop set to -inf."""
+    logits = logits.float()
+    if temperature == 0.0:
+        return logits
+    logits = logits / temperature
+    vocab = logits.shape[-1]
+    if 0 < top_k < vocab:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, _ = torch.sort(logits, dim=-1, descending=True)
+        probs = sorted_logits.softmax(dim=-1)
+        # Drop a token when the tokens ranked above it already reach top_p (the first always stays),
+        # then keep every token tied with the smallest kept value: a token is kept exactly when the
+        # tokens with a strictly larger value hold less than top_p, as the kernels decide. (NaN
+        # probabilities, from a NaN or an infinite logit, drop nothing.)
+        kept_sorted = ~((probs.cumsum(dim=-1) - probs) >= top_p)
+        smallest_kept = sorted_logits.masked_fill(~kept_sorted, float("inf")).amin(dim=-1, keepdim=True)
+        logits = logits.masked_fill(logits < smallest_kept, float("-inf"))
+    return logits
 
 
 def perturbed_scores(logits: Tensor, keys: Tensor, step: Tensor, temperature: float, top_k: int,
                      top_p: float) -> Tensor:
     """What sample_tokens takes the argmax of when temperature > 0: the scaled logits with the tokens
     that top-k / top-p drop set to -inf, plus the Gumbel noise. [rows, vocab] float32."""
-    logits = logits.float() / temperature
-    vocab = logits.shape[-1]
-    if 0 < top_k < vocab:
-        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        probs = sorted_logits.softmax(dim=-1)
-        # Drop a token when the tokens ranked above it already reach top_p (the first always stays).
-        drop_sorted = (probs.cumsum(dim=-1) - probs) >= top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    return logits + gumbel_noise(keys, step, vocab)
+    return processed_logits(logits, temperature, top_k, top_p) + gumbel_noise(keys, step, logits.shape[-1])
 
 
 def sample_tokens(logits: Tensor, keys: Tensor, step: Tensor, temperature: float, top_k: int,
@@ -75,3 +106,17 @@ def sample_tokens(logits: Tensor, keys: Tensor, step: Tensor, temperature: float
     if temperature == 0.0:
         return logits.argmax(dim=-1)
     return perturbed_scores(logits, keys, step, temperature, top_k, top_p).argmax(dim=-1)
+
+
+def processed_logprobs(logits: Tensor, tokens: Tensor, temperature: float, top_k: int, top_p: float) -> Tensor:
+    """The log-probability of `tokens` [...] under the distribution sample_tokens draws from given
+    `logits` [..., vocab] (vLLM's processed logprobs): log_softmax of processed_logits. float32 [...]."""
+    logprobs = processed_logits(logits, temperature, top_k, top_p).log_softmax(dim=-1)
+    return logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def sample_tokens_with_logprobs(logits: Tensor, keys: Tensor, step: Tensor, temperature: float, top_k: int,
+                                top_p: float) -> tuple[Tensor, Tensor]:
+    """sample_tokens and the drawn tokens' processed log-probabilities: ([rows] int64, [rows] float32)."""
+    tokens = sample_tokens(logits, keys, step, temperature, top_k, top_p)
+    return tokens, processed_logprobs(logits, tokens, temperature, top_k, top_p)

@@ -13,6 +13,7 @@ dims. On CUDA, decode steps are replayed from CUDA graphs, compiled or not (`cud
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import threading
@@ -25,8 +26,9 @@ from . import attention
 from .decode import DecodeRunner, DecodeState, DecodeStep
 from .hf import ModelAdapter
 from .kv_cache import KV_LAYOUTS, RolloutKVCache
+from .lm_head import Float32LMHead
 from .profiling import RolloutProfile, StageTimer
-from .sampling import SamplingParams, row_keys, sample
+from .sampling import SamplingParams, row_keys
 
 __all__ = ["Rollout", "RolloutConfig", "RolloutOutput", "RolloutProfile"]
 
@@ -76,6 +78,8 @@ class RolloutConfig:
     eos_token_id: int | list[int] | None = None  # None: the model's generation config; []: none
     pad_token_id: int | None = None  # None: the model's generation config; 0 is a valid id
     kv_sharing: str = "copy"  # "copy": each row holds its prompt's KV; "prefix": one copy per prompt
+    return_logprobs: bool = False  # RolloutOutput.logprobs: each token's log-probability as sampled
+    lm_head_dtype: torch.dtype | None = None  # torch.float32: run a half-precision model's LM head in float32
 
     def __post_init__(self):
         def need(ok: bool, field: str, what: str):
@@ -92,7 +96,7 @@ class RolloutConfig:
         need(is_int(self.max_new_tokens) and self.max_new_tokens >= 1, "max_new_tokens", "must be an int >= 1")
         need(is_int(self.min_new_tokens) and 0 <= self.min_new_tokens <= self.max_new_tokens, "min_new_tokens",
              f"must be an int in [0, max_new_tokens={self.max_new_tokens}]")
-        for flag in ("shared_prefill", "enable_profiling", "compile", "cuda_graphs"):
+        for flag in ("shared_prefill", "enable_profiling", "compile", "cuda_graphs", "return_logprobs"):
             need(isinstance(getattr(self, flag), bool), flag, "must be a bool")
         t = self.temperature
         need(isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t)
@@ -111,6 +115,8 @@ class RolloutConfig:
         need(self.kv_sharing in KV_LAYOUTS, "kv_sharing", f"must be one of {', '.join(map(repr, KV_LAYOUTS))}")
         need(self.kv_sharing == "copy" or self.shared_prefill, "kv_sharing",
              "'prefix' needs shared_prefill=True (the expanded baseline has no shared prompt to keep once)")
+        need(self.lm_head_dtype in (None, torch.float32), "lm_head_dtype",
+             "must be None (the model's dtype) or torch.float32")
 
 
 @dataclasses.dataclass
@@ -119,6 +125,10 @@ class RolloutOutput:
     responses: Tensor  # [B*N, R]
     response_mask: Tensor  # [B*N, R]: 1 for generated tokens up to and including the first EOS
     prompt_length: int  # P
+    # [B*N, R] float32 with return_logprobs, else None: each generated token's log-probability under the
+    # distribution it was sampled from (logits / temperature over what top-k / top-p keep, renormalized;
+    # greedy: log_softmax of the logits); 0 where response_mask is 0.
+    logprobs: Tensor | None = None
 
 
 # A rollout switches its model's attention implementation while it decodes: one rollout per model at a
@@ -153,8 +163,12 @@ class Rollout:
         self._last_profile: RolloutProfile | None = None
         self._lock = _lock_for(model)
         self._attention = attention.DecodeAttention(self.config.kv_sharing)
+        # A float32 LM head only where it changes something: a float32 head (or model) computes in float32.
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        wants_float32 = self.config.lm_head_dtype == torch.float32 and getattr(head, "weight", None) is not None
+        self._head32 = Float32LMHead(model) if wants_float32 and head.weight.dtype != torch.float32 else None
         self._step = DecodeStep(self.adapter, self.cache, self._params, self.pad_id, self._eos,
-                                self.config.min_new_tokens)
+                                self.config.min_new_tokens, logprobs=self.config.return_logprobs)
         self._runner = DecodeRunner(self._step, self.config.compile, self.config.cuda_graphs, self.device)
         self._prefill_fn = torch.compile(self._prefill, dynamic=True) if self.config.compile else self._prefill
 
@@ -174,6 +188,8 @@ class Rollout:
             self.cache.release()
             self._states.clear()
             self._runner.reset()
+            if self._head32 is not None:
+                self._head32.release()
 
     # --- the stages ----------------------------------------------------------------------------
     def _generate(self, input_ids: Tensor, attention_mask: Tensor | None, *, row_ids: Tensor | None = None,
@@ -183,11 +199,13 @@ class Rollout:
           data-parallel shard's place among all rows, or a row's place in a caller's batch;
         - live [B*N] bool: False for filler rows (groups padded to N), which end at once and hold the pad id;
         - seed: the sampling seed of this call (default: RolloutConfig.seed, else a fresh one)."""
-        with self._lock, torch.inference_mode():
+        head32 = self._head32.applied() if self._head32 is not None else contextlib.nullcontext()
+        with self._lock, torch.inference_mode(), head32:
             out = self._run(input_ids, attention_mask, row_ids, live, seed)
         # Outside inference mode, so that RL code can train on the sequences (inference tensors
         # cannot be saved for backward).
-        return RolloutOutput(out.sequences.clone(), out.responses.clone(), out.response_mask.clone(), out.prompt_length)
+        return RolloutOutput(out.sequences.clone(), out.responses.clone(), out.response_mask.clone(), out.prompt_length,
+                             None if out.logprobs is None else out.logprobs.clone())
 
     def _run(self, input_ids: Tensor, attention_mask: Tensor | None, row_ids: Tensor | None, live: Tensor | None,
              seed: int | None) -> RolloutOutput:
@@ -265,7 +283,8 @@ class Rollout:
         mask_len = cache.decode_kv.shape[4]
         prefix = cfg.kv_sharing == "prefix"
         prefix_len = cache.prompt_kv.shape[4] if prefix else 0
-        shape = (rows, mask_len, cfg.max_new_tokens, self.dtype, batch if prefix else 0, prefix_len)
+        shape = (rows, mask_len, cfg.max_new_tokens, self.dtype, batch if prefix else 0, prefix_len,
+                 cfg.return_logprobs)
         # One state per decode shape, kept: a shape that comes back finds the addresses its graph was
         # captured on.
         s = self._states.pop(shape, None) or DecodeState(rows, mask_len, cfg.max_new_tokens, self.dtype, self.device,
@@ -289,7 +308,7 @@ class Rollout:
         s.step.zero_()
         s.keys.copy_(row_keys(seed, row_ids.to(self.device, torch.long)))
         self._step.bind(s)
-        self._step.accept(sample(self._step.suppress_eos(first_logits), self._params, s.keys, s.step))
+        self._step.draw(first_logits)
         cache.start_decode(0 if prefix else prompt_len)
         return s
 
@@ -305,8 +324,9 @@ class Rollout:
             merged.setdefault(id(t), (t, set()))[1].update(dims)
         dynamic = [(t, tuple(sorted(dims))) for t, dims in merged.values()]
         addresses = tuple(t.data_ptr() for t, _ in dynamic)
+        head32 = self._head32.addresses() if self._head32 is not None else ()
         self._runner.start(dynamic, graph_key=(state.shape, self.config.kv_sharing, addresses,
-                                               self.adapter.weight_addresses()))
+                                               self.adapter.weight_addresses() + head32))
         steps = 0
         with attention.decode_attention(self.model, ctx):
             while steps + 1 < new_tokens:
@@ -326,7 +346,9 @@ class Rollout:
             is_eos = torch.isin(responses, self._eos).long()
             response_mask = ((is_eos.cumsum(dim=1) - is_eos) == 0).long()  # up to and including the first EOS
         prompts = input_ids.repeat_interleave(n, dim=0)
-        return RolloutOutput(torch.cat([prompts, responses], dim=1), responses, response_mask, input_ids.shape[1])
+        logprobs = None if state.logprobs is None else state.logprobs[:, :response_len].clone()
+        return RolloutOutput(torch.cat([prompts, responses], dim=1), responses, response_mask, input_ids.shape[1],
+                             logprobs)
 
     # --- inputs --------------------------------------------------------------------------------
     def _prefill_attention_mask(self, prompt_mask: Tensor) -> Tensor | None:

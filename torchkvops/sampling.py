@@ -7,7 +7,8 @@ argmax(logits / temperature + Gumbel noise) samples from softmax(logits / temper
 
 `sample` is one call of the `torchkvops::sample_tokens` operator (CPU and CUDA kernels, one pass over
 the logits, thresholds by selection rather than sorting); `torchkvops.reference.sample_tokens` is the
-pure-PyTorch oracle it matches. The hash lives here, once, for both.
+pure-PyTorch oracle it matches. `sample_with_logprobs` calls `sample_tokens_with_logprobs`, which also
+returns each drawn token's log-probability. The hash lives here, once, for both.
 """
 
 from __future__ import annotations
@@ -16,12 +17,13 @@ from torch import Tensor
 
 from . import ops
 
-__all__ = ["SamplingParams", "sample", "row_keys"]
+__all__ = ["SamplingParams", "sample", "sample_with_logprobs", "row_keys"]
 
 _MASK32 = 0xFFFFFFFF
 # The salts of the per-step and per-token hashes; the C++ kernels use the same (csrc/sample_tokens.h).
 STEP_SALT = 0x5BD1E995
 TOKEN_SALT = 0x27D4EB2F
+LOW_SALT = 0x165667B1
 
 
 def _hash32(x):
@@ -57,3 +59,9 @@ def sample(logits: Tensor, params: SamplingParams, keys: Tensor, step: Tensor) -
     """Next token per row: logits [rows, vocab] -> [rows] int64 (keys [rows] int64, step a 1-element
     int64 tensor, both on logits' device)."""
     return ops.sample_tokens(logits, keys, step, params.temperature, params.top_k, params.top_p)
+
+
+def sample_with_logprobs(logits: Tensor, params: SamplingParams, keys: Tensor, step: Tensor) -> tuple[Tensor, Tensor]:
+    """`sample`'s tokens and their log-probabilities under the distribution they were drawn from
+    ([rows] int64, [rows] float32; see ops.sample_tokens_with_logprobs)."""
+    return ops.sample_tokens_with_logprobs(logits, keys, step, params.temperature, params.top_k, params.top_p)

@@ -175,6 +175,10 @@ def build_parser() -> _Parser:
                                                   "written as a Chrome trace DIR/<case>_<mode>.json")
     t.add_argument("--no-progress", action="store_true",
                    help="no progress bar on stderr (the line with the call count and estimate stays)")
+    t.add_argument("--mismatch", action="store_true",
+                   help="after each case's timed calls, measure how far each mode's log-probabilities are from a "
+                        "trainer's forward over the same sequences (mean and max |delta|, k3 KL), for the rollout "
+                        "modes (also with a float32 LM head on a half-precision model) and HF generate")
     b.set_defaults(func=cmd_bench)
 
     o = sub.add_parser("bench-op", help="the repeat_kv_cache_ bandwidth table",

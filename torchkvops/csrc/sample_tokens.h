@@ -10,24 +10,37 @@
 //     kept, as the reference's `l < kth` masking does) and >= the top-p threshold t*: the largest
 //     value among the top-k-kept tokens such that the mass of the tokens with l >= t* reaches
 //     top_p * Z (mass = exp(l - max l), Z = the sum over the top-k-kept tokens). So a token is kept
-//     exactly when the mass of the tokens with a STRICTLY larger l is below top_p * Z. The
-//     reference ranks tied values by a sort and may drop some of the tokens tied at t*; the two can
-//     differ only when the top-p threshold value is tied.
+//     exactly when the mass of the tokens with a STRICTLY larger l is below top_p * Z (every token
+//     tied at t* is kept; the reference keeps them too).
+// sample_tokens_with_logprobs also returns the log-probability of the drawn token under the
+// distribution it was drawn from (vLLM's "processed" logprobs): greedy, log_softmax(raw logits)[token];
+// otherwise the log_softmax over the kept tokens' l: l[token] - max - log(sum over kept of exp(l - max)),
+// in float32 (the sum in double). NaN when the kept values hold a NaN or their maximum is infinite
+// (+inf, or -inf: nothing finite is kept), as torch's log_softmax gives.
 // Both thresholds are found by radix selection on the keys (4 passes of 8-bit digits), never by
 // sorting the row. Masses are summed as 64-bit fixed-point integers, so every sum is exact and the
 // result does not depend on the order of the additions (or on the number of threads).
 //
-// The uniform variate takes the hash's top 23 bits: u = (float(bits >> 9) + 0.5f) * 2^-23 is exact in
-// float32 and lies in [2^-24, 1 - 2^-24], so the noise is always finite (|g| < 17). (With all 32 bits,
-// (float(bits) + 0.5f) * 2^-32 rounded to exactly 1.0f for the 128 largest bit patterns: infinite
-// noise, a token that won whatever its logit, even when top-k / top-p had dropped it.)
+// The noise (the same in the reference): each token gets a 64-bit word x = (high, low), uniform in
+// [0, 2^64): high = hash32(row_high ^ hash32((token + kTokenSalt) ^ row_low)), low = hash32(row_low ^
+// high), where (row_high, row_low) is a bijective hash of the low 32 bits of (key, step) (noise_key).
+// For one token the map from (key, step) to x is a bijection, so over keys and steps x is exactly
+// uniform on 2^64 values. With u = (x + 1/2) 2^-64, the exponential variate e = -log(u) is computed
+// from whichever of u and its complement 1 - u = (~x + 1/2) 2^-64 (exact as an integer) is below 1/2,
+// taken to float32 at its own relative precision: -log(u) when u < 1/2, -log1p(-(1 - u)) otherwise.
+// So both tails are exact to float32 rounding, and the Gumbel noise g = -log(e) lies in [-3.81,
+// 45.06]: a token can win down to a probability of about e^-45 (~1e-19) of the best one's. (The
+// earlier noise took a 23-bit uniform and capped g at 16.64: tokens below ~1e-7 were drawn too
+// rarely.) Noise that cannot matter is never computed: see cannot_beat and noise_bound.
 #pragma once
 
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 
+#include <charconv>
 #include <cmath>
 #include <cstdint>
+#include <string>
 
 #if defined(__CUDACC__)
 #define TORCHKVOPS_HD __host__ __device__ __forceinline__
@@ -41,6 +54,7 @@ namespace sampling {
 // The hash constants of torchkvops/sampling.py and reference.py.
 constexpr uint32_t kStepSalt = 0x5BD1E995u;
 constexpr uint32_t kTokenSalt = 0x27D4EB2Fu;
+constexpr uint32_t kLowSalt = 0x165667B1u;
 
 // Masses exp(l - max) in [0, 1] are summed as integers in units of 2^-kMassFracBits. The largest row
 // (kMaxVocab tokens of mass 1) sums to 2^63, so a 64-bit sum never overflows.
@@ -49,10 +63,10 @@ constexpr int64_t kMaxVocab = int64_t{1} << 23;
 // exp(d) * 2^40 < 1 for d < -28 (e^-28 = 6.9e-13 < 2^-40 = 9.1e-13): such a token's fixed-point mass
 // is 0 and its exp need not be computed.
 constexpr float kMassCutoff = -28.0f;
-// The largest finite Gumbel noise is -log(-log(1 - 2^-24)) = 16.64 < 17.
-constexpr int kMaxFiniteNoise = 17;
+// No Gumbel noise reaches 46: the largest is -log(2^-65) = 45.05 (x = 2^64 - 1).
+constexpr int kMaxNoiseStep = 46;
 
-// A 32-bit integer mix (sampling.py's _hash32).
+// A 32-bit integer mix (sampling.py's _hash32). A bijection of 32-bit words.
 TORCHKVOPS_HD uint32_t hash32(uint32_t x) {
   x ^= x >> 16;
   x *= 0x7FEB352Du;
@@ -62,24 +76,44 @@ TORCHKVOPS_HD uint32_t hash32(uint32_t x) {
   return x;
 }
 
-// The per-(row, step) part of the hash; only the low 32 bits of key and step count, as in Python.
-TORCHKVOPS_HD uint32_t step_key(int64_t key, int64_t step) {
-  return hash32(static_cast<uint32_t>(key) ^ hash32(static_cast<uint32_t>(step) + kStepSalt));
+// The per-(row, step) part of the hash: a bijection of (low 32 bits of key, low 32 bits of step), as
+// in Python.
+struct NoiseKey {
+  uint32_t high;  // feeds every token's high word
+  uint32_t low;   // feeds the low words
+};
+
+TORCHKVOPS_HD NoiseKey noise_key(int64_t key, int64_t step) {
+  const uint32_t s = static_cast<uint32_t>(step);
+  const uint32_t high = hash32(static_cast<uint32_t>(key) ^ hash32(s + kStepSalt));
+  return {high, hash32(s ^ hash32(high + kLowSalt))};
 }
 
-// The uniform variate of one token: (float(bits >> 9) + 0.5) * 2^-23 in float32, exact, in
-// [2^-24, 1 - 2^-24].
-TORCHKVOPS_HD float uniform(uint32_t step_key, int64_t token) {
-  const uint32_t bits = hash32(step_key ^ hash32(static_cast<uint32_t>(token) + kTokenSalt));
-  return (static_cast<float>(bits >> 9) + 0.5f) * 1.1920928955078125e-07f;  // 2^-23, exact
+// The high 32 bits of a token's word (its index's low 32 bits): all the hot loops compute (see
+// cannot_beat). Both halves of the row's key enter it, so that two tokens' words are not tied to each
+// other through 32 bits of row key: given one token's high word, another's still varies with k.low.
+TORCHKVOPS_HD uint32_t noise_high(NoiseKey k, uint32_t token) {
+  return hash32(k.high ^ hash32((token + kTokenSalt) ^ k.low));
 }
 
-// Gumbel noise -log(-log(u)), in float32 as the reference computes it; finite, below 16.64.
-TORCHKVOPS_HD float gumbel(float u) {
+// The Gumbel noise of the word (high, low = hash32(k.low ^ high)), in float32 as the reference
+// computes it: in [-3.81, 45.06].
+TORCHKVOPS_HD float gumbel(NoiseKey k, uint32_t high) {
+  const uint32_t low = hash32(k.low ^ high);
+  const bool upper = (high >> 31) != 0;  // u > 1/2: take the complement 1 - u
+  const uint32_t yh = upper ? ~high : high, yl = upper ? ~low : low;
+  // v = (y + 1/2) 2^-64 to float32: yh < 2^31 so the product is exact, and the scaling by 2^-64 too.
 #if defined(__CUDA_ARCH__)
-  return -logf(-logf(u));
+  const float v = __fmul_rn(__fadd_rn(__fmul_rn(__uint2float_rn(yh), 4294967296.0f),
+                                      __fadd_rn(__uint2float_rn(yl), 0.5f)),
+                            5.42101086242752217e-20f);
+  const float e = upper ? -log1pf(-v) : -logf(v);  // -log(u), in [2^-65, 45.05]
+  return -logf(e);
 #else
-  return -std::log(-std::log(u));
+  const float v = (static_cast<float>(yh) * 4294967296.0f + (static_cast<float>(yl) + 0.5f)) *
+                  5.42101086242752217e-20f;  // 2^-64
+  const float e = upper ? -std::log1p(-v) : -std::log(v);
+  return -std::log(e);
 #endif
 }
 
@@ -99,30 +133,48 @@ TORCHKVOPS_HD uint32_t order_key(float v) {
   return v != v ? 0xFFFFFFFFu : bits ^ flip;
 }
 
-// Skipping the noise of tokens that cannot win. A token D below the best score so far needs noise
-// g >= D to beat it, i.e. u >= exp(-exp(-D)): most tokens fail that test on u alone, and their two
-// logs are never computed. noise_reach_threshold(D), D = 0..17, is the smallest float at or above
-// exp(-exp(-(D - 0.01))): for u below it the exact noise is below D - 0.01, and the computed one
-// (log's error is ~1e-6) below D. (D = 17 gives 1.0f, which u never reaches: no noise gains 17.)
-constexpr int kNoiseSteps = kMaxFiniteNoise + 1;
+// Skipping the noise of tokens that cannot win, from the high word alone. A token D below the best
+// score so far needs noise g >= D, i.e. a complement 1 - u <= 1 - exp(-exp(-D)) (about e^-D): a high
+// word below 2^32 (1 - that) rules it out, and most tokens fail on that integer comparison alone; their
+// low word and their logs are never computed. noise_reach_threshold(D), D = 0..46, is the largest
+// high word for which 1 - u >= (2^32 - 1 - high) 2^-32 >= 1 - exp(-exp(-(D - 0.01))): the exact noise
+// is then at most D - 0.01, and the computed one (float32 logs, errors ~1e-6) below D. From D = 23 on
+// only high = 2^32 - 1 can reach; no word reaches D = 46.
+constexpr int kNoiseSteps = kMaxNoiseStep + 1;
 
-TORCHKVOPS_HD float noise_reach_threshold(int d) {
-  const double t = exp(-exp(-(static_cast<double>(d) - 0.01)));
-  float f = static_cast<float>(t);
-  if (static_cast<double>(f) < t) f = nextafterf(f, 2.0f);
-  return f;
+TORCHKVOPS_HD uint32_t noise_reach_threshold(int d) {
+  const double c = -expm1(-exp(-(static_cast<double>(d) - 0.01)));  // the complement a win needs
+  if (c <= 0x1p-65) return 0xFFFFFFFFu;  // below the smallest complement, (0 + 1/2) 2^-64
+  return static_cast<uint32_t>(4294967295.0 - ceil(c * 4294967296.0));
 }
 
-// True when a kept token (scaled logit l, uniform u) certainly does not beat `best`, the score of a
-// token with a lower index: with D the largest whole number <= 17 such that fl(l + D) <= best and
-// u < reach[D], the computed noise is below D, so fl(l + g) <= fl(l + D) <= best (rounding is
-// monotone) and a tie goes to the lower index. False whenever l, best or the gap is NaN.
-TORCHKVOPS_HD bool cannot_beat(float l, float u, float best, const float* reach) {
-  const float gap = best - l;
+// True when a kept token (scaled logit l, high word `high`) certainly does not beat `best`, the score
+// of a token with a lower index: with D a whole number <= 46 and <= best - l (exactly: the rounded
+// gap, shrunk by 2^-23, is below the exact one), and high <= reach[D], the computed noise is below D,
+// so l + g < best exactly and fl(l + g) <= best (rounding is monotone); a tie goes to the lower index.
+// False whenever l, best or the gap is NaN.
+TORCHKVOPS_HD bool cannot_beat(float l, uint32_t high, float best, const uint32_t* reach) {
+  const float gap = (best - l) * 0.99999988079071044921875f;  // 1 - 2^-23, exact
   if (!(gap >= 0.0f)) return false;  // l > best, or NaN
-  int d = gap >= static_cast<float>(kMaxFiniteNoise) ? kMaxFiniteNoise : static_cast<int>(gap);
-  while (d > 0 && !(l + static_cast<float>(d) <= best)) --d;  // the rounded gap may overshoot
-  return l + static_cast<float>(d) <= best && u < reach[d];
+  const int d = gap >= static_cast<float>(kMaxNoiseStep) ? kMaxNoiseStep : static_cast<int>(gap);
+  return high <= reach[d];
+}
+
+// An upper bound on the noise of every word with this high half, branch-free (CPU loops vectorize
+// it): 1 - u >= c = (~high) 2^-32, and g = -log(-log u) <= -log(1 - u) <= -log c <= ln 2 (32 - E)
+// for any E <= floor(log2(~high)), such as the exponent of float(~high >> 1) (the conversion may
+// round up to the next power of two, which is still at most ~high). ~high < 2 gives E = -127 and a
+// bound of 110 > 45.06. The 0.01 covers the float32 rounding of the noise and of the bound. It is
+// looser than noise_reach_threshold's (by < 1.4) but needs no table.
+TORCHKVOPS_HD float noise_bound(uint32_t high) {
+  const float f = static_cast<float>(static_cast<int32_t>(~high >> 1));
+#if defined(__CUDA_ARCH__)
+  const int32_t bits = __float_as_int(f);
+#else
+  int32_t bits;
+  __builtin_memcpy(&bits, &f, sizeof(bits));
+#endif
+  return 0.6931471805599453f * static_cast<float>(32 - ((bits >> 23) - 127)) + 0.01f;
 }
 
 // The fixed-point mass of a token d = l - max below the row's maximum (d <= 0).
@@ -169,9 +221,18 @@ struct SampleParams {
   float top_p = 1.0f;            // float32, the value the reference compares against
 };
 
+// A float argument as Python's repr writes it (the shortest text that reads back as the same double),
+// so that an error shows the value as given: 1.0000001, not 1.
+inline std::string repr_double(double v) {
+  char buf[32];
+  const auto [end, ec] = std::to_chars(buf, buf + sizeof(buf), v);
+  std::string text(buf, ec == std::errc() ? end : buf);
+  if (text.find_first_of(".en") == std::string::npos) text += ".0";  // 1 -> 1.0 (not 1e+16, nan, inf)
+  return text;
+}
+
 inline void check_sample_args(const at::Tensor& logits, const at::Tensor& keys, const at::Tensor& step,
-                              double temperature, int64_t top_k, double top_p) {
-  const char* op = "sample_tokens";
+                              double temperature, int64_t top_k, double top_p, const char* op = "sample_tokens") {
   TORCH_CHECK_VALUE(logits.dim() == 2, op, ": logits must be 2-D [rows, vocab], got shape ", logits.sizes());
   const auto dtype = logits.scalar_type();
   TORCH_CHECK_TYPE(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16, op,
@@ -193,9 +254,9 @@ inline void check_sample_args(const at::Tensor& logits, const at::Tensor& keys, 
   TORCH_CHECK_VALUE(step.device() == logits.device(), op, ": step must be on logits' device ", logits.device(),
                     ", got ", step.device());
   TORCH_CHECK_VALUE(std::isfinite(temperature) && temperature >= 0.0, op,
-                    ": temperature must be finite and >= 0 (0 = greedy), got ", temperature);
+                    ": temperature must be finite and >= 0 (0 = greedy), got ", repr_double(temperature));
   TORCH_CHECK_VALUE(top_k >= 0, op, ": top_k must be >= 0 (0 = off), got ", top_k);
-  TORCH_CHECK_VALUE(top_p > 0.0 && top_p <= 1.0, op, ": top_p must be in (0, 1] (1 = off), got ", top_p);
+  TORCH_CHECK_VALUE(top_p > 0.0 && top_p <= 1.0, op, ": top_p must be in (0, 1] (1 = off), got ", repr_double(top_p));
 }
 
 inline SampleParams make_sample_params(int64_t vocab, double temperature, int64_t top_k, double top_p) {

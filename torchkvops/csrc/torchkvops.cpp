@@ -34,4 +34,9 @@ TORCH_LIBRARY(torchkvops, m) {
   // argmax(logits / temperature + noise) over the tokens that top_k (0 = off) and top_p (1 = off)
   // keep. `step` is a 1-element int64 tensor, so a compiled decode step never recompiles on it.
   m.def("sample_tokens(Tensor logits, Tensor keys, Tensor step, float temperature, int top_k, float top_p) -> Tensor");
+  // Functional: sample_tokens' tokens, and each one's log-probability under the distribution it was
+  // drawn from (float32 [rows]): log_softmax of logits / temperature over the tokens top_k / top_p keep
+  // (greedy: of the raw logits). The same tokens as sample_tokens.
+  m.def("sample_tokens_with_logprobs(Tensor logits, Tensor keys, Tensor step, float temperature, int top_k, "
+        "float top_p) -> (Tensor, Tensor)");
 }

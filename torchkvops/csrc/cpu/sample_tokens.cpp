@@ -1,5 +1,7 @@
-// CPU kernel of sample_tokens: rows in parallel (at::parallel_for), each row sampled by one thread.
-// Greedy and temperature-only rows take one pass over the logits. With top-k or top-p the row's
+// CPU kernels of sample_tokens and sample_tokens_with_logprobs: rows in parallel (at::parallel_for),
+// each row sampled by one thread. Temperature-only rows take one pass over the logits, greedy rows a
+// vectorized max and a scan to the first maximum (and each one more pass for the log-probability's
+// maximum or sum). With top-k or top-p the row's
 // scaled logits go to a per-thread scratch buffer once, each threshold is found by radix selection
 // (one pass over the row for the first digit, the other three over the shrinking bucket that holds
 // the threshold), and a last pass draws the token. What a row computes: see sample_tokens.h.
@@ -14,6 +16,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <tuple>
 #include <vector>
 
 #include "../sample_tokens.h"
@@ -92,51 +95,197 @@ uint32_t select_threshold(const float* values, int64_t vocab, uint32_t lower, We
   return prefix;
 }
 
-// noise_reach_threshold(0..17), computed once.
-const float* noise_reach() {
+// noise_reach_threshold(0..46), computed once.
+const uint32_t* noise_reach() {
   static const auto table = [] {
-    std::array<float, kNoiseSteps> t{};
+    std::array<uint32_t, kNoiseSteps> t{};
     for (int d = 0; d < kNoiseSteps; ++d) t[d] = noise_reach_threshold(d);
     return t;
   }();
   return table.data();
 }
 
-// The running Gumbel-max draw of one row. Tokens must be offered in increasing index order.
+// Tokens are drawn in blocks: the scaled logits, high words and candidate flags of a whole block are
+// computed by loops the compiler vectorizes, and only the candidates go through the exact test.
+constexpr int kDrawBlock = 256;
+
+// The running Gumbel-max draw of one row. Blocks must be offered in increasing token order.
 class Draw {
  public:
-  explicit Draw(uint32_t step_key) : step_key_(step_key), reach_(noise_reach()) {}
+  explicit Draw(NoiseKey key) : key_(key), reach_(noise_reach()) {}
 
-  void offer(int64_t token, float l, bool kept) {
-    const float u = uniform(step_key_, token);
-    // u == 1 gives infinite noise: that token scores +inf (or NaN when not kept) and must be seen.
-    if (u < 1.0f && (!kept || cannot_beat(l, u, best_, reach_))) return;
-    const float score = (kept ? l : -kInf) + gumbel(u);
-    if (beats(score, token, best_, best_token_)) {
-      best_ = score;
-      best_token_ = token;
+  // Offers tokens first .. first + n - 1 (n <= kDrawBlock) with scaled logits l[0 .. n). With
+  // kMasked, kept[j] says whether top-k / top-p kept token first + j (num_kept of them): a dropped
+  // token scores -inf + g = -inf, which never beats the (-inf, 0) start or a lower index: skipped.
+  // A token is a candidate unless noise_bound rules it out against the best score at the block's
+  // start (the best only grows, so that stays true); candidates take the exact test.
+  template <bool kMasked>
+  void offer_block(int64_t first, const float* l, const uint8_t* kept, int n, int num_kept = 0) {
+    const uint32_t first_token = static_cast<uint32_t>(first);
+    if (kMasked) {
+      if (4 * num_kept < n) {  // cheaper to hash the few kept tokens one by one
+        for (int j = 0; j < n; ++j) {
+          if (kept[j]) offer(first + j, l[j], noise_high(key_, first_token + static_cast<uint32_t>(j)));
+        }
+        return;
+      }
+    }
+    uint32_t high[kDrawBlock];
+    uint8_t candidate[kDrawBlock + 8] = {};  // read 8 at a time, past n as zeros
+    const float best = best_;
+    for (int j = 0; j < n; ++j) {
+      const uint32_t h = noise_high(key_, first_token + static_cast<uint32_t>(j));
+      high[j] = h;
+      // (best - l) shrunk by 2^-23 is at most the exact gap (see cannot_beat); NaN: a candidate.
+      uint8_t c = !((best - l[j]) * 0.99999988079071044921875f >= noise_bound(h));
+      if (kMasked) c &= kept[j];
+      candidate[j] = c;
+    }
+    for (int j0 = 0; j0 < n; j0 += 8) {  // 8 flags at a time: nearly all are 0
+      uint64_t flags;
+      __builtin_memcpy(&flags, candidate + j0, sizeof(flags));
+      if (flags == 0) continue;
+      for (int j = j0; j < std::min(j0 + 8, n); ++j) {
+        if (candidate[j]) offer(first + j, l[j], high[j]);
+      }
     }
   }
 
   int64_t token() const { return best_token_; }
 
  private:
-  uint32_t step_key_;
-  const float* reach_;
+  C10_ALWAYS_INLINE void offer(int64_t token, float l, uint32_t high) {
+    if (cannot_beat(l, high, best_, reach_)) return;
+    const float score = l + gumbel(key_, high);
+    if (beats(score, token, best_, best_token_)) {
+      best_ = score;
+      best_token_ = token;
+    }
+  }
+
+  NoiseKey key_;
+  const uint32_t* reach_;
   // Every token scores at least -inf, so (-inf, 0) is what argmax returns when nothing beats it.
   float best_ = -kInf;
   int64_t best_token_ = 0;
 };
 
+// Greedy works on the logits' raw bits, in their own width (no conversion to float, which float16
+// does not vectorize): a sign-magnitude float becomes a signed integer with the same order (-0.0 and
+// +0.0 both 0), and integer maxima vectorize where float ones would not.
 template <typename scalar_t>
-int64_t sample_row(const scalar_t* row, int64_t col_stride, int64_t vocab, int64_t key, int64_t step,
-                   const SampleParams& p, Scratch& scratch) {
-  auto logit = [&](int64_t i) { return static_cast<float>(row[i * col_stride]); };
-  if (p.greedy) {
+struct RawFloat;
+template <>
+struct RawFloat<float> {
+  using Bits = uint32_t;
+  using Key = int32_t;
+  static constexpr Bits kInfBits = 0x7F800000u;
+};
+template <>
+struct RawFloat<c10::Half> {
+  using Bits = uint16_t;
+  using Key = int16_t;
+  static constexpr Bits kInfBits = 0x7C00u;
+};
+template <>
+struct RawFloat<c10::BFloat16> {
+  using Bits = uint16_t;
+  using Key = int16_t;
+  static constexpr Bits kInfBits = 0x7F80u;
+};
+
+template <typename scalar_t>
+struct RawOrder {
+  using Bits = typename RawFloat<scalar_t>::Bits;
+  using Key = typename RawFloat<scalar_t>::Key;
+  static constexpr int kSignShift = 8 * sizeof(Bits) - 1;
+  static constexpr Bits kAbs = static_cast<Bits>(~(Bits{1} << kSignShift));
+
+  static Bits bits(const scalar_t& v) {
+    Bits b;
+    __builtin_memcpy(&b, &v, sizeof(b));
+    return b;
+  }
+  static Key key(Bits b) {  // NaNs get keys beyond the infinities': callers test is_nan apart
+    const Key magnitude = static_cast<Key>(b & kAbs);
+    return (b >> kSignShift) ? static_cast<Key>(-magnitude) : magnitude;
+  }
+  static bool is_nan(Bits b) { return (b & kAbs) > RawFloat<scalar_t>::kInfBits; }
+};
+
+// The first index of a contiguous row whose raw bits satisfy `hit`: blocks of 16 tested at once (a
+// loop the compiler vectorizes), then the block that holds it one by one. `vocab` if none does.
+template <typename scalar_t, typename HitFn>
+int64_t find_first(const scalar_t* row, int64_t vocab, HitFn hit) {
+  using R = RawOrder<scalar_t>;
+  constexpr int kBlock = 16;
+  int64_t i = 0;
+  for (; i + kBlock <= vocab; i += kBlock) {
+    int any = 0;
+    for (int j = 0; j < kBlock; ++j) any |= hit(R::bits(row[i + j]));
+    if (any) break;
+  }
+  for (; i < vocab; ++i) {
+    if (hit(R::bits(row[i]))) return i;
+  }
+  return vocab;
+}
+
+// The largest value of a row (NaN aside) and whether it holds a NaN.
+struct RowMax {
+  float value;
+  bool has_nan;
+};
+
+// A contiguous row: one vectorized loop over the raw keys; `key` gets the largest key.
+template <typename scalar_t>
+RowMax contiguous_row_max(const scalar_t* row, int64_t vocab, typename RawOrder<scalar_t>::Key& key) {
+  using R = RawOrder<scalar_t>;
+  using Key = typename R::Key;
+  Key best = std::numeric_limits<Key>::min();
+  int has_nan = 0;
+  for (int64_t i = 0; i < vocab; ++i) {
+    const auto b = R::bits(row[i]);
+    const Key k = R::key(b);
+    best = k > best ? k : best;  // a NaN's key may win here: has_nan says to ignore it
+    has_nan |= R::is_nan(b);
+  }
+  key = best;
+  // The value back from its key (an involution on the magnitude, the sign apart).
+  using Bits = typename R::Bits;
+  const Bits bits = best < 0 ? static_cast<Bits>(static_cast<Bits>(-best) | (Bits{1} << R::kSignShift))
+                             : static_cast<Bits>(best);
+  scalar_t v;
+  __builtin_memcpy(&v, &bits, sizeof(v));
+  return {static_cast<float>(v), has_nan != 0};
+}
+
+template <typename scalar_t>
+RowMax row_max(const scalar_t* row, int64_t col_stride, int64_t vocab) {
+  if (col_stride == 1) {
+    typename RawOrder<scalar_t>::Key key;
+    return contiguous_row_max(row, vocab, key);
+  }
+  float best = -kInf;
+  bool has_nan = false;
+  for (int64_t i = 0; i < vocab; ++i) {
+    const float v = static_cast<float>(row[i * col_stride]);
+    best = v > best ? v : best;
+    has_nan |= v != v;
+  }
+  return {best, has_nan};
+}
+
+// Greedy, under torch.argmax's rules (the first index of the largest value, NaN above everything).
+// A contiguous row takes two vectorized loops: the largest key (and whether a NaN is present), then
+// the first index holding it, which stops early.
+template <typename scalar_t>
+int64_t argmax_row(const scalar_t* row, int64_t col_stride, int64_t vocab) {
+  if (col_stride != 1) {
     float best = -kInf;
     int64_t best_i = 0;
     for (int64_t i = 0; i < vocab; ++i) {
-      const float v = logit(i);
+      const float v = static_cast<float>(row[i * col_stride]);
       if (beats(v, i, best, best_i)) {
         best = v;
         best_i = i;
@@ -144,10 +293,116 @@ int64_t sample_row(const scalar_t* row, int64_t col_stride, int64_t vocab, int64
     }
     return best_i;
   }
+  using R = RawOrder<scalar_t>;
+  typename R::Key best;
+  if (contiguous_row_max(row, vocab, best).has_nan) return find_first(row, vocab, [](auto b) { return R::is_nan(b); });
+  return find_first(row, vocab, [best](auto b) { return R::key(b) == best; });
+}
 
-  Draw draw(step_key(key, step));
+// exp(x) in float32 for x <= 0 (about 1 ulp; 0 below -87, where float32 would go subnormal), without
+// branches or library calls, so that loops over it vectorize: x = n ln 2 + r, |r| <= ln 2 / 2, and
+// Cephes' expf polynomial for e^r scaled by 2^n. NaN in, unspecified out: callers flag NaN apart.
+inline float exp_nonpositive(float x) {
+  const float xc = x < -87.0f ? -87.0f : x;
+  const float n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round(x / ln 2); 1.5 * 2^23
+  const float r = (xc - n * 0.693359375f) - n * -2.12194440e-4f;              // ln 2 in two parts
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = (p * r) * r + r + 1.0f;
+  const int32_t scale_bits = (static_cast<int32_t>(n) + 127) << 23;  // 2^n, n in [-126, 0]
+  float scale;
+  __builtin_memcpy(&scale, &scale_bits, sizeof(scale));
+  return x < -87.0f ? 0.0f : p * scale;
+}
+
+// Sum of exp(l - max) over a row's kept tokens, block by block: float lanes that the compiler
+// vectorizes (a plain float sum would not be, its order being fixed), added up in double per block.
+class ExpSum {
+ public:
+  explicit ExpSum(float max) : max_(max) {}
+
+  // l[0 .. n) (n <= kDrawBlock); with kMasked only the tokens with kept[j].
+  template <bool kMasked>
+  void add_block(const float* l, const uint8_t* kept, int n) {
+    constexpr int kLanes = 16;
+    float lanes[kLanes] = {};
+    int j = 0;
+    for (; j + kLanes <= n; j += kLanes) {
+      for (int k = 0; k < kLanes; ++k) {
+        const float e = exp_nonpositive(l[j + k] - max_);
+        lanes[k] += (!kMasked || kept[j + k]) ? e : 0.0f;
+      }
+    }
+    double total = 0.0;
+    for (; j < n; ++j) {
+      if (!kMasked || kept[j]) total += exp_nonpositive(l[j] - max_);
+    }
+    for (int k = 0; k < kLanes; ++k) total += lanes[k];
+    sum_ += total;
+  }
+
+  void add(float l) { sum_ += exp_nonpositive(l - max_); }
+
+  // log_softmax of a kept token: l - max - log(sum); NaN when the maximum is not finite (+inf, or -inf:
+  // nothing kept is finite) or `has_nan`, as torch's log_softmax gives.
+  float log_prob(float l, bool has_nan) const {
+    if (has_nan || !std::isfinite(max_)) return std::numeric_limits<float>::quiet_NaN();
+    return static_cast<float>(static_cast<double>(l - max_) - std::log(sum_));
+  }
+
+ private:
+  float max_;
+  double sum_ = 0.0;
+};
+
+// Greedy with its log-probability: log_softmax(raw logits)[token] = -log(sum of exp(x - max)), one
+// more pass over the row.
+template <typename scalar_t>
+int64_t greedy_row(const scalar_t* row, int64_t col_stride, int64_t vocab, float* log_prob) {
+  const int64_t token = argmax_row(row, col_stride, vocab);
+  if (log_prob == nullptr) return token;
+  const RowMax m = row_max(row, col_stride, vocab);
+  ExpSum sum(m.value);
+  float x[kDrawBlock];
+  for (int64_t first = 0; first < vocab; first += kDrawBlock) {
+    const int n = static_cast<int>(std::min<int64_t>(kDrawBlock, vocab - first));
+    for (int j = 0; j < n; ++j) x[j] = static_cast<float>(row[(first + j) * col_stride]);
+    sum.add_block<false>(x, nullptr, n);
+  }
+  *log_prob = sum.log_prob(m.value, m.has_nan);
+  return token;
+}
+
+// One row: the drawn token, and with log_prob != nullptr its log-probability under the distribution
+// it was drawn from (see sample_tokens.h).
+template <typename scalar_t>
+int64_t sample_row(const scalar_t* row, int64_t col_stride, int64_t vocab, int64_t key, int64_t step,
+                   const SampleParams& p, Scratch& scratch, float* log_prob) {
+  auto logit = [&](int64_t i) { return static_cast<float>(row[i * col_stride]); };
+  if (p.greedy) return greedy_row(row, col_stride, vocab, log_prob);
+
+  Draw draw(noise_key(key, step));
   if (p.top_k == 0 && !p.use_top_p) {
-    for (int64_t i = 0; i < vocab; ++i) draw.offer(i, logit(i) / p.temperature, true);
+    // With log_prob: the largest l first (one more pass; l = x / T is monotone in x, so it is the
+    // largest x divided), then the sum rides along with the draw.
+    const RowMax m = log_prob ? row_max(row, col_stride, vocab) : RowMax{0.0f, false};
+    ExpSum sum(m.value / p.temperature);
+    float l[kDrawBlock];
+    for (int64_t first = 0; first < vocab; first += kDrawBlock) {
+      const int n = static_cast<int>(std::min<int64_t>(kDrawBlock, vocab - first));
+      if (col_stride == 1) {  // a loop the compiler vectorizes
+        for (int j = 0; j < n; ++j) l[j] = static_cast<float>(row[first + j]) / p.temperature;
+      } else {
+        for (int j = 0; j < n; ++j) l[j] = logit(first + j) / p.temperature;
+      }
+      draw.offer_block<false>(first, l, nullptr, n);
+      if (log_prob) sum.add_block<false>(l, nullptr, n);
+    }
+    if (log_prob) *log_prob = sum.log_prob(logit(draw.token()) / p.temperature, m.has_nan);
     return draw.token();
   }
 
@@ -159,7 +414,11 @@ int64_t sample_row(const scalar_t* row, int64_t col_stride, int64_t vocab, int64
     for (int64_t i = 0; i < vocab; ++i) values[i] = logit(i) / p.temperature;
   }
   float max_value = -kInf;
-  for (int64_t i = 0; i < vocab; ++i) max_value = values[i] > max_value ? values[i] : max_value;  // skips NaN
+  bool has_nan = false;
+  for (int64_t i = 0; i < vocab; ++i) {
+    max_value = values[i] > max_value ? values[i] : max_value;  // skips NaN
+    has_nan |= values[i] != values[i];
+  }
   uint32_t threshold = 0;  // keep the tokens with order_key(l) >= threshold
   if (p.top_k > 0) {
     threshold = select_threshold(
@@ -173,18 +432,36 @@ int64_t sample_row(const scalar_t* row, int64_t col_stride, int64_t vocab, int64
         values, vocab, threshold, [&](float l) { return fixed_mass(l - max_value); },
         [&](uint64_t total) { return top_p_target(p.top_p, total); }, scratch.bucket);
   }
-  for (int64_t i = 0; i < vocab; ++i) draw.offer(i, values[i], order_key(values[i]) >= threshold);
+  // The largest value is always kept (top-k keeps >= 1 token, top-p the most likely), and a NaN too
+  // (its key is the largest): the kept tokens' maximum and NaN flag are the row's.
+  ExpSum sum(max_value);
+  uint8_t kept[kDrawBlock];
+  for (int64_t first = 0; first < vocab; first += kDrawBlock) {
+    const int n = static_cast<int>(std::min<int64_t>(kDrawBlock, vocab - first));
+    int num_kept = 0;
+    for (int j = 0; j < n; ++j) {
+      kept[j] = order_key(values[first + j]) >= threshold;
+      num_kept += kept[j];
+    }
+    draw.offer_block<true>(first, values + first, kept, n, num_kept);
+    if (!log_prob || num_kept == 0) continue;
+    if (4 * num_kept < n) {
+      for (int j = 0; j < n; ++j) {
+        if (kept[j]) sum.add(values[first + j]);
+      }
+    } else {
+      sum.add_block<true>(values + first, kept, n);
+    }
+  }
+  if (log_prob) *log_prob = sum.log_prob(values[draw.token()], has_nan);
   return draw.token();
 }
 
-at::Tensor sample_tokens_cpu(const at::Tensor& logits, const at::Tensor& keys, const at::Tensor& step,
-                             double temperature, int64_t top_k, double top_p) {
-  check_sample_args(logits, keys, step, temperature, top_k, top_p);
-  TORCH_INTERNAL_ASSERT(logits.device().is_cpu());
+// Both ops: `log_probs` is nullptr for sample_tokens.
+void sample_rows(const at::Tensor& logits, const at::Tensor& keys, const at::Tensor& step, const SampleParams& params,
+                 at::Tensor& out, float* log_probs) {
   const int64_t rows = logits.size(0), vocab = logits.size(1);
-  at::Tensor out = at::empty({rows}, logits.options().dtype(at::kLong));
-  if (rows == 0) return out;
-  const SampleParams params = make_sample_params(vocab, temperature, top_k, top_p);
+  if (rows == 0) return;
   const int64_t step_value = step.data_ptr<int64_t>()[0];
   const int64_t* key_ptr = keys.data_ptr<int64_t>();
   const int64_t key_stride = keys.stride(0);
@@ -197,17 +474,38 @@ at::Tensor sample_tokens_cpu(const at::Tensor& logits, const at::Tensor& keys, c
       Scratch scratch;
       for (int64_t r = begin; r < end; ++r) {
         out_ptr[r] = sample_row(base + r * row_stride, col_stride, vocab, key_ptr[r * key_stride], step_value,
-                                params, scratch);
+                                params, scratch, log_probs ? log_probs + r : nullptr);
       }
     });
   }), at::kFloat, at::kHalf, at::kBFloat16);
+}
+
+at::Tensor sample_tokens_cpu(const at::Tensor& logits, const at::Tensor& keys, const at::Tensor& step,
+                             double temperature, int64_t top_k, double top_p) {
+  check_sample_args(logits, keys, step, temperature, top_k, top_p);
+  TORCH_INTERNAL_ASSERT(logits.device().is_cpu());
+  at::Tensor out = at::empty({logits.size(0)}, logits.options().dtype(at::kLong));
+  sample_rows(logits, keys, step, make_sample_params(logits.size(1), temperature, top_k, top_p), out, nullptr);
   return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> sample_tokens_with_logprobs_cpu(const at::Tensor& logits, const at::Tensor& keys,
+                                                                   const at::Tensor& step, double temperature,
+                                                                   int64_t top_k, double top_p) {
+  check_sample_args(logits, keys, step, temperature, top_k, top_p, "sample_tokens_with_logprobs");
+  TORCH_INTERNAL_ASSERT(logits.device().is_cpu());
+  at::Tensor out = at::empty({logits.size(0)}, logits.options().dtype(at::kLong));
+  at::Tensor log_probs = at::empty({logits.size(0)}, logits.options().dtype(at::kFloat));
+  sample_rows(logits, keys, step, make_sample_params(logits.size(1), temperature, top_k, top_p), out,
+              log_probs.data_ptr<float>());
+  return {out, log_probs};
 }
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(torchkvops, CPU, m) {
   m.impl("sample_tokens", &sample_tokens_cpu);
+  m.impl("sample_tokens_with_logprobs", &sample_tokens_with_logprobs_cpu);
 }
 
 }  // namespace torchkvops

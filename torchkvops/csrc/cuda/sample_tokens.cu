@@ -1,9 +1,11 @@
-// CUDA kernel of sample_tokens: one thread block per row, on the current stream, with no host sync
-// and no allocation but the output (so it can be captured in a CUDA graph). Greedy and
-// temperature-only rows read their logits once. With top-k or top-p each threshold is found by radix
-// selection over the order-preserving keys of l: 4 passes of 8-bit digits, each a histogram in
-// shared memory (counts for top-k, fixed-point probability mass for top-p) and a block-wide suffix
-// scan of its 256 bins; a last pass draws the token. Rows are read with 16-byte vector loads when
+// CUDA kernels of sample_tokens and sample_tokens_with_logprobs: one thread block per row, on the
+// current stream, with no host sync and no allocation but the outputs (so they can be captured in a
+// CUDA graph). Greedy and temperature-only rows read their logits once. With top-k or top-p each
+// threshold is found by radix selection over the order-preserving keys of l: 4 passes of 8-bit
+// digits, each a histogram in shared memory (counts for top-k, fixed-point probability mass for
+// top-p) and a block-wide suffix scan of its 256 bins; a last pass draws the token. The
+// log-probability takes one more pass at most: the row's largest l (a pass top-p makes anyway), or
+// for greedy the sum of exp(x - max) after the argmax. Rows are read with 16-byte vector loads when
 // the row is contiguous and aligned. What a row computes: see sample_tokens.h.
 #include <ATen/Dispatch_v2.h>
 #include <ATen/core/Tensor.h>
@@ -18,8 +20,11 @@
 #include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
 
+#include <math_constants.h>
+
 #include <cstdint>
 #include <limits>
+#include <tuple>
 
 #include "../sample_tokens.h"
 
@@ -51,19 +56,23 @@ struct MaxOp {
 
 using ArgBestReduce = cub::BlockReduce<ArgBest, kThreads>;
 using MaxReduce = cub::BlockReduce<float, kThreads>;
+using SumReduce = cub::BlockReduce<float, kThreads>;
 using BinScan = cub::BlockScan<unsigned long long, kThreads>;
 
 struct SharedStorage {
   union {
     typename ArgBestReduce::TempStorage arg_best;
     typename MaxReduce::TempStorage max;
+    typename SumReduce::TempStorage sum;
     typename BinScan::TempStorage scan;
   } cub;
   unsigned long long hist[kBins];  // one radix pass's histogram, then its suffix sums
   unsigned long long above;        // broadcast: the weight of the digits above the chosen one
   unsigned int digit;              // broadcast: the chosen digit
   float max_value;                 // broadcast: the row's largest l
-  float reach[kNoiseSteps];        // noise_reach_threshold(0..17)
+  float sum;                       // broadcast: block_sum's result
+  int token;                       // broadcast: the drawn token
+  uint32_t reach[kNoiseSteps];     // noise_reach_threshold(0..46)
 };
 
 // Reads one row of logits as float: thread t visits tokens t, t + blockDim.x, ... (in vectors of 16
@@ -159,7 +168,17 @@ __device__ uint32_t select_threshold(const RowReader<scalar_t>& reader, SharedSt
   return prefix;
 }
 
-template <typename scalar_t>
+// The block's sum of `v` (every thread gets it), after the previous user of smem.cub is done.
+__device__ __forceinline__ float block_sum(SharedStorage& smem, float v) {
+  __syncthreads();
+  v = SumReduce(smem.cub.sum).Sum(v);
+  if (threadIdx.x == 0) smem.sum = v;
+  __syncthreads();
+  return smem.sum;
+}
+
+// kLogProb: also write log_probs[r], the drawn token's log-probability (see sample_tokens.h).
+template <typename scalar_t, bool kLogProb>
 __global__ void __launch_bounds__(kThreads) sample_tokens_kernel(
     const scalar_t* __restrict__ logits,  // [rows, vocab], strides (row_stride, col_stride) in elements
     int64_t row_stride, int64_t col_stride, int vocab,
@@ -167,6 +186,7 @@ __global__ void __launch_bounds__(kThreads) sample_tokens_kernel(
     int64_t key_stride,
     const int64_t* __restrict__ step,  // [1]
     int64_t* __restrict__ out,         // [rows]
+    float* __restrict__ log_probs,     // [rows] when kLogProb
     const SampleParams p) {
   __shared__ SharedStorage smem;
   const int64_t r = blockIdx.x;
@@ -181,7 +201,18 @@ __global__ void __launch_bounds__(kThreads) sample_tokens_kernel(
       if (beats(x, i, best.score, best.token)) best = {x, i};
     });
     best = ArgBestReduce(smem.cub.arg_best).Reduce(best, ArgBestOp());
-    if (threadIdx.x == 0) out[r] = best.token;
+    if (threadIdx.x == 0) {
+      out[r] = best.token;
+      smem.max_value = best.score;  // NaN when the row holds one (argmax's rules)
+    }
+    if (kLogProb) {  // log_softmax(x)[token] = -log(sum of exp(x - max)): one more pass
+      __syncthreads();
+      const float m = smem.max_value;
+      float sum = 0.0f;
+      if (fabsf(m) < kInf) reader.for_each([&](int, float x) { sum += expf(x - m); });
+      sum = block_sum(smem, sum);
+      if (threadIdx.x == 0) log_probs[r] = fabsf(m) < kInf ? -logf(sum) : CUDART_NAN_F;
+    }
     return;
   }
 
@@ -193,43 +224,82 @@ __global__ void __launch_bounds__(kThreads) sample_tokens_kernel(
   const float inv_t = p.inv_temperature;
   auto scaled = [inv_t](float x) { return __fmul_rn(x, inv_t); };
 
+  // The largest l and whether a NaN is present, for top-p and the log-probability: the kept tokens'
+  // too (the largest is always kept, a NaN too: its key is the largest).
+  float m = -kInf;
+  bool has_nan = false;
+  if (p.use_top_p || kLogProb) {
+    reader.for_each([&](int, float x) {
+      const float l = scaled(x);
+      m = MaxOp()(m, l);
+      has_nan |= l != l;
+    });
+    m = MaxReduce(smem.cub.max).Reduce(m, MaxOp());
+    if (threadIdx.x == 0) smem.max_value = m;
+    has_nan = __syncthreads_or(has_nan);
+    m = smem.max_value;
+  }
+
   uint32_t threshold = 0;  // keep the tokens with order_key(l) >= threshold
   if (p.top_k > 0) {
     const unsigned long long k = static_cast<unsigned long long>(p.top_k);
     threshold = select_threshold(
         reader, smem, scaled, 0u, [](float) { return 1ull; }, [k](unsigned long long) { return k; });
   }
-  if (p.use_top_p) {
-    float m = -kInf;
-    reader.for_each([&](int, float x) { m = MaxOp()(m, scaled(x)); });
-    __syncthreads();  // smem.cub may still be in use by the top-k selection
-    m = MaxReduce(smem.cub.max).Reduce(m, MaxOp());
-    if (threadIdx.x == 0) smem.max_value = m;
-    __syncthreads();
-    m = smem.max_value;
-    // With an infinite maximum the masses are undefined (the reference's softmax gives NaN and drops
-    // nothing): keep what top-k kept.
-    if (fabsf(m) < kInf) {
-      const float top_p = p.top_p;
-      threshold = select_threshold(
-          reader, smem, scaled, threshold, [m](float l) { return static_cast<unsigned long long>(fixed_mass(l - m)); },
-          [top_p](unsigned long long total) { return static_cast<unsigned long long>(top_p_target(top_p, total)); });
-    }
+  // With an infinite maximum the masses are undefined (the reference's softmax gives NaN and drops
+  // nothing): keep what top-k kept.
+  if (p.use_top_p && fabsf(m) < kInf) {
+    const float top_p = p.top_p;
+    threshold = select_threshold(
+        reader, smem, scaled, threshold, [m](float l) { return static_cast<unsigned long long>(fixed_mass(l - m)); },
+        [top_p](unsigned long long total) { return static_cast<unsigned long long>(top_p_target(top_p, total)); });
   }
 
-  const uint32_t sk = step_key(keys[r * key_stride], step[0]);
+  const NoiseKey nk = noise_key(keys[r * key_stride], step[0]);
+  float sum = 0.0f;  // of exp(l - m) over the kept tokens, when kLogProb
   reader.for_each([&](int i, float x) {
     const float l = scaled(x);
-    const bool kept = order_key(l) >= threshold;
-    const float u = uniform(sk, i);
-    // u == 1 gives infinite noise: that token scores +inf (or NaN when not kept) and must be seen.
-    if (u < 1.0f && (!kept || cannot_beat(l, u, best.score, smem.reach))) return;
-    const float score = (kept ? l : -kInf) + gumbel(u);
+    // A token top-k / top-p dropped scores -inf + g = -inf: it never beats (-inf, 0) or a lower index.
+    if (order_key(l) < threshold) return;
+    if (kLogProb) sum += expf(l - m);
+    const uint32_t high = noise_high(nk, static_cast<uint32_t>(i));
+    if (cannot_beat(l, high, best.score, smem.reach)) return;
+    const float score = __fadd_rn(l, gumbel(nk, high));
     if (beats(score, i, best.score, best.token)) best = {score, i};
   });
   __syncthreads();  // smem.cub may still be in use by the selections
   best = ArgBestReduce(smem.cub.arg_best).Reduce(best, ArgBestOp());
-  if (threadIdx.x == 0) out[r] = best.token;
+  if (threadIdx.x == 0) {
+    out[r] = best.token;
+    smem.token = best.token;
+  }
+  if (kLogProb) {
+    sum = block_sum(smem, sum);  // also makes smem.token visible
+    if (threadIdx.x == 0) {
+      const float l = scaled(static_cast<float>(row[static_cast<int64_t>(smem.token) * col_stride]));
+      log_probs[r] = has_nan || !(fabsf(m) < kInf) ? CUDART_NAN_F : (l - m) - logf(sum);
+    }
+  }
+}
+
+template <bool kLogProb>
+void launch(const at::Tensor& logits, const at::Tensor& keys, const at::Tensor& step, const SampleParams& params,
+            const at::Tensor& out, float* log_probs) {
+  const int64_t rows = logits.size(0), vocab = logits.size(1);
+  if (rows == 0) return;
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_V2(logits.scalar_type(), "sample_tokens_cuda", AT_WRAP([&] {
+    sample_tokens_kernel<scalar_t, kLogProb><<<static_cast<unsigned int>(rows), kThreads, 0, stream>>>(
+        logits.data_ptr<scalar_t>(), logits.stride(0), logits.stride(1), static_cast<int>(vocab),
+        keys.data_ptr<int64_t>(), keys.stride(0), step.data_ptr<int64_t>(), out.data_ptr<int64_t>(), log_probs,
+        params);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }), at::kFloat, at::kHalf, at::kBFloat16);
+}
+
+void check_rows(const at::Tensor& logits, const char* op) {
+  TORCH_CHECK_VALUE(logits.size(0) <= std::numeric_limits<int32_t>::max(), op, ": logits must have at most ",
+                    std::numeric_limits<int32_t>::max(), " rows (one CUDA block each), got ", logits.size(0));
 }
 
 at::Tensor sample_tokens_cuda(const at::Tensor& logits, const at::Tensor& keys, const at::Tensor& step,
@@ -237,26 +307,31 @@ at::Tensor sample_tokens_cuda(const at::Tensor& logits, const at::Tensor& keys, 
   check_sample_args(logits, keys, step, temperature, top_k, top_p);
   TORCH_INTERNAL_ASSERT(logits.device().is_cuda());
   const c10::cuda::OptionalCUDAGuard guard(logits.device());
-  const int64_t rows = logits.size(0), vocab = logits.size(1);
-  TORCH_CHECK_VALUE(rows <= std::numeric_limits<int32_t>::max(), "sample_tokens: logits must have at most ",
-                    std::numeric_limits<int32_t>::max(), " rows (one CUDA block each), got ", rows);
-  at::Tensor out = at::empty({rows}, logits.options().dtype(at::kLong));
-  if (rows == 0) return out;
-  const SampleParams params = make_sample_params(vocab, temperature, top_k, top_p);
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  AT_DISPATCH_V2(logits.scalar_type(), "sample_tokens_cuda", AT_WRAP([&] {
-    sample_tokens_kernel<scalar_t><<<static_cast<unsigned int>(rows), kThreads, 0, stream>>>(
-        logits.data_ptr<scalar_t>(), logits.stride(0), logits.stride(1), static_cast<int>(vocab),
-        keys.data_ptr<int64_t>(), keys.stride(0), step.data_ptr<int64_t>(), out.data_ptr<int64_t>(), params);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  }), at::kFloat, at::kHalf, at::kBFloat16);
+  check_rows(logits, "sample_tokens");
+  at::Tensor out = at::empty({logits.size(0)}, logits.options().dtype(at::kLong));
+  launch<false>(logits, keys, step, make_sample_params(logits.size(1), temperature, top_k, top_p), out, nullptr);
   return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> sample_tokens_with_logprobs_cuda(const at::Tensor& logits, const at::Tensor& keys,
+                                                                    const at::Tensor& step, double temperature,
+                                                                    int64_t top_k, double top_p) {
+  check_sample_args(logits, keys, step, temperature, top_k, top_p, "sample_tokens_with_logprobs");
+  TORCH_INTERNAL_ASSERT(logits.device().is_cuda());
+  const c10::cuda::OptionalCUDAGuard guard(logits.device());
+  check_rows(logits, "sample_tokens_with_logprobs");
+  at::Tensor out = at::empty({logits.size(0)}, logits.options().dtype(at::kLong));
+  at::Tensor log_probs = at::empty({logits.size(0)}, logits.options().dtype(at::kFloat));
+  launch<true>(logits, keys, step, make_sample_params(logits.size(1), temperature, top_k, top_p), out,
+               log_probs.data_ptr<float>());
+  return {out, log_probs};
 }
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(torchkvops, CUDA, m) {
   m.impl("sample_tokens", &sample_tokens_cuda);
+  m.impl("sample_tokens_with_logprobs", &sample_tokens_with_logprobs_cuda);
 }
 
 }  // namespace torchkvops
