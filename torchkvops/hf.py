@@ -11,7 +11,7 @@ from torch import nn
 
 from .kv_cache import KVShape
 
-__all__ = ["ModelAdapter"]
+__all__ = ["ModelAdapter", "sliding_window"]
 
 _ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention"}
 # Attention implementations that take an arbitrary 4-D mask as we build it: SDPA a boolean one
@@ -25,6 +25,17 @@ def _as_id_list(value) -> list[int]:
     if isinstance(value, int):
         return [value]
     return [int(v) for v in value]
+
+
+def sliding_window(config) -> int | None:
+    """The attention window that binds some layer of a model with this config, or None when every layer
+    sees all tokens."""
+    if getattr(config, "use_sliding_window", True) is False:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and "sliding_attention" not in layer_types:
+        return None
+    return getattr(config, "sliding_window", None)
 
 
 def input_vocab(model: nn.Module) -> int | None:
@@ -79,13 +90,7 @@ class ModelAdapter:
 
     def sliding_window(self) -> int | None:
         """The attention window that binds some layer, or None when every layer sees all tokens."""
-        c = self.config
-        if getattr(c, "use_sliding_window", True) is False:
-            return None
-        layer_types = getattr(c, "layer_types", None)
-        if layer_types is not None and "sliding_attention" not in layer_types:
-            return None
-        return getattr(c, "sliding_window", None)
+        return sliding_window(self.config)
 
     def check_length(self, total_length: int) -> None:
         if self.max_positions is not None and total_length > self.max_positions:
