@@ -12,15 +12,17 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from models import FAMILIES, VOCAB
+from models import FAMILIES, VOCAB, prompts
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import AttentionInterface, GPT2Config, GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForCausalLM
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 import torchkvops
+from devices import DEVICES, per_device
 from torchkvops import shared_forward
 from torchkvops.prefix_attention import shared_prefix_attention
 from torchkvops.prefix_groups import PrefixGroup, find_prefix_groups, row_keys
+from torchkvops.shared_forward import disable_dropout
 
 
 @pytest.fixture(autouse=True)
@@ -34,14 +36,8 @@ def one_thread():
 def no_dropout_train(model):
     """Train mode with every dropout at 0, as TRL's disable_dropout intends (OPT's functional dropout
     floats included)."""
-    model.train()
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
-        for name in ("dropout", "attention_dropout", "activation_dropout"):
-            if isinstance(vars(module).get(name), float):
-                setattr(module, name, 0.0)
-    return model
+    disable_dropout(model)
+    return model.train()
 
 
 def batch(group_sizes, arrangement="adjacent", padded=True, prompt_length=12, completion_length=6, seed=0):
@@ -125,6 +121,44 @@ def test_outputs_and_gradients_equal_the_plain_forward(family_models, family, ar
     assert len(calls) == model.config.num_hidden_layers
     assert handle.stats.computed_tokens < handle.stats.row_tokens == ids.numel()
     assert_same(shared, plain, mask)
+
+
+def test_qwen2_too():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
+                                         initializer_range=0.2, max_position_embeddings=128)).train()
+    ids, mask, labels = batch([8, 2, 1], "interleaved")
+    plain = run(model, ids, mask, labels)
+    with torchkvops.patch_forward(model, min_shared_tokens=4) as handle:
+        shared = run(model, ids, mask, labels)
+    assert handle.stats.shared_calls == 1
+    assert_same(shared, plain, mask)
+
+
+@pytest.mark.parametrize("device,case", per_device([], [("llama", torch.float32), ("qwen3", torch.bfloat16),
+                                                        ("gpt2", torch.float32), ("opt", torch.bfloat16)]))
+def test_on_cuda(family_models, device, case):
+    """The CUDA kernels (memory-efficient attention and its backward, K/V heads repeated for the causal
+    parts) against the plain forward on the GPU; bf16 weights against bf16's own rounding."""
+    family, dtype = case
+    model = copy.deepcopy(no_dropout_train(family_models[family])).to(device, dtype)
+    ids, mask, labels = (t.to(device) for t in batch([8, 2, 1], "interleaved"))
+    plain = run(model, ids, mask, labels)
+    with torchkvops.patch_forward(model, min_shared_tokens=4) as handle:
+        shared = run(model, ids, mask, labels)
+    assert handle.stats.shared_calls == 1
+    if dtype == torch.float32:
+        assert_same(shared, plain, mask)
+        return
+    (out_s, grads_s), (out_p, grads_p) = shared, plain
+    real = mask.bool()
+    torch.testing.assert_close(out_s.logits[real].float(), out_p.logits[real].float(), rtol=0.05, atol=0.1)
+    for name in grads_p:
+        scale = grads_p[name].float().norm()
+        assert (grads_s[name].float() - grads_p[name].float()).norm() <= 0.05 * scale + 1e-6, name
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -241,6 +275,39 @@ def test_shared_forward_and_backward_really_do_less_work(family_models):
         shared = count()
     assert handle.stats.shared_calls == 1
     assert shared <= 0.35 * plain, (shared, plain, shared / plain)
+
+
+def test_torch_compile_of_the_patched_model():
+    """torch.compile traces the packed forward (the grouping runs outside the graph) and AOT autograd the
+    shared attention's forward and backward; aot_eager checks that without Inductor's compile time."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = no_dropout_train(LlamaForCausalLM(LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=VOCAB, initializer_range=0.2)))
+    ids, mask, labels = batch([4, 2], "interleaved")
+    plain = run(model, ids, mask, labels)
+    with torchkvops.patch_forward(model, min_shared_tokens=4) as handle:
+        compiled = torch.compile(model, backend="aot_eager")
+        out, grads = run(compiled, ids, mask, labels)
+    assert handle.stats.shared_calls == 1
+    assert_same((out, {name.removeprefix("_orig_mod."): g for name, g in grads.items()}), plain, mask)
+
+
+def test_patch_generate_and_patch_forward_together(family_models):
+    """The rollout's prefill and decode carry a KV cache: the patched backbone runs them as they were."""
+    model = family_models["llama"]
+    ids, mask = (t.repeat_interleave(2, dim=0) for t in prompts(2, 12, left_pad=[0, 3]))
+    expected = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0,
+                              eos_token_id=None)
+    with torchkvops.patch_forward(model, min_shared_tokens=4) as handle, torchkvops.patch_generate(model), \
+            warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        got = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0,
+                             eos_token_id=None)
+    assert torch.equal(got, expected)
+    assert handle.stats.shared_calls == 0 and handle.stats.fallback_calls == 0
 
 
 # --- fallbacks -----------------------------------------------------------------------------------
@@ -431,10 +498,11 @@ def dense_causal_attention(q, k, v, allowed):
     return torch.nan_to_num(scores.masked_fill(~visible, float("-inf")).softmax(-1)) @ v
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("groups,rows,prefix,suffix,heads,kv_heads", [
     (2, 3, 5, 4, 4, 2), (1, 8, 7, 3, 4, 1), (3, 2, 4, 0, 2, 2), (2, 1, 6, 5, 6, 3), (1, 2, 1, 9, 2, 2)])
-def test_shared_prefix_attention_matches_dense_attention(groups, rows, prefix, suffix, heads, kv_heads, dtype):
+def test_shared_prefix_attention_matches_dense_attention(groups, rows, prefix, suffix, heads, kv_heads, dtype, device):
     """Forward and backward (the merged-lse backward) against dense masked attention in float64, with
     left padding in the prefix and right padding in some suffixes."""
     g = torch.Generator().manual_seed(0)
@@ -450,15 +518,16 @@ def test_shared_prefix_attention_matches_dense_attention(groups, rows, prefix, s
     allowed[:, : min(2, prefix - 1)] = False
     if suffix > 1:
         allowed[::2, -1] = False
-    leaf = lambda t: t.to(dtype).requires_grad_()  # noqa: E731
+    leaf = lambda t: t.to(device, dtype).requires_grad_()  # noqa: E731
     first = slice(0, total, rows)  # each group's first row holds the shared prefix
     q_pre, k_pre, v_pre = (leaf(t[first, :, :prefix]) for t in (q, k, v))
     q_suf, k_suf, v_suf = (leaf(t[:, :, prefix:]) for t in (q, k, v))
     masked = torch.finfo(dtype).min
     bias_pre = torch.zeros(groups, 1, 1, prefix, dtype=dtype).masked_fill(~allowed[first, None, None, :prefix], masked)
     bias_suf = torch.zeros(total, 1, 1, suffix, dtype=dtype).masked_fill(~allowed[:, None, None, prefix:], masked)
-    out_pre, out_suf = shared_prefix_attention(q_pre, k_pre, v_pre, q_suf, k_suf, v_suf, bias_pre, bias_suf)
-    out = torch.cat([out_pre.repeat_interleave(rows, 0), out_suf], dim=2)
+    out_pre, out_suf = shared_prefix_attention(q_pre, k_pre, v_pre, q_suf, k_suf, v_suf, bias_pre.to(device),
+                                               bias_suf.to(device))
+    out = torch.cat([out_pre.repeat_interleave(rows, 0), out_suf], dim=2).cpu()
 
     reference_inputs = [t.clone().requires_grad_() for t in (q, k, v)]
     reference = dense_causal_attention(*reference_inputs, allowed)
@@ -466,7 +535,7 @@ def test_shared_prefix_attention_matches_dense_attention(groups, rows, prefix, s
     grad = torch.randn(reference.shape, generator=g, dtype=torch.float64) * real
     tol = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else dict(rtol=0.05, atol=0.05)
     torch.testing.assert_close((out.double() * real), reference * real, **tol)
-    out.backward(grad.to(dtype))
+    out.backward(grad.to(dtype))  # (through .cpu(): the gradients land on the device)
     dq, dk, dv = torch.autograd.grad(reference, reference_inputs, grad)
 
     def shared_part(t):  # the prefix's gradient is the sum over the group's rows
@@ -474,7 +543,7 @@ def test_shared_prefix_attention_matches_dense_attention(groups, rows, prefix, s
 
     for got, want in ((q_pre.grad, shared_part(dq)), (k_pre.grad, shared_part(dk)), (v_pre.grad, shared_part(dv)),
                       (q_suf.grad, dq[:, :, prefix:]), (k_suf.grad, dk[:, :, prefix:]), (v_suf.grad, dv[:, :, prefix:])):
-        torch.testing.assert_close(got.double(), want, **tol)
+        torch.testing.assert_close(got.cpu().double(), want, **tol)
 
 
 # --- the grouping --------------------------------------------------------------------------------

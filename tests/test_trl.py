@@ -134,19 +134,27 @@ def test_trl_default_bf16_on_a_float32_model_falls_back_to_hf_generate(example, 
     handle.undo()
 
 
-def test_example_script_prints_both_paths(tmp_path):
+def test_example_script_prints_the_step_split_of_both_settings(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
                HF_HUB_OFFLINE="1", TMPDIR=str(tmp_path))
-    command = [sys.executable, str(EXAMPLE), "--steps", "1", "--batch-size", "4", "--num-generations", "2",
-               "--prompt-length", "6", "--max-completion-length", "4"]
+    command = [sys.executable, str(EXAMPLE), "--steps", "2", "--batch-size", "4", "--num-generations", "2",
+               "--prompt-length", "20", "--exact-prompt-length", "--max-completion-length", "4", "--beta", "0.04",
+               "--num-iterations", "2"]
     result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.splitlines()
-    assert "| step | generate ms (torchkvops) | generate ms (hf) | step ms (torchkvops) | step ms (hf) |" in lines
-    number = r"\d+"
-    assert any(re.fullmatch(rf"\| 1 \| {number} \| {number} \| {number} \| {number} \|", line) for line in lines)
-    assert any(re.fullmatch(rf"\| median \| {number} \| {number} \| {number} \| {number} \|", line) for line in lines)
-    assert "NOTE:" not in result.stdout  # the torchkvops run did not fall back
+    columns = [f"{c} ms ({s})" for s in ("both", "neither") for c in ("generate", "logprob", "train", "step")]
+    assert "| step | " + " | ".join(columns) + " |" in lines
+    numbers = r"(\| \d+ ){8}\|"
+    for label in ("1", "2", "median", "total"):
+        assert any(re.fullmatch(rf"\| {label} {numbers}", line) for line in lines), label
+    step_one = next(line for line in lines if line.startswith("| 1 |")).split("|")[2:-1]
+    assert all(float(v) > 0 for v in step_one)  # step 1 generates and runs both logprob passes, in both settings
+    assert any(line.startswith("speedup of both over neither (totals): generate ") for line in lines)
+    # The policy's old-logprob and two loss passes, and the reference pass, were shared.
+    assert "shared forward (both): 3 passes shared, 0 fell back" in result.stdout
+    assert "shared forward (both): 1 passes shared, 0 fell back" in result.stdout
+    assert "NOTE:" not in result.stdout  # nothing fell back to HF's generate or the plain forward
 
 
 def grpo_weights(example, checkpoint, output_dir, patch: str | None):

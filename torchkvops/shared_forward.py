@@ -49,7 +49,7 @@ from .hf import sliding_window
 from .prefix_attention import SERVED_DEVICES, PackedLayout, packed_attention
 from .prefix_groups import find_prefix_groups, pack_layout, row_keys
 
-__all__ = ["patch_forward", "ForwardPatch", "SharedForwardConfig", "SharedForwardStats", "NAME"]
+__all__ = ["patch_forward", "ForwardPatch", "SharedForwardConfig", "SharedForwardStats", "disable_dropout", "NAME"]
 
 NAME = "torchkvops_shared"  # the attention function's name in transformers' AttentionInterface
 _LAYOUT_KWARG = "torchkvops_packed_layout"  # the keyword that carries the layout to the attention layers
@@ -256,8 +256,8 @@ def _plain_reason(backbone: nn.Module, arguments: dict) -> str | None:
     if backbone.training:
         cause = _active_dropout(backbone)
         if cause:
-            return (f"dropout in train mode ({cause}: every row needs its own dropout mask; set the dropout to 0, "
-                    "as TRL's disable_dropout does for nn.Dropout modules, or call model.eval())")
+            return (f"dropout in train mode ({cause}: every row needs its own dropout mask; set it to 0 with "
+                    "torchkvops.shared_forward.disable_dropout(model), or call model.eval())")
     attn = config._attn_implementation
     if attn not in SERVED_ATTENTION:
         return f"attn_implementation={attn!r} (served: {', '.join(SERVED_ATTENTION)})"
@@ -270,6 +270,19 @@ def _plain_reason(backbone: nn.Module, arguments: dict) -> str | None:
     if window is not None and input_ids.shape[1] > window:
         return f"rows of {input_ids.shape[1]} tokens, longer than the sliding window of {window}"
     return None
+
+
+def disable_dropout(model: nn.Module) -> None:
+    """Set every dropout the shared path checks to 0: nn.Dropout's p (what TRL's disable_dropout does) and
+    the floats that OPT-style layers pass to functional dropout (which TRL's leaves on)."""
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+            continue
+        for attribute in _DROPOUT_ATTRIBUTES:
+            value = vars(module).get(attribute)
+            if isinstance(value, float) and value > 0:
+                setattr(module, attribute, 0.0)
 
 
 def _active_dropout(backbone: nn.Module) -> str | None:
