@@ -43,7 +43,7 @@ import weakref
 
 import torch
 from torch import Tensor, nn
-from transformers import AttentionInterface, PretrainedConfig
+from transformers import AttentionInterface, PreTrainedConfig
 
 from .hf import sliding_window
 from .prefix_attention import SERVED_DEVICES, PackedLayout, packed_attention
@@ -105,7 +105,7 @@ class _ConfigView:
 
     _attn_implementation = NAME
 
-    def __init__(self, config: PretrainedConfig):
+    def __init__(self, config: PreTrainedConfig):
         object.__setattr__(self, "_torchkvops_config", config)
 
     def __getattr__(self, name: str):
@@ -331,11 +331,11 @@ def _backbone(model: nn.Module) -> nn.Module:
     """The module that runs the decoder layers: `model.base_model`, or the decoder it wraps (OPTModel's
     OPTDecoder, which OPTForCausalLM calls directly)."""
     backbone = getattr(model, "base_model", model)
-    if not isinstance(getattr(backbone, "config", None), PretrainedConfig):
+    if not isinstance(getattr(backbone, "config", None), PreTrainedConfig):
         raise TypeError(f"patch_forward: model must be a Hugging Face causal LM or its backbone, got "
                         f"{type(model).__name__}")
     decoder = getattr(backbone, "decoder", None)
-    if isinstance(decoder, nn.Module) and isinstance(getattr(decoder, "config", None), PretrainedConfig):
+    if isinstance(decoder, nn.Module) and isinstance(getattr(decoder, "config", None), PreTrainedConfig):
         return decoder
     return backbone
 
@@ -343,7 +343,7 @@ def _backbone(model: nn.Module) -> nn.Module:
 def _attention_modules(backbone: nn.Module) -> list[nn.Module]:
     return [m for m in backbone.modules()
             if type(m).__name__.endswith("Attention") and hasattr(m, "layer_idx")
-            and isinstance(getattr(m, "config", None), (PretrainedConfig, _ConfigView))]
+            and isinstance(getattr(m, "config", None), (PreTrainedConfig, _ConfigView))]
 
 
 def _unsupported_model(backbone: nn.Module) -> str | None:
