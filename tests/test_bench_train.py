@@ -13,16 +13,20 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run(*args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore")
-    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_shared_forward.py"), *args], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=300)
+def run(*args: str, script: bool = False) -> subprocess.CompletedProcess:
+    """The script, or `python -m torchkvops bench-train` (which parses its arguments before importing torch)."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore",
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))  # this checkout's torchkvops
+    command = [str(ROOT / "benchmarks" / "bench_shared_forward.py")] if script else ["-m", "torchkvops", "bench-train"]
+    return subprocess.run([sys.executable, *command, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
 
 
 def test_one_case_end_to_end(tmp_path):
     output = tmp_path / "train.json"
     proc = run("--model-shape", "tiny", "--device", "cpu", "--prompt-lengths", "48", "--completion-lengths", "8",
-               "--group-sizes", "4", "--warmup", "0", "--iterations", "1", "--threads", "1", "--output", str(output))
+               "--group-sizes", "4", "--warmup", "0", "--iterations", "1", "--threads", "1", "--output", str(output),
+               script=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "| 48 | 8 | 4 | 1 | 224/80 |" in proc.stdout  # tokens: 4 x (48 + 8) plain, 48 + 4 x 8 shared
     document = json.loads(output.read_text())
@@ -44,3 +48,10 @@ def test_bad_arguments_are_one_line_errors(args, message):
     proc = run(*args)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert message in proc.stderr
+
+
+def test_the_command_line_knows_every_model_shape_and_its_positions():
+    from torchkvops.cli.bench_train import MODEL_POSITIONS
+    from torchkvops.models import MODEL_SHAPES, model_config
+
+    assert MODEL_POSITIONS == {name: model_config(name).max_position_embeddings for name in MODEL_SHAPES}

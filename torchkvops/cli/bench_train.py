@@ -10,7 +10,10 @@ import sys
 
 from .checks import CLIError, check_output_file, device_name, int_in
 
-MODEL_SHAPES = ("llama-small", "opt-125m", "tiny", "gpt2", "qwen3-0.6b", "opt-6.7b")  # torchkvops.models' names
+# torchkvops.models' shapes and their positions (max_position_embeddings), spelled out so that the checks
+# need no transformers (tests/test_bench_train.py checks that they agree).
+MODEL_POSITIONS = {"llama-small": 8192, "opt-125m": 2048, "tiny": 2048, "gpt2": 1024, "qwen3-0.6b": 40960,
+                   "opt-6.7b": 2048}
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 DESCRIPTION = ("Forward + backward of the completion log-probabilities of G completions per prompt (a GRPO loss "
                "pass), the plain forward against torchkvops.patch_forward's shared-prefix forward, interleaved "
@@ -21,7 +24,8 @@ EPILOG = ("Per case: time (median of --iterations steps per mode, after --warmup
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model-shape", choices=MODEL_SHAPES, default="llama-small", help="a torchkvops.models shape")
+    p.add_argument("--model-shape", choices=list(MODEL_POSITIONS), default="llama-small",
+                   help="a torchkvops.models shape")
     p.add_argument("--device", type=device_name, default=None,
                    help="cpu, cuda or cuda:N (default: cuda when available, else cpu)")
     p.add_argument("--dtype", choices=list(DTYPES), default="fp32", help="the weights' dtype")
@@ -41,6 +45,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def check_args(args) -> None:
     """The checks argparse cannot make one flag at a time, before any work (no torch needed)."""
+    limit = MODEL_POSITIONS[args.model_shape]
+    longest = max(args.prompt_lengths) + max(args.completion_lengths)
+    if longest > limit:
+        raise CLIError(f"--prompt-lengths + --completion-lengths reach {longest} tokens, more than the "
+                       f"{args.model_shape} shape's {limit} positions")
     check_output_file(args.output, "--output")
 
 
@@ -49,17 +58,11 @@ def execute(args: argparse.Namespace) -> int:
 
     from ..atomic_write import write_json_atomic
     from ..bench.train import NOTES, cases, format_table, measure_case, train_model
-    from ..models import model_config
     from .launch import resolve_device
 
     device = resolve_device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
-    limit = getattr(model_config(args.model_shape), "max_position_embeddings", None)
-    longest = max(args.prompt_lengths) + max(args.completion_lengths)
-    if limit is not None and longest > limit:
-        raise CLIError(f"--prompt-lengths + --completion-lengths reach {longest} tokens, more than the "
-                       f"{args.model_shape} shape's {limit} positions")
     torch.manual_seed(args.seed)
     model = train_model(args.model_shape, device, getattr(torch, DTYPES[args.dtype]))
     header = {"model_shape": args.model_shape, "device": str(device), "dtype": args.dtype, "torch": torch.__version__,
