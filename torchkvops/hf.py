@@ -11,7 +11,7 @@ from torch import nn
 
 from .kv_cache import KVShape
 
-__all__ = ["ModelAdapter", "sliding_window"]
+__all__ = ["ModelAdapter"]
 
 _ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention"}
 # Attention implementations that take an arbitrary 4-D mask as we build it: SDPA a boolean one
@@ -25,17 +25,6 @@ def _as_id_list(value) -> list[int]:
     if isinstance(value, int):
         return [value]
     return [int(v) for v in value]
-
-
-def sliding_window(config) -> int | None:
-    """The attention window that binds some layer of a model with this config, or None when every layer
-    sees all tokens."""
-    if getattr(config, "use_sliding_window", True) is False:
-        return None
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None and "sliding_attention" not in layer_types:
-        return None
-    return getattr(config, "sliding_window", None)
 
 
 def input_vocab(model: nn.Module) -> int | None:
@@ -147,3 +136,14 @@ class ModelAdapter:
         """One forward; returns the logits of the last position only: [rows, vocab]."""
         kwargs = self.forward_kwargs(cache, attention_mask, position_ids, cache_position)
         return self.model(input_ids=input_ids, **kwargs).logits[:, -1, :]
+
+
+def sliding_window(config) -> int | None:
+    """The attention window that binds some layer of a model with this config, or None when every layer
+    sees all tokens."""
+    if getattr(config, "use_sliding_window", True) is False:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and "sliding_attention" not in layer_types:
+        return None
+    return getattr(config, "sliding_window", None)
