@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The GPU check, in one call on a machine with a CUDA GPU (made for one H200, torch 2.11+cu130,
 # nvcc 13.0, no network, no trl): build the extension, run the CUDA tests (graph decode, the sampler,
-# merge_attention_states, the KV ops, the shared-prefix forward), the repeat_kv_cache_ bandwidth table, the
-# decode benchmarks of issues #8 and #9 (OPT-6.7B anchor, Qwen3-0.6B long prompts, OPT-125m matrix;
-# CUDA-graph decode, both KV layouts, HF generate with its default and static cache), the shared-prefix
-# training matrix of issue #17, the sampler and merge benchmarks, and the compiled anchor if time is left. Everything lands in OUT_DIR: one log per step, the JSON results,
+# merge_attention_states, the KV ops), the repeat_kv_cache_ bandwidth table, the decode benchmarks of
+# issues #8 and #9 (OPT-6.7B anchor, Qwen3-0.6B long prompts, OPT-125m matrix; CUDA-graph decode, both
+# KV layouts, HF generate with its default and static cache), the sampler and merge benchmarks, and the
+# compiled anchor if time is left. Everything lands in OUT_DIR: one log per step, the JSON results,
 # exit_codes.txt and summary.txt. A failing step does not stop the next one. Copy OUT_DIR to
 # benchmarks/results/<date>_h200/ and commit it.
 #
@@ -92,7 +92,8 @@ step matrix-125m 70 "$PY" -m torchkvops bench --model-shape opt-125m --dtype bf1
   --warmup 2 --iterations 5 --no-progress --output "$out/matrix_opt125m_bf16.json"
 # Issue #17: shared-prefix forward + backward (patch_forward) against the plain forward, the issue's matrix
 # P x C x G, bf16; its CUDA tests run in pytest-cuda above. opt-125m has 2048 positions: P <= 1024 there.
-# The JSON is rewritten after every case, so a step cut by its limit keeps the cases it finished.
+# The JSON is rewritten after every case, so a step cut by its limit keeps the cases it finished; the
+# tables are in the steps' logs.
 step train-llama 90 "$PY" -m torchkvops bench-train --model-shape llama-small --dtype bf16 --device cuda \
   --prompt-lengths 256 1024 4096 --completion-lengths 64 256 1024 --group-sizes 4 8 16 --warmup 1 --iterations 3 \
   --output "$out/train_llama_small_bf16.json"
@@ -111,7 +112,7 @@ step anchor-compiled 160 "$PY" -m torchkvops bench --model-shape opt-6.7b --dtyp
   echo "gpu_check: $((SECONDS - start))s; results in $out"
   printf '%-14s %-8s %6s\n' step exit time
   printf '%s\n' "${rows[@]}"
-  for f in anchor-6.7b long-prompt matrix-125m train-llama train-opt anchor-compiled; do
+  for f in anchor-6.7b long-prompt matrix-125m anchor-compiled; do
     [ -f "$out/$f.log" ] || continue
     echo
     echo "--- $f"
