@@ -90,6 +90,16 @@ step long-prompt 130 "$PY" -m torchkvops bench --model-shape qwen3-0.6b --dtype 
 step matrix-125m 70 "$PY" -m torchkvops bench --model-shape opt-125m --dtype bf16 --device cuda --batch-sizes 1 8 \
   --samples-per-prompt 4 16 --prompt-lengths 512 --response-lengths 32 --modes expanded shared prefix hf-generate \
   --warmup 2 --iterations 5 --no-progress --output "$out/matrix_opt125m_bf16.json"
+# Issue #17: shared-prefix forward + backward (patch_forward) against the plain forward, the issue's matrix
+# P x C x G, bf16; its CUDA tests run in pytest-cuda above. opt-125m has 2048 positions: P <= 1024 there.
+# The JSON is rewritten after every case, so a step cut by its limit keeps the cases it finished; the
+# tables are in the steps' logs.
+step train-llama 90 "$PY" -m torchkvops bench-train --model-shape llama-small --dtype bf16 --device cuda \
+  --prompt-lengths 256 1024 4096 --completion-lengths 64 256 1024 --group-sizes 4 8 16 --warmup 1 --iterations 3 \
+  --output "$out/train_llama_small_bf16.json"
+step train-opt 60 "$PY" -m torchkvops bench-train --model-shape opt-125m --dtype bf16 --device cuda \
+  --prompt-lengths 256 1024 --completion-lengths 64 256 1024 --group-sizes 4 8 16 --warmup 1 --iterations 3 \
+  --output "$out/train_opt125m_bf16.json"
 step bench-sampler 30 "$PY" benchmarks/bench_sampler.py --device cuda --rows 64 8 --vocab 151936 50272 --dtype bf16 --iters 50
 # Issue #18: the rollout-vs-trainer log-probability mismatch in bf16 (each layout, with and without the
 # float32 LM head, against HF generate on the same tokens), and what return_logprobs and the float32
