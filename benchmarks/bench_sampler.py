@@ -10,8 +10,8 @@ Each (rows, vocab) pair is timed in five modes: greedy, temperature 0.8, top-k 5
 top-k 50 + top-p 0.9 (temperature 0.8 in all but greedy). After one warm-up call of each, op,
 reference and HF calls alternate (A B C A B C ...), each call timed on its own (time.perf_counter on
 CPU, CUDA events on CUDA), and the table gives the medians, the op's speedups and the fraction of rows
-on which the op and the reference drew the same token. Logits are N(0, 3^2) noise in the chosen dtype (fixed seed); the decode step
-advances every iteration, as in a rollout.
+on which the op and the reference drew the same token. Logits are N(0, 3^2) noise in the chosen dtype
+(fixed seed); the decode step advances every iteration, as in a rollout.
 """
 
 from __future__ import annotations
@@ -141,8 +141,8 @@ def main(argv=None) -> int:
     device = torch.device(args.device)
     dtype = DTYPES[args.dtype]
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
-    print(f"sample_tokens vs the Python sampler and HF's sampling: {where}, {args.dtype} logits, median of {args.iters} "
-          f"interleaved calls each, torch {torch.__version__}, torchkvops {torchkvops.__version__}\n")
+    print(f"sample_tokens vs the Python sampler and HF's sampling: {where}, {args.dtype} logits, median of "
+          f"{args.iters} interleaved calls each, torch {torch.__version__}, torchkvops {torchkvops.__version__}\n")
     print("| rows | vocab | mode | op ms | Python ms | HF ms | vs Python | vs HF | same tokens |")
     print("| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for rows, vocab in zip(args.rows, args.vocab):

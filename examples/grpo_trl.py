@@ -1,25 +1,38 @@
-"""A short GRPO run with TRL's GRPOTrainer, generating with torchkvops: the one line a TRL user adds is
+"""A short GRPO run with TRL's GRPOTrainer, with torchkvops in the two places a GRPO step spends its time:
 
-    torchkvops.patch_generate(model)
+    torchkvops.patch_generate(model)            # generation: each prompt prefilled once
+    torchkvops.patch_forward(model)             # the logprob and loss passes: each prompt computed once
+    torchkvops.patch_forward(trainer.ref_model) # (the reference model TRL builds when beta > 0)
 
-Everything else is a plain TRL script: a random-weight model of a named shape (nothing is downloaded),
-a word-level tokenizer built in memory, an in-memory dataset of prompts and a toy reward (the share of
-a completion's words that are "lucky": a fixed quarter of the vocabulary, picked by hash). TRL's RepeatSampler puts the num_generations copies of each
-prompt next to each other, so the patched generate prefills each prompt once and decodes its
-num_generations samples from one expanded KV cache.
+Everything else is a plain TRL script: a random-weight model of a named shape (saved to a temporary folder,
+from which TRL also loads the reference model; nothing is downloaded), a word-level tokenizer built in
+memory, an in-memory dataset of prompts and a toy reward (the share of a completion's words that are
+"lucky": a fixed quarter of the vocabulary, picked by hash). TRL's RepeatSampler puts the num_generations
+copies of each prompt next to each other: the patched generate prefills each prompt once and decodes its
+samples from one expanded KV cache; the patched forward computes each prompt once in the old-policy and
+reference log-probability passes and in the loss's forward and backward.
 
-The script runs the same GRPO steps twice, from the same initial weights and seed: once with the
-patched generate, once with Hugging Face's, and prints each step's generate time and whole-step time
-side by side (with medians). On CPU:
+The script runs the same GRPO steps once per setting, from the same initial weights and seed. A setting
+names the patches it applies: both, generate, forward or neither (--settings; default: both neither;
+--no-patch-generate and --no-patch-forward turn one patch off in every setting). It prints each step's
+split, side by side per setting:
 
-    .venv/bin/python examples/grpo_trl.py                        # tiny model, both paths (~30 s)
-    .venv/bin/python examples/grpo_trl.py --model-shape opt-125m --steps 3 --batch-size 16 \\
-        --max-completion-length 32                                # ~3 min
-    .venv/bin/python examples/grpo_trl.py --generate torchkvops  # one path only
+    generate  the wall time of the model.generate calls TRL made in the step
+    logprob   the wall time of TRL's log-probability passes without gradient in the step (the old policy's
+              when num_iterations > 1, the reference model's when beta > 0)
+    train     the rest of the step: the loss's forward and backward, rewards, the optimizer step
+    step      the whole step, from the trainer's on_step_begin to its on_step_end
 
-Generate times are the wall time of each `model.generate` call TRL makes (TRL's own "transformers.generate"
-profiling reaches only wandb, mlflow or trackio); step times run from the trainer's on_step_begin to its
-on_step_end, so they include that step's generation, reward, loss, backward and optimizer step.
+then each setting's total over all steps and the speedups against "neither". Dropout is turned off in
+every setting (TRL's disable_dropout sets nn.Dropout to 0 but not the float OPT's layers pass to
+functional dropout; a shared forward cannot share dropout masks, and would fall back). On CPU:
+
+    .venv/bin/python examples/grpo_trl.py                    # tiny model, both and neither (about a minute)
+    .venv/bin/python examples/grpo_trl.py --model-shape opt-125m --prompt-length 512 --exact-prompt-length \
+        --max-completion-length 64 --num-generations 8 --batch-size 8 --beta 0.04 --num-iterations 2 --steps 2
+    .venv/bin/python examples/grpo_trl.py --settings both generate forward neither --steps 4
+
+TRL's own "transformers.generate" profiling reaches only wandb, mlflow or trackio, hence the timers here.
 """
 
 from __future__ import annotations
@@ -39,11 +52,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch
 from datasets import Dataset
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast, TrainerCallback
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
 import torchkvops
 from torchkvops.models import MODEL_SHAPES, build_model
+from torchkvops.shared_forward import disable_dropout
 
 # The prompts' words; the rest of the vocabulary is filler ("w1234").
 WORDS = ("apple", "banana", "cherry", "grape", "lemon", "mango", "peach", "plum", "the", "a", "cat", "dog", "sat",
@@ -76,10 +90,12 @@ def build_tokenizer(config) -> PreTrainedTokenizerFast:
                                    bos_token=names[ids["bos"]], eos_token=names[ids["eos"]])
 
 
-def build_dataset(num_prompts: int, prompt_length: int, seed: int = 0) -> Dataset:
-    """Prompts of prompt_length // 2 to prompt_length words (so TRL left-pads them)."""
+def build_dataset(num_prompts: int, prompt_length: int, seed: int = 0, exact: bool = False) -> Dataset:
+    """Prompts of prompt_length // 2 to prompt_length words (so TRL left-pads them), or of exactly
+    prompt_length words."""
     rng = random.Random(seed)
-    prompts = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(max(1, prompt_length // 2), prompt_length)))
+    shortest = prompt_length if exact else max(1, prompt_length // 2)
+    prompts = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(shortest, prompt_length)))
                for _ in range(num_prompts)]
     return Dataset.from_dict({"prompt": prompts})
 
@@ -98,41 +114,57 @@ def lucky_word_reward(completions, **kwargs) -> list[float]:
     return rewards
 
 
+SETTINGS = {"both": ("generate", "forward"), "generate": ("generate",), "forward": ("forward",), "neither": ()}
+COLUMNS = ("generate", "logprob", "train", "step")
+
+
 class StepTimer(TrainerCallback):
-    """Wall time of each optimizer step (which includes that step's generation)."""
+    """Per optimizer step: its wall time and the time spent in the calls `record` was told about."""
 
     def __init__(self):
-        self.step_ms: list[float] = []
+        self.steps: list[dict] = []
         self._start = None
+        self._current = None
+
+    def record(self, what: str, ms: float) -> None:
+        if self._current is not None:
+            self._current[what] += ms
 
     def on_step_begin(self, args, state, control, **kwargs):
+        self._current = {"generate": 0.0, "logprob": 0.0}
         self._start = time.perf_counter()
 
     def on_step_end(self, args, state, control, **kwargs):
-        self.step_ms.append((time.perf_counter() - self._start) * 1e3)
+        split = self._current
+        split["step"] = (time.perf_counter() - self._start) * 1e3
+        split["train"] = split["step"] - split["generate"] - split["logprob"]
+        self.steps.append(split)
+        self._current = None
 
 
-def time_generate(model) -> list[float]:
-    """Wrap model.generate (whichever it is now) to record each call's wall time."""
-    inner, times = model.generate, []
-
-    def timed(*args, **kwargs):
+def timed(timer: StepTimer, what, fn):
+    """fn, recording each call's wall time as `what` (a name, or a function of the call's state giving one)."""
+    def wrapper(*args, **kwargs):
         start = time.perf_counter()
-        out = inner(*args, **kwargs)
-        times.append((time.perf_counter() - start) * 1e3)
+        out = fn(*args, **kwargs)
+        name = what() if callable(what) else what
+        if name:
+            timer.record(name, (time.perf_counter() - start) * 1e3)
         return out
-
-    model.generate = timed
-    return times
+    return wrapper
 
 
-def run(path: str, args, output_dir: str) -> dict:
-    model = build_model(args.model_shape, seed=args.seed)
+def run(setting: str, args, checkpoint: str, output_dir: str) -> dict:
+    patches = SETTINGS[setting]
+    model = AutoModelForCausalLM.from_pretrained(checkpoint)
+    disable_dropout(model)  # see the docstring: the same in every setting
     tokenizer = build_tokenizer(model.config)
-    if path == "torchkvops":
-        torchkvops.patch_generate(model)  # <- the one line that differs from a plain TRL script
-    generate_ms = time_generate(model)
-    step_timer = StepTimer()
+    forward_handles = []
+    if "generate" in patches:
+        torchkvops.patch_generate(model)  # <- the lines that differ from a plain TRL script
+    if "forward" in patches:
+        forward_handles.append(torchkvops.patch_forward(model))
+    timer = StepTimer()
     config = GRPOConfig(
         output_dir=output_dir,
         use_cpu=True,
@@ -144,53 +176,96 @@ def run(path: str, args, output_dir: str) -> dict:
         num_generations=args.num_generations,
         max_completion_length=args.max_completion_length,
         learning_rate=args.learning_rate,
+        beta=args.beta,
+        num_iterations=args.num_iterations,
         logging_steps=1,
         save_strategy="no",
         disable_tqdm=True,
     )
-    dataset = build_dataset(max(8, args.steps * args.batch_size), args.prompt_length, seed=args.seed)
+    dataset = build_dataset(max(8, args.steps * args.batch_size), args.prompt_length, seed=args.seed,
+                            exact=args.exact_prompt_length)
     trainer = GRPOTrainer(model=model, reward_funcs=lucky_word_reward, args=config, train_dataset=dataset,
-                          processing_class=tokenizer, callbacks=[step_timer])
+                          processing_class=tokenizer, callbacks=[timer])
+    if trainer.ref_model is not None:
+        disable_dropout(trainer.ref_model)
+        if "forward" in patches:
+            forward_handles.append(torchkvops.patch_forward(trainer.ref_model))
+    model.generate = timed(timer, "generate", model.generate)
+    trainer._get_per_token_logps_and_entropies = timed(
+        timer, lambda: None if torch.is_grad_enabled() else "logprob", trainer._get_per_token_logps_and_entropies)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", UserWarning)
         trainer.train()
-    # torchkvops says (once per cause) when a call went to HF's generate instead; pass the rest on.
-    fallbacks = sorted({str(w.message) for w in caught if str(w.message).startswith("torchkvops.generate:")})
+    # torchkvops says (once per cause) when a call went to HF's generate or the plain forward; pass the rest on.
+    ours = ("torchkvops.generate:", "torchkvops.patch_forward:")
+    fallbacks = sorted({str(w.message) for w in caught if str(w.message).startswith(ours)})
     for w in caught:
-        if not str(w.message).startswith("torchkvops.generate:"):
+        if not str(w.message).startswith(ours):
             warnings.showwarning(w.message, w.category, w.filename, w.lineno)
     rewards = [entry["reward"] for entry in trainer.state.log_history if "reward" in entry]
-    return {"generate_ms": generate_ms, "step_ms": step_timer.step_ms, "reward": rewards, "fallbacks": fallbacks}
+    shared = [h.stats for h in forward_handles]
+    return {"steps": timer.steps, "reward": rewards, "fallbacks": fallbacks, "shared_forward": shared}
+
+
+def combine(runs: list[dict]) -> dict:
+    """One setting's rounds as one result: each step's split and each total, the median over the rounds."""
+    steps = min(len(r["steps"]) for r in runs)
+    split = [{c: statistics.median(r["steps"][i][c] for r in runs) for c in COLUMNS} for i in range(steps)]
+    totals = {c: statistics.median(sum(s[c] for s in r["steps"]) for r in runs) for c in COLUMNS}
+    return {"steps": split, "totals": totals, "rounds": len(runs)}
 
 
 def table(results: dict, steps: int) -> str:
-    paths = list(results)
-    header = ["step"] + [f"generate ms ({p})" for p in paths] + [f"step ms ({p})" for p in paths]
+    settings = list(results)
+    header = ["step"] + [f"{column} ms ({setting})" for setting in settings for column in COLUMNS]
     lines = ["| " + " | ".join(header) + " |", "|" + "---:|" * len(header)]
 
-    def cell(values, i):
-        return f"{values[i]:.0f}" if i < len(values) else "-"
+    def row(label: str, pick) -> str:
+        cells = [label] + [pick(results[s], c) for s in settings for c in COLUMNS]
+        return "| " + " | ".join(cells) + " |"
 
     for i in range(steps):
-        row = [str(i + 1)] + [cell(results[p]["generate_ms"], i) for p in paths] + \
-              [cell(results[p]["step_ms"], i) for p in paths]
-        lines.append("| " + " | ".join(row) + " |")
-    medians = ["median"] + [f"{statistics.median(results[p]['generate_ms']):.0f}" for p in paths] + \
-              [f"{statistics.median(results[p]['step_ms']):.0f}" for p in paths]
-    lines.append("| " + " | ".join(medians) + " |")
+        lines.append(row(str(i + 1), lambda r, c: f"{r['steps'][i][c]:.0f}" if i < len(r["steps"]) else "-"))
+    lines.append(row("median", lambda r, c: f"{statistics.median(s[c] for s in r['steps']):.0f}"))
+    lines.append(row("total", lambda r, c: f"{r['totals'][c]:.0f}"))
     return "\n".join(lines)
+
+
+def speedups(results: dict) -> list[str]:
+    """Each setting's total step and stage times against "neither" (when it ran)."""
+    if "neither" not in results:
+        return []
+    base = results["neither"]["totals"]
+    lines = []
+    for setting, result in results.items():
+        if setting == "neither":
+            continue
+        total = result["totals"]
+        parts = ", ".join(f"{c} {base[c] / total[c]:.2f}x" for c in COLUMNS if total[c] > 0 and base[c] > 0)
+        lines.append(f"speedup of {setting} over neither (totals): {parts}")
+    return lines
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--model-shape", default="tiny", choices=list(MODEL_SHAPES))
-    parser.add_argument("--generate", default="both", choices=["both", "torchkvops", "hf"])
-    parser.add_argument("--steps", type=int, default=8, help="GRPO optimizer steps per path")
+    parser.add_argument("--settings", nargs="+", default=["both", "neither"], choices=list(SETTINGS),
+                        help="which patches each run applies (default: both neither)")
+    parser.add_argument("--no-patch-generate", action="store_true", help="turn patch_generate off in every setting")
+    parser.add_argument("--no-patch-forward", action="store_true", help="turn patch_forward off in every setting")
+    parser.add_argument("--steps", type=int, default=8, help="GRPO optimizer steps per setting")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run the settings this many times, interleaved (A B A B ...); medians are shown")
     parser.add_argument("--batch-size", type=int, default=64,
                         help="per-device train batch size, in completions (a multiple of --num-generations)")
     parser.add_argument("--num-generations", type=int, default=8, help="completions per prompt")
     parser.add_argument("--max-completion-length", type=int, default=64)
     parser.add_argument("--prompt-length", type=int, default=128, help="longest prompt, in words (= tokens)")
+    parser.add_argument("--exact-prompt-length", action="store_true",
+                        help="every prompt has --prompt-length words (default: between half that and that)")
+    parser.add_argument("--beta", type=float, default=0.0, help="KL coefficient; > 0 adds TRL's reference model pass")
+    parser.add_argument("--num-iterations", type=int, default=1,
+                        help="GRPO iterations per generation; > 1 adds TRL's old-policy logprob pass")
     parser.add_argument("--learning-rate", type=float, default=1e-4)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1,
@@ -203,22 +278,39 @@ def main(argv=None) -> None:
         torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore", category=FutureWarning)  # transformers' deprecation notes, from TRL's calls
 
-    paths = ["torchkvops", "hf"] if args.generate == "both" else [args.generate]
-    results = {}
+    off = {"generate"} if args.no_patch_generate else set()
+    off |= {"forward"} if args.no_patch_forward else set()
+    by_patches = {patches: name for name, patches in SETTINGS.items()}
+    settings = list(dict.fromkeys(by_patches[tuple(p for p in SETTINGS[s] if p not in off)] for s in args.settings))
+    runs: dict[str, list[dict]] = {setting: [] for setting in settings}
     with tempfile.TemporaryDirectory() as tmp:
-        for path in paths:
-            print(f"--- GRPO with {path} generate: {args.steps} steps of {args.batch_size // args.num_generations} prompts "
-                  f"x {args.num_generations} completions, model {args.model_shape}", flush=True)
-            results[path] = run(path, args, os.path.join(tmp, path))
+        checkpoint = os.path.join(tmp, "model")
+        build_model(args.model_shape, seed=args.seed).save_pretrained(checkpoint)
+        for round_ in range(args.rounds):
+            for setting in settings:
+                print(f"--- GRPO, round {round_ + 1}/{args.rounds}, setting {setting!r} (patches: "
+                      f"{', '.join(SETTINGS[setting]) or 'none'}): {args.steps} steps of "
+                      f"{args.batch_size // args.num_generations} prompts x {args.num_generations} completions, "
+                      f"model {args.model_shape}", flush=True)
+                runs[setting].append(run(setting, args, checkpoint, os.path.join(tmp, f"{setting}{round_}")))
+    results = {setting: combine(setting_runs) for setting, setting_runs in runs.items()}
     print()
     print(f"model {args.model_shape}, {args.batch_size // args.num_generations} prompts x {args.num_generations} "
-          f"completions per step, prompts <= {args.prompt_length} tokens, <= {args.max_completion_length} new tokens, "
-          f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+          f"completions per step, prompts {'of' if args.exact_prompt_length else '<='} {args.prompt_length} tokens, "
+          f"<= {args.max_completion_length} new tokens, beta {args.beta}, num_iterations {args.num_iterations}, "
+          f"torch {torch.__version__}, {torch.get_num_threads()} threads"
+          + (f", median of {args.rounds} interleaved rounds" if args.rounds > 1 else ""))
     print(table(results, args.steps))
-    for path in paths:
-        print(f"mean reward per step ({path}): " + ", ".join(f"{r:.3f}" for r in results[path]["reward"]))
-        for message in results[path]["fallbacks"]:
-            print(f"NOTE: some {path} calls ran HF's generate: {message}")
+    for line in speedups(results):
+        print(line)
+    for setting, setting_runs in runs.items():
+        last = setting_runs[-1]
+        print(f"mean reward per step ({setting}): " + ", ".join(f"{r:.3f}" for r in last["reward"]))
+        for stats in last["shared_forward"]:
+            print(f"shared forward ({setting}): {stats.shared_calls} passes shared, {stats.fallback_calls} fell back, "
+                  f"{stats.computed_tokens} of {stats.row_tokens} tokens computed")
+        for message in sorted({m for r in setting_runs for m in r["fallbacks"]}):
+            print(f"NOTE: some {setting} calls fell back: {message}")
 
 
 if __name__ == "__main__":

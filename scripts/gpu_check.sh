@@ -4,9 +4,9 @@
 # merge_attention_states, the KV ops), the repeat_kv_cache_ bandwidth table, the decode benchmarks of
 # issues #8 and #9 (OPT-6.7B anchor, Qwen3-0.6B long prompts, OPT-125m matrix; CUDA-graph decode, both
 # KV layouts, HF generate with its default and static cache), issue #19's compaction on spread response
-# lengths, the sampler and merge benchmarks, and the
-# compiled anchor if time is left. Everything lands in OUT_DIR: one log per step, the JSON results,
-# exit_codes.txt and summary.txt. A failing step does not stop the next one. Copy OUT_DIR to
+# lengths, the sampler and merge benchmarks, the log-probability mismatch and float32-head cost of issue
+# #18, and the compiled anchor if time is left. Everything lands in OUT_DIR: one log per step, the JSON
+# results, exit_codes.txt and summary.txt. A failing step does not stop the next one. Copy OUT_DIR to
 # benchmarks/results/<date>_h200/ and commit it.
 #
 #   scripts/gpu_check.sh OUT_DIR
@@ -98,7 +98,25 @@ step compaction 120 "$PY" -m torchkvops bench --model-shape qwen3-0.6b --dtype b
   --samples-per-prompt 16 --prompt-lengths 256 --response-lengths 256 --length-profile geometric \
   --modes shared shared-nocompact prefix prefix-nocompact hf-generate --warmup 1 --iterations 3 --no-progress \
   --output "$out/compaction_qwen3_bf16.json"
+# Issue #17: shared-prefix forward + backward (patch_forward) against the plain forward, the issue's matrix
+# P x C x G, bf16; its CUDA tests run in pytest-cuda above. opt-125m has 2048 positions: P <= 1024 there.
+# The JSON is rewritten after every case, so a step cut by its limit keeps the cases it finished; the
+# tables are in the steps' logs.
+step train-llama 90 "$PY" -m torchkvops bench-train --model-shape llama-small --dtype bf16 --device cuda \
+  --prompt-lengths 256 1024 4096 --completion-lengths 64 256 1024 --group-sizes 4 8 16 --warmup 1 --iterations 3 \
+  --output "$out/train_llama_small_bf16.json"
+step train-opt 60 "$PY" -m torchkvops bench-train --model-shape opt-125m --dtype bf16 --device cuda \
+  --prompt-lengths 256 1024 --completion-lengths 64 256 1024 --group-sizes 4 8 16 --warmup 1 --iterations 3 \
+  --output "$out/train_opt125m_bf16.json"
 step bench-sampler 30 "$PY" benchmarks/bench_sampler.py --device cuda --rows 64 8 --vocab 151936 50272 --dtype bf16 --iters 50
+# Issue #18: the rollout-vs-trainer log-probability mismatch in bf16 (each layout, with and without the
+# float32 LM head, against HF generate on the same tokens), and what return_logprobs and the float32
+# head cost per decode step.
+step mismatch-bf16 100 "$PY" -m torchkvops bench --model-shape qwen3-0.6b --dtype bf16 --device cuda --batch-sizes 2 \
+  --samples-per-prompt 8 --prompt-lengths 256 --response-lengths 64 --modes expanded shared prefix hf-generate \
+  --warmup 1 --iterations 2 --mismatch --no-progress --output "$out/mismatch_qwen3_bf16.json"
+step bench-lm-head 40 "$PY" benchmarks/bench_lm_head.py --model-shape qwen3-0.6b --device cuda --rows 4 8 \
+  --prompt-length 256 --response-length 64 --rounds 10
 step bench-merge 20 "$PY" benchmarks/bench_merge_attention_states.py --device cuda
 # Compiled decode (about 100 s of compile per mode on this shape, so one mode): last, skipped when the
 # budget is spent.
@@ -110,7 +128,7 @@ step anchor-compiled 160 "$PY" -m torchkvops bench --model-shape opt-6.7b --dtyp
   echo "gpu_check: $((SECONDS - start))s; results in $out"
   printf '%-14s %-8s %6s\n' step exit time
   printf '%s\n' "${rows[@]}"
-  for f in anchor-6.7b long-prompt matrix-125m compaction anchor-compiled; do
+  for f in anchor-6.7b long-prompt matrix-125m compaction mismatch-bf16 anchor-compiled; do
     [ -f "$out/$f.log" ] || continue
     echo
     echo "--- $f"

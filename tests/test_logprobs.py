@@ -171,7 +171,8 @@ def test_float32_head_follows_weight_updates_and_replacements(bf16_llama):
 
 def test_float32_head_on_a_float32_model_changes_nothing(llama):
     ids, mask = prompts(2, 8, seed=12)
-    cfg = dict(samples_per_prompt=2, max_new_tokens=6, eos_token_id=NO_EOS, temperature=1.0, seed=3, return_logprobs=True)
+    cfg = dict(samples_per_prompt=2, max_new_tokens=6, eos_token_id=NO_EOS, temperature=1.0, seed=3,
+               return_logprobs=True)
     plain = Rollout(llama, RolloutConfig(**cfg)).generate(ids, mask)
     head32 = Rollout(llama, RolloutConfig(lm_head_dtype=torch.float32, **cfg))
     assert head32._head32 is None

@@ -364,13 +364,16 @@ def test_tail_of_1e_10_is_drawn_at_its_probability(device):
 
 
 @pytest.mark.parametrize("device", DEVICE_PARAMS)
-def test_sample_is_the_operator(device):
-    """sampling.sample (what the rollout calls) goes through the operator, greedy included."""
+@pytest.mark.parametrize("sampler,op", [(sample, ops.sample_tokens),
+                                        (sample_with_logprobs, ops.sample_tokens_with_logprobs)])
+def test_sample_is_the_operator(device, sampler, op):
+    """sampling.sample and sample_with_logprobs (what the rollout calls) go through the operators,
+    greedy included."""
     logits = make_logits(8, 100, torch.float32, device)
     keys, step = row_keys(0, torch.arange(8, device=device)), torch.tensor([2], device=device)
     for temperature, top_k, top_p in MODES.values():
-        got = sample(logits, SamplingParams(temperature, top_k, top_p), keys, step)
-        assert torch.equal(got, ops.sample_tokens(logits, keys, step, temperature, top_k, top_p))
+        got = sampler(logits, SamplingParams(temperature, top_k, top_p), keys, step)
+        torch.testing.assert_close(got, op(logits, keys, step, temperature, top_k, top_p), rtol=0, atol=0)
 
 
 def top_p_uncertainty(scaled, top_k, top_p):
@@ -451,16 +454,6 @@ def test_logprobs_are_of_the_kept_distribution(device):
     torch.testing.assert_close(logprobs, expected)
     _, greedy = ops.sample_tokens_with_logprobs(logits, keys, step, 0.0, 2, 0.5)  # greedy: raw logits, no cut
     torch.testing.assert_close(greedy, logits[0].log_softmax(dim=0)[0].expand(64))
-
-
-@pytest.mark.parametrize("device", DEVICE_PARAMS)
-def test_sample_with_logprobs_is_the_operator(device):
-    logits = make_logits(8, 100, torch.float32, device)
-    keys, step = row_keys(0, torch.arange(8, device=device)), torch.tensor([2], device=device)
-    for temperature, top_k, top_p in MODES.values():
-        got = sample_with_logprobs(logits, SamplingParams(temperature, top_k, top_p), keys, step)
-        want = ops.sample_tokens_with_logprobs(logits, keys, step, temperature, top_k, top_p)
-        assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
 def opcheck_samples(device):

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 pytest.importorskip("trl")
+from transformers import AutoModelForCausalLM  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 import torchkvops  # noqa: E402
@@ -133,16 +134,65 @@ def test_trl_default_bf16_on_a_float32_model_falls_back_to_hf_generate(example, 
     handle.undo()
 
 
-def test_example_script_prints_both_paths(tmp_path):
+def test_example_script_prints_the_step_split_of_both_settings(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
                HF_HUB_OFFLINE="1", TMPDIR=str(tmp_path))
-    command = [sys.executable, str(EXAMPLE), "--steps", "1", "--batch-size", "4", "--num-generations", "2",
-               "--prompt-length", "6", "--max-completion-length", "4"]
+    command = [sys.executable, str(EXAMPLE), "--steps", "2", "--batch-size", "4", "--num-generations", "2",
+               "--prompt-length", "20", "--exact-prompt-length", "--max-completion-length", "4", "--beta", "0.04",
+               "--num-iterations", "2"]
     result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.splitlines()
-    assert "| step | generate ms (torchkvops) | generate ms (hf) | step ms (torchkvops) | step ms (hf) |" in lines
-    number = r"\d+"
-    assert any(re.fullmatch(rf"\| 1 \| {number} \| {number} \| {number} \| {number} \|", line) for line in lines)
-    assert any(re.fullmatch(rf"\| median \| {number} \| {number} \| {number} \| {number} \|", line) for line in lines)
-    assert "NOTE:" not in result.stdout  # the torchkvops run did not fall back
+    columns = [f"{c} ms ({s})" for s in ("both", "neither") for c in ("generate", "logprob", "train", "step")]
+    assert "| step | " + " | ".join(columns) + " |" in lines
+    numbers = r"(\| \d+ ){8}\|"
+    for label in ("1", "2", "median", "total"):
+        assert any(re.fullmatch(rf"\| {label} {numbers}", line) for line in lines), label
+    step_one = next(line for line in lines if line.startswith("| 1 |")).split("|")[2:-1]
+    assert all(float(v) > 0 for v in step_one)  # step 1 generates and runs both logprob passes, in both settings
+    assert any(line.startswith("speedup of both over neither (totals): generate ") for line in lines)
+    # The policy's old-logprob and two loss passes, and the reference pass, were shared.
+    assert "shared forward (both): 3 passes shared, 0 fell back" in result.stdout
+    assert "shared forward (both): 1 passes shared, 0 fell back" in result.stdout
+    assert "NOTE:" not in result.stdout  # nothing fell back to HF's generate or the plain forward
+
+
+def grpo_weights(example, checkpoint, output_dir, patch: str | None):
+    """Two GRPO steps (beta > 0: the reference pass runs; num_iterations = 2: the old-logprob pass runs; TRL's
+    default gradient checkpointing) from the checkpoint, with patch_forward on the policy (before or after
+    TRL patches its forward) and on the reference model, or without. Returns the final weights and the
+    policy's and reference's patch stats."""
+    model = AutoModelForCausalLM.from_pretrained(checkpoint)
+    handles = []
+    if patch == "before":
+        handles.append(torchkvops.patch_forward(model, min_shared_tokens=4))
+    trainer = grpo_trainer(example, model, output_dir, steps=2, beta=0.04, num_iterations=2)
+    assert trainer.args.gradient_checkpointing
+    if patch == "after":
+        handles.append(torchkvops.patch_forward(trainer.model, min_shared_tokens=4))
+    if patch:
+        handles.append(torchkvops.patch_forward(trainer.ref_model, min_shared_tokens=4))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", UserWarning)
+        trainer.train()
+    assert not [str(w.message) for w in caught if "torchkvops" in str(w.message)]
+    return {name: p.detach().clone() for name, p in trainer.model.named_parameters()}, [h.stats for h in handles]
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_grpo_with_patch_forward_ends_with_the_same_weights(example, tmp_path, when):
+    """TRL's fused LM head calls the backbone, where the patch lives; the old-logprob, reference and loss
+    passes are served by the shared path, and training ends where the plain forward's does."""
+    checkpoint = str(tmp_path / "model")
+    build_model("tiny", seed=0).save_pretrained(checkpoint)  # TRL loads its reference model from the path
+    initial = AutoModelForCausalLM.from_pretrained(checkpoint).state_dict()
+    plain, _ = grpo_weights(example, checkpoint, tmp_path / "plain", None)
+    shared, (policy, reference) = grpo_weights(example, checkpoint, tmp_path / when, when)
+    # One generation batch, scored once by the old policy and once by the reference model; two loss passes.
+    assert (policy.shared_calls, policy.fallback_calls) == (3, 0)
+    assert (reference.shared_calls, reference.fallback_calls) == (1, 0)
+    assert policy.computed_tokens < policy.row_tokens
+    update = max((plain[name] - initial[name]).abs().max().item() for name in plain)
+    assert update > 1e-4  # training moved the weights ...
+    for name in plain:  # ... and both runs moved them alike (Adam turns rounding noise into at most this much)
+        torch.testing.assert_close(shared[name], plain[name], rtol=0, atol=0.02 * update, msg=name)

@@ -2,7 +2,7 @@
 
 `import torchkvops` loads torch and the compiled library, so `torch.ops.torchkvops.*` work right after
 it. What needs transformers (`Rollout`, `RolloutConfig`, `RolloutOutput`, `RolloutProfile`, `generate`,
-`patch_generate`, `GeneratePatch`, `torchkvops.distributed`) is imported on first use (PEP 562 module
+`patch_generate`, `GeneratePatch`, `patch_forward`, `ForwardPatch`, `torchkvops.distributed`, ...) is imported on first use (PEP 562 module
 `__getattr__`).
 """
 
@@ -13,11 +13,13 @@ __version__ = "0.1.0"
 # Public names imported on first use, and the submodule each comes from.
 _LAZY_NAMES = {"Rollout": "rollout", "RolloutConfig": "rollout", "RolloutOutput": "rollout",
                "RolloutProfile": "rollout", "generate": "generation", "patch_generate": "generation",
-               "GeneratePatch": "generation"}
+               "GeneratePatch": "generation", "patch_forward": "shared_forward", "ForwardPatch": "shared_forward",
+               "SharedForwardConfig": "shared_forward", "SharedForwardStats": "shared_forward"}
 _OPS_NAMES = frozenset({"torch", "ops", "repeat_kv_cache", "repeat_kv_cache_", "merge_attention_states"})
 # Submodules reachable as attributes without an import statement (`torchkvops.distributed.generate`).
 _SUBMODULES = frozenset({"rollout", "hf", "kv_cache", "profiling", "sampling", "attention", "decode",
-                         "generation", "distributed", "models"})
+                         "generation", "distributed", "models", "shared_forward", "prefix_attention",
+                         "prefix_groups"})
 _loaded = False
 
 
@@ -112,6 +114,10 @@ __all__ = [
     "generate",
     "patch_generate",
     "GeneratePatch",
+    "patch_forward",
+    "ForwardPatch",
+    "SharedForwardConfig",
+    "SharedForwardStats",
     "Rollout",
     "RolloutConfig",
     "RolloutOutput",

@@ -131,13 +131,7 @@ class ModelAdapter:
 
     def sliding_window(self) -> int | None:
         """The attention window that binds some layer, or None when every layer sees all tokens."""
-        c = self.config
-        if getattr(c, "use_sliding_window", True) is False:
-            return None
-        layer_types = getattr(c, "layer_types", None)
-        if layer_types is not None and "sliding_attention" not in layer_types:
-            return None
-        return getattr(c, "sliding_window", None)
+        return sliding_window(self.config)
 
     def check_length(self, total_length: int) -> None:
         if self.max_positions is not None and total_length > self.max_positions:
@@ -194,3 +188,14 @@ class ModelAdapter:
         """One forward; returns the logits of the last position only: [rows, vocab]."""
         kwargs = self.forward_kwargs(cache, attention_mask, position_ids, cache_position)
         return self.model(input_ids=input_ids, **kwargs).logits[:, -1, :]
+
+
+def sliding_window(config) -> int | None:
+    """The attention window that binds some layer of a model with this config, or None when every layer
+    sees all tokens."""
+    if getattr(config, "use_sliding_window", True) is False:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and "sliding_attention" not in layer_types:
+        return None
+    return getattr(config, "sliding_window", None)

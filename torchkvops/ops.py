@@ -163,10 +163,10 @@ def sample_tokens(logits: Tensor, keys: Tensor, step: Tensor, temperature: float
     with a larger value already hold top_p of the probability), with Gumbel noise hashed from (key,
     step, token): a 64-bit uniform per token, so the noise reaches 45.05 and a token is drawn at its
     probability down to about e^-45 of the best one's (see csrc/sample_tokens.h). Equals
-    `torchkvops.reference.sample_tokens` except for near-ties of the perturbed
-    scores (the kernels' log may differ from torch's in the last bit) and tokens whose place against
-    the top-p cut is within the rounding of the reference's float32 sums (the kernels sum exactly). No host sync, nothing allocated but the output. Not
-    differentiable: the output is an integer tensor.
+    `torchkvops.reference.sample_tokens` except for near-ties of the perturbed scores (the kernels'
+    log may differ from torch's in the last bit) and tokens whose place against the top-p cut is
+    within the rounding of the reference's float32 sums (the kernels sum exactly). No host sync,
+    nothing allocated but the output. Not differentiable: the output is an integer tensor.
     """
     return torch.ops.torchkvops.sample_tokens.default(logits, keys, step, temperature, top_k, top_p)
 

@@ -101,6 +101,7 @@ class Settings:
     iterations: int = 20
     trace_dir: str | None = None
     roofline_gbps: float | None = None  # copy_roofline's, to report each mode's fraction of (CUDA)
+    mismatch: bool = False  # also measure each case's rollout-vs-trainer log-probability mismatch (mismatch.py)
 
     @property
     def greedy(self) -> bool:

@@ -57,6 +57,7 @@ Each other part has a module of its own:
            TOKENS_AGREE_NOTE)
   world    the processes, and how their records become one (WORLD_NOTE)
   report   the table, the plot and the JSON document (FILE_NOTE); torchkvops.atomic_write writes the files
+  mismatch with --mismatch, each case's rollout-vs-trainer log-probability mismatch (MISMATCH_NOTE)
 """
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ from torch import Tensor, nn
 
 from .cases import ITERATION_FIELDS, SUMMARY_FIELDS, Case, Settings, run_order, synthetic_prompts
 from .metrics import Clock, Traffic, export_trace, peak_memory_bytes
+from .mismatch import measure_mismatch
 from .runners import make_runner, timed_call
 from .stats import stage_breakdown, summarize_profiles, token_agreement, tokens_sha256
 from .world import World, merge_ranks
@@ -282,6 +284,9 @@ def run_matrix(model: nn.Module, cases: Sequence[Case], modes: Sequence[str], se
             else:
                 result["modes"] = _run_case(model, case, modes, prompts, settings, traffic, pad_token_id, device,
                                             world, tick, bar.set_description)
+                if settings.mismatch:  # after the timed calls, so that it does not disturb them
+                    bar.set_description(f"{case.name} mismatch")
+                    result["mismatch"] = measure_mismatch(model, case, modes, settings, prompts, pad_token_id)
             hashes = {m: e["tokens_sha256"] for m, e in result["modes"].items()}
             agree = token_agreement(hashes, settings.greedy)
             agree["pairs"] = world.combine_agreement(agree["pairs"])

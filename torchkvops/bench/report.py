@@ -10,7 +10,8 @@ from collections.abc import Sequence
 from .cases import STAGE_FIELDS, Case
 from .stats import stage_breakdown
 
-__all__ = ["FILE_NOTE", "results_document", "format_case_table", "plot_segments", "plot_stage_times"]
+__all__ = ["FILE_NOTE", "results_document", "format_case_table", "format_mismatch_table", "plot_segments",
+           "plot_stage_times"]
 
 FILE_NOTE = ("status: 'partial' while the run goes on (rewritten after every case; a file left 'partial' is from a "
              "run that died), 'interrupted' after Ctrl-C, 'complete' at the end. cases: the finished cases in the "
@@ -97,6 +98,23 @@ def format_case_table(result: dict, iterations: int) -> str:
         lines.append("tokens: " + ", ".join(parts))
         for note in dict.fromkeys(agree.get("notes", {}).values()):
             lines.append(f"  ({note})")
+    return "\n".join(lines)
+
+
+def format_mismatch_table(result: dict) -> str:
+    """A case's rollout-vs-trainer mismatch (bench --mismatch) as a Markdown table, or "" without it."""
+    engines = result.get("mismatch")
+    if not engines:
+        return ""
+    lines = [f"{result['case']}: log-probabilities against a trainer's forward over the same sequences "
+             "(|delta| = |engine - trainer|; k3 estimates KL(engine || trainer))",
+             "| engine | tokens | mean abs delta | max abs delta | k3 KL |", "|---|---:|---:|---:|---:|"]
+    for name, m in engines.items():
+        if "error" in m:
+            lines.append(f"| {name} | failed: {m['error']} |")
+            continue
+        lines.append(f"| {name} | {m['tokens']} | {m['mean_abs_delta']:.3g} | {m['max_abs_delta']:.3g} | "
+                     f"{m['k3_kl']:.3g} |")
     return "\n".join(lines)
 
 

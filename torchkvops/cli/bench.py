@@ -24,7 +24,7 @@ def cmd_bench(args) -> int:
     from .. import __version__
     from ..bench import cases as bench_cases
     from ..atomic_write import write_json_atomic
-    from ..bench import lengths, matrix, metrics, report, runners, stats
+    from ..bench import lengths, matrix, metrics, mismatch, report, runners, stats
     from ..bench import world as bench_world
 
     device = start_processes(args.device)
@@ -54,7 +54,7 @@ def cmd_bench(args) -> int:
     roofline = metrics.copy_roofline(device)  # CUDA only: measured before any case, on this process's device
     settings = bench_cases.Settings(temperature=args.temperature, top_p=args.top_p, seed=args.seed,
                                     compile=args.compile, warmup=args.warmup, iterations=args.iterations,
-                                    trace_dir=args.trace,
+                                    trace_dir=args.trace, mismatch=args.mismatch,
                                     roofline_gbps=roofline["copy_roofline_gbps"] if roofline else None)
     traffic = metrics.Traffic.of(model, settings.roofline_gbps)
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()
@@ -121,6 +121,8 @@ def cmd_bench(args) -> int:
     }
     if world.size > 1:
         header["world_note"] = bench_world.WORLD_NOTE
+    if args.mismatch:
+        header["mismatch_note"] = mismatch.MISMATCH_NOTE
     per_mode = matrix.calls_per_mode(settings, device)
     where = (f"{world.size} processes ({world.backend}), each on {device.type} with its own --batch-sizes prompts"
              if world.size > 1 else f"{device_name} ({device})")
@@ -162,16 +164,14 @@ def cmd_bench(args) -> int:
     except KeyboardInterrupt:
         finished = [r for r in results if r is not None]
         for result in finished:
-            say()
-            say(report.format_case_table(result, args.iterations))
+            _show_case(result, args.iterations)
         save("interrupted")
         kept = f"; {len(finished)} finished case(s) are in {args.output}" if args.output and finished else ""
         if world.is_main:
             print(f"torchkvops: interrupted after {len(finished)} of {len(cases)} case(s){kept}", file=sys.stderr)
         return 130
     for result in results:  # the tables first: they are shown even if the last write fails
-        say()
-        say(report.format_case_table(result, args.iterations))
+        _show_case(result, args.iterations)
     save("complete")
     failed = [r["case"] for r in results if r["error"]]
     if args.output:
@@ -188,6 +188,16 @@ def cmd_bench(args) -> int:
                   f"{' and the JSON' if args.output else ''})", file=sys.stderr)
         return 1
     return 0
+
+
+def _show_case(result: dict, iterations: int) -> None:
+    from ..bench import report
+
+    say()
+    say(report.format_case_table(result, iterations))
+    if result.get("mismatch"):
+        say()
+        say(report.format_mismatch_table(result))
 
 
 def _cpu_name() -> str:

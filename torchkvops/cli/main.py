@@ -3,6 +3,7 @@
   torchkvops rollout   generate N samples per prompt and print them (or write JSONL)
   torchkvops bench     the A/B matrix: the rollout's modes vs HF generate, interleaved (torchkvops.bench.matrix)
   torchkvops bench-op  the repeat_kv_cache_ bandwidth table (torchkvops.bench.op)
+  torchkvops bench-train  shared-prefix vs plain forward + backward (torchkvops.bench.train, issue #17)
   torchkvops           with no arguments: a short default `bench` (about a minute on a small CPU)
 
 Without --model the model is built in memory from a named shape with random weights (nothing is
@@ -29,6 +30,7 @@ of its own:
   model     the dtype, the config, the model and tokenizer, and the token ids they imply
   rollout   the rollout command          bench  the bench command
   bench_op  the bench-op command (its own arguments, checks and run)
+  bench_train  the bench-train command (the same)
 The measurements themselves are the benchmark harness's (torchkvops/bench/). Nothing that the parser
 imports loads torch or transformers.
 """
@@ -41,7 +43,7 @@ import sys
 from collections.abc import Sequence
 
 from .. import _load_ops
-from . import bench_op
+from . import bench_op, bench_train
 from .bench import cmd_bench
 from .checks import (CLIError, check_bench_args, check_rollout_args, device_name, int_in, non_negative_int,
                      positive_int, temperature, top_p)
@@ -109,13 +111,14 @@ def _model_args(p: argparse.ArgumentParser) -> None:
 
 
 # What each command checks once its arguments are parsed, before any work.
-CHECKS = {"rollout": check_rollout_args, "bench": check_bench_args, "bench-op": bench_op.check_args}
+CHECKS = {"rollout": check_rollout_args, "bench": check_bench_args, "bench-op": bench_op.check_args,
+          "bench-train": bench_train.check_args}
 
 
 def build_parser() -> _Parser:
     parser = _Parser(prog="torchkvops", description=__doc__.split("\n\n")[0],
                      epilog="With no command: a short default `bench` (" + " ".join(DEFAULT_BENCH_ARGS) + ").")
-    sub = parser.add_subparsers(dest="command", metavar="{rollout,bench,bench-op}", parser_class=_Parser)
+    sub = parser.add_subparsers(dest="command", metavar="{rollout,bench,bench-op,bench-train}", parser_class=_Parser)
 
     r = sub.add_parser("rollout", help="generate N samples for each prompt and print them",
                        description="Generate N samples for each prompt and print them. Under torchrun the "
@@ -182,13 +185,21 @@ def build_parser() -> _Parser:
                                                   "written as a Chrome trace DIR/<case>_<mode>.json")
     t.add_argument("--no-progress", action="store_true",
                    help="no progress bar on stderr (the line with the call count and estimate stays)")
+    t.add_argument("--mismatch", action="store_true",
+                   help="after each case's timed calls, measure how far each mode's log-probabilities are from a "
+                        "trainer's forward over the same sequences (mean and max |delta|, k3 KL), for the rollout "
+                        "modes (also with a float32 LM head on a half-precision model) and HF generate")
     b.set_defaults(func=cmd_bench)
 
     o = sub.add_parser("bench-op", help="the repeat_kv_cache_ bandwidth table",
                        description=bench_op.DESCRIPTION, epilog=bench_op.EPILOG)
     bench_op.add_arguments(o)
     o.set_defaults(func=bench_op.execute)
-    parser.commands = {"rollout": r, "bench": b, "bench-op": o}
+    tr = sub.add_parser("bench-train", help="shared-prefix vs plain forward + backward (patch_forward)",
+                        description=bench_train.DESCRIPTION, epilog=bench_train.EPILOG)
+    bench_train.add_arguments(tr)
+    tr.set_defaults(func=bench_train.execute)
+    parser.commands = {"rollout": r, "bench": b, "bench-op": o, "bench-train": tr}
     return parser
 
 
@@ -238,7 +249,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not argv:
             print("torchkvops: no command given; running the short default benchmark:\n"
                   "  torchkvops bench " + " ".join(DEFAULT_BENCH_ARGS) + "\n"
-                  "(torchkvops --help lists the commands: rollout, bench, bench-op)")
+                  "(torchkvops --help lists the commands: rollout, bench, bench-op, bench-train)")
             argv = ["bench", *DEFAULT_BENCH_ARGS]
         parser = build_parser()
         args = parse_args(argv, parser)

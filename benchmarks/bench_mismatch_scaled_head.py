@@ -1,0 +1,64 @@
+"""The rollout-vs-trainer log-probability mismatch (torchkvops.bench.mismatch, as `bench --mismatch`) on a
+random-weight model whose LM head is scaled, so that its logits have a trained model's spread.
+
+    python benchmarks/bench_mismatch_scaled_head.py --model-shape llama-small --head-scale 10 --dtype bf16
+
+Randomly initialized heads give logits of standard deviation ~0.3-0.6, where a bf16 head's rounding
+(relative 2^-9) moves log-probabilities by ~1e-3 at most; a trained model's logits spread over tens of
+units, where one bf16 step is 0.03-0.25. Multiplying the head's weights by --head-scale (before the cast
+to --dtype) gives that spread without a checkpoint. Use a shape whose head is not tied to the input
+embeddings (llama-small): scaling a tied head would scale the inputs too.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from torchkvops.bench import cases, mismatch
+from torchkvops.models import MODEL_SHAPES, build_model
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model-shape", choices=MODEL_SHAPES, default="llama-small")
+    p.add_argument("--head-scale", type=float, default=10.0)
+    p.add_argument("--dtype", choices=DTYPES, default="bf16")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--case", type=int, nargs=4, default=[2, 4, 64, 32], metavar=("B", "N", "P", "R"))
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--modes", nargs="+", default=["shared", "prefix", "hf-generate"])
+    args = p.parse_args(argv)
+    model = build_model(args.model_shape, dtype=torch.float32, device=args.device)
+    if model.config.tie_word_embeddings:
+        p.error(f"--model-shape {args.model_shape} ties its LM head to its input embeddings; pick an untied one")
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(args.head_scale)
+    model = model.to(DTYPES[args.dtype])
+    case = cases.Case(*args.case)
+    settings = cases.Settings(temperature=args.temperature, top_p=args.top_p, seed=0)
+    prompts = cases.synthetic_prompts(case, model.config.vocab_size, [0, 1, 2], 0, torch.device(args.device))
+    with torch.inference_mode():
+        logits = model(prompts).logits.float()
+    print(f"{args.model_shape}, head x{args.head_scale:g}, {args.dtype}, {args.device}: {case.name}, temperature "
+          f"{args.temperature:g}, top_p {args.top_p:g}; prompt logits: std {logits.std().item():.2f}, mean top-1 "
+          f"probability {logits.softmax(-1).amax(-1).mean().item():.3f}\n")
+    engines = mismatch.measure_mismatch(model, case, args.modes, settings, prompts, pad_token_id=0)
+    print("| engine | tokens | mean abs delta | max abs delta | k3 KL |")
+    print("|---|---:|---:|---:|---:|")
+    for name, m in engines.items():
+        if "error" in m:
+            print(f"| {name} | failed: {m['error']} |")
+        else:
+            print(f"| {name} | {m['tokens']} | {m['mean_abs_delta']:.3g} | {m['max_abs_delta']:.3g} | "
+                  f"{m['k3_kl']:.3g} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

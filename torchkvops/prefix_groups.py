@@ -1,0 +1,130 @@
+"""Which rows of a batch share a prefix, and the packed layout that computes each shared prefix once.
+
+Two rows share their first p columns when their token ids agree at every real (attention-mask 1)
+column there, their masks agree, and, when the caller passes position ids, so do those. Padding
+columns match each other whatever their ids: padding keys are masked, so a padding token's id and
+position reach no real output.
+
+Groups are found wherever their rows are (adjacent as TRL lays them out, interleaved as verl does,
+DPO's chosen and rejected halves): rows are sorted by their keys, so that rows with a common prefix
+are neighbours, and the sorted order's longest-common-prefix array defines a tree of candidate groups
+(the lcp-interval tree of string algorithms: every interval of sorted rows whose common prefix is
+longer than its neighbours'). Walking that tree bottom-up, each node keeps its children's groups or
+gathers some of them into one group of its own, whichever saves more tokens (a group of n rows with a
+common prefix of p columns saves (n - 1) * p): a greedy choice, optimal for the batches trainers make
+(one group per prompt, however its rows are arranged, completions that start alike), not for every
+conceivable batch. A group needs p >= min_shared; a row in no group is computed on its own. Each group
+shares the longest prefix all its rows have, which may run past the prompt when completions start
+alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from .prefix_attention import Bucket, PackedLayout
+
+__all__ = ["PrefixGroup", "row_keys", "find_prefix_groups", "pack_layout"]
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefixGroup:
+    """Rows (batch indices, ascending) that share their first `prefix` columns. A single row is a
+    group of one whose prefix is the whole row."""
+
+    rows: tuple[int, ...]
+    prefix: int
+
+
+def row_keys(input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor | None) -> np.ndarray:
+    """[rows, length] (or [rows, length, 2] with position ids) uint32 keys, big-endian, on the host:
+    0 at padding columns, id + 1 at real ones (and the position, offset to be non-negative). Host
+    sync: the grouping is decided on the host, once per forward."""
+    real = attention_mask.bool()
+    ids = torch.where(real, input_ids.long() + 1, 0)
+    if position_ids is not None:
+        positions = torch.where(real, position_ids.long() - position_ids.min() + 1, 0)
+        ids = torch.stack([ids, positions.expand_as(ids)], dim=-1)
+    return ids.to(device="cpu", dtype=torch.int64).numpy().astype(">u4")
+
+
+def find_prefix_groups(keys: np.ndarray, min_shared: int) -> list[PrefixGroup]:
+    """A partition of the rows into groups (see the module docstring), ordered by first row."""
+    rows, length = keys.shape[:2]
+    flat = keys.reshape(rows, -1)
+    order = sorted(range(rows), key=lambda r: flat[r].tobytes())  # big-endian bytes sort as the numbers do
+    ranked = keys[order].reshape(rows, length, -1)
+    if rows > 1:
+        differs = (ranked[1:] != ranked[:-1]).any(axis=2)  # [rows - 1, length]
+        lcp = np.where(differs.any(axis=1), differs.argmax(axis=1), length)  # sorted row i vs i + 1
+    else:
+        lcp = np.zeros(0, dtype=np.int64)
+
+    # Post-order over the lcp-interval tree, with an explicit stack. A node, an interval [lo, hi) of
+    # sorted rows whose common prefix is `shared` columns, splits into children where lcp == shared. Its
+    # best partition: each child either keeps its own best partition, or gives all its rows to one group
+    # at this node (worth `shared` per row, less `shared` once for the group) when that is worth more.
+    best: dict[tuple[int, int], tuple[int, list[tuple[list[int], int]]]] = {}
+    stack = [(0, rows, False)]
+    while stack:
+        lo, hi, expanded = stack.pop()
+        if hi - lo == 1:
+            best[lo, hi] = (0, [([lo], length)])
+            continue
+        inner = lcp[lo:hi - 1]
+        shared = int(inner.min())
+        cuts = [lo] + [lo + 1 + int(i) for i in np.flatnonzero(inner == shared)] + [hi]
+        children = list(zip(cuts[:-1], cuts[1:]))
+        if not expanded:
+            stack.append((lo, hi, True))
+            stack.extend((a, b, False) for a, b in children)
+            continue
+        results = [best.pop(c) for c in children]
+        value = sum(v for v, _ in results)
+        segments = [seg for _, segs in results for seg in segs]
+        if shared >= min_shared:
+            joins = [(b - a) * shared > v for (a, b), (v, _) in zip(children, results)]
+            joined = [r for (a, b), join in zip(children, joins) if join for r in range(a, b)]
+            if len(joined) >= 2:
+                value = (len(joined) - 1) * shared + sum(v for (v, _), join in zip(results, joins) if not join)
+                segments = [(joined, shared)] + [seg for (_, segs), join in zip(results, joins) if not join
+                                                 for seg in segs]
+        best[lo, hi] = (value, segments)
+    groups = [PrefixGroup(tuple(sorted(order[i] for i in positions)), prefix)
+              for positions, prefix in best[0, rows][1]]
+    return sorted(groups, key=lambda g: g.rows[0])
+
+
+def pack_layout(groups: list[PrefixGroup], length: int, attention_mask: Tensor) -> PackedLayout:
+    """The packed sequence for `groups` of a [rows, length] batch: groups of the same (size, prefix)
+    form one bucket, whose attention runs batched."""
+    rows = sum(len(g.rows) for g in groups)
+    by_shape: dict[tuple[int, int], list[PrefixGroup]] = {}
+    for g in groups:
+        by_shape.setdefault((len(g.rows), g.prefix), []).append(g)
+    buckets, src_parts = [], []
+    dest = np.empty((rows, length), dtype=np.int64)
+    offset = 0
+    for (n, prefix), members in sorted(by_shape.items()):
+        suffix = length - prefix
+        bucket = Bucket(offset=offset, groups=len(members), rows=n, prefix=prefix, suffix=suffix)
+        member_rows = np.array([g.rows for g in members], dtype=np.int64)  # [groups, n]
+        # Prefix tokens: each group's first row, columns [0, prefix).
+        src_parts.append((member_rows[:, :1] * length + np.arange(prefix)).reshape(-1))
+        dest[member_rows, :prefix] = (offset + np.arange(len(members))[:, None, None] * prefix
+                                      + np.arange(prefix)[None, None, :])
+        # Suffix tokens: every row, columns [prefix, length).
+        suffix_start = offset + len(members) * prefix
+        src_parts.append((member_rows[:, :, None] * length + prefix + np.arange(suffix)).reshape(-1))
+        slot = np.arange(len(members) * n).reshape(len(members), n)
+        dest[member_rows, prefix:] = suffix_start + slot[:, :, None] * suffix + np.arange(suffix)
+        buckets.append(bucket)
+        offset += bucket.tokens
+    device = attention_mask.device
+    src = torch.from_numpy(np.concatenate(src_parts)).to(device)
+    return PackedLayout(buckets=tuple(buckets), src=src, dest=torch.from_numpy(dest.reshape(-1)).to(device),
+                        token_mask=attention_mask.bool().reshape(-1)[src], rows=rows, length=length)

@@ -1,0 +1,427 @@
+"""A shared-prefix forward and backward for RL trainers: rows that share a prefix compute it once.
+
+    import torchkvops
+    torchkvops.patch_forward(model)             # the one line a TRL user adds (policy; and ref_model)
+
+After generation, GRPO-style trainers run the model over every row's prompt + completion up to three
+times (old-policy and reference log-probabilities, then the policy's loss), and each prompt sits in G
+rows. With the patch, the model's backbone finds the rows that share a prefix (`prefix_groups`), packs
+each shared prefix once followed by its rows' own suffixes into one sequence, runs its own layers over
+that (embeddings, norms and MLPs act per token; every attention layer calls `prefix_attention`, which
+knows the groups), and scatters the hidden states back to the [rows, length, hidden] layout. The LM
+head, `logits_to_keep`, `labels` and TRL's fused log-prob head then work unchanged, and outputs and
+gradients are the plain forward's up to float rounding (outputs at padding positions excepted, which
+nothing reads). Positions are the plain forward's own, so a suffix's continue its prefix's.
+
+Where it hooks: the backbone (`model.base_model`, e.g. LlamaModel), whose forward is replaced on this
+instance. TRL's GRPOTrainer replaces the top-level `model.forward` with a fused LM head that calls the
+backbone directly, so patching before or after TRL, on `trainer.model` and `trainer.ref_model`, both
+work. The attention layers read their model's config through a view that names this module's attention
+function, while the model's own config keeps its attention implementation (what TRL reads, saves and
+copies to the reference model). The packed layout reaches the attention function as a keyword argument
+of the layer call, so gradient checkpointing's recomputation (reentrant or not) sees it too; without
+one the function calls the model's own attention, exactly as before.
+
+Falls back to the plain forward, with a warning the first time each cause is seen, for anything that
+would change results or that it cannot serve: dropout active in train mode, output_attentions,
+inputs_embeds or other extra inputs, an attention implementation other than eager, sdpa or
+flash-attention, a sliding window shorter than the rows, a device other than CPU or CUDA, or no rows
+sharing at least `min_shared_tokens` columns. A forward with a KV cache (use_cache=True or a cache
+argument: generation) runs the model's own forward without a warning; with use_cache left unset the
+shared forward returns no cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import sys
+import types
+import warnings
+import weakref
+
+import torch
+from torch import Tensor, nn
+from transformers import AttentionInterface, PreTrainedConfig
+
+from .hf import sliding_window
+from .prefix_attention import SERVED_DEVICES, PackedLayout, packed_attention
+from .prefix_groups import find_prefix_groups, pack_layout, row_keys
+
+__all__ = ["patch_forward", "ForwardPatch", "SharedForwardConfig", "SharedForwardStats", "disable_dropout", "NAME"]
+
+NAME = "torchkvops_shared"  # the attention function's name in transformers' AttentionInterface
+_LAYOUT_KWARG = "torchkvops_packed_layout"  # the keyword that carries the layout to the attention layers
+_STATE_ATTR = "_torchkvops_shared_forward"
+
+# Model families served, and how their backbone numbers positions when the caller passes none:
+# "column" = the column index (arange over the padded row), "mask" = OPT's cumsum(mask) - 1.
+FAMILIES = {"gpt2": "column", "opt": "mask", "llama": "column", "mistral": "column", "qwen2": "column",
+            "qwen3": "column"}
+# Attention implementations whose results the shared path reproduces (all exact attention).
+SERVED_ATTENTION = ("eager", "sdpa", "flash_attention_2", "flash_attention_3")
+_SERVED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Arguments the shared path handles; any other argument set (not None) means the plain forward.
+_HANDLED = {"input_ids", "attention_mask", "position_ids", "use_cache", "output_hidden_states",
+            "output_attentions", "return_dict"}
+_CACHE_ARGUMENTS = ("cache", "past_key_values")
+# Float attributes through which transformers layers apply functional dropout in train mode.
+_DROPOUT_ATTRIBUTES = ("dropout", "attention_dropout", "activation_dropout", "hidden_dropout", "attn_dropout",
+                       "resid_dropout", "embd_dropout")
+
+
+@dataclasses.dataclass(frozen=True)
+class SharedForwardConfig:
+    """Options of `patch_forward`. `min_shared_tokens`: a group of rows is computed once only when they
+    share at least this many leading columns (padding included); shorter shared prefixes save less
+    than the extra attention calls cost."""
+
+    min_shared_tokens: int = 16
+
+    def __post_init__(self):
+        v = self.min_shared_tokens
+        if not (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
+            raise ValueError(f"SharedForwardConfig.min_shared_tokens must be an int >= 1, got {v!r}")
+
+
+@dataclasses.dataclass
+class SharedForwardStats:
+    """What the patched backbone did: forwards served by the shared path, forwards that fell back to
+    the plain one (each cause is warned about once; forwards with a KV cache are not counted), and,
+    over the shared ones, the tokens the plain forward would have computed (rows x length) and those
+    computed instead."""
+
+    shared_calls: int = 0
+    fallback_calls: int = 0
+    row_tokens: int = 0
+    computed_tokens: int = 0
+
+
+class _ConfigView:
+    """What a patched model's attention layers see as their config: the model's config, except that
+    `_attn_implementation` names the shared-prefix attention function (which calls the model's own
+    attention, read live from the real config, whenever a call carries no packed layout)."""
+
+    _attn_implementation = NAME
+
+    def __init__(self, config: PreTrainedConfig):
+        object.__setattr__(self, "_torchkvops_config", config)
+
+    def __getattr__(self, name: str):
+        if name.startswith("__") or name == "_torchkvops_config":  # copy/pickle probes, half-built copies
+            raise AttributeError(name)
+        return getattr(object.__getattribute__(self, "_torchkvops_config"), name)
+
+    def __setattr__(self, name: str, value) -> None:
+        setattr(self._torchkvops_config, name, value)
+
+
+def _model_attention(module: nn.Module):
+    """The attention function `module` calls when not packed: its model's configured implementation,
+    looked up as its own modeling file looks it up."""
+    view = module.config
+    if not isinstance(view, _ConfigView):
+        raise RuntimeError(f"torchkvops: the {NAME!r} attention is set only by torchkvops.patch_forward on the "
+                           "attention layers it patches; do not select it as a model's attn_implementation")
+    family = sys.modules[type(module).__module__]
+    return family.ALL_ATTENTION_FUNCTIONS.get_interface(view._torchkvops_config._attn_implementation,
+                                                        family.eager_attention_forward)
+
+
+def _shared_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask,
+                      dropout: float = 0.0, scaling: float | None = None, **kwargs):
+    layout: PackedLayout | None = kwargs.pop(_LAYOUT_KWARG, None)
+    if layout is None:
+        return _model_attention(module)(module, query, key, value, attention_mask, dropout=dropout,
+                                        scaling=scaling, **kwargs)
+    # The backbone checked all of these before packing (see _plain_reason); here they are invariants.
+    window = kwargs.get("sliding_window")
+    unserved = {"dropout": dropout if dropout else None, "softcap": kwargs.get("softcap"),
+                "s_aux": kwargs.get("s_aux"), "sliding_window": window if window and window < layout.length else None}
+    for name, setting in unserved.items():
+        if setting is not None:
+            raise RuntimeError(f"torchkvops: shared-prefix attention got {name}={setting!r}, which it cannot serve")
+    # Under autocast the model's own attention (SDPA, eager's matmuls) runs in the autocast dtype, and
+    # its inputs may come in mixed dtypes (RoPE in float32, V straight from a bf16 projection).
+    device = query.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else query.dtype
+    query, key, value = (t.to(dtype) for t in (query, key, value))
+    return packed_attention(query, key, value, layout, scaling), None
+
+
+AttentionInterface.register(NAME, _shared_attention)
+
+
+# --- the patched backbone forward -----------------------------------------------------------------
+@dataclasses.dataclass
+class _PatchState:
+    config: SharedForwardConfig
+    stats: SharedForwardStats
+    previous_forward: object  # the backbone's own instance-level forward before the patch, or None
+    views: list  # (attention module, its config before the patch)
+    warned: set = dataclasses.field(default_factory=set)
+
+    def original(self, backbone: nn.Module):
+        if self.previous_forward is not None:
+            return self.previous_forward
+        return functools.partial(type(backbone).forward, backbone)
+
+    def warn_once(self, reason: str) -> None:
+        if reason not in self.warned:
+            self.warned.add(reason)
+            warnings.warn(f"torchkvops.patch_forward: {reason}; this forward (and every one with it) runs the "
+                          "plain forward", UserWarning, stacklevel=2)
+
+
+def _shared_backbone_forward(self: nn.Module, *args, **kwargs):
+    """The patched backbone forward (bound to the backbone, so a deep copy of the model is patched alike)."""
+    state: _PatchState = getattr(self, _STATE_ATTR)
+    original = state.original(self)
+    if kwargs.get("use_cache") or any(kwargs.get(name) is not None for name in _CACHE_ARGUMENTS):
+        # A forward with a KV cache (generation: HF's generate, a torchkvops rollout) needs the model's own
+        # forward, and it is not what patch_forward serves: no warning. Plain Python, so that a compiled
+        # (fullgraph) decode step traces straight through.
+        return original(*args, **kwargs)
+    plan = _plan(self, state, args, kwargs)
+    if plan is None:
+        return original(*args, **kwargs)
+    arguments, layout, positions = plan
+    return _run_packed(original, state.stats, arguments, layout, positions)
+
+
+@torch.compiler.disable  # host work (the grouping), once per forward, outside any compiled graph
+def _plan(backbone: nn.Module, state: _PatchState, args: tuple, kwargs: dict):
+    """(arguments by name, layout, plain positions [rows, length]) for a call that the shared path
+    serves; None (after counting the fallback and warning once about its cause) for any other."""
+    try:
+        signature = inspect.signature(type(backbone).forward)
+        arguments = dict(signature.bind(backbone, *args, **kwargs).arguments)
+    except TypeError:
+        return None  # the model's own forward reports the bad call
+    arguments.pop(next(iter(signature.parameters)))  # self
+    for name, parameter in signature.parameters.items():
+        if parameter.kind is inspect.Parameter.VAR_KEYWORD:
+            arguments.update(arguments.pop(name, {}))
+    reason = _plain_reason(backbone, arguments)
+    if reason is None:
+        input_ids = arguments["input_ids"]
+        mask = arguments.get("attention_mask")
+        mask = torch.ones_like(input_ids, dtype=torch.bool) if mask is None else mask.bool()
+        given = arguments.get("position_ids")
+        groups = find_prefix_groups(row_keys(input_ids, mask, given), state.config.min_shared_tokens)
+        if all(len(g.rows) == 1 for g in groups):
+            reason = f"no rows that share a prefix of at least min_shared_tokens={state.config.min_shared_tokens} columns"
+    if reason is not None:
+        state.stats.fallback_calls += 1
+        state.warn_once(reason)
+        return None
+    return arguments, pack_layout(groups, input_ids.shape[1], mask), _plain_positions(backbone, input_ids, mask, given)
+
+
+def _plain_positions(backbone: nn.Module, input_ids: Tensor, mask: Tensor, given: Tensor | None) -> Tensor:
+    """[rows, length]: the position of every token as the plain forward numbers it."""
+    rows, length = input_ids.shape
+    if given is not None:
+        return given.expand(rows, length)
+    if FAMILIES[backbone.config.model_type] == "mask":  # OPT: cumsum(mask) - 1 at real tokens, -1 at padding
+        return mask.long().cumsum(1) * mask - 1
+    return torch.arange(length, device=input_ids.device).expand(rows, length)
+
+
+def _plain_reason(backbone: nn.Module, arguments: dict) -> str | None:
+    """Why this call must run the plain forward, or None."""
+    config = backbone.config
+    if arguments.get("inputs_embeds") is not None:
+        return "inputs_embeds (rows are grouped by their token ids)"
+    for name in _CACHE_ARGUMENTS:
+        if arguments.get(name) is not None:
+            return f"a KV cache ({name})"
+    if arguments.get("use_cache"):
+        return "use_cache=True (the shared forward keeps no per-row KV cache)"
+    if arguments.get("output_attentions", getattr(config, "output_attentions", False)):
+        return "output_attentions=True"
+    extra = sorted(name for name, value in arguments.items() if name not in _HANDLED and value is not None)
+    if extra:
+        return f"the argument {extra[0]!r}"
+    input_ids, mask, positions = (arguments.get(k) for k in ("input_ids", "attention_mask", "position_ids"))
+    if not (isinstance(input_ids, Tensor) and input_ids.dim() == 2 and not input_ids.is_floating_point()):
+        return "input_ids that are not a 2-D tensor of token ids"
+    if mask is not None and (not isinstance(mask, Tensor) or mask.shape != input_ids.shape):
+        return "an attention_mask that is not 2-D [rows, length] (a custom 4-D mask)"
+    if positions is not None and (not isinstance(positions, Tensor) or positions.dim() != 2
+                                  or positions.shape[1] != input_ids.shape[1]
+                                  or positions.shape[0] not in (1, input_ids.shape[0])):
+        return "position_ids that are not [rows, length] or [1, length]"
+    if backbone.training:
+        cause = _active_dropout(backbone)
+        if cause:
+            return (f"dropout in train mode ({cause}: every row needs its own dropout mask; set it to 0 with "
+                    "torchkvops.shared_forward.disable_dropout(model), or call model.eval())")
+    attn = config._attn_implementation
+    if attn not in SERVED_ATTENTION:
+        return f"attn_implementation={attn!r} (served: {', '.join(SERVED_ATTENTION)})"
+    if input_ids.device.type not in SERVED_DEVICES:
+        return f"a model on {input_ids.device.type} (served: {', '.join(SERVED_DEVICES)})"
+    dtype = next(backbone.parameters()).dtype
+    if dtype not in _SERVED_DTYPES:
+        return f"{dtype} parameters"
+    window = sliding_window(config)
+    if window is not None and input_ids.shape[1] > window:
+        return f"rows of {input_ids.shape[1]} tokens, longer than the sliding window of {window}"
+    return None
+
+
+def disable_dropout(model: nn.Module) -> None:
+    """Set every dropout the shared path checks to 0: nn.Dropout's p (what TRL's disable_dropout does) and
+    the floats that OPT-style layers pass to functional dropout (which TRL's leaves on)."""
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+            continue
+        for attribute in _DROPOUT_ATTRIBUTES:
+            value = vars(module).get(attribute)
+            if isinstance(value, float) and value > 0:
+                setattr(module, attribute, 0.0)
+
+
+def _active_dropout(backbone: nn.Module) -> str | None:
+    """The first dropout the backbone applies in train mode: an nn.Dropout with p > 0, or a float that a
+    layer passes to functional dropout (OPT's `dropout`, Llama's `attention_dropout`)."""
+    for name, module in backbone.named_modules():
+        if not module.training:
+            continue
+        if isinstance(module, nn.Dropout):
+            if module.p > 0:
+                return f"{name or type(module).__name__} p={module.p}"
+            continue
+        for attribute in _DROPOUT_ATTRIBUTES:
+            value = vars(module).get(attribute)
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+                return f"{name + '.' if name else ''}{attribute}={value}"
+    return None
+
+
+def _run_packed(original, stats: SharedForwardStats, arguments: dict, layout: PackedLayout, positions: Tensor):
+    input_ids = arguments["input_ids"]
+    rows, length = input_ids.shape
+    call = {"input_ids": input_ids.reshape(-1)[layout.src][None],
+            "position_ids": positions.reshape(-1)[layout.src][None],
+            # A 4-D mask is returned as it is by transformers' mask builders: no [T, T] mask is built.
+            "attention_mask": torch.ones((1, 1, 1, 1), dtype=torch.bool, device=input_ids.device),
+            "use_cache": False, "return_dict": True, _LAYOUT_KWARG: layout}
+    if arguments.get("output_hidden_states") is not None:
+        call["output_hidden_states"] = arguments["output_hidden_states"]
+    out = original(**call)
+
+    def unpack(hidden: Tensor) -> Tensor:  # [1, T, hidden] -> [rows, length, hidden]
+        return hidden[0].index_select(0, layout.dest).view(rows, length, -1)
+
+    out["last_hidden_state"] = unpack(out["last_hidden_state"])
+    if out.get("hidden_states") is not None:
+        out["hidden_states"] = tuple(unpack(h) for h in out["hidden_states"])
+    stats.shared_calls += 1
+    stats.row_tokens += rows * length
+    stats.computed_tokens += layout.tokens
+    return out.to_tuple() if arguments.get("return_dict") is False else out
+
+
+# --- patching ---------------------------------------------------------------------------------------
+def _backbone(model: nn.Module) -> nn.Module:
+    """The module that runs the decoder layers: `model.base_model`, or the decoder it wraps (OPTModel's
+    OPTDecoder, which OPTForCausalLM calls directly)."""
+    backbone = getattr(model, "base_model", model)
+    if not isinstance(getattr(backbone, "config", None), PreTrainedConfig):
+        raise TypeError(f"patch_forward: model must be a Hugging Face causal LM or its backbone, got "
+                        f"{type(model).__name__}")
+    decoder = getattr(backbone, "decoder", None)
+    if isinstance(decoder, nn.Module) and isinstance(getattr(decoder, "config", None), PreTrainedConfig):
+        return decoder
+    return backbone
+
+
+def _attention_modules(backbone: nn.Module) -> list[nn.Module]:
+    return [m for m in backbone.modules()
+            if type(m).__name__.endswith("Attention") and hasattr(m, "layer_idx")
+            and isinstance(getattr(m, "config", None), (PreTrainedConfig, _ConfigView))]
+
+
+def _unsupported_model(backbone: nn.Module) -> str | None:
+    config = backbone.config
+    model_type = getattr(config, "model_type", None)
+    if model_type not in FAMILIES:
+        return f"model type {model_type!r} is not supported (supported: {', '.join(FAMILIES)})"
+    if getattr(config, "add_cross_attention", False):
+        return "models with cross-attention are not supported"
+    if getattr(config, "reorder_and_upcast_attn", False):
+        return "GPT-2's reorder_and_upcast_attn is not supported"
+    layers = getattr(config, "num_hidden_layers", None)
+    found = len(_attention_modules(backbone))
+    if found != layers:
+        return f"found {found} attention layers in {type(backbone).__name__}, expected num_hidden_layers={layers}"
+    return None
+
+
+def _is_patched(backbone: nn.Module) -> bool:
+    forward = vars(backbone).get("forward")
+    return isinstance(forward, types.MethodType) and forward.__func__ is _shared_backbone_forward
+
+
+class ForwardPatch:
+    """What `patch_forward` returns: `undo()` (or leaving the `with` block) restores the model;
+    `stats` counts the forwards served by the shared path and by the plain one."""
+
+    def __init__(self, backbone: nn.Module, config: SharedForwardConfig):
+        self.config = config
+        self.stats = SharedForwardStats()
+        modules = _attention_modules(backbone)
+        state = _PatchState(config=config, stats=self.stats, previous_forward=vars(backbone).get("forward"),
+                            views=[(m, m.config) for m in modules])
+        for m in modules:
+            m.config = _ConfigView(m.config)
+        setattr(backbone, _STATE_ATTR, state)
+        backbone.forward = types.MethodType(_shared_backbone_forward, backbone)
+        self._backbone_ref = weakref.ref(backbone)
+        self.active = True
+
+    def undo(self) -> None:
+        backbone = self._backbone_ref()
+        if not self.active or backbone is None:
+            return
+        state: _PatchState = getattr(backbone, _STATE_ATTR)
+        if state.previous_forward is None:
+            del backbone.forward
+        else:
+            backbone.forward = state.previous_forward
+        for module, config in state.views:
+            module.config = config
+        delattr(backbone, _STATE_ATTR)
+        self.active = False
+
+    def __enter__(self) -> "ForwardPatch":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.undo()
+
+
+def patch_forward(model: nn.Module, **options) -> ForwardPatch:
+    """Make this model instance's forward compute rows that share a prefix once (see the module docstring).
+
+    `model` is a Hugging Face causal LM (its backbone, `model.base_model`, is patched) or a backbone.
+    `options` are those of `SharedForwardConfig` (min_shared_tokens), validated as it validates them.
+    Returns a handle: `handle.undo()` restores the model, `with patch_forward(model): ...` does so on
+    leaving the block, and `handle.stats` counts what the patched forward did. Patching a patched model
+    again is refused."""
+    fields = {f.name for f in dataclasses.fields(SharedForwardConfig)}
+    unknown = sorted(set(options) - fields)
+    if unknown:
+        raise TypeError(f"patch_forward: unknown option {unknown[0]!r}; the options are {', '.join(sorted(fields))}")
+    config = SharedForwardConfig(**options)
+    backbone = _backbone(model)
+    if _is_patched(backbone):
+        raise RuntimeError("patch_forward: this model's forward is already patched; undo() that handle first")
+    reason = _unsupported_model(backbone)
+    if reason:
+        raise ValueError(f"patch_forward: {reason}")
+    return ForwardPatch(backbone, config)
