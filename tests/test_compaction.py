@@ -126,6 +126,19 @@ def test_bucket_sizes_are_few_and_pad_at_most_a_quarter():
     assert compaction.bucket_sizes(64) == [1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, 48, 56, 64]
 
 
+def test_a_plan_always_makes_the_batch_smaller(monkeypatch):
+    """Even when told to compact at any saving (a fraction of 1), a batch with no ended row, or one whose
+    bucket is its own size, is left as it is: the compacted state would be the state it is gathered from."""
+    monkeypatch.setattr(compaction, "COMPACT_FRACTION", 1.0)
+    for rows, ended in ((8, 0), (10, 1), (2, 1)):  # bucket(9) = 10; the smallest batch made is 2 rows
+        finished = torch.zeros(rows, dtype=torch.bool)
+        finished[:ended] = True
+        assert compaction.plan(finished, compaction.BatchMap(rows)) is None, (rows, ended)
+    finished = torch.zeros(8, dtype=torch.bool)
+    finished[3] = True
+    assert compaction.plan(finished, compaction.BatchMap(8)).size == 7
+
+
 def test_prefix_plan_gives_each_live_row_a_slot_of_its_prompt():
     g = torch.Generator().manual_seed(0)
     for trial in range(50):

@@ -110,7 +110,7 @@ def plan(finished: Tensor, batch: BatchMap, min_rows: int = 2) -> Plan | None:
     rows = finished.numel()
     live = (~finished).nonzero().flatten()
     size = max(bucket(live.numel()), min(min_rows, rows))
-    if size > COMPACT_FRACTION * rows:
+    if size >= rows or size > COMPACT_FRACTION * rows:  # (the first: a batch is never "compacted" to its own size)
         return None
     ended = finished.nonzero().flatten()
     keep = torch.cat([live, ended[: size - live.numel()]])
