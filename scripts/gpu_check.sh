@@ -3,10 +3,11 @@
 # nvcc 13.0, no network, no trl): build the extension, run the CUDA tests (graph decode, the sampler,
 # merge_attention_states, the KV ops), the repeat_kv_cache_ bandwidth table, the decode benchmarks of
 # issues #8 and #9 (OPT-6.7B anchor, Qwen3-0.6B long prompts, OPT-125m matrix; CUDA-graph decode, both
-# KV layouts, HF generate with its default and static cache), the sampler and merge benchmarks, the
-# log-probability mismatch and float32-head cost of issue #18, and the compiled anchor if time is left.
-# Everything lands in OUT_DIR: one log per step, the JSON results, exit_codes.txt and summary.txt. A
-# failing step does not stop the next one. Copy OUT_DIR to benchmarks/results/<date>_h200/ and commit it.
+# KV layouts, HF generate with its default and static cache), issue #19's compaction on spread response
+# lengths, the sampler and merge benchmarks, the log-probability mismatch and float32-head cost of issue
+# #18, and the compiled anchor if time is left. Everything lands in OUT_DIR: one log per step, the JSON
+# results, exit_codes.txt and summary.txt. A failing step does not stop the next one. Copy OUT_DIR to
+# benchmarks/results/<date>_h200/ and commit it.
 #
 #   scripts/gpu_check.sh OUT_DIR
 #
@@ -90,6 +91,13 @@ step long-prompt 130 "$PY" -m torchkvops bench --model-shape qwen3-0.6b --dtype 
 step matrix-125m 70 "$PY" -m torchkvops bench --model-shape opt-125m --dtype bf16 --device cuda --batch-sizes 1 8 \
   --samples-per-prompt 4 16 --prompt-lengths 512 --response-lengths 32 --modes expanded shared prefix hf-generate \
   --warmup 2 --iterations 5 --no-progress --output "$out/matrix_opt125m_bf16.json"
+# Issue #19: compaction as responses end, on spread (geometric, mean R/4) lengths: decode time and the
+# useful fraction with compaction on and off, interleaved, and HF generate; Qwen3-0.6B shape, bf16,
+# B=8 N=16 (128 rows) P=256 R=256.
+step compaction 120 "$PY" -m torchkvops bench --model-shape qwen3-0.6b --dtype bf16 --device cuda --batch-sizes 8 \
+  --samples-per-prompt 16 --prompt-lengths 256 --response-lengths 256 --length-profile geometric \
+  --modes shared shared-nocompact prefix prefix-nocompact hf-generate --warmup 1 --iterations 3 --no-progress \
+  --output "$out/compaction_qwen3_bf16.json"
 # Issue #17: shared-prefix forward + backward (patch_forward) against the plain forward, the issue's matrix
 # P x C x G, bf16; its CUDA tests run in pytest-cuda above. opt-125m has 2048 positions: P <= 1024 there.
 # The JSON is rewritten after every case, so a step cut by its limit keeps the cases it finished; the
@@ -120,7 +128,7 @@ step anchor-compiled 160 "$PY" -m torchkvops bench --model-shape opt-6.7b --dtyp
   echo "gpu_check: $((SECONDS - start))s; results in $out"
   printf '%-14s %-8s %6s\n' step exit time
   printf '%s\n' "${rows[@]}"
-  for f in anchor-6.7b long-prompt matrix-125m mismatch-bf16 anchor-compiled; do
+  for f in anchor-6.7b long-prompt matrix-125m compaction mismatch-bf16 anchor-compiled; do
     [ -f "$out/$f.log" ] || continue
     echo
     echo "--- $f"

@@ -37,6 +37,9 @@ CONFIGS = {
                         return_logprobs=True),
     "prefix": dict(samples_per_prompt=2, max_new_tokens=6, eos_token_id=[], temperature=1.0, seed=3,
                    kv_sharing="prefix"),
+    # Long enough, with enough EOS ids, that each shard's batch is compacted as its rows end (issue #19).
+    "compacted": dict(samples_per_prompt=4, max_new_tokens=40, eos_token_id=[5, 7, 9, 11, 13], temperature=1.0,
+                      seed=2, kv_sharing="prefix", return_logprobs=True, enable_profiling=True),
 }
 
 
@@ -60,6 +63,8 @@ def main() -> None:
                 rollout = Rollout(model, RolloutConfig(**cfg))
                 result[f"{case}/{name}/gathered"] = torchkvops.distributed.generate(rollout, ids, mask)
                 result[f"{case}/{name}/local"] = torchkvops.distributed.generate(rollout, ids, mask, gather=False)
+                if cfg.get("enable_profiling") and ids is not None:
+                    result[f"{case}/{name}/profile"] = rollout.get_last_profile()
     elif scenario == "failure":
         ids, mask = shard("uneven", rank)
         if rank == 1:

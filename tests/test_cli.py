@@ -235,7 +235,7 @@ def test_bench_json_tables_trace_and_order(tmp_path):
         assert name in proc.stdout
     # On the CPU there is no roofline column.
     assert ("| mode | prefill ms | kv_expand ms | decode ms | other ms | total ms | decode ms/step | GB/s | tokens/s "
-            "| KV MiB | peak MiB | total / expanded |") in proc.stdout
+            "| KV MiB | peak MiB | useful | total / expanded |") in proc.stdout
     assert "3 timed iterations: times of the median-total iteration" in proc.stdout
     assert "modes ran interleaved, timed by one clock" in proc.stdout
     for mode in ("shared", "prefix", "hf-generate"):
@@ -283,6 +283,8 @@ def test_bench_json_tables_trace_and_order(tmp_path):
                 assert s["mean"] == pytest.approx(sum(values) / 3)
             assert e["summary"]["response_length"]["p50"] == R
             assert e["summary"]["generated_tokens"]["p50"] == rows * R
+            # No EOS: every row is decoded to R, and every row-step computed made a token (issue #19).
+            assert e["summary"]["useful_fraction"]["p50"] == 1.0
             assert e["peak_memory_method"] == "cpu_profiler" and e["peak_memory_bytes"] > 0
             assert len(e["tokens_sha256"]) == 64
             assert e["median_stages"] == bench_stats.stage_breakdown(e)

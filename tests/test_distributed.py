@@ -51,9 +51,10 @@ def load(out: Path, rank: int) -> dict:
 
 
 def single_process(case: str, cfg: dict):
-    """The reference: one Rollout over every rank's prompts, left-padded to the longest, in rank order."""
+    """The reference: one Rollout over every rank's prompts, left-padded to the longest, in rank order,
+    decoding every row to the end (no compaction)."""
     model = FAMILIES["llama"]()
-    rollout = Rollout(model, RolloutConfig(**cfg))
+    rollout = Rollout(model, RolloutConfig(**{**cfg, "compact_finished_rows": False}))
     shards = [shard(case, r) for r in range(len(CASES[case]))]
     shards = [s for s in shards if s[0] is not None]
     width = max(ids.shape[1] for ids, _ in shards)
@@ -95,6 +96,9 @@ def test_gathered_output_equals_a_single_process_rollout(equivalence, case, conf
         r = local.responses.shape[1]
         assert torch.equal(local.responses, expected.responses[first: first + rows, :r])
         first += rows
+        profile = equivalence[rank].get(f"{case}/{config}/profile")
+        if profile is not None and rows > 2:  # each shard compacted its own batch as its rows ended
+            assert profile.useful_row_steps < profile.computed_row_steps < rows * r, (rank, case, profile)
 
 
 def test_a_rank_that_raises_makes_every_rank_raise(tmp_path):

@@ -11,7 +11,9 @@ see `decode_attention`), so every attention layer of any supported decoder-only 
 - With `kv_sharing="prefix"`, the N rows of a prompt attend to ONE copy of its prompt KV: their queries
   are stacked into one [prompts, kv_heads, N * group, head_dim] matrix against it (Hydragen's trick),
   each row attends to its own response KV separately, and the two partial attentions are merged with
-  their log-sum-exps (`merge_attention_states`).
+  their log-sum-exps (`merge_attention_states`). Once the batch is compacted as rows end
+  (`torchkvops.compaction`), the rows of a prompt are no longer N consecutive ones: the queries are
+  gathered into S slots per prompt (`slot_rows`), and each row reads its slot's prefix attention back.
 
 The kernel is torch's own fused attention that also returns the log-sum-exp: the CPU flash kernel on
 CPU, the memory-efficient kernel on CUDA (plain matmul + softmax elsewhere). Masks are additive biases
@@ -45,6 +47,12 @@ class DecodeAttention:
     # Prefix layout: rows [i*N, (i+1)*N) answer prompt i, whose KV is prompt_kv[:, :, i].
     prompt_kv: Tensor | None = None  # [layers, 2, B, kv_heads, P, head_dim]
     prompt_bias: Tensor | None = None  # [B, 1, 1, P]: 0 where prompt i has a token, -inf elsewhere
+    # Prefix layout of a compacted batch (torchkvops.compaction): rows need not come N per prompt; the
+    # queries of prompt i are the rows slot_rows[i*S : (i+1)*S] ([B * S]), and row r reads its prefix
+    # attention from sample row_sample[r] of prompt row_prompt[r] ([rows] each).
+    slot_rows: Tensor | None = None
+    row_prompt: Tensor | None = None
+    row_sample: Tensor | None = None
 
 
 _active: DecodeAttention | None = None
@@ -122,10 +130,12 @@ def torchkvops_attention(module: nn.Module, query: Tensor, key: Tensor, value: T
 
     # B and N from shapes, not Python ints: a compiled decode then keeps them symbolic (no recompile).
     prompts = context.prompt_kv.shape[2]
-    samples = rows // prompts
+    slotted = context.slot_rows is not None
+    samples = (context.slot_rows.shape[0] if slotted else rows) // prompts
     layer = module.layer_idx
     # Prefix: the N rows' queries of each prompt, stacked, against that prompt's KV (read once).
-    stacked = q.view(prompts, samples, kv_heads, group, head_dim).transpose(1, 2)
+    stacked = q.index_select(0, context.slot_rows) if slotted else q
+    stacked = stacked.view(prompts, samples, kv_heads, group, head_dim).transpose(1, 2)
     stacked = stacked.reshape(prompts, kv_heads, samples * group, head_dim)
     prefix_k, prefix_v = context.prompt_kv[layer, 0], context.prompt_kv[layer, 1]
     out_p, lse_p = attend(stacked, prefix_k, prefix_v, context.prompt_bias, scaling, with_lse=True)
@@ -134,6 +144,10 @@ def torchkvops_attention(module: nn.Module, query: Tensor, key: Tensor, value: T
     # Merge, in the rows' layout [B, N, kv_heads, group, ...] (the prefix part as a strided view).
     out_p = out_p.view(prompts, kv_heads, samples, group, head_dim).transpose(1, 2)
     lse_p = lse_p.view(prompts, kv_heads, samples, group).transpose(1, 2)
+    if slotted:  # each row's prefix part from its slot (prompt, sample): [rows, kv_heads, group, ...], one gather
+        prompt, sample = context.row_prompt, context.row_sample
+        out, _ = ops.merge_attention_states(out_p[prompt, sample], lse_p[prompt, sample], out_s, lse_s)
+        return out.reshape(rows, 1, heads, head_dim), None
     out, _ = ops.merge_attention_states(out_p, lse_p, out_s.view(prompts, samples, kv_heads, group, head_dim),
                                     lse_s.view(prompts, samples, kv_heads, group))
     return out.reshape(rows, 1, heads, head_dim), None

@@ -29,9 +29,10 @@ from .sampling import SamplingParams, sample, sample_with_logprobs
 
 __all__ = ["DecodeState", "DecodeStep", "DecodeRunner"]
 
-# How many captured graphs a rollout keeps (least recently used dropped first); each holds its
-# activations in the shared memory pool.
-MAX_CUDA_GRAPHS = 16
+# How many captured graphs a rollout keeps (least recently used dropped first); they share one memory
+# pool, in which a step's temporaries (all freed by the step's end) reuse the same blocks. Compaction
+# (torchkvops.compaction) adds the shapes of the compacted batches: a few per rollout configuration.
+MAX_CUDA_GRAPHS = 48
 _RecompileLimitHit = getattr(torch._dynamo.exc, "FailOnRecompileLimitHit", RuntimeError)
 
 
@@ -39,8 +40,8 @@ class DecodeState:
     """Statically shaped tensors that the decode step reads and updates in place."""
 
     def __init__(self, rows: int, mask_len: int, max_new_tokens: int, dtype: torch.dtype, device: torch.device,
-                 prompts: int = 0, prompt_len: int = 0, logprobs: bool = False):
-        self.shape = (rows, mask_len, max_new_tokens, dtype, prompts, prompt_len, logprobs)
+                 prompts: int = 0, prompt_len: int = 0, logprobs: bool = False, slots: int = 0):
+        self.shape = (rows, mask_len, max_new_tokens, dtype, prompts, prompt_len, logprobs, slots)
         self.tokens = torch.zeros(rows, 1, dtype=torch.long, device=device)  # the token fed next
         self.position_ids = torch.zeros(rows, 1, dtype=torch.long, device=device)
         # Additive bias over the decode buffer's keys: 0 where a row may attend, -inf elsewhere.
@@ -53,6 +54,16 @@ class DecodeState:
         self.logprobs = torch.zeros(rows, max_new_tokens, dtype=torch.float32, device=device) if logprobs else None
         # Prefix layout only: the bias over each prompt's shared KV [prompts, 1, 1, prompt_len].
         self.prompt_bias = torch.zeros(prompts, 1, 1, prompt_len, dtype=dtype, device=device) if prompts else None
+        # Prefix layout of a compacted batch (slots > 0): the shared-prefix attention's query slots, S per
+        # prompt (torchkvops.compaction): the row at each slot [prompts * slots], and each row's slot as
+        # (prompt, sample) [rows] each.
+        self.slot_rows = torch.zeros(prompts * slots, dtype=torch.long, device=device) if slots else None
+        self.row_prompt = torch.zeros(rows, dtype=torch.long, device=device) if slots else None
+        self.row_sample = torch.zeros(rows, dtype=torch.long, device=device) if slots else None
+
+    @property
+    def rows(self) -> int:
+        return self.shape[0]
 
     def tensors(self) -> list[Tensor]:
         return [t for t in vars(self).values() if isinstance(t, Tensor)]

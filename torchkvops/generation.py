@@ -67,7 +67,7 @@ from .rollout import MIN_TEMPERATURE, Rollout, RolloutConfig, check_prompts
 __all__ = ["generate", "patch_generate", "GeneratePatch", "PATCH_OPTIONS"]
 
 # RolloutConfig fields that make sense per model (the rest come from each call's generation config).
-PATCH_OPTIONS = ("compile", "cuda_graphs", "kv_sharing", "shared_prefill", "enable_profiling")
+PATCH_OPTIONS = ("compile", "cuda_graphs", "kv_sharing", "shared_prefill", "enable_profiling", "compact_finished_rows")
 # HF's generate signature: calls are bound to it as HF binds them (same defaults, same TypeErrors).
 _SIGNATURE = inspect.signature(GenerationMixin.generate)
 # generate() arguments that select something the rollout does not do, whenever they are given.
@@ -634,8 +634,8 @@ class GeneratePatch:
 
 def patch_generate(model: nn.Module, **options) -> GeneratePatch:
     """Make `model.generate` run through torchkvops (this instance only). `options` are rollout options
-    that make sense per model: compile, cuda_graphs, kv_sharing, shared_prefill, enable_profiling
-    (validated as RolloutConfig validates them). Returns a handle: `handle.undo()` restores the
+    that make sense per model: compile, cuda_graphs, kv_sharing, shared_prefill, enable_profiling,
+    compact_finished_rows (validated as RolloutConfig validates them). Returns a handle: `handle.undo()` restores the
     original generate, `with patch_generate(model): ...` does so on leaving the block, and
     `handle.release()` frees the KV buffers and decode graphs kept between calls.
 

@@ -53,6 +53,12 @@ class KVShape:
         return (self.layers, 2, rows, self.kv_heads, tokens, self.head_dim)
 
 
+def _gather_rows(src: Tensor, rows: Tensor, dst: Tensor) -> None:
+    """dst[l] = src[l][:, rows] for every layer l, in increasing l (see RolloutKVCache.compact)."""
+    for layer in range(src.shape[0]):
+        dst[layer].copy_(src[layer].index_select(1, rows))
+
+
 class RolloutKVCache(Cache):
     """Static KV buffers reused across rollouts; `prepare_copy()` / `prepare_prefix()` size them,
     `release()` frees them."""
@@ -81,6 +87,25 @@ class RolloutKVCache(Cache):
         prefix, suffix = self._views([self.shape.buffer_shape(prompts, prompt_tokens),
                                       self.shape.buffer_shape(rows, response_tokens)])
         self.layout, self.prompt_kv, self.decode_kv = "prefix", prefix, suffix
+
+    def compact(self, rows: Tensor, prompts: Tensor | None = None) -> None:
+        """Decode goes on with the decode buffer's rows `rows` (int64, on the buffer's device) and, in the
+        prefix layout, the prompts `prompts` only (torchkvops.compaction). They are gathered in place into
+        smaller views carved from the start of the same allocation, as `prepare_*` carves them, so that a
+        compacted shape has the same addresses in every call (and its CUDA graph replays). Each layer is
+        gathered into a temporary and copied to its place, layer after layer: a smaller view's layer l
+        ends where the current view's layer l + 1 begins or before, so no layer is overwritten before it
+        is read (and the prompts, which come first, before the response KV)."""
+        if self.layout == "copy":
+            (kv,) = self._views([self.shape.buffer_shape(rows.numel(), self.decode_kv.shape[4])])
+            _gather_rows(self.decode_kv, rows, kv)
+            self.prompt_kv = self.decode_kv = kv
+            return
+        prefix, suffix = self._views([self.shape.buffer_shape(prompts.numel(), self.prompt_kv.shape[4]),
+                                      self.shape.buffer_shape(rows.numel(), self.decode_kv.shape[4])])
+        _gather_rows(self.prompt_kv, prompts, prefix)
+        _gather_rows(self.decode_kv, rows, suffix)
+        self.prompt_kv, self.decode_kv = prefix, suffix
 
     def _views(self, shapes: list[tuple[int, ...]]) -> list[Tensor]:
         sizes = [math.prod(s) for s in shapes]

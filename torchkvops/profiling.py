@@ -39,6 +39,15 @@ class RolloutProfile:
     response_length: int
     peak_memory_bytes: int | None  # the accelerator's peak during the call; None on CPU
     kv_cache_bytes: int  # bytes of KV storage the call used (prompt and response KV, either layout)
+    # Row-steps: one per row and sampled token position. Computed: the rows each token position was sampled
+    # for (the batch shrinks with compact_finished_rows); useful: those that produced a token of a response
+    # (up to and including its EOS: generated_tokens). useful_fraction = useful / computed.
+    computed_row_steps: int = 0
+    useful_row_steps: int = 0
+
+    @property
+    def useful_fraction(self) -> float:
+        return self.useful_row_steps / self.computed_row_steps if self.computed_row_steps else 0.0
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -22,7 +22,7 @@ import weakref
 import torch
 from torch import Tensor, nn
 
-from . import attention
+from . import attention, compaction
 from .decode import DecodeRunner, DecodeState, DecodeStep
 from .hf import ModelAdapter
 from .kv_cache import KV_LAYOUTS, RolloutKVCache
@@ -45,8 +45,9 @@ RESPONSE_KV_MULTIPLE = 8
 # A positive temperature below this would overflow logits / temperature in float32 (1e-44 did): use 0.
 MIN_TEMPERATURE = 1e-6
 _INT64_MAX = 2**63 - 1
-# Decode states (and so decode graphs) kept for this many distinct decode shapes.
-MAX_DECODE_STATES = 8
+# Decode states (and so decode graphs) kept for this many distinct decode shapes: with compaction, a
+# rollout configuration of R rows has up to 8 + 4 log2(R / 8) of them (torchkvops.compaction).
+MAX_DECODE_STATES = 48
 
 
 def round_up(n: int, multiple: int = KV_LENGTH_MULTIPLE) -> int:
@@ -80,6 +81,9 @@ class RolloutConfig:
     kv_sharing: str = "copy"  # "copy": each row holds its prompt's KV; "prefix": one copy per prompt
     return_logprobs: bool = False  # RolloutOutput.logprobs: each token's log-probability as sampled
     lm_head_dtype: torch.dtype | None = None  # torch.float32: run a half-precision model's LM head in float32
+    # As rows end, decode goes on with the live rows only (gathered into a smaller batch at the all-ended
+    # check, every few steps): decode cost follows the tokens still being generated. Same tokens either way.
+    compact_finished_rows: bool = True
 
     def __post_init__(self):
         def need(ok: bool, field: str, what: str):
@@ -96,7 +100,8 @@ class RolloutConfig:
         need(is_int(self.max_new_tokens) and self.max_new_tokens >= 1, "max_new_tokens", "must be an int >= 1")
         need(is_int(self.min_new_tokens) and 0 <= self.min_new_tokens <= self.max_new_tokens, "min_new_tokens",
              f"must be an int in [0, max_new_tokens={self.max_new_tokens}]")
-        for flag in ("shared_prefill", "enable_profiling", "compile", "cuda_graphs", "return_logprobs"):
+        for flag in ("shared_prefill", "enable_profiling", "compile", "cuda_graphs", "return_logprobs",
+                     "compact_finished_rows"):
             need(isinstance(getattr(self, flag), bool), flag, "must be a bool")
         t = self.temperature
         need(isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t)
@@ -159,6 +164,8 @@ class Rollout:
         self._check_special_ids()
         self._eos = torch.tensor(self.eos_ids, dtype=torch.long, device=self.device) if self.eos_ids else None
         self._params = SamplingParams(float(self.config.temperature), self.config.top_k, float(self.config.top_p))
+        # Compaction happens at the all-ended check, which only a rollout with EOS ids makes.
+        self._compacts = self.config.compact_finished_rows and self._eos is not None
         self._states: dict[tuple, DecodeState] = {}  # by decode shape, least recently used first
         self._last_profile: RolloutProfile | None = None
         self._lock = _lock_for(model)
@@ -246,9 +253,10 @@ class Rollout:
                     self.cache.expand_prompts(batch, n, prompt_len)
                 logits = logits.repeat_interleave(n, dim=0)
 
+        kv_bytes = self.cache.used_bytes  # before compaction makes the views smaller
         with timer.stage("decode"):
             state = self._start_decode(attention_mask, seed, logits, row_ids, live)
-            steps = self._decode(state, new_tokens)
+            steps, row_steps = self._decode(state, new_tokens)
             response_len = steps + 1
 
         with timer.stage("post_processing"):
@@ -265,7 +273,7 @@ class Rollout:
                 tokens_per_second=generated / (ms["total"] / 1e3) if ms["total"] > 0 else 0.0,
                 decode_steps=steps, batch_size=batch, samples_per_prompt=n, prompt_length=prompt_len,
                 response_length=response_len, peak_memory_bytes=timer.peak_memory_bytes(),
-                kv_cache_bytes=self.cache.used_bytes,
+                kv_cache_bytes=kv_bytes, computed_row_steps=row_steps, useful_row_steps=generated,
             )
         return out
 
@@ -283,15 +291,7 @@ class Rollout:
         mask_len = cache.decode_kv.shape[4]
         prefix = cfg.kv_sharing == "prefix"
         prefix_len = cache.prompt_kv.shape[4] if prefix else 0
-        shape = (rows, mask_len, cfg.max_new_tokens, self.dtype, batch if prefix else 0, prefix_len,
-                 cfg.return_logprobs)
-        # One state per decode shape, kept: a shape that comes back finds the addresses its graph was
-        # captured on.
-        s = self._states.pop(shape, None) or DecodeState(rows, mask_len, cfg.max_new_tokens, self.dtype, self.device,
-                                                         *shape[4:])
-        self._states[shape] = s
-        while len(self._states) > MAX_DECODE_STATES:
-            self._states.pop(next(iter(self._states)))
+        s = self._state(rows, mask_len, batch if prefix else 0, prefix_len)
         row_mask = prompt_mask.repeat_interleave(n, dim=0).bool()
         s.bias.fill_(float("-inf"))
         if not prefix:  # the decode buffer starts with each row's copy of its prompt
@@ -301,6 +301,7 @@ class Rollout:
             s.prompt_bias.fill_(float("-inf"))
             s.prompt_bias[:, 0, 0, :prompt_len].masked_fill_(prompt_mask.bool(), 0.0)
             self._attention.prompt_kv, self._attention.prompt_bias = cache.prompt_kv, s.prompt_bias
+        self._attention.slot_rows = self._attention.row_prompt = self._attention.row_sample = None
         s.position_ids.copy_(row_mask.sum(dim=1, keepdim=True))
         s.finished.zero_()
         if live is not None:  # filler rows have ended before they start: they only ever hold the pad id
@@ -312,8 +313,86 @@ class Rollout:
         cache.start_decode(0 if prefix else prompt_len)
         return s
 
-    def _decode(self, state: DecodeState, new_tokens: int) -> int:
-        """Decode steps until every row has new_tokens tokens or has ended; returns the step count."""
+    def _state(self, rows: int, mask_len: int, prompts: int, prompt_len: int, slots: int = 0) -> DecodeState:
+        """The decode state of this shape (slots: a compacted prefix-layout batch's query slots per prompt).
+        One state per decode shape, kept: a shape that comes back finds the addresses its graph was
+        captured on."""
+        cfg = self.config
+        shape = (rows, mask_len, cfg.max_new_tokens, self.dtype, prompts, prompt_len, cfg.return_logprobs, slots)
+        s = self._states.pop(shape, None) or DecodeState(rows, mask_len, cfg.max_new_tokens, self.dtype, self.device,
+                                                         *shape[4:])
+        self._states[shape] = s
+        while len(self._states) > MAX_DECODE_STATES:
+            self._states.pop(next(iter(self._states)))
+        return s
+
+    def _decode(self, first: DecodeState, new_tokens: int) -> tuple[int, int]:
+        """Decode steps until every row has new_tokens tokens or has ended, compacting the batch as rows
+        end (compact_finished_rows); `first`'s responses (and logprobs) then hold every row's tokens.
+        Returns the step count and the row-steps computed (rows sampled, summed over the tokens)."""
+        state, steps, row_steps = first, 0, first.rows
+        prefix = self.config.kv_sharing == "prefix"
+        samples = self.config.samples_per_prompt if prefix else None  # the prefix layout's rows per prompt
+        batch = compaction.BatchMap(first.rows, samples) if self._compacts else None
+        self._bind(state)
+        with attention.decode_attention(self.model, self._attention):
+            while steps + 1 < new_tokens:
+                self._runner()
+                steps += 1
+                row_steps += state.rows
+                if self._eos is None or steps % FINISHED_CHECK_INTERVAL:
+                    continue
+                # Host sync: reads `finished` every few steps to stop early and to compact; not made
+                # without EOS ids. Compaction (planned on the host from these flags) adds no other sync.
+                finished = state.finished.cpu()
+                if bool(finished.all()):
+                    break
+                if batch is not None and new_tokens - 1 - steps >= FINISHED_CHECK_INTERVAL:
+                    plan = compaction.plan(finished, batch)
+                    if plan is not None:
+                        state = self._compact(first, state, batch, plan, steps + 1)
+                        self._bind(state)
+        if state is not first:
+            self._write_back(first, state, batch, steps + 1)
+        return steps, row_steps
+
+    def _compact(self, first: DecodeState, state: DecodeState, batch: compaction.BatchMap, plan: compaction.Plan,
+                 tokens: int) -> DecodeState:
+        """Go on with the rows of `plan` (torchkvops.compaction) after `tokens` tokens: a state of the
+        compacted shape holds them, the KV cache keeps theirs, `first` keeps the others'."""
+        rows = plan.rows.to(self.device)
+        groups = None if plan.groups is None else plan.groups.to(self.device)
+        new = self._state(plan.size, state.shape[1], plan.prompts, state.shape[5], plan.slots)
+        compaction.move_state(state, new, rows, groups)
+        if plan.slot_rows is not None:
+            new.slot_rows.copy_(plan.slot_rows)
+            new.row_prompt.copy_(plan.row_slot // plan.slots)
+            new.row_sample.copy_(plan.row_slot % plan.slots)
+        self.cache.compact(rows, groups)
+        if state is not first:
+            self._write_back(first, state, batch, tokens)
+        # Rows that end here hold the pad id (and log-probability 0) from now on, as in a full batch; the
+        # others are written back again later.
+        first.responses[:, tokens:].fill_(self.pad_id)
+        if first.logprobs is not None:
+            first.logprobs[:, tokens:].zero_()
+        batch.apply(plan)
+        ctx = self._attention
+        if ctx.prompt_kv is not None:  # the prefix layout's prompts, those kept
+            ctx.prompt_kv, ctx.prompt_bias = self.cache.prompt_kv, new.prompt_bias
+        ctx.slot_rows, ctx.row_prompt, ctx.row_sample = new.slot_rows, new.row_prompt, new.row_sample
+        return new
+
+    def _write_back(self, first: DecodeState, state: DecodeState, batch: compaction.BatchMap, tokens: int) -> None:
+        """The first `tokens` tokens (and logprobs) of the compacted batch's rows, into their original rows."""
+        original = batch.original.to(self.device)
+        first.responses[:, :tokens].index_copy_(0, original, state.responses[:, :tokens])
+        if first.logprobs is not None:
+            first.logprobs[:, :tokens].index_copy_(0, original, state.logprobs[:, :tokens])
+
+    def _bind(self, state: DecodeState) -> None:
+        """Point the decode step, and the runner's graph key, at `state` and the KV cache's current views."""
+        self._step.bind(state)
         cache, ctx = self.cache, self._attention
         dynamic = [(t, (0,)) for t in state.tensors()] + [(state.bias, (0, 3)), (cache.decode_kv, (2, 4))]
         if ctx.prompt_kv is not None:
@@ -327,15 +406,6 @@ class Rollout:
         head32 = self._head32.addresses() if self._head32 is not None else ()
         self._runner.start(dynamic, graph_key=(state.shape, self.config.kv_sharing, addresses,
                                                self.adapter.weight_addresses() + head32))
-        steps = 0
-        with attention.decode_attention(self.model, ctx):
-            while steps + 1 < new_tokens:
-                self._runner()
-                steps += 1
-                # Host sync: reads `finished` every few steps to stop early; not needed without EOS ids.
-                if self._eos is not None and steps % FINISHED_CHECK_INTERVAL == 0 and bool(state.finished.all()):
-                    break
-        return steps
 
     def _finish(self, input_ids: Tensor, state: DecodeState, response_len: int) -> RolloutOutput:
         n = self.config.samples_per_prompt

@@ -24,24 +24,25 @@ __all__ = [
 
 
 # --- the modes, and the fields of a timed call's record ------------------------------------------
-MODES = ("expanded", "shared", "prefix", "hf-generate", "hf-static")
+MODES = ("expanded", "shared", "prefix", "hf-generate", "hf-static", "shared-nocompact", "prefix-nocompact")
 DEFAULT_MODES = ("expanded", "shared", "prefix", "hf-generate")
-ROLLOUT_MODES = ("expanded", "shared", "prefix")
+ROLLOUT_MODES = ("expanded", "shared", "prefix", "shared-nocompact", "prefix-nocompact")
 HF_MODES = ("hf-generate", "hf-static")
 PROFILE_FIELDS = tuple(f.name for f in dataclasses.fields(RolloutProfile))
 # Each timed call's record: the rollout's profile fields (total_ms and tokens_per_second from the outer
 # clock), then what the bench derives or adds.
 ITERATION_FIELDS = PROFILE_FIELDS + ("rollout_total_ms", "decode_ms_per_step", "kv_bytes_per_step", "weight_bytes",
-                                     "achieved_gbps", "roofline_fraction", "round", "started_ms")
+                                     "achieved_gbps", "roofline_fraction", "useful_fraction", "round", "started_ms")
 # The interleaved order's bookkeeping: recorded, not summarized.
 BOOKKEEPING_FIELDS = ("round", "started_ms")
 SUMMARY_FIELDS = tuple(f for f in ITERATION_FIELDS if f not in BOOKKEEPING_FIELDS)
 # The fields that are whole numbers (World.gather_records sends records as float64 and turns these back).
 INT_FIELDS = {"generated_tokens", "decode_steps", "batch_size", "samples_per_prompt", "prompt_length",
-              "response_length", "peak_memory_bytes", "kv_cache_bytes", "weight_bytes", "round"}
+              "response_length", "peak_memory_bytes", "kv_cache_bytes", "weight_bytes", "round", "computed_row_steps",
+              "useful_row_steps"}
 STAGE_FIELDS = ("prompt_expansion_ms", "prefill_ms", "kv_expand_ms", "decode_ms", "post_processing_ms")
 PER_STEP_FIELDS = ("decode_ms_per_step", "kv_bytes_per_step", "weight_bytes", "achieved_gbps", "roofline_fraction",
-                   "kv_cache_bytes")
+                   "kv_cache_bytes", "useful_fraction")
 
 
 # --- the matrix ----------------------------------------------------------------------------------

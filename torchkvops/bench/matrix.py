@@ -1,12 +1,16 @@
 """The A/B matrix behind `torchkvops bench`: the rollout's modes against Hugging Face generate.
 
 For every case (batch size B, samples per prompt N, prompt length P, response length R) each mode
-generates exactly R tokens for the same synthetic prompts:
+generates up to R tokens for the same synthetic prompts (exactly R with the default --length-profile
+fixed; torchkvops.bench.lengths):
 
   expanded     Rollout(shared_prefill=False): the prompts are repeated N times, then prefilled
   shared       Rollout(shared_prefill=True): each prompt is prefilled once, its KV copied to its N rows
   prefix       Rollout(shared_prefill=True, kv_sharing="prefix"): each prompt is prefilled once and its
                KV kept once; the N rows read it through the shared-prefix attention, nothing is copied
+  shared-nocompact, prefix-nocompact
+               shared and prefix with RolloutConfig(compact_finished_rows=False): every row is decoded
+               until the last one ends (the same tokens; with fixed lengths no row ends early anyway)
   hf-generate  model.generate(num_return_sequences=N) (greedy: the prompts repeat_interleave'd N times)
   hf-static    the same with cache_implementation="static", as Hugging Face runs it: on CUDA it compiles
                its decode step (torch.compile, mode "reduce-overhead") in the first call of each shape,

@@ -28,8 +28,10 @@ BYTES_NOTE = ("bytes read per decode step, a model of the useful traffic (not wh
               "dtype bytes; decode step t = 1..S (S = decode_steps) attends to P + t keys per row, averaged over the "
               "steps: t_avg = (S + 1) / 2. kv_bytes_per_step: expanded, shared, hf-generate, hf-static: rows x "
               "kv_bytes_per_token x (P + t_avg); prefix: (B x P + rows x t_avg) x kv_bytes_per_token, with rows = "
-              "B x N. achieved_gbps = (weight_bytes + kv_bytes_per_step) / decode_ms_per_step / 1e6 (GB/s, 1e9 "
-              "bytes); roofline_fraction = achieved_gbps / copy_roofline_gbps (CUDA only)")
+              "B x N. With the batch compacted as rows end (compact_finished_rows), kv_bytes_per_step is scaled by the "
+              "mean fraction of the rows decoded, computed_row_steps / (rows x (S + 1)) (approximate: rows "
+              "and prompts leave at different steps). achieved_gbps = (weight_bytes + kv_bytes_per_step) / "
+              "decode_ms_per_step / 1e6 (GB/s, 1e9 bytes); roofline_fraction = achieved_gbps / copy_roofline_gbps (CUDA only)")
 ROOFLINE_NOTE = ("CUDA only: at the start of the run, dst.copy_(src) device to device on two buffers of `bytes` each "
                  "(1 GiB, less when memory is short), timed with CUDA events; copy_roofline_gbps = 2 x bytes (read "
                  "+ write) / the median of `repeats` timed copies")
@@ -107,8 +109,11 @@ class Traffic:
         """Add decode_ms_per_step, kv_bytes_per_step, weight_bytes, achieved_gbps, roofline_fraction."""
         steps, decode_ms = profile.get("decode_steps") or 0, profile.get("decode_ms")
         per_step = decode_ms / steps if steps > 0 and decode_ms is not None else None
-        kv = self.kv_bytes_per_step(mode, profile["batch_size"], profile["samples_per_prompt"],
-                                    profile["prompt_length"], steps)
+        kv = self.kv_bytes_per_step(mode.removesuffix("-nocompact"), profile["batch_size"],
+                                    profile["samples_per_prompt"], profile["prompt_length"], steps)
+        computed = profile.get("computed_row_steps")
+        if kv is not None and computed:  # a compacted batch decodes fewer rows (BYTES_NOTE)
+            kv *= computed / (profile["batch_size"] * profile["samples_per_prompt"] * (steps + 1))
         gbps = (self.weight_bytes + kv) / per_step / 1e6 if per_step and kv is not None else None
         fraction = gbps / self.roofline_gbps if gbps is not None and self.roofline_gbps else None
         profile.update(decode_ms_per_step=per_step, kv_bytes_per_step=kv, weight_bytes=self.weight_bytes,

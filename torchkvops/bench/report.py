@@ -47,7 +47,9 @@ def format_case_table(result: dict, iterations: int) -> str:
     roofline = any((e.get("median_stages") or {}).get("roofline_fraction") is not None
                    for e in result["modes"].values())
     lines = [head,
-             "decode ms/step, GB/s (weights + KV read per decode step / decode ms per step)"
+             "useful = generated tokens / row-steps computed (each row's sampled positions, summed; the batch "
+             "shrinks as rows end unless compaction is off); decode ms/step, GB/s (weights + KV read per decode step "
+             "/ decode ms per step)"
              + (", % of the copy_ roofline" if roofline else "") + " and KV MiB (KV storage used) are of the same "
              "iteration(s); modes ran interleaved, timed by one clock"]
     if world > 1:
@@ -56,7 +58,7 @@ def format_case_table(result: dict, iterations: int) -> str:
                      "tokens/s counts every process's tokens (global)")
     cols = ["mode", "prefill ms", "kv_expand ms", "decode ms", "other ms", "total ms", "decode ms/step", "GB/s"]
     cols += ["% of roofline"] if roofline else []
-    cols += ["tokens/s" if world == 1 else "global tokens/s", "KV MiB", "peak MiB", "total / expanded"]
+    cols += ["tokens/s" if world == 1 else "global tokens/s", "KV MiB", "peak MiB", "useful", "total / expanded"]
     lines += ["| " + " | ".join(cols) + " |", "|---" + "|---:" * (len(cols) - 1) + "|"]
     base = result["modes"].get("expanded")
     base_split = (base.get("median_stages") or stage_breakdown(base)) if base and not base["error"] else None
@@ -85,7 +87,7 @@ def format_case_table(result: dict, iterations: int) -> str:
                  f(split.get("achieved_gbps"), "{:.2f}")]
         cells += [f(None if fraction is None else 100 * fraction)] if roofline else []
         cells += [f(split["tokens_per_second"]), f(mib(split.get("kv_cache_bytes")), "{:.2f}"),
-                  f(mib(e["peak_memory_bytes"])), f(ratio, "{:.2f}")]
+                  f(mib(e["peak_memory_bytes"])), f(split.get("useful_fraction"), "{:.2f}"), f(ratio, "{:.2f}")]
         lines.append("| " + " | ".join(cells) + " |")
     if result["error"] and not result["modes"]:
         lines.append(f"| (case) | failed: {result['error']} |")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from . import lengths
 from .cases import HF_MODES, MODES, PROFILE_FIELDS, ROLLOUT_MODES, Case, Settings
 from .metrics import Clock
 from ..rollout import Rollout, RolloutConfig
@@ -29,11 +30,14 @@ class _RolloutRunner:
 
     def __init__(self, model: nn.Module, case: Case, mode: str, s: Settings, prompts: Tensor):
         self.prompts = prompts
+        eos = lengths.eos_id(model)
+        layout = mode.removesuffix("-nocompact")
         self.rollout = Rollout(model, RolloutConfig(
             samples_per_prompt=case.samples_per_prompt, max_new_tokens=case.response_length,
-            shared_prefill=mode != "expanded", kv_sharing="prefix" if mode == "prefix" else "copy",
+            shared_prefill=layout != "expanded", kv_sharing="prefix" if layout == "prefix" else "copy",
             enable_profiling=True, compile=s.compile, temperature=s.temperature, top_p=s.top_p, seed=s.seed,
-            eos_token_id=[],  # never stop early: every mode generates exactly R tokens
+            # fixed lengths: no EOS, every mode generates exactly R tokens; else the length profile's EOS
+            eos_token_id=[] if eos is None else [eos], compact_finished_rows=not mode.endswith("-nocompact"),
         ))
 
     def run(self) -> Tensor:
@@ -62,11 +66,12 @@ class _HFRunner:
                  static: bool):
         self.model, self.case, self.s, self.clock = model, case, s, clock
         n = case.samples_per_prompt
-        self.kwargs = dict(max_new_tokens=case.response_length, min_new_tokens=case.response_length,
-                           pad_token_id=pad_token_id, use_cache=True,
-                           # No EOS at all, as the rollout's eos_token_id=[]: with an EOS, min_new_tokens
-                           # would mask its logit and greedy tokens could differ from the rollout's.
-                           eos_token_id=None)
+        self.eos = lengths.eos_id(model)
+        # Fixed lengths: no EOS at all, as the rollout's eos_token_id=[] (with an EOS, min_new_tokens would
+        # mask its logit and greedy tokens could differ from the rollout's). Else the length profile's EOS.
+        self.kwargs = dict(max_new_tokens=case.response_length,
+                           min_new_tokens=case.response_length if self.eos is None else 0,
+                           pad_token_id=pad_token_id, use_cache=True, eos_token_id=self.eos)
         if static:
             self.kwargs["cache_implementation"] = "static"
         if s.greedy:
@@ -98,9 +103,12 @@ class _HFRunner:
             self.marks, self._recording = self._recording, None
         c = self.case
         responses = out[:, c.prompt_length:]
-        if tuple(responses.shape) != (c.rows, c.response_length):
-            raise RuntimeError(f"Hugging Face generate returned responses of shape {tuple(responses.shape)}, "
-                               f"expected {(c.rows, c.response_length)}")
+        shape = tuple(responses.shape)
+        # Without EOS exactly R tokens; with one, HF stops when every row has ended.
+        if shape[0] != c.rows or shape[1] > c.response_length or (self.eos is None and shape[1] < c.response_length):
+            raise RuntimeError(f"Hugging Face generate returned responses of shape {shape}, expected "
+                               f"{(c.rows, c.response_length)}" + ("" if self.eos is None else " or fewer columns"))
+        self.generated = c.rows * shape[1] if self.eos is None else int(_up_to_first_eos(responses, self.eos).sum())
         return responses
 
     def profile(self, clock: Clock, end) -> dict:
@@ -110,9 +118,11 @@ class _HFRunner:
         profile = dict.fromkeys(PROFILE_FIELDS)  # the stages it cannot report stay None
         second = marks[1] if len(marks) > 1 else end
         profile.update(prefill_ms=clock.ms(marks[0], second), decode_ms=clock.ms(second, end),
-                       decode_steps=len(marks) - 1, generated_tokens=c.rows * c.response_length,
+                       decode_steps=len(marks) - 1, generated_tokens=self.generated,
                        batch_size=c.batch_size, samples_per_prompt=c.samples_per_prompt,
-                       prompt_length=c.prompt_length, response_length=c.response_length)
+                       prompt_length=c.prompt_length, response_length=c.response_length,
+                       # every row runs every forward (the prefill's logits give the first token)
+                       computed_row_steps=c.rows * len(marks), useful_row_steps=self.generated)
         return profile
 
     def free(self) -> None:
@@ -122,8 +132,15 @@ class _HFRunner:
         self._hook.remove()
 
 
+def _up_to_first_eos(responses: Tensor, eos: int) -> Tensor:
+    """1 for each token up to and including a row's first EOS (the rollout's response_mask)."""
+    is_eos = (responses == eos).long()
+    return (is_eos.cumsum(dim=1) - is_eos) == 0
+
+
 def make_runner(mode: str, model: nn.Module, case: Case, s: Settings, prompts: Tensor, pad_token_id: int,
                  clock: Clock):
+    lengths.set_response_length(model, case.response_length)  # the modes of a case are made together
     if mode in ROLLOUT_MODES:
         return _RolloutRunner(model, case, mode, s, prompts)
     if mode in HF_MODES:
@@ -141,4 +158,6 @@ def timed_call(runner, clock: Clock) -> tuple[dict, Tensor]:
     total = clock.ms(start, end)
     profile["total_ms"] = total
     profile["tokens_per_second"] = profile["generated_tokens"] / (total / 1e3) if total > 0 else 0.0
+    computed = profile.get("computed_row_steps")
+    profile["useful_fraction"] = profile["useful_row_steps"] / computed if computed else None
     return profile, responses

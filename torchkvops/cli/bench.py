@@ -13,7 +13,7 @@ from pathlib import Path
 
 from .checks import CLIError, check_bench_kv_memory, check_positions
 from .launch import say, set_threads, start_processes
-from .model import load_config, load_model, pad_id, resolve_dtype, special_ids, vocab_size
+from .model import eos_id, load_config, load_model, pad_id, resolve_dtype, special_ids, vocab_size
 
 __all__ = ["cmd_bench"]
 
@@ -24,7 +24,7 @@ def cmd_bench(args) -> int:
     from .. import __version__
     from ..bench import cases as bench_cases
     from ..atomic_write import write_json_atomic
-    from ..bench import matrix, metrics, mismatch, report, runners, stats
+    from ..bench import lengths, matrix, metrics, mismatch, report, runners, stats
     from ..bench import world as bench_world
 
     device = start_processes(args.device)
@@ -46,6 +46,10 @@ def cmd_bench(args) -> int:
         except OSError as e:
             raise CLIError(f"--trace {args.trace}: cannot create the folder: {e}") from None
     model, tokenizer, model_desc = load_model(args, model_config, source, device, dtype)
+    try:
+        lengths.install(model, args.length_profile, eos_id(model, tokenizer), args.temperature)
+    except ValueError as e:
+        raise CLIError(f"--length-profile {args.length_profile}: {e}") from None
 
     roofline = metrics.copy_roofline(device)  # CUDA only: measured before any case, on this process's device
     settings = bench_cases.Settings(temperature=args.temperature, top_p=args.top_p, seed=args.seed,
@@ -61,13 +65,19 @@ def cmd_bench(args) -> int:
     import transformers
 
     compiled = ", compiled" if args.compile else ""
+    eos = lengths.eos_id(model)
+    stop = "eos_token_id=[]" if eos is None else f"eos_token_id=[{eos}]"
     descriptions = {
-        "expanded": f"Rollout(shared_prefill=False, eos_token_id=[]){compiled}",
-        "shared": f"Rollout(shared_prefill=True, kv_sharing='copy', eos_token_id=[]){compiled}",
-        "prefix": f"Rollout(shared_prefill=True, kv_sharing='prefix', eos_token_id=[]){compiled}",
+        "expanded": f"Rollout(shared_prefill=False, {stop}){compiled}",
+        "shared": f"Rollout(shared_prefill=True, kv_sharing='copy', {stop}){compiled}",
+        "prefix": f"Rollout(shared_prefill=True, kv_sharing='prefix', {stop}){compiled}",
+        "shared-nocompact": f"Rollout(shared_prefill=True, kv_sharing='copy', {stop}, "
+                            f"compact_finished_rows=False){compiled}",
+        "prefix-nocompact": f"Rollout(shared_prefill=True, kv_sharing='prefix', {stop}, "
+                            f"compact_finished_rows=False){compiled}",
         "hf-generate": "model.generate, default (dynamic) cache, eager (--compile does not apply), "
-                       "max_new_tokens=min_new_tokens=R, eos_token_id=None (no EOS, as the rollout's eos_token_id=[]), "
-                       "top_k=0",
+                       + ("max_new_tokens=min_new_tokens=R, eos_token_id=None (no EOS, as the rollout's eos_token_id=[])"
+                          if eos is None else f"max_new_tokens=R, eos_token_id={eos}") + ", top_k=0",
         "hf-static": "model.generate(cache_implementation='static'), otherwise as hf-generate, run as Hugging Face "
                      "runs it: on CUDA transformers compiles its decode step (torch.compile, mode 'reduce-overhead') "
                      "in the first call of each new shape, so the warm-up calls include that compilation (with "
@@ -100,6 +110,7 @@ def cmd_bench(args) -> int:
         "peak_memory_method": "cuda_allocator" if device.type == "cuda" else "cpu_profiler",
         "peak_memory_note": metrics.PEAK_NOTE[device.type],
         "sampling": "greedy" if settings.greedy else f"temperature={args.temperature} top_p={args.top_p} top_k=0",
+        "length_profile": lengths.describe(args.length_profile),
         "modes": {m: descriptions[m] for m in modes},
         "file_note": report.FILE_NOTE,
         "median_stages_note": stats.MEDIAN_STAGES_NOTE,
@@ -116,7 +127,7 @@ def cmd_bench(args) -> int:
     where = (f"{world.size} processes ({world.backend}), each on {device.type} with its own --batch-sizes prompts"
              if world.size > 1 else f"{device_name} ({device})")
     say(f"bench: {len(cases)} case(s) x {len(modes)} mode(s) x {per_mode} calls on {where}, {dtype_name}, "
-        f"{header['sampling']}, warmup {args.warmup}, {args.iterations} timed "
+        f"{header['sampling']}, {args.length_profile} lengths, warmup {args.warmup}, {args.iterations} timed "
         f"iteration{'s' if args.iterations != 1 else ''}, modes interleaved"
         + (f"; copy_ roofline {roofline['copy_roofline_gbps']:.0f} GB/s" if roofline else ""))
 

@@ -220,6 +220,9 @@ def check_bench_args(args) -> None:
     check_output_file(args.output, "--output")
     check_plot_path(args.plot)
     check_output_dir(args.trace, "--trace")
+    if args.length_profile == "geometric" and args.temperature == 0:
+        raise CLIError("--length-profile geometric needs sampling (--temperature > 0): greedy decoding would pick "
+                       "the EOS token never or always")
     b, n, p, r = max(args.batch_sizes), max(args.samples_per_prompt), max(args.prompt_lengths), \
         max(args.response_lengths)
     check_token_memory(b, n, p, r, f"the largest case (B={b} N={n} P={p} R={r})",
@@ -278,6 +281,7 @@ def bench_kv_bytes(config, case, modes: Sequence[str], itemsize: int) -> int | N
     parts = {"expanded": (kv_cache_bytes(config, rows, p + r, itemsize),),
              "shared": (kv_cache_bytes(config, rows, p + r, itemsize),),
              "prefix": (kv_cache_bytes(config, b, p, itemsize), kv_cache_bytes(config, rows, r, itemsize))}
+    modes = [m.removesuffix("-nocompact") for m in modes]  # the same buffers as their layout's
     sizes = [size for m in modes if m in parts for size in parts[m]]
     if any(m not in parts for m in modes):
         sizes.append(kv_cache_bytes(config, rows, p + r, itemsize))

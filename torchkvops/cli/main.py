@@ -58,7 +58,9 @@ __all__ = ["main", "build_parser", "parse_args", "DEFAULT_BENCH_ARGS", "MODEL_SH
 # (tests/test_cli.py checks that the two agree).
 MODEL_SHAPE_NAMES = ("tiny", "llama-small", "opt-125m", "gpt2", "qwen3-0.6b", "opt-6.7b")
 # torchkvops.bench.cases.MODES and DEFAULT_MODES, spelled out for the same reason (checked by the same test).
-MODE_NAMES = ("expanded", "shared", "prefix", "hf-generate", "hf-static")
+MODE_NAMES = ("expanded", "shared", "prefix", "hf-generate", "hf-static", "shared-nocompact", "prefix-nocompact")
+# torchkvops.bench.lengths.LENGTH_PROFILES, spelled out for the same reason (checked by the same test).
+LENGTH_PROFILE_NAMES = ("fixed", "geometric")
 DEFAULT_MODES = ("expanded", "shared", "prefix", "hf-generate")
 # The bare `torchkvops`: measured at 38 s on a shared 2-core CPU, model build included (5 iterations: 59 s);
 # with the four default modes (prefix added), 28 s on the same CPU, less loaded (2026-11-30).
@@ -162,10 +164,15 @@ def build_parser() -> _Parser:
     m.add_argument("--prompt-lengths", type=positive_int, nargs="+", default=[128], metavar="P",
                    help="prompt tokens (synthetic random ids)")
     m.add_argument("--response-lengths", type=positive_int, nargs="+", default=[16], metavar="R",
-                   help="tokens generated per sample (no early stop)")
+                   help="tokens generated per sample (the most, with --length-profile geometric)")
+    m.add_argument("--length-profile", choices=list(LENGTH_PROFILE_NAMES), default="fixed",
+                   help="fixed: no EOS, every sample has R tokens; geometric: every row samples EOS with probability "
+                        "4/R at every step (the random-weight model's EOS logit set so), lengths geometric with mean "
+                        "R/4, capped at R, as real responses spread (needs --temperature > 0)")
     m.add_argument("--modes", nargs="+", choices=list(MODE_NAMES), default=list(DEFAULT_MODES),
                    help="the modes to time, in this order (hf-static: HF generate with its static cache; on CUDA "
-                        "HF compiles its decode in the first call, a warm-up call)")
+                        "HF compiles its decode in the first call, a warm-up call; shared-nocompact and "
+                        "prefix-nocompact: the rollout with compact_finished_rows=False)")
     m.add_argument("--temperature", type=temperature, default=1.0, help="0 is greedy")
     m.add_argument("--top-p", type=top_p, default=1.0, help="in (0, 1]")
     t = b.add_argument_group("timing and output")

@@ -11,7 +11,8 @@ import sys
 from .checks import CLIError, model_source
 from .launch import current_rank, say
 
-__all__ = ["DTYPE_NAMES", "resolve_dtype", "load_config", "load_model", "special_ids", "vocab_size", "pad_id"]
+__all__ = ["DTYPE_NAMES", "resolve_dtype", "load_config", "load_model", "special_ids", "vocab_size", "pad_id",
+           "eos_id"]
 
 DTYPE_NAMES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 
@@ -118,3 +119,16 @@ def pad_id(model, tokenizer) -> int:
         if isinstance(v, int):
             return v
     return 0
+
+
+def eos_id(model, tokenizer) -> int | None:
+    """The EOS id responses end with: the tokenizer's, else the generation config's or the model
+    config's first; None when none is known."""
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        return tokenizer.eos_token_id
+    for cfg in (getattr(model, "generation_config", None), model.config):
+        v = getattr(cfg, "eos_token_id", None)
+        v = v[0] if isinstance(v, (list, tuple)) and v else v
+        if isinstance(v, int):
+            return v
+    return None
