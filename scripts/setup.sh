@@ -27,4 +27,6 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ] || ! ls torchkvops/_C*.
   "$py" -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps -e .
   mkdir -p build && echo "$want" > "$stamp"
 fi
+# out/ (git-ignored): where the README's benchmark commands write their JSON.
+mkdir -p out
 "$py" -c "import torchkvops; print('torchkvops ready: torch', torchkvops.torch.__version__, '| CUDA kernels compiled in:', torchkvops.has_cuda_kernels())"
