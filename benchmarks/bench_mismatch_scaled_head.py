@@ -8,6 +8,10 @@ Randomly initialized heads give logits of standard deviation ~0.3-0.6, where a b
 units, where one bf16 step is 0.03-0.25. Multiplying the head's weights by --head-scale (before the cast
 to --dtype) gives that spread without a checkpoint. Use a shape whose head is not tied to the input
 embeddings (llama-small): scaling a tied head would scale the inputs too.
+
+--float32-partials (an experiment, not a rollout option): the prefix layout's two partial attentions run
+in float32 (their inputs upcast), so that only the merged output is rounded to the model's dtype; it
+measures how much of the prefix layout's bf16 mismatch that rounding accounts for.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import argparse
 
 import torch
 
+from torchkvops import attention
 from torchkvops.bench import cases, mismatch
 from torchkvops.models import MODEL_SHAPES, build_model
 
@@ -33,7 +38,11 @@ def main(argv=None) -> int:
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--modes", nargs="+", default=["shared", "prefix", "hf-generate"])
+    p.add_argument("--float32-partials", action="store_true",
+                   help="run the prefix layout's partial attentions in float32 (an experiment)")
     args = p.parse_args(argv)
+    if args.float32_partials:
+        float32_partials(DTYPES[args.dtype])
     model = build_model(args.model_shape, dtype=torch.float32, device=args.device)
     if model.config.tie_word_embeddings:
         p.error(f"--model-shape {args.model_shape} ties its LM head to its input embeddings; pick an untied one")
@@ -58,6 +67,28 @@ def main(argv=None) -> int:
             print(f"| {name} | {m['tokens']} | {m['mean_abs_delta']:.3g} | {m['max_abs_delta']:.3g} | "
                   f"{m['k3_kl']:.3g} |")
     return 0
+
+
+def float32_partials(dtype: torch.dtype) -> None:
+    """Patch torchkvops.attention for this process: the attentions whose log-sum-exp is asked for (the
+    prefix layout's two partial ones) take float32 inputs, and their merge's output is cast back to `dtype`."""
+    attend, ops = attention.attend, attention.ops
+
+    def attend_float32(q, k, v, bias, scale, with_lse):
+        if with_lse:
+            q, k, v, bias = q.float(), k.float(), v.float(), bias.float()
+        return attend(q, k, v, bias, scale, with_lse)
+
+    class Ops:
+        def __getattr__(self, name):
+            return getattr(ops, name)
+
+        @staticmethod
+        def merge_attention_states(*args):
+            out, lse = ops.merge_attention_states(*args)
+            return out.to(dtype), lse
+
+    attention.attend, attention.ops = attend_float32, Ops()
 
 
 if __name__ == "__main__":
