@@ -87,7 +87,10 @@ def main() -> None:
         Rollout._generate = lambda self, *a, **k: generated.append(1) or real_generate(self, *a, **k)
         settings = {"samples_per_prompt": ({"samples_per_prompt": 2}, {"samples_per_prompt": 3}),
                     "temperature": ({"temperature": 1.0, "seed": 1}, {"temperature": 0.7, "seed": 1}),
-                    "gather": ({}, {})}
+                    "gather": ({}, {}),
+                    # Each decides a collective (the log-probabilities' gather) or the values gathered.
+                    "return_logprobs": ({"return_logprobs": True}, {}),
+                    "lm_head_dtype": ({"lm_head_dtype": torch.float32}, {})}
         result["errors"] = {}
         for name, per_rank in settings.items():
             cfg = RolloutConfig(max_new_tokens=3, eos_token_id=[], **per_rank[rank])

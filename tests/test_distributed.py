@@ -116,7 +116,9 @@ def test_ranks_with_different_settings_raise_the_same_error_before_generating(tm
     results = [load(tmp_path, r) for r in range(2)]
     expected = {"samples_per_prompt": "samples_per_prompt: 2 on rank 0; 3 on rank 1",
                 "temperature": "temperature: 1.0 on rank 0; 0.7 on rank 1",
-                "gather": "gather: True on rank 0; False on rank 1"}
+                "gather": "gather: True on rank 0; False on rank 1",
+                "return_logprobs": "return_logprobs: True on rank 0; False on rank 1",
+                "lm_head_dtype": "lm_head_dtype: 'torch.float32' on rank 0; None on rank 1"}
     for name, needle in expected.items():
         error = results[0]["errors"][name]
         assert error == results[1]["errors"][name], name  # the same error on every rank

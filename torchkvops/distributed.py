@@ -31,6 +31,7 @@ which torch.distributed raises.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 
@@ -46,6 +47,9 @@ __all__ = ["generate"]
 _ERROR_BYTES = 2048
 # Bytes of a process's settings (JSON) carried to the others; a longer EOS list is sent as its digest.
 _SETTINGS_BYTES = 1024
+# RolloutConfig fields the processes need not agree on: the seed is rank 0's whatever the others say;
+# compile, CUDA graphs, profiling and compaction change no token, log-probability or collective.
+LOCAL_FIELDS = frozenset({"seed", "compile", "cuda_graphs", "enable_profiling", "compact_finished_rows"})
 
 
 def generate(rollout: Rollout, input_ids: Tensor | None, attention_mask: Tensor | None = None, *, group=None,
@@ -91,18 +95,20 @@ def generate(rollout: Rollout, input_ids: Tensor | None, attention_mask: Tensor 
 
 
 def _settings(rollout: Rollout, gather: bool) -> dict:
-    """What every process must agree on: the RolloutConfig fields that change the gathered result (the
-    seed is rank 0's whatever the others say; compile, cuda_graphs and profiling change no token), the
-    EOS and pad ids as the rollout resolved them from its model, and `gather` (a process that does not
-    gather would leave the others waiting in the collective)."""
+    """What every process must agree on: every RolloutConfig field except those that change no token,
+    log-probability or collective (LOCAL_FIELDS), the EOS and pad ids as the rollout resolved them from
+    its model, and `gather` (a process that does not gather would leave the others waiting in the
+    collective). Read from the config's fields, so that a field added later is checked too."""
     c = rollout.config
     eos: list[int] | str = sorted(set(rollout.eos_ids))
     if len(json.dumps(eos)) > _SETTINGS_BYTES // 2:
         eos = f"{len(eos)} ids, sha256 {hashlib.sha256(json.dumps(eos).encode()).hexdigest()[:16]}"
-    return dict(samples_per_prompt=c.samples_per_prompt, max_new_tokens=c.max_new_tokens,
-                min_new_tokens=c.min_new_tokens, temperature=float(c.temperature), top_k=c.top_k,
-                top_p=float(c.top_p), eos_token_id=eos, pad_token_id=rollout.pad_id, shared_prefill=c.shared_prefill,
-                kv_sharing=c.kv_sharing, gather=bool(gather))
+    settings = {f.name: getattr(c, f.name) for f in dataclasses.fields(c) if f.name not in LOCAL_FIELDS}
+    settings.update(temperature=float(c.temperature), top_p=float(c.top_p), eos_token_id=eos,
+                    pad_token_id=rollout.pad_id, gather=bool(gather))
+    if c.lm_head_dtype is not None:
+        settings["lm_head_dtype"] = str(c.lm_head_dtype)
+    return settings
 
 
 def _settings_mismatch(settings: list[dict]) -> str | None:
