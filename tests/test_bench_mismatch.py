@@ -64,3 +64,16 @@ def test_mismatch_stats():
     # k3 = mean(r - 1 - log r), r = p_trainer / p_engine = exp(-delta)
     r = torch.exp(-delta)
     assert abs(s["k3_kl"] - float((r - 1 - torch.log(r)).mean())) < 1e-6
+
+
+def test_mismatch_of_a_nocompact_mode_is_measured_on_its_layout():
+    """`prefix-nocompact` is the prefix layout with compaction off: with --mismatch (no EOS, so nothing to
+    compact) its log-probabilities are the prefix layout's to the bit, not the copy layout's (which
+    differ from them in bf16)."""
+    model = FAMILIES["llama"]().to(torch.bfloat16)
+    case = bench_cases.Case(batch_size=2, samples_per_prompt=2, prompt_length=8, response_length=6)
+    settings = bench_cases.Settings(temperature=1.0, seed=3)
+    prompts = bench_cases.synthetic_prompts(case, 96, [0, 1, 2], 0, torch.device("cpu"))
+    engines = mismatch.measure_mismatch(model, case, ["shared", "prefix", "prefix-nocompact"], settings, prompts, 0)
+    assert engines["prefix-nocompact"] == engines["prefix"]
+    assert engines["prefix"] != engines["shared"]

@@ -26,8 +26,9 @@ from transformers import LogitsProcessor, LogitsProcessorList
 
 from .. import reference
 from ..lm_head import Float32LMHead
-from ..rollout import Rollout, RolloutConfig
+from ..rollout import Rollout
 from .cases import ROLLOUT_MODES, Case, Settings
+from .runners import hf_sampling, rollout_config
 
 __all__ = ["MISMATCH_NOTE", "measure_mismatch"]
 
@@ -53,16 +54,12 @@ def _half_head(model: nn.Module) -> bool:
 
 def _rollout(model: nn.Module, case: Case, mode: str, s: Settings, prompts: Tensor,
              head32: bool) -> tuple[Tensor, Tensor]:
-    out = Rollout(model, RolloutConfig(
-        samples_per_prompt=case.samples_per_prompt, max_new_tokens=case.response_length,
-        shared_prefill=mode != "expanded", kv_sharing="prefix" if mode == "prefix" else "copy", compile=s.compile,
-        temperature=s.temperature, top_p=s.top_p, seed=s.seed, eos_token_id=[], return_logprobs=True,
-        lm_head_dtype=torch.float32 if head32 else None,
-    )).generate(prompts)
+    out = Rollout(model, rollout_config(case, mode, s, [], return_logprobs=True,
+                                        lm_head_dtype=torch.float32 if head32 else None)).generate(prompts)
     return out.sequences, out.logprobs
 
 
-def _hf_kwargs(case: Case, s: Settings, pad_token_id: int) -> dict:
+def _hf_kwargs(case: Case, pad_token_id: int) -> dict:
     # As the bench's hf-generate mode: exactly R tokens, no EOS, top-k off.
     return dict(max_new_tokens=case.response_length, min_new_tokens=case.response_length, eos_token_id=None,
                 pad_token_id=pad_token_id, use_cache=True, return_dict_in_generate=True)
@@ -70,16 +67,10 @@ def _hf_kwargs(case: Case, s: Settings, pad_token_id: int) -> dict:
 
 def _hf_own_samples(model: nn.Module, case: Case, s: Settings, prompts: Tensor,
                     pad_token_id: int) -> tuple[Tensor, Tensor]:
-    kwargs = _hf_kwargs(case, s, pad_token_id)
-    ids = prompts
-    if s.greedy:  # HF refuses greedy search with num_return_sequences > 1
-        ids = prompts.repeat_interleave(case.samples_per_prompt, dim=0)
-        kwargs.update(do_sample=False)
-    else:
-        kwargs.update(do_sample=True, num_return_sequences=case.samples_per_prompt, temperature=s.temperature,
-                      top_p=s.top_p, top_k=0)
+    ids, sampling = hf_sampling(prompts, case, s)
     torch.manual_seed(s.seed)
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), output_scores=True, **kwargs)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), output_scores=True,
+                         **_hf_kwargs(case, pad_token_id), **sampling)
     responses = out.sequences[:, prompts.shape[1]:]
     scores = torch.stack(out.scores, dim=1).float()  # [rows, R, vocab], processed
     return out.sequences, scores.log_softmax(dim=-1).gather(-1, responses[..., None]).squeeze(-1)
@@ -104,7 +95,7 @@ def _hf_forced(model: nn.Module, case: Case, s: Settings, prompts: Tensor, pad_t
     ids = prompts.repeat_interleave(case.samples_per_prompt, dim=0)
     out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, output_logits=True,
                          logits_processor=LogitsProcessorList([_ForceTokens(responses, p)]),
-                         **_hf_kwargs(case, s, pad_token_id))
+                         **_hf_kwargs(case, pad_token_id))
     if not torch.equal(out.sequences, sequences):
         raise RuntimeError("Hugging Face generate did not follow the forced tokens")
     logits = torch.stack(out.logits, dim=1)  # [rows, R, vocab], raw

@@ -25,20 +25,37 @@ DECODE_STEP_NOTE = {
 }
 
 
+def rollout_config(case: Case, mode: str, s: Settings, eos_token_id: list[int], **options) -> RolloutConfig:
+    """The RolloutConfig of a rollout mode (ROLLOUT_MODES: a layout, `-nocompact` turning compaction off)
+    for one case, with the run's sampling settings; `options`: further RolloutConfig fields."""
+    layout = mode.removesuffix("-nocompact")
+    return RolloutConfig(
+        samples_per_prompt=case.samples_per_prompt, max_new_tokens=case.response_length,
+        shared_prefill=layout != "expanded", kv_sharing="prefix" if layout == "prefix" else "copy",
+        compile=s.compile, temperature=s.temperature, top_p=s.top_p, seed=s.seed, eos_token_id=eos_token_id,
+        compact_finished_rows=not mode.endswith("-nocompact"), **options)
+
+
+def hf_sampling(prompts: Tensor, case: Case, s: Settings) -> tuple[Tensor, dict]:
+    """The input ids and generate() sampling arguments that make HF generate N samples per prompt in
+    the rollout's row order, as the run's settings ask."""
+    if s.greedy:
+        # HF refuses greedy search with num_return_sequences > 1: repeat the prompts instead
+        # (repeat_interleave, the rollout's row order).
+        return prompts.repeat_interleave(case.samples_per_prompt, dim=0), dict(do_sample=False)
+    return prompts, dict(do_sample=True, num_return_sequences=case.samples_per_prompt, temperature=s.temperature,
+                         top_p=s.top_p, top_k=0)  # top_k=0: off, as in the rollout (HF's default is 50)
+
+
 class _RolloutRunner:
     """One rollout mode. run() is one generate call; profile() reads its stage times afterwards."""
 
     def __init__(self, model: nn.Module, case: Case, mode: str, s: Settings, prompts: Tensor):
         self.prompts = prompts
         eos = lengths.eos_id(model)
-        layout = mode.removesuffix("-nocompact")
-        self.rollout = Rollout(model, RolloutConfig(
-            samples_per_prompt=case.samples_per_prompt, max_new_tokens=case.response_length,
-            shared_prefill=layout != "expanded", kv_sharing="prefix" if layout == "prefix" else "copy",
-            enable_profiling=True, compile=s.compile, temperature=s.temperature, top_p=s.top_p, seed=s.seed,
-            # fixed lengths: no EOS, every mode generates exactly R tokens; else the length profile's EOS
-            eos_token_id=[] if eos is None else [eos], compact_finished_rows=not mode.endswith("-nocompact"),
-        ))
+        # fixed lengths: no EOS, every mode generates exactly R tokens; else the length profile's EOS
+        self.rollout = Rollout(model, rollout_config(case, mode, s, [] if eos is None else [eos],
+                                                     enable_profiling=True))
 
     def run(self) -> Tensor:
         return self.rollout.generate(self.prompts).responses
@@ -65,7 +82,6 @@ class _HFRunner:
     def __init__(self, model: nn.Module, case: Case, s: Settings, prompts: Tensor, pad_token_id: int, clock: Clock,
                  static: bool):
         self.model, self.case, self.s, self.clock = model, case, s, clock
-        n = case.samples_per_prompt
         self.eos = lengths.eos_id(model)
         # Fixed lengths: no EOS at all, as the rollout's eos_token_id=[] (with an EOS, min_new_tokens would
         # mask its logit and greedy tokens could differ from the rollout's). Else the length profile's EOS.
@@ -74,15 +90,8 @@ class _HFRunner:
                            pad_token_id=pad_token_id, use_cache=True, eos_token_id=self.eos)
         if static:
             self.kwargs["cache_implementation"] = "static"
-        if s.greedy:
-            # HF refuses greedy search with num_return_sequences > 1: repeat the prompts instead
-            # (repeat_interleave, the rollout's row order).
-            self.input_ids = prompts.repeat_interleave(n, dim=0)
-            self.kwargs.update(do_sample=False)
-        else:
-            self.input_ids = prompts
-            self.kwargs.update(do_sample=True, num_return_sequences=n, temperature=s.temperature, top_p=s.top_p,
-                               top_k=0)  # top_k=0: off, as in the rollout (HF's default is 50)
+        self.input_ids, sampling = hf_sampling(prompts, case, s)
+        self.kwargs.update(sampling)
         self.attention_mask = torch.ones_like(self.input_ids)
         self._recording: list | None = None  # the marks of the call under way
         self.marks: list = []  # the marks of the last call
