@@ -55,3 +55,13 @@ def test_the_command_line_knows_every_model_shape_and_its_positions():
     from torchkvops.models import MODEL_SHAPES, model_config
 
     assert MODEL_POSITIONS == {name: model_config(name).max_position_embeddings for name in MODEL_SHAPES}
+
+
+def test_the_seed_draws_the_weights():
+    """--seed reaches the random weights (bench-train's help: "weights and token ids"), not only the ids."""
+    import torch
+
+    from torchkvops.bench.train import train_model
+
+    weights = [next(train_model("tiny", torch.device("cpu"), seed=seed).parameters()) for seed in (0, 0, 1)]
+    assert torch.equal(weights[0], weights[1]) and not torch.equal(weights[0], weights[2])

@@ -182,9 +182,9 @@ def measure_case(model: nn.Module, case: TrainCase, iterations: int, warmup: int
     return result
 
 
-def train_model(shape: str, device, dtype: torch.dtype = torch.float32) -> nn.Module:
-    """A model of the named shape in train mode with every dropout off."""
-    model = build_model(shape, dtype=dtype, device=device).train()
+def train_model(shape: str, device, dtype: torch.dtype = torch.float32, seed: int = 0) -> nn.Module:
+    """A model of the named shape (random weights drawn with `seed`) in train mode with every dropout off."""
+    model = build_model(shape, dtype=dtype, device=device, seed=seed).train()
     disable_dropout(model)
     return model
 

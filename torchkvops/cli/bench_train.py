@@ -5,16 +5,16 @@ arguments, the checks made before any work, and the run."""
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 from .checks import CLIError, check_output_file, device_name, int_in
+from .launch import add_threads_argument, resolve_device, set_threads
+from .model import DTYPE_NAMES, resolve_dtype
 
 # torchkvops.models' shapes and their positions (max_position_embeddings), spelled out so that the checks
 # need no transformers (tests/test_bench_train.py checks that they agree).
 MODEL_POSITIONS = {"llama-small": 8192, "opt-125m": 2048, "tiny": 2048, "gpt2": 1024, "qwen3-0.6b": 40960,
                    "opt-6.7b": 2048}
-DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 DESCRIPTION = ("Forward + backward of the completion log-probabilities of G completions per prompt (a GRPO loss "
                "pass), the plain forward against torchkvops.patch_forward's shared-prefix forward, interleaved "
                "(A B A B ...), over a matrix of prompt lengths P, completion lengths C and group sizes G.")
@@ -28,7 +28,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a torchkvops.models shape")
     p.add_argument("--device", type=device_name, default=None,
                    help="cpu, cuda or cuda:N (default: cuda when available, else cpu)")
-    p.add_argument("--dtype", choices=list(DTYPES), default="fp32", help="the weights' dtype")
+    p.add_argument("--dtype", choices=list(DTYPE_NAMES), default="fp32", help="the weights' dtype")
     p.add_argument("--prompts", type=int_in(1), default=1, help="prompts B per step (rows = B x G)")
     p.add_argument("--prompt-lengths", type=int_in(1), nargs="+", default=[1024], metavar="P", help="prompt tokens")
     p.add_argument("--completion-lengths", type=int_in(1), nargs="+", default=[128], metavar="C",
@@ -36,9 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--group-sizes", type=int_in(2), nargs="+", default=[8], metavar="G", help="completions per prompt")
     p.add_argument("--warmup", type=int_in(0), default=1, help="untimed steps per case and mode")
     p.add_argument("--iterations", type=int_in(1), default=3, help="timed steps per case and mode (median reported)")
-    cpus = os.cpu_count() or 1
-    p.add_argument("--threads", type=int_in(1, cpus, f" (the {cpus} CPUs here)"), default=None,
-                   help="torch.set_num_threads, CPU only (default: torch's choice)")
+    add_threads_argument(p)
     p.add_argument("--seed", type=int_in(0), default=0, help="weights and token ids")
     p.add_argument("--output", metavar="FILE.json", help="also write every case's results as JSON, after each case")
 
@@ -58,13 +56,11 @@ def execute(args: argparse.Namespace) -> int:
 
     from ..atomic_write import write_json_atomic
     from ..bench.train import NOTES, cases, format_table, measure_case, train_model
-    from .launch import resolve_device
 
+    set_threads(args)
     device = resolve_device(args.device)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    torch.manual_seed(args.seed)
-    model = train_model(args.model_shape, device, getattr(torch, DTYPES[args.dtype]))
+    _, dtype = resolve_dtype(args.dtype, device)
+    model = train_model(args.model_shape, device, dtype, args.seed)
     header = {"model_shape": args.model_shape, "device": str(device), "dtype": args.dtype, "torch": torch.__version__,
               "threads": torch.get_num_threads(), "warmup": args.warmup, "iterations": args.iterations,
               "notes": NOTES}
