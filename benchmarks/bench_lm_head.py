@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 
 from torchkvops import Rollout, RolloutConfig
+from torchkvops.bench.op import time_methods
 from torchkvops.lm_head import Float32LMHead
 from torchkvops.models import MODEL_SHAPES, build_model
 
@@ -69,15 +69,7 @@ def main(argv=None) -> int:
             profile = r.get_last_profile()
             per_step[name].append(profile.decode_ms / max(1, profile.decode_steps))
     head = Float32LMHead(model)
-    refresh_ms = []
-    for _ in range(args.rounds):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        head.refresh()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        refresh_ms.append((time.perf_counter() - t0) * 1e3)
+    refresh_ms = [t * 1e3 for t in time_methods({"refresh": head.refresh}, device, 1, args.rounds)["refresh"]]
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
     w = model.get_output_embeddings().weight
     print(f"{args.model_shape} bf16 (random weights), {where}, B={batch} N={n} P={args.prompt_length} "

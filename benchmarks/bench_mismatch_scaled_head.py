@@ -21,7 +21,7 @@ import argparse
 import torch
 
 from torchkvops import attention
-from torchkvops.bench import cases, mismatch
+from torchkvops.bench import cases, mismatch, report
 from torchkvops.models import MODEL_SHAPES, build_model
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -58,14 +58,7 @@ def main(argv=None) -> int:
           f"{args.temperature:g}, top_p {args.top_p:g}; prompt logits: std {logits.std().item():.2f}, mean top-1 "
           f"probability {logits.softmax(-1).amax(-1).mean().item():.3f}\n")
     engines = mismatch.measure_mismatch(model, case, args.modes, settings, prompts, pad_token_id=0)
-    print("| engine | tokens | mean abs delta | max abs delta | k3 KL |")
-    print("|---|---:|---:|---:|---:|")
-    for name, m in engines.items():
-        if "error" in m:
-            print(f"| {name} | failed: {m['error']} |")
-        else:
-            print(f"| {name} | {m['tokens']} | {m['mean_abs_delta']:.3g} | {m['max_abs_delta']:.3g} | "
-                  f"{m['k3_kl']:.3g} |")
+    print(report.format_mismatch_table({"case": case.name, "mismatch": engines}))
     return 0
 
 

@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 
 import torchkvops  # noqa: F401  (loads the operators)
+from torchkvops.bench.metrics import saved_tensor_bytes
+from torchkvops.bench.op import time_methods
 from torchkvops.prefix_attention import shared_prefix_attention
 
 
@@ -85,29 +86,9 @@ def main(argv=None) -> None:
         # plain's prefix rows get the same upstream gradient G times (once per row): fair to its backward.
         torch.autograd.backward([out_pre, out_suf], [grad_pre.expand_as(out_pre), grad_suf])
 
-    def saved_mib(fn):
-        seen = {}
-
-        def pack(t):
-            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            fn()
-        return sum(seen.values()) / 2**20
-
     modes = {"plain": plain, "expanded": expanded, "split": split}
-    times = {m: [] for m in modes}
-    for i in range(args.iters + 1):
-        for name, fn in modes.items():
-            if dev.type == "cuda":
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            step(fn)
-            if dev.type == "cuda":
-                torch.cuda.synchronize()
-            if i:  # the first round is the warm-up
-                times[name].append((time.perf_counter() - start) * 1e3)
+    seconds = time_methods({name: lambda fn=fn: step(fn) for name, fn in modes.items()}, dev, 1, args.iters)
+    times = {name: [t * 1e3 for t in ts] for name, ts in seconds.items()}
     print(f"one layer, fwd+bwd: P={P} C={C} G={G} heads={H} kv_heads={Hkv} head_dim={D} {args.dtype} on {dev}, "
           f"{torch.get_num_threads()} threads, median of {args.iters}")
     print("| mode | ms | vs plain | saved MiB |")
@@ -115,7 +96,7 @@ def main(argv=None) -> None:
     base = statistics.median(times["plain"])
     for name, fn in modes.items():
         ms = statistics.median(times[name])
-        print(f"| {name} | {ms:.1f} | {base / ms:.2f}x | {saved_mib(fn):.1f} |")
+        print(f"| {name} | {ms:.1f} | {base / ms:.2f}x | {saved_tensor_bytes(fn) / 2**20:.1f} |")
 
 
 if __name__ == "__main__":

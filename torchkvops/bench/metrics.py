@@ -19,7 +19,7 @@ from torch import nn
 from .stats import summarize
 from ..kv_cache import KVShape
 
-__all__ = ["BYTES_NOTE", "ROOFLINE_NOTE", "PEAK_NOTE", "Clock", "model_weight_bytes", "kv_bytes_per_token", "Traffic",
+__all__ = ["saved_tensor_bytes", "BYTES_NOTE", "ROOFLINE_NOTE", "PEAK_NOTE", "Clock", "model_weight_bytes", "kv_bytes_per_token", "Traffic",
            "copy_roofline", "cpu_peak_memory_bytes", "peak_memory_bytes", "export_trace"]
 
 BYTES_NOTE = ("bytes read per decode step, a model of the useful traffic (not what kernels read over padding or masked "
@@ -176,6 +176,22 @@ def _profiling(prof):
         yield prof
     finally:
         quietly(prof.stop)
+
+
+def saved_tensor_bytes(fn: Callable[[], object], exclude: frozenset[int] = frozenset()) -> int:
+    """Bytes of the tensors autograd saves for backward while fn() runs: each storage once, those whose
+    data_ptr is in `exclude` (say the parameters') left out. fn's result is dropped."""
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in exclude:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(seen.values())
 
 
 def cpu_peak_memory_bytes(fn: Callable[[], object]) -> int:

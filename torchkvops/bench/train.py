@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import Tensor, nn
 
-from .metrics import Clock, cpu_peak_memory_bytes
+from .metrics import Clock, cpu_peak_memory_bytes, saved_tensor_bytes
 from ..models import build_model
 from ..shared_forward import disable_dropout, patch_forward
 
@@ -102,19 +102,8 @@ def _in_mode(model: nn.Module, shared: bool, fn: Callable[[], object]):
 
 
 def _saved_bytes(model: nn.Module, ids: Tensor, completion_length: int) -> int:
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen: dict[int, int] = {}
-
-    def pack(t: Tensor) -> Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            seen[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = _loss(model, ids, completion_length)
-    del loss
-    return sum(seen.values())
+    params = frozenset(p.untyped_storage().data_ptr() for p in model.parameters())
+    return saved_tensor_bytes(lambda: _loss(model, ids, completion_length), exclude=params)
 
 
 def _peak_bytes(model: nn.Module, ids: Tensor, completion_length: int, device: torch.device) -> int:
