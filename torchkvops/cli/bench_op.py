@@ -8,13 +8,14 @@ import math
 import sys
 from collections.abc import Callable
 
+from ..bench import op
 from ..bench.op import DTYPE_NAMES, ITEMSIZE, METHODS, MiB, format_table, peak_bytes, plan
 from .checks import CLIError, available_memory_bytes, check_output_file, device_name, float_in, gib, int_in
 from .launch import add_threads_argument, resolve_device, set_threads
 
 MAX_MIB = 1 << 20  # 1 TiB: a cache size beyond any machine this runs on
 MAX_SIZES = 64
-DESCRIPTION = "Effective bandwidth of repeat_kv_cache_ against the memory roofline and the obvious alternatives."
+DESCRIPTION = op.__doc__.split("\n\n")[0]  # the first paragraph of torchkvops.bench.op's docstring
 
 EPILOG = "methods (--methods, comma-separated):\n" + "\n".join(f"  {k:<11} {v}" for k, v in METHODS.items()) + (
     "\n\nCache sizes: --min-mib, --min-mib * --factor, ... up to --max-mib. GB/s = (bytes read + written) / "
