@@ -61,7 +61,7 @@ from transformers.generation import (
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .hf import ModelAdapter, input_vocab, model_state, output_vocab
+from .hf import ModelAdapter, model_state
 from .rollout import MIN_TEMPERATURE, Rollout, RolloutConfig, check_prompts
 
 __all__ = ["generate", "patch_generate", "GeneratePatch", "PATCH_OPTIONS"]
@@ -261,17 +261,18 @@ def _prepare(session: _Session, model: nn.Module, args: tuple, kwargs: dict):
     arguments = _bind(model, args, kwargs)
     if isinstance(arguments, str):
         return arguments
-    reason = session.check_model(model) or _unsupported_context(model)
+    reason = session.check_model(model) or _unsupported_context(model, session.adapter)
     if reason:
         return reason
-    resolved = _resolve(model, arguments)
+    # From here on session.adapter describes the model as it is now (check_model rebuilt it if not).
+    resolved = _resolve(model, session.adapter, arguments)
     if isinstance(resolved, str):
         return resolved
     config, ids, mask, processors, criteria = resolved
     reason = _unsupported_mask(mask)
     if reason:
         return reason
-    plan = _plan(config, model, ids.shape[1], processors, criteria)
+    plan = _plan(config, session.adapter, ids.shape[1], processors, criteria)
     if isinstance(plan, str):
         return plan
     try:  # the positions (and sliding window) the rollout's KV cache covers
@@ -310,7 +311,7 @@ def _bind(model: nn.Module, args: tuple, kwargs: dict) -> _Arguments | str:
     return _Arguments(input_ids, extra.pop("attention_mask", None), arguments.get("generation_config"), tokenizer, extra)
 
 
-def _resolve(model: nn.Module, call: _Arguments):
+def _resolve(model: nn.Module, adapter: ModelAdapter, call: _Arguments):
     """What HF's generate would make of the call, by HF's own code: (generation config with special
     tokens and length set, ids, attention mask (inferred from the pad id when none is given), logits
     processors, stopping criteria); else the reason the rollout cannot do it."""
@@ -329,13 +330,13 @@ def _resolve(model: nn.Module, call: _Arguments):
         return f"the model input {model_kwargs[0]!r}"
 
     input_ids = call.input_ids
-    ids, mask = check_prompts(input_ids, call.attention_mask, input_ids.device, input_vocab(model),
+    ids, mask = check_prompts(input_ids, call.attention_mask, input_ids.device, adapter.input_vocab,
                               "torchkvops.generate", require_left_padding=False)
     batch, prompt_length = ids.shape
     try:
         model._prepare_special_tokens(config, call.attention_mask is not None, device=input_ids.device,
                                       batch_size=batch)
-        if call.attention_mask is None and "attention_mask" in inspect.signature(model.forward).parameters:
+        if call.attention_mask is None and adapter.takes_attention_mask:
             mask = model._prepare_attention_mask_for_generation(input_ids, config, {}).to(ids.device, torch.long)
         config = model._prepare_generated_length(
             generation_config=config, has_default_max_length=has_default["max_length"],
@@ -352,12 +353,12 @@ def _resolve(model: nn.Module, call: _Arguments):
     return config, ids, mask, processors, criteria
 
 
-def _unsupported_context(model: nn.Module) -> str | None:
+def _unsupported_context(model: nn.Module, adapter: ModelAdapter) -> str | None:
     """What this call's context (rather than its arguments) does that the rollout's decode does not."""
     if type(model).generate is not GenerationMixin.generate:
         return f"{type(model).__name__}'s own generate method"
-    autocast = _forward_autocast_dtype(model)
-    weights = next(model.parameters()).dtype
+    autocast = _forward_autocast_dtype(model, adapter.device.type)
+    weights = adapter.dtype
     if autocast is not None and autocast != weights:
         return (f"a forward that runs under autocast to {autocast} with {weights} parameters (its K and V then "
                 f"come in mixed dtypes, the rollout's KV cache holds {weights}; load the model in {autocast}, or "
@@ -427,7 +428,7 @@ def _unsupported_mask(mask: Tensor) -> str | None:
     return None
 
 
-def _plan(config: GenerationConfig, model: nn.Module, prompt_length: int, processors, criteria) -> _Plan | str:
+def _plan(config: GenerationConfig, adapter: ModelAdapter, prompt_length: int, processors, criteria) -> _Plan | str:
     """The rollout's parameters from what HF built for this call, or why the rollout cannot do it."""
     sampled = config.get_generation_mode() == GenerationMode.SAMPLE
     temperature, top_k, top_p, min_new = 1.0, 0, 1.0, 0
@@ -455,14 +456,14 @@ def _plan(config: GenerationConfig, model: nn.Module, prompt_length: int, proces
     if eos is not None and (eos.is_floating_point() or eos.is_complex()):
         return f"eos_token_id={config.eos_token_id!r} (not integers)"
     eos = () if eos is None else tuple(eos.tolist())  # host sync: a handful of ids, once per call
-    vocab_out = output_vocab(model)
+    vocab_out = adapter.output_vocab
     bad = [e for e in eos if e < 0 or (vocab_out is not None and e >= vocab_out)]
     if bad:
         return f"eos_token_id {bad[0]} (outside the model's {vocab_out} token ids)"
     pad = 0  # without EOS ids no row ever ends, and the pad id is never written
     if eos:
         pad_tensor = config._pad_token_tensor  # HF's: the pad id, else the first EOS id
-        vocab_in = input_vocab(model)
+        vocab_in = adapter.input_vocab
         # host sync: one id, once per call
         pad = pad_tensor.item() if pad_tensor.numel() == 1 and not pad_tensor.is_floating_point() else None
         if pad is None or pad < 0 or (vocab_in is not None and pad >= vocab_in):
@@ -477,11 +478,10 @@ def _plan(config: GenerationConfig, model: nn.Module, prompt_length: int, proces
                  return_dict=bool(config.return_dict_in_generate))
 
 
-def _forward_autocast_dtype(model: nn.Module) -> torch.dtype | None:
+def _forward_autocast_dtype(model: nn.Module, device_type: str) -> torch.dtype | None:
     """The dtype the model's forward autocasts to, or None: an autocast around this call, or the one
     accelerate's mixed precision (a Trainer with bf16=True or fp16=True, as TRL's GRPOTrainer defaults
-    to) wraps `model.forward` in, marking the model with `_original_forward`."""
-    device_type = next(model.parameters()).device.type
+    to) wraps `model.forward` in, marking the model with `_original_forward`. device_type: the model's."""
     if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
         return torch.get_autocast_dtype(device_type)
     if vars(model).get("_original_forward") is not None:

@@ -121,6 +121,7 @@ class ModelAdapter:
         else:
             raise ValueError(f"torchkvops: {type(model).__name__}.forward takes no KV cache argument")
         self.takes_cache_position = "cache_position" in params
+        self.takes_attention_mask = "attention_mask" in params
         self.takes_logits_to_keep = "logits_to_keep" in params
         self.model, self.config = model, config
         self.kv_shape = KVShape.from_config(config)
