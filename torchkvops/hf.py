@@ -130,17 +130,13 @@ class ModelAdapter:
         self.input_vocab = input_vocab(model)
         self.output_vocab = output_vocab(model)
 
-    def sliding_window(self) -> int | None:
-        """The attention window that binds some layer, or None when every layer sees all tokens."""
-        return sliding_window(self.config)
-
     def check_length(self, total_length: int) -> None:
         if self.max_positions is not None and total_length > self.max_positions:
             raise ValueError(
                 f"torchkvops: prompt length + max_new_tokens = {total_length} exceeds the model's "
                 f"{self.max_positions} positions (max_position_embeddings)"
             )
-        window = self.sliding_window()
+        window = sliding_window(self.config)
         if window is not None and total_length > window:
             raise ValueError(
                 f"torchkvops: prompt length + max_new_tokens = {total_length} exceeds the model's sliding "
