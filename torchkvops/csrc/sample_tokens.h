@@ -13,10 +13,11 @@
 //     exactly when the mass of the tokens with a STRICTLY larger l is below top_p * Z (every token
 //     tied at t* is kept; the reference keeps them too).
 // sample_tokens_with_logprobs also returns the log-probability of the drawn token under the
-// distribution it was drawn from (vLLM's "processed" logprobs): greedy, log_softmax(raw logits)[token];
-// otherwise the log_softmax over the kept tokens' l: l[token] - max - log(sum over kept of exp(l - max)),
-// in float32 (the sum in double). NaN when the kept values hold a NaN or their maximum is infinite
-// (+inf, or -inf: nothing finite is kept), as torch's log_softmax gives.
+// distribution it was drawn from (vLLM's "processed" logprobs): greedy, log_softmax(raw
+// logits)[token]; otherwise the log_softmax over the kept tokens' l: l[token] - max - log(sum over
+// kept of exp(l - max)), in float32 (the sum in double on the CPU; in float on CUDA, per thread,
+// then across the block). NaN when the kept values hold a NaN or their maximum is infinite (+inf, or
+// -inf: nothing finite is kept), as torch's log_softmax gives.
 // Both thresholds are found by radix selection on the keys (4 passes of 8-bit digits), never by
 // sorting the row. Masses are summed as 64-bit fixed-point integers, so every sum is exact and the
 // result does not depend on the order of the additions (or on the number of threads).

@@ -360,20 +360,21 @@ class ExpSum {
 };
 
 // Greedy with its log-probability: log_softmax(raw logits)[token] = -log(sum of exp(x - max)), one
-// more pass over the row.
+// more pass over the row. The argmax's value is the row's maximum, and a NaN exactly when the row holds
+// one (NaN wins the argmax), as the CUDA kernel takes it too.
 template <typename scalar_t>
 int64_t greedy_row(const scalar_t* row, int64_t col_stride, int64_t vocab, float* log_prob) {
   const int64_t token = argmax_row(row, col_stride, vocab);
   if (log_prob == nullptr) return token;
-  const RowMax m = row_max(row, col_stride, vocab);
-  ExpSum sum(m.value);
+  const float top = static_cast<float>(row[token * col_stride]);
+  ExpSum sum(top);
   float x[kDrawBlock];
   for (int64_t first = 0; first < vocab; first += kDrawBlock) {
     const int n = static_cast<int>(std::min<int64_t>(kDrawBlock, vocab - first));
     for (int j = 0; j < n; ++j) x[j] = static_cast<float>(row[(first + j) * col_stride]);
     sum.add_block<false>(x, nullptr, n);
   }
-  *log_prob = sum.log_prob(m.value, m.has_nan);
+  *log_prob = sum.log_prob(top, top != top);
   return token;
 }
 
