@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Sets up .venv (torch, transformers, test tools, trl) and builds torchkvops._C into it. Idempotent and cheap
-# when nothing changed: it installs only what is missing and rebuilds only when a C++/CUDA source,
-# setup.py, pyproject.toml or the torch version changed.
+# Sets up .venv (torch, transformers, test tools, trl, peft) and builds torchkvops._C into it. Idempotent and
+# cheap when nothing changed (about 2 s, the final import check): it installs only what is missing and
+# rebuilds only when a C++/CUDA source, setup.py, pyproject.toml or the torch version changed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export MAX_JOBS="${MAX_JOBS:-2}"
@@ -10,23 +10,56 @@ if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
 fi
 py=.venv/bin/python
+pip_install() { "$py" -m pip install -q --disable-pip-version-check "$@"; }
 
+# What the environment needs, in two groups, each with the imports that prove it is installed.
 # torch 2.14.1 (a CUDA build, so the CUDA kernels compile here) lies on this machine's disk.
-if ! "$py" -c "import torch, transformers, ninja, pytest, expecttest, hypothesis" >/dev/null 2>&1; then
-  "$py" -m pip install -q --disable-pip-version-check "torch>=2.11,<=2.14.1" "transformers>=5.0" ninja pytest expecttest hypothesis
-fi
-# TRL (with accelerate and datasets) for tests/test_trl.py and examples/grpo_trl.py: the `trl` extra.
-if ! "$py" -c "import trl, accelerate, datasets; from trl import GRPOTrainer" >/dev/null 2>&1; then
-  "$py" -m pip install -q --disable-pip-version-check "trl>=1.16" "torch>=2.11,<=2.14.1"
+base_reqs=("torch>=2.11,<=2.14.1" "transformers>=5.0" ninja pytest expecttest hypothesis)
+base_check="import torch, transformers, ninja, pytest, expecttest, hypothesis"
+# TRL (with accelerate and datasets) for tests/test_trl.py and examples/grpo_trl.py: the `trl` extra;
+# peft (LoRA adapters) for the tests that use one: in the `test` extra.
+trl_reqs=("trl>=1.16" "peft>=0.13" "torch>=2.11,<=2.14.1")
+trl_check="import trl, accelerate, datasets, peft; from trl import GRPOTrainer"
+
+# The installs are skipped without importing anything when the venv holds the same distributions as
+# after the last run that ended well (importing trl alone takes 13 s on a small machine). The key: the
+# requirements above and the venv's *.dist-info folder names (one per installed distribution and version).
+deps_stamp=.venv/.torchkvops-deps
+deps_key() {
+  { printf '%s\n' "${base_reqs[@]}" "$base_check" "${trl_reqs[@]}" "$trl_check"
+    ls -d .venv/lib/python3*/site-packages/*.dist-info 2>/dev/null; } | sha1sum
+}
+if [ ! -f "$deps_stamp" ] || [ "$(cat "$deps_stamp")" != "$(deps_key)" ]; then
+  if ! "$py" -c "$base_check" >/dev/null 2>&1; then
+    echo "setup.sh: installing torch, transformers and the test tools into .venv"
+    pip_install "${base_reqs[@]}"
+  fi
+  if ! "$py" -c "$trl_check" >/dev/null 2>&1; then
+    echo "setup.sh: installing trl and peft into .venv"
+    pip_install "${trl_reqs[@]}"
+  fi
 fi
 
 stamp=build/.torchkvops-built
+torch_version="$(sed -n "s/^__version__ = '\(.*\)'$/\1/p" .venv/lib/python3*/site-packages/torch/version.py)"
 # pyproject.toml too: it names the packages and the console script that the install writes.
-want="$("$py" -c 'import torch; print(torch.__version__)') $(cat setup.py pyproject.toml torchkvops/csrc/*.* torchkvops/csrc/*/*.* | sha1sum)"
+want="$torch_version $(cat setup.py pyproject.toml torchkvops/csrc/*.* torchkvops/csrc/*/*.* | sha1sum)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ] || ! ls torchkvops/_C*.so >/dev/null 2>&1; then
-  "$py" -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps -e .
-  mkdir -p build && echo "$want" > "$stamp"
+  mkdir -p build
+  log=build/torchkvops-build.log
+  echo "setup.sh: building torchkvops._C (the C++ kernels, and the CUDA kernels when torch is a CUDA build and a"
+  echo "  toolkit is found) with MAX_JOBS=$MAX_JOBS: 3 minutes on an idle 2-core machine, up to 10 while other jobs"
+  echo "  share it; ninja's [done/total] steps follow (the CUDA files take longest), the full log goes to $log"
+  # pip -v shows ninja's lines as they come; only their step counter and the file compiled are printed.
+  if ! "$py" -m pip install -v --disable-pip-version-check --no-build-isolation --no-deps -e . 2>&1 | tee "$log" \
+      | sed -u -n -E -e "s#$PWD/##g" -e 's#^ *(\[[0-9]+/[0-9]+\]) .* -c ([^ ]+) .*#  \1 \2#p'; then
+    echo "setup.sh: the build failed; the end of $log:" >&2
+    tail -n 40 "$log" >&2
+    exit 1
+  fi
+  echo "$want" > "$stamp"
 fi
 # out/ (git-ignored): where the README's benchmark commands write their JSON.
 mkdir -p out
 "$py" -c "import torchkvops; print('torchkvops ready: torch', torchkvops.torch.__version__, '| CUDA kernels compiled in:', torchkvops.has_cuda_kernels())"
+deps_key > "$deps_stamp"
