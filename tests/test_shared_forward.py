@@ -83,14 +83,14 @@ def run(model, ids, mask, labels, **kwargs):
 
 
 def assert_same(shared, plain, mask, rtol=1e-3):
-    """Outputs at real positions and every parameter's gradient, within float32 rounding."""
+    """Outputs at every position (padding ones too: a padding collator's labels read the last padding
+    column of a left-padded row) and every parameter's gradient, within float32 rounding."""
     (out_s, grads_s), (out_p, grads_p) = shared, plain
-    real = mask.bool()
     torch.testing.assert_close(out_s.loss, out_p.loss, rtol=rtol, atol=1e-6)
-    torch.testing.assert_close(out_s.logits[real], out_p.logits[real], rtol=rtol, atol=1e-5)
+    torch.testing.assert_close(out_s.logits, out_p.logits, rtol=rtol, atol=1e-5)
     assert len(out_s.hidden_states) == len(out_p.hidden_states)
     for h_s, h_p in zip(out_s.hidden_states, out_p.hidden_states):
-        torch.testing.assert_close(h_s[real], h_p[real], rtol=rtol, atol=1e-5)
+        torch.testing.assert_close(h_s, h_p, rtol=rtol, atol=1e-5)
     assert grads_s.keys() == grads_p.keys()
     scale = max(g.abs().max().item() for g in grads_p.values())
     for name in grads_p:  # atol: some gradients are 0 in exact arithmetic (a key bias's), rounding noise here
@@ -581,9 +581,13 @@ def test_groups_need_min_shared_columns():
     assert find_prefix_groups(rows, min_shared=3) == [PrefixGroup((0,), 3), PrefixGroup((1,), 3), PrefixGroup((2,), 3)]
 
 
-def test_padding_columns_match_whatever_their_ids_and_position_ids_count():
-    ids = torch.tensor([[0, 5, 6, 7], [3, 5, 6, 8], [0, 5, 6, 9]])
-    mask = torch.tensor([[0, 1, 1, 1], [0, 1, 1, 1], [1, 1, 1, 1]])
-    assert find_prefix_groups(row_keys(ids, mask, None), 1)[0] == PrefixGroup((0, 1), 3)
-    positions = torch.tensor([[0, 0, 1, 2], [0, 0, 5, 6], [0, 1, 2, 3]])
-    assert find_prefix_groups(row_keys(ids, mask, positions), 1)[0] == PrefixGroup((0, 1), 2)
+def test_padding_ids_count_and_so_do_position_ids():
+    """A padding position's own output (the logit that predicts a row's first real token) is computed
+    from its id: rows share a padding column only when its ids agree; a real column with a padding one
+    never."""
+    ids = torch.tensor([[0, 5, 6, 7], [3, 5, 6, 8], [0, 5, 6, 9], [0, 5, 6, 10]])
+    mask = torch.tensor([[0, 1, 1, 1], [0, 1, 1, 1], [1, 1, 1, 1], [0, 1, 1, 1]])
+    groups = find_prefix_groups(row_keys(ids, mask, None), 1)
+    assert PrefixGroup((0, 3), 3) in groups and all(1 not in g.rows or len(g.rows) == 1 for g in groups)
+    positions = torch.tensor([[0, 0, 1, 2], [0, 0, 5, 6], [0, 1, 2, 3], [0, 0, 5, 6]])
+    assert PrefixGroup((0, 3), 2) in find_prefix_groups(row_keys(ids, mask, positions), 1)

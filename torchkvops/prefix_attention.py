@@ -22,10 +22,13 @@ backward is torch's own fused kernel, and no gradient flows through the merge or
 
 Masking: keys whose attention-mask bit is 0 get an additive bias of the dtype's most negative finite
 value, not -inf. A real query then gives them exactly zero weight (exp underflows to 0) as the plain
-forward does, and a padding query whose every key is padding (a left-padded prompt's first columns)
-gets a finite, meaningless output instead of NaN, which could otherwise leak into real positions
-through 0 * NaN in the next layer's matmuls. Outputs at padding positions therefore differ from the
-plain forward's; nothing real reads them, and their gradient is zero.
+forward does. A query whose every key is padding (a left-padded row's first columns: "blind") gets a
+finite kernel output instead of NaN, which `packed_attention` then sets to 0: what torch's SDPA
+(safe softmax) and flash-attention (unpadded) give such a row in the plain forward, so the outputs at
+padding positions are the plain forward's too (the logit at a row's last padding column predicts its
+first real token, and a padding collator's labels include it). Plain eager attention gives them a
+uniform average over the whole row instead, which a shared prefix cannot reproduce:
+`torchkvops.patch_forward` runs such calls plain when labels read one.
 
 Kernels: on CPU `_scaled_dot_product_flash_attention_for_cpu` and its backward (grouped-query heads
 natively); on CUDA `_scaled_dot_product_efficient_attention` and its backward (K/V heads repeated for
@@ -78,6 +81,7 @@ class PackedLayout:
     token_mask: Tensor  # [T] bool
     rows: int
     length: int
+    blind_queries: Tensor | None = None  # [T] bool: queries whose every key is padding (None: no such query)
     _biases: dict = dataclasses.field(default_factory=dict, repr=False)
 
     @property
@@ -264,4 +268,7 @@ def packed_attention(query: Tensor, key: Tensor, value: Tensor, layout: PackedLa
                                                    bias_pre, bias_suf, scale)
         pieces.append(out_pre.transpose(1, 2).reshape(-1, heads, dim))
         pieces.append(out_suf.transpose(1, 2).reshape(-1, heads, dim))
-    return torch.cat(pieces)[None] if len(pieces) > 1 else pieces[0][None]
+    out = torch.cat(pieces)[None] if len(pieces) > 1 else pieces[0][None]
+    if layout.blind_queries is not None:  # SDPA's and flash-attention's output for a query with no key
+        out = out.masked_fill(layout.blind_queries[None, :, None, None], 0.0)
+    return out

@@ -1,9 +1,10 @@
 """Which rows of a batch share a prefix, and the packed layout that computes each shared prefix once.
 
-Two rows share their first p columns when their token ids agree at every real (attention-mask 1)
-column there, their masks agree, and, when the caller passes position ids, so do those. Padding
-columns match each other whatever their ids: padding keys are masked, so a padding token's id and
-position reach no real output.
+Two rows share their first p columns when their token ids and masks agree at every column there
+and, when the caller passes position ids, so do those at real (attention-mask 1) columns. Padding ids
+count too: no real output reads a padding token, but the padding position's own output (the logit at
+the last padding column predicts the first real token, which a padding collator's labels include) is
+computed from its id.
 
 Groups are found wherever their rows are (adjacent as TRL lays them out, interleaved as verl does,
 DPO's chosen and rejected halves): rows are sorted by their keys, so that rows with a common prefix
@@ -30,6 +31,8 @@ from .prefix_attention import Bucket, PackedLayout
 
 __all__ = ["PrefixGroup", "row_keys", "find_prefix_groups", "pack_layout"]
 
+_PADDING_FLAG = 2**31  # token ids are below 2**31: padding and real columns never share a key
+
 
 @dataclasses.dataclass(frozen=True)
 class PrefixGroup:
@@ -42,10 +45,10 @@ class PrefixGroup:
 
 def row_keys(input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor | None) -> np.ndarray:
     """[rows, length] (or [rows, length, 2] with position ids) uint32 keys, big-endian, on the host:
-    0 at padding columns, id + 1 at real ones (and the position, offset to be non-negative). Host
-    sync: the grouping is decided on the host, once per forward."""
+    id + 1 at real columns, id + 1 + 2**31 at padding ones (and the position at real columns, offset to
+    be non-negative). Host sync: the grouping is decided on the host, once per forward."""
     real = attention_mask.bool()
-    ids = torch.where(real, input_ids.long() + 1, 0)
+    ids = input_ids.long() + 1 + torch.where(real, 0, _PADDING_FLAG)
     if position_ids is not None:
         positions = torch.where(real, position_ids.long() - position_ids.min() + 1, 0)
         ids = torch.stack([ids, positions.expand_as(ids)], dim=-1)
@@ -126,5 +129,9 @@ def pack_layout(groups: list[PrefixGroup], length: int, attention_mask: Tensor) 
         offset += bucket.tokens
     device = attention_mask.device
     src = torch.from_numpy(np.concatenate(src_parts)).to(device)
+    mask = attention_mask.bool()
+    # A query sees some key once its row has had a real token: the left padding's queries see none.
+    sees_a_key = mask.cummax(dim=1).values.reshape(-1)[src]
     return PackedLayout(buckets=tuple(buckets), src=src, dest=torch.from_numpy(dest.reshape(-1)).to(device),
-                        token_mask=attention_mask.bool().reshape(-1)[src], rows=rows, length=length)
+                        token_mask=mask.reshape(-1)[src], rows=rows, length=length,
+                        blind_queries=None if bool(sees_a_key.all()) else ~sees_a_key)

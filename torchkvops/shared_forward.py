@@ -10,11 +10,16 @@ each shared prefix once followed by its rows' own suffixes into one sequence, ru
 that (embeddings, norms and MLPs act per token; every attention layer calls `prefix_attention`, which
 knows the groups), and scatters the hidden states back to the [rows, length, hidden] layout. The LM
 head, `logits_to_keep`, `labels` and TRL's fused log-prob head then work unchanged, and outputs and
-gradients are the plain forward's up to float rounding (outputs at padding positions excepted, which
-nothing reads). Positions are the plain forward's own, so a suffix's continue its prefix's.
+gradients are the plain forward's up to float rounding, at padding positions too under SDPA and
+flash-attention (see `prefix_attention`: the logit at a row's last padding column predicts its first
+real token, and a padding collator's labels include it). Under eager attention the plain forward's
+left-padding outputs are a uniform average over the whole row, which a shared prefix cannot give: a
+call whose `labels` read one runs the plain forward. Positions are the plain forward's own, so a
+suffix's continue its prefix's.
 
-Where it hooks: the backbone (`model.base_model`, e.g. LlamaModel), whose forward is replaced on this
-instance. TRL's GRPOTrainer replaces the top-level `model.forward` with a fused LM head that calls the
+Where it hooks: the backbone (`model.base_model`, e.g. LlamaModel, found through PEFT's PeftModel,
+DDP's `.module`, torch.compile's and TRL's wrappers: `hf.unwrap_model`), whose forward is replaced on
+this instance, and a forward pre-hook on the causal LM around it, which sees the `labels`. TRL's GRPOTrainer replaces the top-level `model.forward` with a fused LM head that calls the
 backbone directly, so patching before or after TRL, on `trainer.model` and `trainer.ref_model`, both
 work. The attention layers read their model's config through a view that names this module's attention
 function, while the model's own config keeps its attention implementation (what TRL reads, saves and
@@ -37,7 +42,6 @@ import dataclasses
 import functools
 import inspect
 import sys
-import types
 import warnings
 import weakref
 
@@ -45,7 +49,7 @@ import torch
 from torch import Tensor, nn
 from transformers import AttentionInterface, PreTrainedConfig
 
-from .hf import sliding_window
+from .hf import sliding_window, unwrap_model
 from .prefix_attention import SERVED_DEVICES, PackedLayout, packed_attention
 from .prefix_groups import find_prefix_groups, pack_layout, row_keys
 
@@ -161,6 +165,9 @@ class _PatchState:
     previous_forward: object  # the backbone's own instance-level forward before the patch, or None
     views: list  # (attention module, its config before the patch)
     warned: set = dataclasses.field(default_factory=set)
+    # Set by the causal LM's pre-hook for the forward it is running: its labels include a token that a
+    # left-padding column predicts (what eager attention gives there, a shared prefix cannot).
+    labels_read_blind_queries: bool = False
 
     def original(self, backbone: nn.Module):
         if self.previous_forward is not None:
@@ -175,7 +182,8 @@ class _PatchState:
 
 
 def _shared_backbone_forward(self: nn.Module, *args, **kwargs):
-    """The patched backbone forward (bound to the backbone, so a deep copy of the model is patched alike)."""
+    """The patched backbone forward, set on the backbone as functools.partial(this, backbone): a deep
+    copy, a pickle or torch.save of the model is patched alike, on its own weights."""
     state: _PatchState = getattr(self, _STATE_ATTR)
     original = state.original(self)
     if kwargs.get("use_cache") or any(kwargs.get(name) is not None for name in _CACHE_ARGUMENTS):
@@ -204,6 +212,9 @@ def _plan(backbone: nn.Module, state: _PatchState, args: tuple, kwargs: dict):
         if parameter.kind is inspect.Parameter.VAR_KEYWORD:
             arguments.update(arguments.pop(name, {}))
     reason = _plain_reason(backbone, arguments)
+    if reason is None and state.labels_read_blind_queries and backbone.config._attn_implementation == "eager":
+        reason = ("labels that a left-padding column predicts, under eager attention (its output there is a "
+                  "uniform average over the whole row, which a shared prefix cannot reproduce; sdpa serves these)")
     if reason is None:
         input_ids = arguments["input_ids"]
         mask = arguments.get("attention_mask")
@@ -253,6 +264,8 @@ def _plain_reason(backbone: nn.Module, arguments: dict) -> str | None:
                                   or positions.shape[1] != input_ids.shape[1]
                                   or positions.shape[0] not in (1, input_ids.shape[0])):
         return "position_ids that are not [rows, length] or [1, length]"
+    if input_ids.numel() == 0:
+        return f"an empty batch (input_ids of shape {tuple(input_ids.shape)})"
     if backbone.training:
         cause = _active_dropout(backbone)
         if cause:
@@ -328,8 +341,10 @@ def _run_packed(original, stats: SharedForwardStats, arguments: dict, layout: Pa
 
 # --- patching ---------------------------------------------------------------------------------------
 def _backbone(model: nn.Module) -> nn.Module:
-    """The module that runs the decoder layers: `model.base_model`, or the decoder it wraps (OPTModel's
-    OPTDecoder, which OPTForCausalLM calls directly)."""
+    """The module that runs the decoder layers: `model.base_model` of the Hugging Face model inside any
+    wrapper (`hf.unwrap_model`), or the decoder it wraps (OPTModel's OPTDecoder, which OPTForCausalLM
+    calls directly)."""
+    model = unwrap_model(model)
     backbone = getattr(model, "base_model", model)
     if not isinstance(getattr(backbone, "config", None), PreTrainedConfig):
         raise TypeError(f"patch_forward: model must be a Hugging Face causal LM or its backbone, got "
@@ -364,14 +379,39 @@ def _unsupported_model(backbone: nn.Module) -> str | None:
 
 def _is_patched(backbone: nn.Module) -> bool:
     forward = vars(backbone).get("forward")
-    return isinstance(forward, types.MethodType) and forward.__func__ is _shared_backbone_forward
+    return isinstance(forward, functools.partial) and forward.func is _shared_backbone_forward
+
+
+@functools.cache
+def _forward_signature(cls: type) -> inspect.Signature:
+    return inspect.signature(cls.forward)
+
+
+@torch.compiler.disable  # host work (one flag), outside any compiled graph
+def _labels_pre_hook(state: _PatchState, module: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Before the causal LM's forward: whether its labels include a token that a left-padding column
+    predicts (labels[:, j] != -100 where every column before j is padding). Host sync: one flag, only
+    for a call with labels and a 2-D mask."""
+    try:
+        bound = _forward_signature(type(module)).bind_partial(module, *args, **kwargs).arguments
+    except TypeError:
+        bound = {}
+    labels, mask = bound.get("labels"), bound.get("attention_mask")
+    state.labels_read_blind_queries = bool(
+        isinstance(labels, Tensor) and isinstance(mask, Tensor) and mask.dim() == 2 and labels.shape == mask.shape
+        and mask.shape[1] > 1 and ((labels[:, 1:] != -100) & ~mask.bool().cummax(dim=1).values[:, :-1]).any())
+
+
+@torch.compiler.disable
+def _labels_post_hook(state: _PatchState, module: nn.Module, args: tuple, output) -> None:
+    state.labels_read_blind_queries = False
 
 
 class ForwardPatch:
     """What `patch_forward` returns: `undo()` (or leaving the `with` block) restores the model;
     `stats` counts the forwards served by the shared path and by the plain one."""
 
-    def __init__(self, backbone: nn.Module, config: SharedForwardConfig):
+    def __init__(self, backbone: nn.Module, config: SharedForwardConfig, causal_lm: nn.Module | None = None):
         self.config = config
         self.stats = SharedForwardStats()
         modules = _attention_modules(backbone)
@@ -380,7 +420,13 @@ class ForwardPatch:
         for m in modules:
             m.config = _ConfigView(m.config)
         setattr(backbone, _STATE_ATTR, state)
-        backbone.forward = types.MethodType(_shared_backbone_forward, backbone)
+        backbone.forward = functools.partial(_shared_backbone_forward, backbone)
+        self._hooks = []
+        if causal_lm is not None and causal_lm is not backbone:
+            self._hooks = [
+                causal_lm.register_forward_pre_hook(functools.partial(_labels_pre_hook, state),
+                                                    with_kwargs=True),
+                causal_lm.register_forward_hook(functools.partial(_labels_post_hook, state), always_call=True)]
         self._backbone_ref = weakref.ref(backbone)
         self.active = True
 
@@ -395,6 +441,8 @@ class ForwardPatch:
             backbone.forward = state.previous_forward
         for module, config in state.views:
             module.config = config
+        for hook in self._hooks:
+            hook.remove()
         delattr(backbone, _STATE_ATTR)
         self.active = False
 
@@ -408,7 +456,9 @@ class ForwardPatch:
 def patch_forward(model: nn.Module, **options) -> ForwardPatch:
     """Make this model instance's forward compute rows that share a prefix once (see the module docstring).
 
-    `model` is a Hugging Face causal LM (its backbone, `model.base_model`, is patched) or a backbone.
+    `model` is a Hugging Face causal LM (its backbone, `model.base_model`, is patched) or a backbone, or
+    either inside a PeftModel (LoRA: the adapters' gradients are the plain forward's), DDP, torch.compile
+    or TRL wrapper.
     `options` are those of `SharedForwardConfig` (min_shared_tokens), validated as it validates them.
     Returns a handle: `handle.undo()` restores the model, `with patch_forward(model): ...` does so on
     leaving the block, and `handle.stats` counts what the patched forward did. Patching a patched model
@@ -419,9 +469,10 @@ def patch_forward(model: nn.Module, **options) -> ForwardPatch:
         raise TypeError(f"patch_forward: unknown option {unknown[0]!r}; the options are {', '.join(sorted(fields))}")
     config = SharedForwardConfig(**options)
     backbone = _backbone(model)
+    causal_lm = unwrap_model(model)
     if _is_patched(backbone):
         raise RuntimeError("patch_forward: this model's forward is already patched; undo() that handle first")
     reason = _unsupported_model(backbone)
     if reason:
         raise ValueError(f"patch_forward: {reason}")
-    return ForwardPatch(backbone, config)
+    return ForwardPatch(backbone, config, causal_lm)
