@@ -11,7 +11,7 @@ from torch import nn
 
 from .kv_cache import KVShape
 
-__all__ = ["ModelAdapter", "model_state"]
+__all__ = ["ModelAdapter", "model_state", "unwrap_model", "is_peft_model"]
 
 _ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention"}
 # The parameter dtypes the rollout computes in (those its sampling operator takes logits in).
@@ -64,6 +64,49 @@ def model_state(model: nn.Module) -> tuple:
     return (id(config), tuple(fields), None if first is None else (first.dtype, first.device),
             input_vocab(model) if config is not None else None, output_vocab(model) if config is not None else None,
             getattr(forward, "__func__", forward))
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The Hugging Face model inside the wrappers trainers put around it: PEFT's PeftModel (LoRA and the
+    other tuners inject their layers into the model that `get_base_model()` returns, so its forward
+    computes with the adapters), DistributedDataParallel / DataParallel / FSDP1 (`.module`),
+    torch.compile's OptimizedModule (`._orig_mod`) and TRL's value-head wrapper (`.pretrained_model`).
+    A model that is none of these is returned as it is."""
+    seen: set[int] = set()
+    while id(model) not in seen:
+        seen.add(id(model))
+        if is_peft_model(model):
+            model = model.get_base_model()
+            continue
+        inner = None
+        if type(model).__name__ in _MODULE_WRAPPERS:
+            inner = getattr(model, "module", None)
+        elif isinstance(getattr(model, "_orig_mod", None), nn.Module):
+            inner = model._orig_mod
+        elif hasattr(model, "v_head") and isinstance(getattr(model, "pretrained_model", None), nn.Module):
+            inner = model.pretrained_model
+        if isinstance(inner, nn.Module):
+            model = inner
+    return model
+
+
+def is_peft_model(model) -> bool:
+    """A PEFT PeftModel (checked by its attributes, so that peft need not be installed)."""
+    return callable(getattr(type(model), "get_base_model", None)) and hasattr(model, "peft_config")
+
+
+def peft_refusal(model) -> str | None:
+    """Why a PeftModel's generate cannot be served from its base model, or None: prompt-learning tuners
+    (prefix and prompt tuning) add virtual tokens that PeftModel.generate feeds, not the base model."""
+    if not is_peft_model(model):
+        return None
+    config = getattr(model, "active_peft_config", None)
+    if config is not None and getattr(config, "is_prompt_learning", False):
+        return f"a PEFT model with a prompt-learning adapter ({getattr(config, 'peft_type', 'prompt learning')})"
+    return None
+
+
+_MODULE_WRAPPERS = ("DistributedDataParallel", "DataParallel", "FullyShardedDataParallel")
 
 
 def _unsupported_attention(model: nn.Module, config) -> str | None:
@@ -130,16 +173,20 @@ class ModelAdapter:
         self.input_vocab = input_vocab(model)
         self.output_vocab = output_vocab(model)
 
-    def check_length(self, total_length: int) -> None:
-        if self.max_positions is not None and total_length > self.max_positions:
+    def check_length(self, prompt_length: int, new_tokens: int) -> None:
+        """Refuse lengths the model's positions (or sliding window) do not cover. The last sampled token is
+        never fed back, so a rollout runs the model at prompt_length + new_tokens - 1 positions (HF's
+        generate serves the same lengths: up to max_position_embeddings + 1 tokens in all)."""
+        positions = prompt_length + new_tokens - 1
+        if self.max_positions is not None and positions > self.max_positions:
             raise ValueError(
-                f"torchkvops: prompt length + max_new_tokens = {total_length} exceeds the model's "
-                f"{self.max_positions} positions (max_position_embeddings)"
+                f"torchkvops: prompt length + max_new_tokens - 1 = {positions} positions exceed the model's "
+                f"{self.max_positions} (max_position_embeddings)"
             )
         window = sliding_window(self.config)
-        if window is not None and total_length > window:
+        if window is not None and positions > window:
             raise ValueError(
-                f"torchkvops: prompt length + max_new_tokens = {total_length} exceeds the model's sliding "
+                f"torchkvops: prompt length + max_new_tokens - 1 = {positions} positions exceed the model's sliding "
                 f"window of {window}; sliding-window attention is not supported beyond its window"
             )
 
