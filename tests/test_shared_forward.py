@@ -7,6 +7,8 @@ the context manager and the refusal of a second patch. The attention alone and t
 own tests below. TRL's GRPOTrainer is in tests/test_trl.py."""
 
 import copy
+import io
+import pickle
 import warnings
 
 import numpy as np
@@ -591,3 +593,74 @@ def test_padding_ids_count_and_so_do_position_ids():
     assert PrefixGroup((0, 3), 3) in groups and all(1 not in g.rows or len(g.rows) == 1 for g in groups)
     positions = torch.tensor([[0, 0, 1, 2], [0, 0, 5, 6], [0, 1, 2, 3], [0, 0, 5, 6]])
     assert PrefixGroup((0, 3), 2) in find_prefix_groups(row_keys(ids, mask, positions), 1)
+
+
+# --- padding collators, eager attention, pickling, empty batches ------------------------------------
+def collator_batch():
+    """4 rows sharing a 20-token prompt, left-padded by 2, with a padding collator's labels: the logit at
+    the last padding column predicts the first real token, and is part of the loss."""
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(3, VOCAB, (4, 26), generator=g)
+    ids[:, :20] = ids[0, :20]
+    mask = torch.ones_like(ids)
+    mask[:, :2] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    return ids, mask, ids.masked_fill(mask == 0, -100)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_a_padding_collators_loss_and_gradients_are_the_plain_forwards(family_models, family):
+    model = no_dropout_train(family_models[family])
+    ids, mask, labels = collator_batch()
+    plain = run(model, ids, mask, labels)
+    with torchkvops.patch_forward(model, min_shared_tokens=4) as handle:
+        shared = run(model, ids, mask, labels)
+    assert handle.stats.shared_calls == 1
+    assert_same(shared, plain, mask)
+
+
+def test_under_eager_attention_labels_read_from_padding_run_plain(family_models):
+    """Eager attention averages a padding query's values over the whole row: no shared prefix gives that.
+    A call whose labels read such a column runs plain (warned); one whose labels do not is shared."""
+    model = FAMILIES["llama"]()
+    model.set_attn_implementation("eager")
+    ids, mask, labels = collator_batch()
+    plain = run(model, ids, mask, labels)
+    with torchkvops.patch_forward(model, min_shared_tokens=4) as handle:
+        with pytest.warns(UserWarning, match="labels that a left-padding column predicts, under eager"):
+            got = run(model, ids, mask, labels)
+        assert handle.stats.fallback_calls == 1 and handle.stats.shared_calls == 0
+        assert_same(got, plain, mask, rtol=1e-6)
+        unread = labels.clone()
+        unread[:, 2] = -100  # the first real token is no label: nothing reads the padding columns
+        shared = run(model, ids, mask, unread)
+    assert handle.stats.shared_calls == 1
+    torch.testing.assert_close(shared[0].loss, run(model, ids, mask, unread)[0].loss, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("how", ["pickle", "torch.save"])
+def test_a_pickled_patched_model_loads_patched_on_its_own_weights(how):
+    model = FAMILIES["llama"]()  # (a model run with output_hidden_states holds transformers' unpicklable hooks)
+    ids, mask, _ = batch([4, 2])
+    with torchkvops.patch_forward(model, min_shared_tokens=4):
+        buffer = io.BytesIO()
+        torch.save(model, buffer) if how == "torch.save" else pickle.dump(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False) if how == "torch.save" else pickle.load(buffer)
+    with torch.no_grad():
+        expected = model(input_ids=ids, attention_mask=mask).logits  # the original, unpatched again
+        got = loaded(input_ids=ids, attention_mask=mask).logits
+    assert getattr(loaded.model, "_torchkvops_shared_forward").stats.shared_calls == 1
+    torch.testing.assert_close(got, expected, rtol=1e-3, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [(0, 8), (4, 0)], ids=["no_rows", "no_columns"])
+def test_an_empty_batch_names_input_ids_and_runs_the_plain_forward(family_models, shape):
+    model = family_models["llama"]
+    ids = torch.zeros(shape, dtype=torch.long)
+    with pytest.raises(RuntimeError) as plain:
+        model(input_ids=ids)
+    with torchkvops.patch_forward(model, min_shared_tokens=4):
+        with pytest.warns(UserWarning, match=r"an empty batch \(input_ids of shape"), pytest.raises(RuntimeError) as got:
+            model(input_ids=ids)
+    assert str(got.value) == str(plain.value)  # the model's own error
