@@ -150,7 +150,7 @@ def _prefix_plan(keep: Tensor, n_live: int, batch: BatchMap, min_rows: int) -> P
 def move_state(old, new, rows: Tensor, groups: Tensor | None) -> None:
     """Gather the rows `rows` (device int64) of DecodeState `old` into DecodeState `new` (and, prefix
     layout, the prompt groups `groups`): every per-row tensor, and the step counter."""
-    for name in ("tokens", "position_ids", "bias", "finished", "keys", "responses", "logprobs"):
+    for name in ("tokens", "position_ids", "bias", "finished", "keys", "nonfinite_step", "responses", "logprobs"):
         src = getattr(old, name)
         if src is not None:
             torch.index_select(src, 0, rows, out=getattr(new, name))

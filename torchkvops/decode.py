@@ -49,6 +49,9 @@ class DecodeState:
         self.finished = torch.zeros(rows, dtype=torch.bool, device=device)
         self.step = torch.zeros(1, dtype=torch.long, device=device)  # index of the token sampled next
         self.keys = torch.zeros(rows, dtype=torch.long, device=device)  # per-row sampling keys
+        # The first step at which a live row's logits could not be sampled from (NaN, +inf, or all -inf:
+        # HF's sampling raises there); -1 while none. Read at the all-ended check and after decode.
+        self.nonfinite_step = torch.full((rows,), -1, dtype=torch.long, device=device)
         self.responses = torch.zeros(rows, max_new_tokens, dtype=torch.long, device=device)
         # With logprobs: each sampled token's log-probability (0 once the row has ended), as responses.
         self.logprobs = torch.zeros(rows, max_new_tokens, dtype=torch.float32, device=device) if logprobs else None
@@ -98,6 +101,8 @@ class DecodeStep:
         """Sample every row's next token from its logits [rows, vocab] (with its log-probability when
         asked) and record it."""
         logits = self.suppress_eos(logits)
+        if not self.params.greedy:
+            self.watch_nonfinite(logits)
         if self.logprobs:
             self.accept(*sample_with_logprobs(logits, self.params, self.state.keys, self.state.step))
         else:
@@ -112,6 +117,15 @@ class DecodeStep:
             self.eos_mask = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
             self.eos_mask[self.eos] = True
         return logits.masked_fill(self.eos_mask & (self.state.step < self.min_new_tokens), float("-inf"))
+
+    def watch_nonfinite(self, logits: Tensor) -> None:
+        """Record the step at which a live row's logits / temperature first hold a NaN or +inf or are all
+        -inf (softmax gives NaN: HF's sampling raises "probability tensor contains either inf, nan or
+        element < 0"). One max per row, no host sync: the rollout reads the record at its checks."""
+        s = self.state
+        top = logits.amax(dim=-1).float() / self.params.temperature  # NaN if any NaN; +inf if any +inf
+        bad = ~torch.isfinite(top) & ~s.finished & (s.nonfinite_step < 0)
+        s.nonfinite_step.copy_(torch.where(bad, s.step, s.nonfinite_step))
 
     def accept(self, sampled: Tensor, logprob: Tensor | None = None) -> None:
         """Record sampled tokens [rows] (and their log-probabilities) at index `step`; rows that

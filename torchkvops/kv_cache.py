@@ -121,6 +121,7 @@ class RolloutKVCache(Cache):
     def release(self) -> None:
         """Free the buffers; the next `prepare_*()` allocates new ones."""
         self._storage = self.prompt_kv = self.decode_kv = self.layout = None
+        self.write_pos = torch.zeros(1, dtype=torch.long, device=self.device)  # made anew: see Rollout.release
 
     @property
     def allocated_bytes(self) -> int:

@@ -18,6 +18,7 @@ import dataclasses
 import math
 import threading
 import weakref
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
@@ -30,7 +31,7 @@ from .lm_head import Float32LMHead
 from .profiling import RolloutProfile, StageTimer
 from .sampling import SamplingParams, row_keys
 
-__all__ = ["Rollout", "RolloutConfig", "RolloutOutput", "RolloutProfile"]
+__all__ = ["Rollout", "RolloutConfig", "RolloutOutput", "RolloutProfile", "NonFiniteLogitsError"]
 
 # The all-rows-ended check syncs with the host, so decode makes it only every this many steps.
 FINISHED_CHECK_INTERVAL = 8
@@ -61,6 +62,12 @@ def kv_lengths(kv_sharing: str, prompt_len: int, new_tokens: int) -> tuple[int, 
     if kv_sharing == "prefix":
         return round_up(prompt_len), round_up(new_tokens - 1, RESPONSE_KV_MULTIPLE)
     return (round_up(prompt_len + new_tokens - 1),)
+
+
+class NonFiniteLogitsError(RuntimeError):
+    """Sampling met logits holding NaN or +inf (or only -inf) on a live row, where Hugging Face's sampling
+    raises "probability tensor contains either inf, nan or element < 0". Greedy decoding takes the
+    argmax as HF does and never raises this."""
 
 
 @dataclasses.dataclass
@@ -168,6 +175,9 @@ class Rollout:
         self._compacts = self.config.compact_finished_rows and self._eos is not None
         self._states: dict[tuple, DecodeState] = {}  # by decode shape, least recently used first
         self._last_profile: RolloutProfile | None = None
+        # Buffers made under a caller's torch.inference_mode() are inference tensors, which cannot be
+        # written outside it: a later call outside it makes new ones.
+        self._buffers_are_inference = False
         self._lock = _lock_for(model)
         self._attention = attention.DecodeAttention(self.config.kv_sharing)
         # A float32 LM head only where it changes something: a float32 head (or model) computes in float32.
@@ -192,6 +202,7 @@ class Rollout:
     def release(self) -> None:
         """Free the KV buffer, decode state and CUDA graphs; the next `generate()` makes them again."""
         with self._lock:
+            self._buffers_are_inference = False
             self.cache.release()
             self._states.clear()
             self._runner.reset()
@@ -200,28 +211,39 @@ class Rollout:
 
     # --- the stages ----------------------------------------------------------------------------
     def _generate(self, input_ids: Tensor, attention_mask: Tensor | None, *, row_ids: Tensor | None = None,
-                  live: Tensor | None = None, seed: int | None = None) -> RolloutOutput:
+                  live: Tensor | None = None, seed: int | None = None,
+                  ended_everywhere: Callable[[bool], bool] | None = None) -> RolloutOutput:
         """`generate`, and what the drop-in `generate` and data-parallel rollouts need besides:
         - row_ids [B*N] int64: the index that keys each row's sampling (default 0..B*N-1), e.g. a
           data-parallel shard's place among all rows, or a row's place in a caller's batch;
         - live [B*N] bool: False for filler rows (groups padded to N), which end at once and hold the pad id;
-        - seed: the sampling seed of this call (default: RolloutConfig.seed, else a fresh one)."""
+        - seed: the sampling seed of this call (default: RolloutConfig.seed, else a fresh one);
+        - ended_everywhere: at each all-ended check, this process's answer -> every process's (a
+          collective: FSDP's synced generation, where every process must run as many forwards as the
+          others); decode stops only when it says True, until then ended rows decode on as filler.
+
+        Runs under torch.no_grad(), not inference mode: whatever the model allocates in its forward
+        (FSDP's unsharded parameters, a rotary embedding's refreshed buffers) must stay usable by the
+        training step that follows, as after HF's generate."""
         head32 = self._head32.applied() if self._head32 is not None else contextlib.nullcontext()
-        with self._lock, torch.inference_mode(), head32:
-            out = self._run(input_ids, attention_mask, row_ids, live, seed)
-        # Outside inference mode, so that RL code can train on the sequences (inference tensors
-        # cannot be saved for backward).
+        with self._lock, torch.no_grad(), head32:
+            inference = torch.is_inference_mode_enabled()
+            if self._buffers_are_inference and not inference:  # a caller's inference_mode made them
+                self.release()
+            self._buffers_are_inference = inference or self._buffers_are_inference
+            out = self._run(input_ids, attention_mask, row_ids, live, seed, ended_everywhere)
+        # Copies: the decode state's buffers are reused by the next call.
         return RolloutOutput(out.sequences.clone(), out.responses.clone(), out.response_mask.clone(), out.prompt_length,
                              None if out.logprobs is None else out.logprobs.clone())
 
     def _run(self, input_ids: Tensor, attention_mask: Tensor | None, row_ids: Tensor | None, live: Tensor | None,
-             seed: int | None) -> RolloutOutput:
+             seed: int | None, ended_everywhere: Callable[[bool], bool] | None = None) -> RolloutOutput:
         cfg = self.config
         input_ids, attention_mask = self._check_inputs(input_ids, attention_mask)
         batch, prompt_len = input_ids.shape
         n, new_tokens = cfg.samples_per_prompt, cfg.max_new_tokens
         rows = batch * n
-        self.adapter.check_length(prompt_len + new_tokens)
+        self.adapter.check_length(prompt_len, new_tokens)
         if seed is None:
             seed = cfg.seed if cfg.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
         if row_ids is None:
@@ -256,7 +278,7 @@ class Rollout:
         kv_bytes = self.cache.used_bytes  # before compaction makes the views smaller
         with timer.stage("decode"):
             state = self._start_decode(attention_mask, seed, logits, row_ids, live)
-            steps, row_steps = self._decode(state, new_tokens)
+            steps, row_steps = self._decode(state, new_tokens, ended_everywhere)
             response_len = steps + 1
 
         with timer.stage("post_processing"):
@@ -307,6 +329,7 @@ class Rollout:
         if live is not None:  # filler rows have ended before they start: they only ever hold the pad id
             s.finished.copy_(~live.to(self.device, torch.bool))
         s.step.zero_()
+        s.nonfinite_step.fill_(-1)
         s.keys.copy_(row_keys(seed, row_ids.to(self.device, torch.long)))
         self._step.bind(s)
         self._step.draw(first_logits)
@@ -326,10 +349,13 @@ class Rollout:
             self._states.pop(next(iter(self._states)))
         return s
 
-    def _decode(self, first: DecodeState, new_tokens: int) -> tuple[int, int]:
-        """Decode steps until every row has new_tokens tokens or has ended, compacting the batch as rows
-        end (compact_finished_rows); `first`'s responses (and logprobs) then hold every row's tokens.
-        Returns the step count and the row-steps computed (rows sampled, summed over the tokens)."""
+    def _decode(self, first: DecodeState, new_tokens: int,
+                ended_everywhere: Callable[[bool], bool] | None = None) -> tuple[int, int]:
+        """Decode steps until every row has new_tokens tokens or has ended (on every process, with
+        `ended_everywhere`), compacting the batch as rows end (compact_finished_rows); `first`'s responses
+        (and logprobs) then hold every row's tokens. Returns the step count and the row-steps computed
+        (rows sampled, summed over the tokens). Raises NonFiniteLogitsError at the first check after a
+        live row's logits could not be sampled from."""
         state, steps, row_steps = first, 0, first.rows
         prefix = self.config.kv_sharing == "prefix"
         samples = self.config.samples_per_prompt if prefix else None  # the prefix layout's rows per prompt
@@ -342,20 +368,37 @@ class Rollout:
                 row_steps += state.rows
                 if self._eos is None or steps % FINISHED_CHECK_INTERVAL:
                     continue
-                # Host sync: reads `finished` every few steps to stop early and to compact; not made
-                # without EOS ids. Compaction (planned on the host from these flags) adds no other sync.
-                finished = state.finished.cpu()
-                if bool(finished.all()):
+                # Host sync: reads `finished` (and the non-finite record) every few steps to stop early and
+                # to compact; not made without EOS ids. Compaction (planned on the host from these
+                # flags) adds no other sync.
+                flags = torch.stack([state.finished.long(), state.nonfinite_step]).cpu()
+                finished = flags[0].bool()
+                self._raise_on_nonfinite(flags[1])
+                ended = bool(finished.all())
+                if ended_everywhere is not None:
+                    ended = ended_everywhere(ended)
+                if ended:
                     break
                 if batch is not None and new_tokens - 1 - steps >= FINISHED_CHECK_INTERVAL:
                     plan = compaction.plan(finished, batch)
                     if plan is not None:
                         state = self._compact(first, state, batch, plan, steps + 1)
                         self._bind(state)
+        if not self._params.greedy:
+            self._raise_on_nonfinite(state.nonfinite_step.cpu())  # host sync: once per call, sampling only
         if state is not first:
             self._write_back(first, state, batch, steps + 1)
         return steps, row_steps
 
+    def _raise_on_nonfinite(self, nonfinite_step: Tensor) -> None:
+        """nonfinite_step (host [rows]): DecodeState's record."""
+        bad = nonfinite_step[nonfinite_step >= 0]
+        if bad.numel():
+            raise NonFiniteLogitsError(
+                f"torchkvops: the logits of {bad.numel()} row(s) hold NaN or inf at new token {int(bad.min())} (counting "
+                "from 0), so there is no distribution to sample from; Hugging Face's generate raises here too "
+                "(\"probability tensor contains either inf, nan or element < 0\"). Check the model's weights and "
+                "inputs (a half-precision overflow?)")
     def _compact(self, first: DecodeState, state: DecodeState, batch: compaction.BatchMap, plan: compaction.Plan,
                  tokens: int) -> DecodeState:
         """Go on with the rows of `plan` (torchkvops.compaction) after `tokens` tokens: a state of the
