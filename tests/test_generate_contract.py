@@ -10,6 +10,7 @@ import pickle
 import warnings
 import weakref
 
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -324,3 +325,118 @@ def test_generation_config_precedence_with_a_config_passed_positionally(llama, s
     with torchkvops.patch_generate(llama):
         out = llama.generate(ids, config, attention_mask=mask)
     assert served and same_tokens(out, hf_generate(llama, ids, config, attention_mask=mask))
+
+
+# --- odd-typed and odd-shaped arguments HF accepts --------------------------------------------------
+@pytest.mark.parametrize("length", [np.int64(4), 4.0, torch.tensor(4), 3.5], ids=["numpy_int", "float", "tensor", "3.5"])
+def test_lengths_of_other_numeric_types_are_served_as_hf_serves_them(served, length):
+    """HF stops once the length reaches prompt + max_new_tokens, whatever its numeric type (3.5: 4 tokens).
+    A call that failed here once made every later call of the model fall back: the next one is served."""
+    model = FAMILIES["llama"]()
+    ids, mask = prompts(2, 6, seed=21)
+    kwargs = dict(attention_mask=mask, do_sample=False, eos_token_id=None, pad_token_id=0)
+    with torchkvops.patch_generate(model):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # served, no fallback warning
+            out = model.generate(ids, max_new_tokens=length, **kwargs)
+            ordinary = model.generate(ids, max_new_tokens=3, **kwargs)
+    assert len(served) == 2 and out.shape == (2, 10)
+    assert same_tokens(out, hf_generate(model, ids, max_new_tokens=length, **kwargs))
+    assert same_tokens(ordinary, hf_generate(model, ids, max_new_tokens=3, **kwargs))
+
+
+def test_a_call_that_fails_in_the_rollout_does_not_disable_calls_with_other_settings(monkeypatch, served):
+    """A rollout failure before anything was served falls back for that call and for later calls with the
+    same settings (not retried), never for calls with other settings."""
+    model = FAMILIES["llama"]()
+    original = torchkvops.Rollout._run
+
+    def fails_at_three(self, *args, **kwargs):
+        if self.config.max_new_tokens == 3:
+            raise RuntimeError("a failure only this setting meets")
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(torchkvops.Rollout, "_run", fails_at_three)
+    ids, mask = prompts(2, 6, seed=22)
+    kwargs = dict(attention_mask=mask, do_sample=False, eos_token_id=None, pad_token_id=0)
+    with torchkvops.patch_generate(model):
+        with pytest.warns(UserWarning, match="a failure only this setting meets"):
+            failed = model.generate(ids, max_new_tokens=3, **kwargs)
+        other = model.generate(ids, max_new_tokens=4, **kwargs)
+        again = model.generate(ids, max_new_tokens=3, **kwargs)
+    assert len(served) == 1  # the max_new_tokens=4 call
+    for out, n in ((failed, 3), (other, 4), (again, 3)):
+        assert same_tokens(out, hf_generate(model, ids, max_new_tokens=n, **kwargs))
+
+
+def test_eos_as_a_2d_tensor_is_served(llama, served):
+    ids, mask = prompts(2, 6, seed=23)
+    free = hf_generate(llama, ids, attention_mask=mask, **GREEDY, eos_token_id=None, pad_token_id=0)
+    eos = torch.tensor([[int(free[0, 8]), int(free[1, 7])]])
+    kwargs = dict(GREEDY, attention_mask=mask, eos_token_id=eos, pad_token_id=0)
+    out = torchkvops.generate(llama, ids, **kwargs)
+    assert served and same_tokens(out, hf_generate(llama, ids, **kwargs))
+
+
+def test_an_attention_mask_of_other_numbers_falls_back_to_hf(llama, served):
+    """HF attends where the mask is not 0 (and numbers positions by its cumulative sum): its output."""
+    ids, mask = prompts(2, 6, seed=24, left_pad=[0, 2])
+    kwargs = dict(GREEDY, attention_mask=mask * 2, eos_token_id=None, pad_token_id=0)
+    with pytest.warns(UserWarning, match="values other than 0 and 1"):
+        out = torchkvops.generate(llama, ids, **kwargs)
+    assert not served and same_tokens(out, quiet(hf_generate, llama, ids, **kwargs))
+
+
+def test_top_k_true_gets_hfs_error(llama, served):
+    ids, mask = prompts(2, 6, seed=25)
+    kwargs = dict(attention_mask=mask, do_sample=True, top_k=True, max_new_tokens=3)
+    with pytest.raises(TypeError) as hf_error:
+        hf_generate(llama, ids, **kwargs)
+    with pytest.raises(TypeError, match=str(hf_error.value).split(":")[0]), pytest.warns(UserWarning, match="top_k=True"):
+        torchkvops.generate(llama, ids, **kwargs)
+    assert not served
+
+
+def test_prompt_and_new_tokens_up_to_the_positions_plus_one_are_served(family_models, served):
+    """The last sampled token is never fed back: 120 + 9 tokens run the model at 128 positions, as HF does."""
+    model = family_models["gpt2"]  # n_positions=128
+    ids, mask = prompts(2, 120, seed=26)
+    kwargs = dict(attention_mask=mask, max_new_tokens=9, do_sample=False, eos_token_id=None, pad_token_id=0)
+    out = torchkvops.generate(model, ids, **kwargs)
+    assert served and out.shape == (2, 129) and same_tokens(out, hf_generate(model, ids, **kwargs))
+    with pytest.warns(UserWarning, match="129 positions exceed"), pytest.raises(IndexError):  # HF's own error
+        torchkvops.generate(model, ids, **dict(kwargs, max_new_tokens=10))
+
+
+# --- logits that cannot be sampled from --------------------------------------------------------------
+def nan_at_position(position: int):
+    """A GPT-2 whose position embedding `position` is NaN: the forward at that position gives NaN logits."""
+    model = FAMILIES["gpt2"]()
+    with torch.no_grad():
+        model.transformer.wpe.weight[position] = float("nan")
+    return model
+
+
+def test_nan_logits_raise_when_sampling_as_hf_does(served):
+    """Prompt of 6: the forward at position 9 computes new token 4. HF's sampling raises there; so do
+    generate (patched or not) and Rollout, naming the token; greedy takes the argmax, as HF does."""
+    model = nan_at_position(9)
+    ids, mask = prompts(2, 6, seed=27)
+    kwargs = dict(attention_mask=mask, max_new_tokens=8, eos_token_id=None, pad_token_id=0)
+    with pytest.raises(RuntimeError, match="probability tensor contains"):
+        quiet(hf_generate, model, ids, do_sample=True, **kwargs)
+    with pytest.raises(torchkvops.rollout.NonFiniteLogitsError, match="NaN or inf at new token 4"):
+        torchkvops.generate(model, ids, do_sample=True, **kwargs)
+    rollout = torchkvops.Rollout(model, torchkvops.RolloutConfig(max_new_tokens=8, temperature=1.0, eos_token_id=[2]))
+    with pytest.raises(torchkvops.rollout.NonFiniteLogitsError, match="at new token 4"):
+        rollout.generate(ids, mask)
+    greedy = torchkvops.generate(model, ids, do_sample=False, **kwargs)
+    assert same_tokens(greedy, hf_generate(model, ids, do_sample=False, **kwargs))
+
+
+def test_logits_that_are_finite_until_the_last_token_do_not_raise(served):
+    """The forward at position 12 would compute a 7th new token; with 6 new tokens it never runs."""
+    model = nan_at_position(12)
+    ids, mask = prompts(2, 6, seed=27)
+    kwargs = dict(attention_mask=mask, max_new_tokens=6, eos_token_id=None, pad_token_id=0, do_sample=True)
+    assert torchkvops.generate(model, ids, **kwargs).shape == (2, 12) and served

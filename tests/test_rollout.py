@@ -261,7 +261,7 @@ def test_bad_inputs_raise_clear_errors(llama, ids, mask, error, match):
 def test_too_long_for_the_model_positions(llama):
     r = Rollout(llama, RolloutConfig(max_new_tokens=20))
     ids, mask = prompts(1, 120)
-    with pytest.raises(ValueError, match="exceeds the model's 128 positions"):
+    with pytest.raises(ValueError, match="exceed the model.s 128 .max_position_embeddings"):
         r.generate(ids, mask)
 
 

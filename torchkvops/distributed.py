@@ -41,7 +41,7 @@ from torch import Tensor
 
 from .rollout import Rollout, RolloutOutput
 
-__all__ = ["generate"]
+__all__ = ["generate", "initialized", "agree", "ended_everywhere"]
 
 # Bytes of an error message carried to the other processes.
 _ERROR_BYTES = 2048
@@ -164,6 +164,34 @@ def _gather(exchange: "_Exchange", rollout: Rollout, out: RolloutOutput | None, 
             logprobs[:r, :resp] = out.logprobs.to(exchange.device)
         logprobs = torch.cat([lp[:r] for lp, r in zip(exchange.all_gather(logprobs), rows)]).to(rollout.device)
     return RolloutOutput(sequences, sequences[:, prompt_len:], mask, prompt_len, logprobs)
+
+
+# --- synced generation (HF's synced_gpus: FSDP, ZeRO-3), for torchkvops.generate --------------------
+def initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _collective_device(group=None) -> torch.device:
+    """Where the group's backend takes tensors: the current CUDA device for NCCL, else the CPU."""
+    if "nccl" in str(dist.get_backend(group)).lower():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def agree(served: bool, new_tokens: int, group=None) -> tuple[bool, bool]:
+    """(every process serves the call, they all generate `new_tokens` new tokens): one all_reduce."""
+    t = torch.tensor([int(served), new_tokens, -new_tokens], dtype=torch.long, device=_collective_device(group))
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+    everyone, fewest, most = (int(v) for v in t.tolist())  # host sync: once per call
+    return bool(everyone), fewest == -most
+
+
+def ended_everywhere(ended: bool, group=None) -> bool:
+    """Whether every process's rows have ended: the all-ended check of a synced rollout (one all_reduce
+    where a rollout alone reads its own flags)."""
+    t = torch.tensor([int(ended)], dtype=torch.long, device=_collective_device(group))
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+    return bool(t.item())
 
 
 class _Exchange:

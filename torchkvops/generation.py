@@ -37,6 +37,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 import inspect
+import math
+import numbers
 import operator
 import sys
 import threading
@@ -61,8 +63,9 @@ from transformers.generation import (
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .hf import ModelAdapter, model_state
-from .rollout import MIN_TEMPERATURE, Rollout, RolloutConfig, check_prompts
+from . import distributed
+from .hf import ModelAdapter, is_peft_model, model_state, peft_refusal, unwrap_model
+from .rollout import MIN_TEMPERATURE, NonFiniteLogitsError, Rollout, RolloutConfig, check_prompts
 
 __all__ = ["generate", "patch_generate", "GeneratePatch", "PATCH_OPTIONS"]
 
@@ -128,6 +131,7 @@ class _Session:
         self.adapter: ModelAdapter | None = None  # the model read in that state
         self.refusal: str | None = None  # why the rollout cannot run the model in that state (None: it can)
         self.proven = False  # a call was served in that state (until then a failure falls back)
+        self.failed: dict[_Plan, str] = {}  # settings whose call failed in that state, and why
 
     def __reduce__(self):
         return (type(None), ())  # a copy of the model starts without a session
@@ -144,6 +148,7 @@ class _Session:
         if state != self.state:
             self.release()
             self.state, self.proven = state, False
+            self.failed.clear()
             try:
                 self.adapter, self.refusal = ModelAdapter(model), None
             except (TypeError, ValueError) as e:
@@ -155,10 +160,13 @@ class _Session:
                plan.pad)
         rollout = self.rollouts.get(key)
         if rollout is None:
+            options = dict(self.options)
+            if _is_fsdp(model):  # a replayed graph would skip FSDP's hooks, which gather the weights each forward
+                options["cuda_graphs"] = False
             config = RolloutConfig(samples_per_prompt=samples, max_new_tokens=plan.max_new_tokens,
                                    min_new_tokens=plan.min_new_tokens, temperature=plan.temperature,
                                    top_k=plan.top_k, top_p=plan.top_p, eos_token_id=list(plan.eos),
-                                   pad_token_id=plan.pad, **self.options)
+                                   pad_token_id=plan.pad, **options)
             rollout = self.rollouts[key] = Rollout(model, config)
             while len(self.rollouts) > _MAX_ROLLOUTS:
                 self.rollouts.popitem(last=False)[1].release()
@@ -176,6 +184,15 @@ class _Session:
             self.warned.add(reason)
             warnings.warn(f"{where}: {reason} is not supported; this call (and every call with it) runs the "
                           "model's own generate", UserWarning, stacklevel=stacklevel)
+
+
+def _is_fsdp(model: nn.Module) -> bool:
+    """Whether FSDP (fully_shard, or the FullyShardedDataParallel wrapper) manages the model's weights."""
+    try:
+        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+    except ImportError:  # a torch built without distributed
+        return False
+    return any(isinstance(m, (FSDPModule, FullyShardedDataParallel)) for m in model.modules())
 
 
 _sessions_lock = threading.Lock()
@@ -221,27 +238,64 @@ def generate(model: nn.Module, input_ids: Tensor | None = None, attention_mask: 
 
 def _serve(session: _Session, model: nn.Module, args: tuple, kwargs: dict, original):
     """One call with generate's arguments as the caller passed them: served by a rollout, or passed
-    unchanged to `original` (the model's own generate) with a warning naming the cause."""
+    unchanged to `original` (the model's own generate) with a warning naming the cause. A PEFT model
+    is served from the model its adapters are injected into (`hf.unwrap_model`)."""
     with session.lock:
-        call = _prepare(session, model, args, kwargs)
-        if not isinstance(call, str):
+        target = unwrap_model(model) if is_peft_model(model) else model
+        call, synced = _prepare(session, target, args, kwargs)
+        call = peft_refusal(model) or call
+        if isinstance(call, _Call) and call.plan in session.failed:
+            call = session.failed[call.plan]
+        if synced:
+            call = _agree(call)  # every process serves this call, or every process falls back
+        if isinstance(call, _Call):
             try:
-                sequences = _run(session, model, *call)
+                sequences = _run(session, target, call)
                 session.proven = True
-            except torch.OutOfMemoryError:
+            except (torch.OutOfMemoryError, NonFiniteLogitsError):
                 raise
             except Exception as e:
-                if session.proven:
+                if session.proven or call.synced:  # (the other processes are in the rollout's collectives)
                     raise
-                # The first call for this model state failed inside the rollout: the model does something
-                # the rollout does not implement. Not the caller's doing: HF's generate takes this call and
-                # every later one (until the model changes).
+                # A call failed inside the rollout before any call was served in this model state: the
+                # model may do something the rollout does not implement. HF's generate takes this call,
+                # and every later one with the same settings (until the model changes); calls with other
+                # settings are still tried (one odd call must not cost every later one its speed).
                 session.release()
-                call = session.refusal = f"this model (the rollout failed on it: {type(e).__name__}: {e})"
+                reason = f"this model (the rollout failed on it: {type(e).__name__}: {e})"
+                session.failed[call.plan] = call = reason
     if isinstance(call, str):
         session.warn_once(call)
         return original(*args, **kwargs)
-    return GenerateDecoderOnlyOutput(sequences=sequences) if call[0].return_dict else sequences
+    return GenerateDecoderOnlyOutput(sequences=sequences) if call.plan.return_dict else sequences
+
+
+@dataclasses.dataclass
+class _Call:
+    """A call the rollout serves: its plan, inputs, and whether every process must step together."""
+
+    plan: "_Plan"
+    input_ids: Tensor
+    attention_mask: Tensor
+    synced: bool
+
+
+def _agree(call: "_Call | str") -> "_Call | str":
+    """synced_gpus (FSDP or ZeRO-3 over several processes): every process must run as many forwards as
+    the others, so either all serve the call, decoding as many steps, or all fall back to HF's generate
+    (which steps them together itself). One collective per call; every process calls it, whatever it
+    found locally."""
+    if not distributed.initialized():
+        return call if isinstance(call, str) else "synced_gpus=True without an initialized torch.distributed"
+    served = isinstance(call, _Call)
+    everyone, same_length = distributed.agree(served, call.plan.max_new_tokens if served else 0)
+    if not served:
+        return call
+    if not everyone:
+        return "synced_gpus=True with a call that another process's rollout cannot serve"
+    if not same_length:
+        return "synced_gpus=True with processes that generate different numbers of new tokens"
+    return call
 
 
 @dataclasses.dataclass
@@ -253,14 +307,20 @@ class _Arguments:
     generation_config: GenerationConfig | None
     tokenizer: object
     extra: dict  # the rest of **kwargs: generation settings (and model inputs, which fall back)
+    synced: bool  # synced_gpus as HF resolves it: every process runs as many forwards as the others
 
 
-def _prepare(session: _Session, model: nn.Module, args: tuple, kwargs: dict):
-    """(plan, input_ids, attention_mask) for a call the rollout serves, else the reason it does not, in
-    order: the arguments, the model and the call's context, the generation settings, the inputs."""
+def _prepare(session: _Session, model: nn.Module, args: tuple, kwargs: dict) -> tuple["_Call | str", bool]:
+    """(the call the rollout serves, else the reason it does not; whether the processes generate in
+    step: synced_gpus as HF resolves it). Checked in order: the arguments, the model and the call's
+    context, the generation settings, the inputs."""
     arguments = _bind(model, args, kwargs)
     if isinstance(arguments, str):
-        return arguments
+        return arguments, False
+    return _check(session, model, arguments), arguments.synced
+
+
+def _check(session: _Session, model: nn.Module, arguments: "_Arguments") -> "_Call | str":
     reason = session.check_model(model) or _unsupported_context(model, session.adapter)
     if reason:
         return reason
@@ -276,10 +336,10 @@ def _prepare(session: _Session, model: nn.Module, args: tuple, kwargs: dict):
     if isinstance(plan, str):
         return plan
     try:  # the positions (and sliding window) the rollout's KV cache covers
-        session.adapter.check_length(ids.shape[1] + plan.max_new_tokens)
+        session.adapter.check_length(ids.shape[1], plan.max_new_tokens)
     except ValueError as e:
         return f"this length ({str(e).removeprefix('torchkvops: ')})"
-    return plan, ids, mask
+    return _Call(plan, ids, mask, arguments.synced)
 
 
 def _bind(model: nn.Module, args: tuple, kwargs: dict) -> _Arguments | str:
@@ -298,9 +358,8 @@ def _bind(model: nn.Module, args: tuple, kwargs: dict) -> _Arguments | str:
     extra.pop("assistant_tokenizer", None)  # only read with an assistant model, refused above
     tokenizer = extra.pop("tokenizer", None)  # only read for stop_strings and token healing, which fall back
     # synced_gpus: as HF resolves it (True under DeepSpeed ZeRO-3 or FSDP with several processes).
-    if model._extract_generation_mode_kwargs(None, {}, arguments.get("synced_gpus"), None, None)["synced_gpus"]:
-        return ("synced_gpus=True (every process must run as many forwards as the others, and the rollout stops "
-                "as soon as its own rows have ended)")
+    synced = bool(model._extract_generation_mode_kwargs(None, {}, arguments.get("synced_gpus"), None,
+                                                        None)["synced_gpus"])
     input_ids = arguments.get("inputs")
     if input_ids is not None and "input_ids" in extra:
         return "both inputs and input_ids"
@@ -308,7 +367,8 @@ def _bind(model: nn.Module, args: tuple, kwargs: dict) -> _Arguments | str:
         input_ids = extra.pop("input_ids", None)
     if not isinstance(input_ids, Tensor) or input_ids.dim() != 2:
         return "input that is not a 2-D tensor of token ids (inputs_embeds, or no input_ids)"
-    return _Arguments(input_ids, extra.pop("attention_mask", None), arguments.get("generation_config"), tokenizer, extra)
+    return _Arguments(input_ids, extra.pop("attention_mask", None), arguments.get("generation_config"), tokenizer, extra,
+                      synced)
 
 
 def _resolve(model: nn.Module, adapter: ModelAdapter, call: _Arguments):
@@ -330,6 +390,11 @@ def _resolve(model: nn.Module, adapter: ModelAdapter, call: _Arguments):
         return f"the model input {model_kwargs[0]!r}"
 
     input_ids = call.input_ids
+    given = call.attention_mask
+    if (isinstance(given, Tensor) and given.shape == input_ids.shape and not given.dtype.is_complex
+            and not bool(((given == 0) | (given == 1)).all())):  # host sync: a mask check, once per call
+        return ("an attention mask with values other than 0 and 1 (HF attends where it is not 0, and numbers "
+                "positions by its cumulative sum)")
     ids, mask = check_prompts(input_ids, call.attention_mask, input_ids.device, adapter.input_vocab,
                               "torchkvops.generate", require_left_padding=False)
     batch, prompt_length = ids.shape
@@ -448,6 +513,8 @@ def _plan(config: GenerationConfig, adapter: ModelAdapter, prompt_length: int, p
     for criterion in criteria:
         if not isinstance(criterion, (MaxLengthCriteria, EosTokenCriteria)):
             return f"the stopping criterion {type(criterion).__name__}"
+    if sampled and isinstance(top_k, bool):
+        return f"top_k={top_k!r} (Hugging Face's top-k sampling raises on it)"
     if sampled and temperature < MIN_TEMPERATURE:
         return f"temperature={temperature!r} (below {MIN_TEMPERATURE:g}, the logits / temperature overflow)"
     if sampled and top_p <= 0:
@@ -455,7 +522,7 @@ def _plan(config: GenerationConfig, adapter: ModelAdapter, prompt_length: int, p
     eos = config._eos_token_tensor
     if eos is not None and (eos.is_floating_point() or eos.is_complex()):
         return f"eos_token_id={config.eos_token_id!r} (not integers)"
-    eos = () if eos is None else tuple(eos.tolist())  # host sync: a handful of ids, once per call
+    eos = () if eos is None else tuple(eos.flatten().tolist())  # host sync: a handful of ids, once per call
     vocab_out = adapter.output_vocab
     bad = [e for e in eos if e < 0 or (vocab_out is not None and e >= vocab_out)]
     if bad:
@@ -468,14 +535,43 @@ def _plan(config: GenerationConfig, adapter: ModelAdapter, prompt_length: int, p
         pad = pad_tensor.item() if pad_tensor.numel() == 1 and not pad_tensor.is_floating_point() else None
         if pad is None or pad < 0 or (vocab_in is not None and pad >= vocab_in):
             return f"pad_token_id={config.pad_token_id!r} (not one of the model's {vocab_in} token ids)"
-    k = config.num_return_sequences
-    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-        return f"num_return_sequences={k!r}"
-    max_new = config.max_length - prompt_length  # HF's _prepare_generated_length set max_length
+    k = _whole(config.num_return_sequences)
+    if k is None or k < 1:
+        return f"num_return_sequences={config.num_return_sequences!r}"
+    # HF's _prepare_generated_length set max_length; HF stops once the length reaches it, so a length of
+    # another numeric type (4.0, np.int64(4), a 0-d tensor) means the next whole number of tokens.
+    max_new = _tokens_until(config.max_length, prompt_length)
+    min_new = _tokens_until(min_new + prompt_length, prompt_length) if min_new else 0
+    if max_new is None or min_new is None:
+        return f"max_length={config.max_length!r} or min_new_tokens (not numbers)"
     return _Plan(max_new_tokens=max_new, min_new_tokens=min(max(min_new, 0), max_new),
                  temperature=float(temperature) if sampled else 0.0, top_k=int(top_k) if sampled else 0,
                  top_p=min(float(top_p), 1.0) if sampled else 1.0, eos=eos, pad=int(pad), num_return_sequences=k,
                  return_dict=bool(config.return_dict_in_generate))
+
+
+def _whole(value) -> int | None:
+    """An integral count of any numeric type HF takes (int, numpy integer, integral float, 1-element
+    tensor) as an int; None for anything else (bools included)."""
+    if isinstance(value, Tensor):
+        if value.numel() != 1 or value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
+            return None
+        value = value.item()  # host sync: one number, once per call
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return int(value) if math.isfinite(value) and float(value).is_integer() else None
+
+
+def _tokens_until(length, prompt_length: int) -> int | None:
+    """How many new tokens HF's `cur_len >= length` test lets through: ceil(length - prompt_length)."""
+    if isinstance(length, Tensor) and length.numel() == 1 and not length.is_complex():
+        length = length.item()  # host sync: one number, once per call
+    if isinstance(length, bool) or not isinstance(length, numbers.Real) or not math.isfinite(length):
+        return None
+    return max(0, math.ceil(length - prompt_length))
 
 
 def _forward_autocast_dtype(model: nn.Module, device_type: str) -> torch.dtype | None:
@@ -510,7 +606,8 @@ def _attention_dropout(model: nn.Module) -> float:
     return most
 
 
-def _run(session: _Session, model: nn.Module, plan: _Plan, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+def _run(session: _Session, model: nn.Module, call: _Call) -> Tensor:
+    plan, input_ids, attention_mask = call.plan, call.input_ids, call.attention_mask
     device = input_ids.device
     k = plan.num_return_sequences
     # Runs of consecutive identical rows (ids and mask): each becomes one prompt of `count` rows.
@@ -526,7 +623,8 @@ def _run(session: _Session, model: nn.Module, plan: _Plan, input_ids: Tensor, at
     row_ids = (first_out_row[:, None] + slot[None, :]).flatten()
     rollout = session.rollout(model, samples, plan)
     seed = int(torch.randint(0, 2**62, (1,)).item())  # from torch's global generator, as HF's sampling
-    out = rollout._generate(input_ids[starts], attention_mask[starts], row_ids=row_ids, live=live, seed=seed)
+    out = rollout._generate(input_ids[starts], attention_mask[starts], row_ids=row_ids, live=live, seed=seed,
+                            ended_everywhere=distributed.ended_everywhere if call.synced else None)
     responses = out.responses[live.to(out.responses.device)]  # [rows, R], in output order
     responses = _trim_to_hf_length(responses, plan)
     return torch.cat([input_ids.repeat_interleave(k, dim=0), responses.to(device)], dim=1)
@@ -660,7 +758,7 @@ def patch_generate(model: nn.Module, **options) -> GeneratePatch:
         previous.release()
     vars(model)[_SESSION_ATTRIBUTE] = session
     model.generate = patched
-    reason = session.check_model(model)
+    reason = peft_refusal(model) or session.check_model(unwrap_model(model) if is_peft_model(model) else model)
     if reason:
         session.warn_once(reason, where="torchkvops.patch_generate", stacklevel=3)
     return GeneratePatch(model, patched)

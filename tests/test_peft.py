@@ -1,0 +1,98 @@
+"""PEFT (LoRA) models through both patches: patch_forward finds the backbone inside PeftModel (with and
+without a task type) and its outputs and LoRA gradients are the unpatched model's; patch_generate on a
+PeftModel is served from the model the adapters are injected into, gives PEFT's own generate's tokens,
+and follows the adapter weights as an optimizer changes them in place; TRL's GRPOTrainer with
+`peft_config` and both patches serves every generate call and shares every training pass, ending with
+the weights of the unpatched run. Skipped when peft is not installed."""
+
+import warnings
+
+import pytest
+import torch
+
+peft = pytest.importorskip("peft")
+from models import FAMILIES, prompts  # noqa: E402
+from peft import LoraConfig, get_peft_model  # noqa: E402
+
+import torchkvops  # noqa: E402
+
+TARGETS = {"q_v": ["q_proj", "v_proj"], "all_linear": "all-linear"}
+
+
+def lora(model, targets, task_type=None):
+    """LoRA with random B (init_lora_weights=False), so that the adapters change the outputs."""
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False, task_type=task_type)
+    torch.manual_seed(1)
+    return get_peft_model(model, config)
+
+
+def batch():
+    """Two prompts of 16 tokens, left-padded, 3 completions each."""
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, 90, (6, 22), generator=g)
+    ids[:3, :16], ids[3:, :16] = ids[0, :16], ids[3, :16]
+    mask = torch.ones_like(ids)
+    mask[3:, :2] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    return ids, mask, ids.masked_fill(mask == 0, -100)
+
+
+def loss_and_lora_grads(model, ids, mask, labels):
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=ids, attention_mask=mask, labels=labels)
+    out.loss.backward()
+    return out, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("task_type", [None, "CAUSAL_LM"], ids=["PeftModel", "PeftModelForCausalLM"])
+@pytest.mark.parametrize("targets", list(TARGETS))
+def test_patch_forward_on_a_peft_model_shares_and_gives_the_plain_lora_gradients(targets, task_type):
+    model = lora(FAMILIES["llama"]().train(), TARGETS[targets], task_type)
+    ids, mask, labels = batch()
+    plain, plain_grads = loss_and_lora_grads(model, ids, mask, labels)
+    assert plain_grads and all("lora_" in n for n in plain_grads)
+    with torchkvops.patch_forward(model, min_shared_tokens=4) as handle:
+        shared, shared_grads = loss_and_lora_grads(model, ids, mask, labels)
+    assert handle.stats.shared_calls == 1 and handle.stats.fallback_calls == 0
+    torch.testing.assert_close(shared.logits, plain.logits, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(shared.loss, plain.loss, rtol=1e-5, atol=1e-6)
+    assert shared_grads.keys() == plain_grads.keys()
+    scale = max(g.abs().max() for g in plain_grads.values())
+    for name, grad in plain_grads.items():
+        torch.testing.assert_close(shared_grads[name], grad, rtol=1e-4, atol=1e-5 * scale, msg=name)
+
+
+@pytest.mark.parametrize("targets", list(TARGETS))
+def test_patch_generate_on_a_peft_model_is_served_and_follows_the_adapters(targets, monkeypatch):
+    model = lora(FAMILIES["llama"](), TARGETS[targets], "CAUSAL_LM")
+    served = []
+    original = torchkvops.Rollout._generate
+    monkeypatch.setattr(torchkvops.Rollout, "_generate", lambda self, *a, **k: served.append(1) or original(self, *a, **k))
+    ids, mask = prompts(4, 8, seed=4, left_pad=[0, 1, 2, 0])
+    kwargs = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
+    expected = type(model).generate(model, input_ids=ids, **kwargs)  # PEFT's own generate
+    with torchkvops.patch_generate(model):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # served, no fallback warning
+            first = model.generate(input_ids=ids, **kwargs)
+        optimizer = torch.optim.SGD([p for n, p in model.named_parameters() if "lora_" in n], lr=5.0)
+        model.train()
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()  # in place: the same tensors, new values
+        model.eval()
+        after = model.generate(input_ids=ids, **kwargs)
+    assert len(served) == 2 and torch.equal(first, expected)
+    updated = type(model).generate(model, input_ids=ids, **kwargs)
+    assert not torch.equal(updated, expected) and torch.equal(after, updated)
+
+
+def test_a_prompt_learning_adapter_falls_back_to_peft_generate():
+    config = peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4)
+    model = get_peft_model(FAMILIES["llama"](), config)
+    ids, mask = prompts(2, 6, seed=5)
+    kwargs = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=0)
+    expected = type(model).generate(model, input_ids=ids, **kwargs)
+    with pytest.warns(UserWarning, match="prompt-learning adapter"):
+        handle = torchkvops.patch_generate(model)
+    assert torch.equal(model.generate(input_ids=ids, **kwargs), expected)
+    handle.undo()
