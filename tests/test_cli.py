@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from timeouts import TIMEOUT
 from torchkvops import atomic_write
 from torchkvops.bench import cases as bench_cases
 from torchkvops.bench import matrix as bench
@@ -42,7 +43,7 @@ def cli_env() -> dict:
     return env
 
 
-def run_cli(*args: str, timeout: float = 120, code: str | None = None,
+def run_cli(*args: str, timeout: float = TIMEOUT, code: str | None = None,
             python_flags: Sequence[str] = ()) -> subprocess.CompletedProcess:
     cmd = [sys.executable, *python_flags] + (["-c", code, *args] if code else ["-m", "torchkvops", *args])
     return subprocess.run(cmd, cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=timeout)
@@ -634,7 +635,7 @@ def test_console_script_help():
     script = shutil.which("torchkvops", path=str(Path(sys.executable).parent))
     if script is None:
         pytest.skip("the torchkvops console script is not installed in this environment")
-    proc = subprocess.run([script, "--help"], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    proc = subprocess.run([script, "--help"], capture_output=True, text=True, timeout=TIMEOUT, cwd=ROOT)
     assert proc.returncode == 0 and all(c in proc.stdout for c in ("rollout", "bench", "bench-op"))
 
 
@@ -967,13 +968,13 @@ def test_sigint_during_a_bench_keeps_the_finished_cases(tmp_path):
     proc = subprocess.Popen([sys.executable, "-c", code, *INTERRUPT_BENCH, "--output", str(out)], cwd=ROOT,
                             env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + TIMEOUT
         while not (out.exists() and json.loads(out.read_text())["cases"]):  # never half-written: atomic
             assert proc.poll() is None, proc.communicate()
             assert time.monotonic() < deadline, "the first case never reached the file"
             time.sleep(0.05)
         proc.send_signal(signal.SIGINT)
-        stdout, stderr = proc.communicate(timeout=60)
+        stdout, stderr = proc.communicate(timeout=TIMEOUT)
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from timeouts import TIMEOUT
 from torchkvops.cli import checks as cli_checks
 from torchkvops.cli import launch as cli_launch
 
 ROOT = Path(__file__).absolute().parents[1]
-TIMEOUT = 120
 ROLLOUT = ["rollout", "--model-shape", "tiny", "--device", "cpu", "--num-prompts", "3", "-n", "2",
            "--max-new-tokens", "4"]
 

@@ -14,6 +14,7 @@ import torch
 
 from dist_worker import CASES, CONFIGS, shard
 from models import FAMILIES
+from timeouts import TIMEOUT
 from torchkvops import Rollout, RolloutConfig
 
 ROOT = Path(__file__).absolute().parents[1]
@@ -39,7 +40,7 @@ def torchrun(*args: str) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", *args]
 
 
-def launch(scenario: str, out: Path, timeout: float = 120, **extra_env) -> None:
+def launch(scenario: str, out: Path, timeout: float = TIMEOUT, **extra_env) -> None:
     cmd = torchrun("--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
                    WORKER, scenario, str(out))
     proc = subprocess.run(cmd, cwd=ROOT, env=env(**extra_env), capture_output=True, text=True, timeout=timeout)
@@ -132,7 +133,7 @@ def test_ranks_with_different_settings_raise_the_same_error_before_generating(tm
 
 def test_a_rank_that_never_calls_gives_an_error_not_a_hang(tmp_path):
     start = time.monotonic()
-    launch("absent", tmp_path, timeout=90, DIST_TIMEOUT_S="8")
+    launch("absent", tmp_path, DIST_TIMEOUT_S="8")
     result = load(tmp_path, 0)
     assert result["error"] is not None
     assert result["seconds"] < 60
@@ -148,7 +149,7 @@ def test_two_nodes_through_a_c10d_rendezvous(tmp_path, equivalence):
     agents = [subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
               for _ in range(2)]
     try:
-        outputs = [a.communicate(timeout=150) for a in agents]
+        outputs = [a.communicate(timeout=TIMEOUT) for a in agents]
     finally:
         for a in agents:
             a.kill()
