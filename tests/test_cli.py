@@ -169,6 +169,31 @@ def test_cpu_peak_memory_counts_allocations_inside_ops():
     assert 6 * mib <= peak < 6 * mib + 64 * 1024
 
 
+def test_cpu_peak_memory_drops_the_allocators_unknown_block_warning_only():
+    """Freeing, inside the measured call, a block allocated before it (as a rollout's previous decode
+    state is) makes torch's CPU allocator print a warning in the middle of the bench's progress bar: it
+    is dropped, the call's own stderr is kept. Each in a fresh process (torch prints it once per 1000)."""
+    code = ("import sys, torch\n"
+            "from torch.profiler import ProfilerActivity, profile\n"
+            "from torchkvops.bench import metrics\n"
+            "held = [torch.ones(1 << 16)]\n"
+            "def work():\n"
+            "    held.clear()\n"
+            "    print('the call says this', file=sys.stderr)\n"
+            "if sys.argv[1] == 'raw':\n"
+            "    with profile(activities=[ProfilerActivity.CPU], profile_memory=True):\n"
+            "        work()\n"
+            "else:\n"
+            "    metrics.cpu_peak_memory_bytes(work)\n")
+    raw = run_cli("raw", code=code)
+    assert raw.returncode == 0, raw.stderr
+    assert bench_metrics.UNKNOWN_BLOCK in raw.stderr  # the control: torch does print it
+    measured = run_cli("measured", code=code)
+    assert measured.returncode == 0, measured.stderr
+    assert bench_metrics.UNKNOWN_BLOCK not in measured.stderr
+    assert error_lines(measured) == ["the call says this"]
+
+
 def test_default_command_parses_to_a_short_bench():
     args = cli.build_parser().parse_args(["bench", *cli.DEFAULT_BENCH_ARGS])
     assert args.command == "bench" and args.model_shape in ("tiny", "opt-125m")

@@ -10,6 +10,7 @@ import gc
 import itertools
 import os
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 
@@ -19,8 +20,8 @@ from torch import nn
 from .stats import summarize
 from ..kv_cache import KVShape
 
-__all__ = ["saved_tensor_bytes", "BYTES_NOTE", "ROOFLINE_NOTE", "PEAK_NOTE", "Clock", "model_weight_bytes", "kv_bytes_per_token", "Traffic",
-           "copy_roofline", "cpu_peak_memory_bytes", "peak_memory_bytes", "export_trace"]
+__all__ = ["saved_tensor_bytes", "BYTES_NOTE", "ROOFLINE_NOTE", "PEAK_NOTE", "UNKNOWN_BLOCK", "Clock", "model_weight_bytes",
+           "kv_bytes_per_token", "Traffic", "copy_roofline", "cpu_peak_memory_bytes", "peak_memory_bytes", "export_trace"]
 
 BYTES_NOTE = ("bytes read per decode step, a model of the useful traffic (not what kernels read over padding or masked "
               "positions): weight_bytes = bytes of the model's unique parameters and buffers (tied weights once, by "
@@ -39,7 +40,9 @@ PEAK_NOTE = {"cuda": "torch.cuda.max_memory_allocated over one extra call per mo
                      "mode's buffers released first (weights included)",
              "cpu": "one extra call per mode after the timed rounds, every mode's buffers released first, under "
                     "torch.profiler(profile_memory=True): peak of the running sum of its [memory] events, i.e. "
-                    "memory held beyond what was allocated when the call began (weights excluded)"}
+                    "memory held beyond what was allocated when the call began (weights excluded). Blocks "
+                    "allocated before the call and freed in it (a rollout's previous decode state) are not "
+                    "subtracted, so the peak can exceed the true one by at most their size"}
 
 
 # --- clocks, bytes and the roofline --------------------------------------------------------------
@@ -178,6 +181,34 @@ def _profiling(prof):
         quietly(prof.stop)
 
 
+# What torch's CPU allocator prints (once per 1000 times, first time included) when a block allocated before
+# a memory profile started is freed during it: the free of a block it has no size for is not recorded.
+UNKNOWN_BLOCK = "Memory block of unknown size was allocated before the profiling started"
+
+
+@contextlib.contextmanager
+def _without(line_text: str):
+    """Run the body with the process's stderr (file descriptor 2, where torch's C++ warnings go) caught in
+    a temporary file, then write what it caught to stderr, less the lines that contain line_text: so
+    the body's own output still shows (after the body), all but that one warning."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as caught:
+        os.dup2(caught.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            caught.seek(0)
+            kept = [line for line in caught.read().decode(errors="replace").splitlines(keepends=True)
+                    if line_text not in line]
+            if kept:
+                sys.stderr.write("".join(kept))
+                sys.stderr.flush()
+
+
 def saved_tensor_bytes(fn: Callable[[], object], exclude: frozenset[int] = frozenset()) -> int:
     """Bytes of the tensors autograd saves for backward while fn() runs: each storage once, those whose
     data_ptr is in `exclude` (say the parameters') left out. fn's result is dropped."""
@@ -198,12 +229,16 @@ def cpu_peak_memory_bytes(fn: Callable[[], object]) -> int:
     """Run fn once under the profiler with profile_memory=True and return the peak of the running
     sum of its CPU "[memory]" events (+bytes allocated, -bytes freed) in time order.
 
+    A block allocated before the profile started and freed in it has no event (PEAK_NOTE says what that
+    does to the peak); torch's allocator warns about it on stderr, in the middle of the bench's progress
+    bar, and that line alone is dropped from what fn writes to stderr (UNKNOWN_BLOCK, _without).
+
     The raw kineto events are read: `prof.events()` folds allocations made inside an op into that op
     and keeps as "[memory]" only those made outside any op (checked on torch 2.14)."""
     from torch.autograd.profiler_util import MEMORY_EVENT_NAME
     from torch.profiler import ProfilerActivity, profile
 
-    with _profiling(profile(activities=[ProfilerActivity.CPU], profile_memory=True)) as prof:
+    with _profiling(profile(activities=[ProfilerActivity.CPU], profile_memory=True)) as prof, _without(UNKNOWN_BLOCK):
         fn()
     cpu_types = {torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.MKLDNN, torch.autograd.DeviceType.IDEEP}
     events = [e for e in prof.profiler.kineto_results.events()
