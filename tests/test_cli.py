@@ -812,6 +812,22 @@ def test_names_spelled_out_for_parsing_match_the_library():
     assert cli.MODE_NAMES == bench_cases.MODES and cli.DEFAULT_MODES == bench_cases.DEFAULT_MODES
 
 
+# --- the README's examples ---------------------------------------------------------------------
+README = ROOT / "README.md"
+
+
+def test_readme_commands_write_their_files_under_the_ignored_out_folder():
+    """A pasted example must not leave files in the repository's root: every --output, --trace and --plot
+    path in the README lies in out/, which .gitignore covers and scripts/setup.sh creates."""
+    import re
+
+    paths = re.findall(r"--(?:output|trace|plot) ([^\s`)]+)", README.read_text())
+    assert len(paths) >= 5
+    assert [p for p in paths if not p.startswith("out/")] == []
+    assert "/out/" in (ROOT / ".gitignore").read_text().split()
+    assert "mkdir -p out" in (ROOT / "scripts" / "setup.sh").read_text()
+
+
 def test_every_option_has_help_and_bench_op_help_shows_defaults_and_methods(capsys, monkeypatch):
     parser = cli.build_parser()
     for name, sub in parser.commands.items():
