@@ -14,6 +14,8 @@ peft = pytest.importorskip("peft")
 from models import FAMILIES, prompts  # noqa: E402
 from peft import LoraConfig, get_peft_model  # noqa: E402
 
+from devices import CUDA  # noqa: E402
+
 import torchkvops  # noqa: E402
 
 TARGETS = {"q_v": ["q_proj", "v_proj"], "all_linear": "all-linear"}
@@ -96,3 +98,97 @@ def test_a_prompt_learning_adapter_falls_back_to_peft_generate():
         handle = torchkvops.patch_generate(model)
     assert torch.equal(model.generate(input_ids=ids, **kwargs), expected)
     handle.undo()
+
+
+def two_adapters(device: str):
+    model = lora(FAMILIES["llama"](), TARGETS["q_v"], "CAUSAL_LM")
+    torch.manual_seed(2)
+    model.add_adapter("other", LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS["q_v"], init_lora_weights=False,
+                                          task_type="CAUSAL_LM"))
+    return model.to(device).eval()
+
+
+# The same decode path eager, compiled (CPU) and replayed from CUDA graphs (GPU): an optimizer step on
+# the adapters in place, a switch of adapter and disabling them are each followed by the next call.
+@pytest.mark.parametrize("device,decode", [("cpu", "compile"), pytest.param("cuda", "graphs", marks=CUDA.marks)])
+def test_rollout_decode_of_a_lora_model_follows_its_adapters(device, decode):
+    from torchkvops import Rollout, RolloutConfig
+
+    model = two_adapters(device)
+    ids, mask = prompts(2, 8, seed=6, left_pad=[0, 2])
+    ids, mask = ids.to(device), mask.to(device)
+    options = dict(compile=True) if decode == "compile" else dict(cuda_graphs=True)
+    rollout = Rollout(model.get_base_model(), RolloutConfig(samples_per_prompt=2, max_new_tokens=10, eos_token_id=[],
+                                                            **options))
+    reference = Rollout(model.get_base_model(), RolloutConfig(samples_per_prompt=2, max_new_tokens=10, eos_token_id=[],
+                                                              cuda_graphs=False))
+
+    def tokens():
+        out = rollout.generate(ids, mask).responses
+        assert torch.equal(out, reference.generate(ids, mask).responses)
+        return out
+
+    seen = [tokens(), tokens()]  # the second call replays (or reuses the compiled graph)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B.default" in name:
+                p.mul_(-3.0)  # in place, as an optimizer step: same address, new values
+    seen.append(tokens())
+    model.set_adapter("other")
+    seen.append(tokens())
+    with model.disable_adapter():
+        seen.append(tokens())
+    for a, b in zip(seen[1:], seen[2:]):
+        assert not torch.equal(a, b)  # every change changed the tokens (and the rollout followed: tokens())
+
+
+# --- TRL's GRPOTrainer with peft_config --------------------------------------------------------------
+def grpo_lora_run(checkpoint, output_dir, patch_forward: bool, monkeypatch):
+    """Two GRPO steps with TRL's `peft_config` (TRL wraps the model in a PeftModel; beta > 0: the reference
+    pass runs with the adapters disabled; num_iterations = 2: the old-logprob pass runs), generate patched
+    (so that both runs sample the same completions: the rollout's sampler, seeded from torch's generator),
+    patch_forward or not. Returns the final LoRA weights, the rollouts run, the calls that reached PEFT's
+    own generate and the forward patch's stats."""
+    import test_trl
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoint)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    trainer = test_trl.grpo_trainer(test_trl.load_example(), model, output_dir, steps=2, beta=0.04, num_iterations=2,
+                                    peft_config=config)
+    assert isinstance(trainer.model, peft.PeftModel)
+    rollouts, fallbacks = [], []
+    original = torchkvops.Rollout._generate
+    monkeypatch.setattr(torchkvops.Rollout, "_generate",
+                        lambda self, *a, **k: rollouts.append(a[0].shape[0]) or original(self, *a, **k))
+    generate = torchkvops.patch_generate(trainer.model)
+    fallback = generate.session.original_generate
+    generate.session.original_generate = lambda *a, **k: fallbacks.append(1) or fallback(*a, **k)
+    forward = torchkvops.patch_forward(trainer.model, min_shared_tokens=4) if patch_forward else None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", UserWarning)
+        trainer.train()
+    assert not [str(w.message) for w in caught if "torchkvops" in str(w.message)]
+    monkeypatch.undo()  # the next run counts its own rollouts
+    weights = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lora_" in n}
+    return weights, rollouts, fallbacks, None if forward is None else forward.stats
+
+
+def test_grpo_with_peft_config_serves_every_generate_and_shares_every_pass(tmp_path, monkeypatch):
+    pytest.importorskip("trl")
+    import test_trl
+    from torchkvops.models import build_model
+
+    checkpoint = str(tmp_path / "model")
+    build_model("tiny", seed=0).save_pretrained(checkpoint)
+    plain, rollouts, fallbacks, _ = grpo_lora_run(checkpoint, tmp_path / "plain", False, monkeypatch)
+    shared, shared_rollouts, shared_fallbacks, stats = grpo_lora_run(checkpoint, tmp_path / "shared", True,
+                                                                     monkeypatch)
+    # Each generation batch of each run: served (one prefill per prompt), never PEFT's generate.
+    assert rollouts == shared_rollouts == [test_trl.PROMPTS] and fallbacks == shared_fallbacks == []
+    # Old-logprob, reference (adapters disabled) and loss passes: all shared, none plain.
+    assert (stats.shared_calls, stats.fallback_calls) == (4, 0) and stats.computed_tokens < stats.row_tokens
+    update = max(p.abs().max().item() for n, p in plain.items() if "lora_B" in n)  # B starts at 0
+    assert update > 1e-4 and plain.keys() == shared.keys()
+    for name in plain:  # both runs moved the adapters alike (Adam turns rounding noise into at most this much)
+        torch.testing.assert_close(shared[name], plain[name], rtol=0, atol=0.02 * update, msg=name)

@@ -36,8 +36,7 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-@pytest.fixture(scope="module")
-def example():
+def load_example():
     """examples/grpo_trl.py as a module: its offline tokenizer and in-memory dataset."""
     spec = importlib.util.spec_from_file_location("grpo_trl_example", EXAMPLE)
     module = importlib.util.module_from_spec(spec)
@@ -45,19 +44,25 @@ def example():
     return module
 
 
+@pytest.fixture(scope="module")
+def example():
+    return load_example()
+
+
 def length_reward(completions, **kwargs):
     """Dense (completions of one prompt almost never tie), so that advantages and gradients are nonzero."""
     return [len(text) / 100.0 for text in completions]
 
 
-def grpo_trainer(example, model, output_dir, steps, **overrides):
+def grpo_trainer(example, model, output_dir, steps, peft_config=None, **overrides):
     config = dict(output_dir=str(output_dir), use_cpu=True, bf16=False, report_to="none", seed=0, max_steps=steps,
                   per_device_train_batch_size=PROMPTS * NUM_GENERATIONS, num_generations=NUM_GENERATIONS,
                   max_completion_length=MAX_NEW, learning_rate=1e-3, save_strategy="no", disable_tqdm=True,
                   logging_steps=1)
     config.update(overrides)
     return GRPOTrainer(model=model, reward_funcs=length_reward, args=GRPOConfig(**config),
-                       train_dataset=example.build_dataset(16, 8), processing_class=example.build_tokenizer(model.config))
+                       train_dataset=example.build_dataset(16, 8), processing_class=example.build_tokenizer(model.config),
+                       peft_config=peft_config)
 
 
 def spy_on(model, handle, monkeypatch):

@@ -169,6 +169,9 @@ class ModelAdapter:
         self.model, self.config = model, config
         self.kv_shape = KVShape.from_config(config)
         self.max_positions = getattr(config, "max_position_embeddings", None)
+        # PEFT's tuner layers (LoRA's Linear, ...), whose active adapters a decode graph depends on.
+        self._tuner_layers = [m for m in model.modules() if isinstance(getattr(type(m), "active_adapters", None), property)
+                              and hasattr(m, "disable_adapters")]
         # Token ids the model can embed (inputs, and the pad id fed back after EOS) and produce (EOS ids).
         self.input_vocab = input_vocab(model)
         self.output_vocab = output_vocab(model)
@@ -216,6 +219,13 @@ class ModelAdapter:
         change (parameters gathered into new storage, load_state_dict(assign=True), .to()) means
         re-capture. Cheap: no device work."""
         return tuple(t.data_ptr() for t in self.model.parameters()) + tuple(t.data_ptr() for t in self.model.buffers())
+
+    def adapter_state(self) -> tuple:
+        """Which PEFT adapters the model's tuner layers run now (`set_adapter`, `disable_adapter()`,
+        merging): a CUDA graph replays the kernels of the adapters active when it was captured, so a change
+        means re-capture. Adapter weights updated in place need none: the graph reads them. Cheap."""
+        return tuple((tuple(getattr(m, "active_adapters", ())), bool(getattr(m, "disable_adapters", False)),
+                      tuple(getattr(m, "merged_adapters", ()))) for m in self._tuner_layers)
 
     def forward_kwargs(self, cache, attention_mask, position_ids, cache_position) -> dict:
         """The model's forward arguments besides input_ids, for one call that keeps the last

@@ -448,7 +448,8 @@ class Rollout:
         addresses = tuple(t.data_ptr() for t, _ in dynamic)
         head32 = self._head32.addresses() if self._head32 is not None else ()
         self._runner.start(dynamic, graph_key=(state.shape, self.config.kv_sharing, addresses,
-                                               self.adapter.weight_addresses() + head32))
+                                               self.adapter.weight_addresses() + head32,
+                                               self.adapter.adapter_state()))
 
     def _finish(self, input_ids: Tensor, state: DecodeState, response_len: int) -> RolloutOutput:
         n = self.config.samples_per_prompt
