@@ -229,13 +229,17 @@ def test_a_failing_case_is_recorded_and_the_run_goes_on(tmp_path, monkeypatch, c
 
 
 # --- bench ---------------------------------------------------------------------------------------
-def _table_rows(stdout: str, case: str) -> dict[str, list[str]]:
-    """The cells of one case's table, by mode."""
-    block = stdout.split(f"{case}: B=")[1].split("\n\n")[0]
-    rows = [line.strip("|").split("|") for line in block.splitlines() if line.startswith("| ")]
-    cells = {r[0].strip(): [c.strip() for c in r] for r in rows}
-    cells.pop("mode")
-    return cells
+def _table_block(stdout: str, case: str) -> list[str]:
+    """The lines of one case's table, its notes and token agreement included."""
+    return (f"{case}: B=" + stdout.split(f"{case}: B=")[1].split("\n\n")[0]).splitlines()
+
+
+def _table_rows(stdout: str, case: str) -> dict[str, dict[str, str]]:
+    """The cells of one case's table: by mode, then by column."""
+    rows = [[c.strip() for c in line.strip("|").split("|")]
+            for line in _table_block(stdout, case) if line.startswith("| ")]
+    header = rows[0]
+    return {r[0]: dict(zip(header, r)) for r in rows[1:]}
 
 
 def test_bench_json_tables_trace_and_order(tmp_path):
@@ -259,11 +263,13 @@ def test_bench_json_tables_trace_and_order(tmp_path):
     assert "bench: 48 calls in all (2 case(s) x 4 mode(s) x 6)" in estimate and "may take about" in estimate
     for name in names:
         assert name in proc.stdout
-    # On the CPU there is no roofline column.
-    assert ("| mode | prefill ms | kv_expand ms | decode ms | other ms | total ms | decode ms/step | GB/s | tokens/s "
-            "| KV MiB | peak MiB | useful | total / expanded |") in proc.stdout
-    assert "3 timed iterations: times of the median-total iteration" in proc.stdout
-    assert "modes ran interleaved, timed by one clock" in proc.stdout
+    # The default table fits 120 columns (--wide adds the rest); on the CPU there is no roofline column.
+    assert "| mode | prefill ms | total ms | decode ms/step | GB/s | tokens/s | KV MiB |\n" in proc.stdout
+    assert "3 timed iterations, modes ran interleaved, timed by one clock" in proc.stdout
+    assert "figures of the median-total iteration" in proc.stdout and "--wide adds" in proc.stdout
+    for name in names:
+        block = _table_block(proc.stdout, name)
+        assert len(block) >= 8 and max(map(len, block)) <= bench_report.TABLE_WIDTH == 120, block
     for mode in ("shared", "prefix", "hf-generate"):
         assert proc.stdout.count(f"| {mode} |") == 2
     assert f"wrote Chrome traces to {trace}/ (" in proc.stdout and "trace//" not in proc.stdout
@@ -347,13 +353,26 @@ def test_bench_json_tables_trace_and_order(tmp_path):
         kv_bytes = {m: c["modes"][m]["summary"]["kv_cache_bytes"]["p50"] for m in ("expanded", "shared", "prefix")}
         assert kv_bytes["shared"] == kv_bytes["expanded"] == rows * round_up(P + R - 1, 64) * per_token
         assert kv_bytes["prefix"] == (b * round_up(P, 64) + rows * round_up(R - 1, 8)) * per_token < kv_bytes["shared"]
-        # The table shows the median-total iteration's figures.
+        # The table shows the median-total iteration's figures; --wide, made here from the JSON's case as
+        # bench makes it, all of them.
         cells = _table_rows(proc.stdout, c["case"])
+        wide_text = bench_report.format_case_table(c, 3, wide=True)
+        wide = _table_rows(wide_text, c["case"])
+        assert ("| mode | prefill ms | kv_expand ms | decode ms | other ms | total ms | decode ms/step | GB/s | "
+                "tokens/s | KV MiB | peak MiB | useful | total / expanded |") in wide_text
+        assert "so the stages add up to the total" in wide_text
         for mode, e in c["modes"].items():
             split = e["median_stages"]
-            assert cells[mode][6] == f"{split['decode_ms_per_step']:.2f}"
-            assert cells[mode][7] == f"{split['achieved_gbps']:.2f}"
-            assert cells[mode][9] == ("-" if mode == "hf-generate" else f"{kv_bytes[mode] / 2**20:.2f}")
+            assert cells[mode]["prefill ms"] == f"{split['prefill_ms']:.1f}"
+            assert cells[mode]["total ms"] == f"{split['total_ms']:.1f}"
+            assert cells[mode]["decode ms/step"] == f"{split['decode_ms_per_step']:.2f}"
+            assert cells[mode]["GB/s"] == f"{split['achieved_gbps']:.2f}"
+            assert cells[mode]["KV MiB"] == ("-" if mode == "hf-generate" else f"{kv_bytes[mode] / 2**20:.2f}")
+            assert set(bench_report.WIDE_ONLY).isdisjoint(cells[mode])
+            assert {k: v for k, v in wide[mode].items() if k in cells[mode]} == cells[mode]
+            assert wide[mode]["peak MiB"] == f"{e['peak_memory_bytes'] / 2**20:.1f}"
+            assert wide[mode]["useful"] == "1.00"
+            assert wide[mode]["total / expanded"] == f"{split['total_ms'] / c['modes']['expanded']['median_stages']['total_ms']:.2f}"
         # Greedy: every mode must give the same tokens (rows in repeat_interleave order).
         assert c["tokens_agree"]["all_agree"] is True
         assert set(c["tokens_agree"]["pairs"].values()) == {True}
@@ -366,9 +385,10 @@ def test_bench_sampling_agreement_and_mode_subset(tmp_path):
     proc = run_cli(*SMALL_BENCH, "--iterations", "1", "--warmup", "0", "--temperature", "0.8", "--top-p", "0.9",
                    "--batch-sizes", "2", "--samples-per-prompt", "2", "--prompt-lengths", "5",
                    "--response-lengths", "3", "--modes", "shared", "hf-static", "prefix", "hf-generate", "expanded",
-                   "--output", str(out), "--threads", "1")
+                   "--output", str(out), "--threads", "1", "--wide")
     assert proc.returncode == 0, proc.stderr
     data = json.loads(out.read_text())
+    assert data["header"]["flags"]["wide"] is True
     assert data["header"]["cpu_threads"] == 1 and data["header"]["flags"]["threads"] == 1  # --threads applied
     (case,) = data["cases"]
     assert list(case["modes"]) == ["shared", "hf-static", "prefix", "hf-generate", "expanded"]
@@ -385,11 +405,15 @@ def test_bench_sampling_agreement_and_mode_subset(tmp_path):
     hf_static = case["modes"]["hf-static"]
     assert hf_static["error"] is None and hf_static["iterations"][0]["decode_steps"] == 2
     assert "| hf-static |" in proc.stdout and "| prefix |" in proc.stdout
-    # "not comparable" is explained where it is printed.
-    (line,) = [i for i, text in enumerate(proc.stdout.splitlines()) if text.startswith("tokens: ")]
-    explanation = proc.stdout.splitlines()[line + 1]
+    # --wide: every column
+    assert ("| mode | prefill ms | kv_expand ms | decode ms | other ms | total ms | decode ms/step | GB/s | "
+            "tokens/s | KV MiB | peak MiB | useful | total / expanded |") in proc.stdout
+    # "not comparable" is explained where it is printed, below the (wrapped) agreement line.
+    lines = proc.stdout.splitlines()
+    (first,) = [i for i, text in enumerate(lines) if text.startswith("tokens: ")]
+    explanation = " ".join(line.strip() for line in lines[first + 1:] if line.startswith("  "))
     assert "torch's generator" in explanation and "--temperature 0" in explanation
-    assert "1 timed iteration:" in proc.stdout and "1 timed iterations" not in proc.stdout
+    assert "1 timed iteration," in proc.stdout and "1 timed iterations" not in proc.stdout
 
 
 def test_modes_run_interleaved_and_a_failed_mode_leaves_the_rounds(monkeypatch):
@@ -828,6 +852,26 @@ def test_readme_commands_write_their_files_under_the_ignored_out_folder():
     assert "mkdir -p out" in (ROOT / "scripts" / "setup.sh").read_text()
 
 
+def test_readme_lists_every_model_shape():
+    import re
+
+    from torchkvops.models import MODEL_SHAPES
+
+    (listed,) = re.findall(r"\(`--model-shape ([a-z0-9.| \n-]+)`\)", README.read_text())
+    assert [name.strip() for name in listed.split("|")] == list(MODEL_SHAPES)
+
+
+def test_readme_rollout_snippet_runs_as_written():
+    """The Rollouts section's first Python block, pasted as it is (it builds its own model and prompts)."""
+    text = README.read_text().split("\n## Rollouts\n")[1]
+    code = text.split("```python\n")[1].split("```")[0]
+    scope: dict = {}
+    exec(compile(code, "README.md (Rollouts)", "exec"), scope)
+    out, rows = scope["out"], scope["input_ids"].shape[0] * 4
+    assert out.responses.shape == (rows, 32) and out.sequences.shape == (rows, scope["input_ids"].shape[1] + 32)
+    assert scope["profile"].prefill_ms > 0
+
+
 def test_every_option_has_help_and_bench_op_help_shows_defaults_and_methods(capsys, monkeypatch):
     parser = cli.build_parser()
     for name, sub in parser.commands.items():
@@ -1079,14 +1123,42 @@ def test_table_stages_add_up_to_its_total_and_say_which_statistic():
     entry["median_stages"] = bench_stats.stage_breakdown(entry)
     result = {"case": "B1_N2_P4_R2", "batch_size": 1, "samples_per_prompt": 2, "prompt_length": 4,
               "response_length": 2, "error": None, "modes": {"shared": entry}, "tokens_agree": {"pairs": {}}}
-    table = bench_report.format_case_table(result, 3)
-    assert "3 timed iterations: times of the median-total iteration, so the stages add up to the total" in table
+    table = bench_report.format_case_table(result, 3, wide=True)
+    assert "3 timed iterations," in table
+    assert "times of the median-total iteration, so the stages add up to the total" in table
     row = [line for line in table.splitlines() if line.startswith("| shared |")][0]
     prefill, kv, decode, other, total = (float(c) for c in row.split("|")[2:7])
     assert total == 61.0 and prefill + kv + decode + other == pytest.approx(total, abs=0.2)
     one = dict(entry, iterations=its[:1], median_stages=None)
     table = bench_report.format_case_table(dict(result, modes={"shared": one}), 1)
-    assert "1 timed iteration:" in table and "1 timed iterations" not in table
+    assert "1 timed iteration," in table and "1 timed iterations" not in table
+
+
+def test_the_default_table_fits_120_columns_at_its_widest_and_wide_shows_the_rest():
+    """The widest default table: CUDA (a roofline column), data-parallel (global tokens/s), every mode
+    (the longest names) and large figures; every line of it, notes included, fits 120 columns."""
+    its = [dict(_iteration(123456.7, 23456.7, 98765.4), decode_ms_per_step=123.45, achieved_gbps=4321.98,
+                roofline_fraction=0.9, tokens_per_second=123456.7, kv_cache_bytes=12345 * 2**20,
+                useful_fraction=0.25)]
+    entry = {"error": None, "iterations": its, "summary": bench_stats.summarize_profiles(its),
+             "peak_memory_bytes": 54321 * 2**20}
+    entry["median_stages"] = bench_stats.stage_breakdown(entry)
+    notes = {"shared vs hf-generate": "not comparable: " + "a long explanation " * 12}
+    result = {"case": "B1024_N64_P16384_R4096", "batch_size": 1024, "samples_per_prompt": 64, "prompt_length": 16384,
+              "response_length": 4096, "error": None, "world_size": 8, "modes": dict.fromkeys(bench_cases.MODES, entry),
+              "tokens_agree": {"pairs": {f"{a} vs {b}": None for a in bench_cases.MODES for b in bench_cases.MODES
+                                         if a < b}, "notes": notes}}
+    table = bench_report.format_case_table(result, 1)
+    assert max(len(line) for line in table.splitlines()) <= 120, table
+    header = next(line for line in table.splitlines() if line.startswith("| mode |"))
+    assert header == "| mode | prefill ms | total ms | decode ms/step | GB/s | % of roofline | global tokens/s | KV MiB |"
+    assert "data-parallel over 8 processes" in table and "a long explanation" in table
+    wide = bench_report.format_case_table(result, 1, wide=True)
+    header = next(line for line in wide.splitlines() if line.startswith("| mode |"))
+    assert all(f"| {column} |" in header for column in bench_report.WIDE_ONLY)
+    assert "| % of roofline |" in header and len(header) > 120
+    prose = [line for line in wide.splitlines() if not line.startswith("|")]
+    assert max(map(len, prose)) <= 120  # only the table's own rows are wider
 
 
 def test_a_failed_write_mid_run_is_retried_after_the_next_case(tmp_path, monkeypatch, capsys):

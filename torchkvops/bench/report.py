@@ -5,13 +5,14 @@ and the --output JSON document. The numbers themselves come from stats.py.
 from __future__ import annotations
 
 import math
+import textwrap
 from collections.abc import Sequence
 
 from .cases import STAGE_FIELDS, Case
 from .stats import stage_breakdown
 
-__all__ = ["FILE_NOTE", "results_document", "format_case_table", "format_mismatch_table", "plot_segments",
-           "plot_stage_times"]
+__all__ = ["FILE_NOTE", "TABLE_WIDTH", "WIDE_ONLY", "results_document", "format_case_table", "format_mismatch_table",
+           "plot_segments", "plot_stage_times"]
 
 FILE_NOTE = ("status: 'partial' while the run goes on (rewritten after every case; a file left 'partial' is from a "
              "run that died), 'interrupted' after Ctrl-C, 'complete' at the end. cases: the finished cases in the "
@@ -31,34 +32,54 @@ def _plural(n: int, word: str) -> str:
     return f"{n} {word}{'' if n == 1 else 's'}"
 
 
-def format_case_table(result: dict, iterations: int) -> str:
-    """One case as a Markdown table: per mode, the stage times of the median-total iteration
-    (stage_breakdown), which add up to the total shown, and that iteration's decode ms per step,
-    bandwidth (and fraction of the copy_ roofline, on CUDA) and KV storage."""
+TABLE_WIDTH = 120  # the default table and its notes fit a terminal this wide (tests/test_cli.py checks it)
+# The columns only `bench --wide` shows (the JSON has every figure): the stages besides prefill (with them
+# the stages add up to the total), peak memory, the useful fraction and the ratio to expanded's total.
+WIDE_ONLY = ("kv_expand ms", "decode ms", "other ms", "peak MiB", "useful", "total / expanded")
+
+
+def _wrap(text: str, width: int = TABLE_WIDTH) -> list[str]:
+    return textwrap.wrap(text, width, break_on_hyphens=False, break_long_words=False)
+
+
+def format_case_table(result: dict, iterations: int, wide: bool = False) -> str:
+    """One case as a Markdown table: per mode, the figures of the median-total iteration
+    (stage_breakdown): prefill and total ms, decode ms per step, the bandwidth it achieves (and the
+    fraction of the copy_ roofline, on CUDA), tokens/s and KV storage. Its lines fit TABLE_WIDTH
+    columns; with wide=True it also shows WIDE_ONLY: the other stages (which add up to the total shown),
+    peak memory, the useful fraction and the total relative to expanded's."""
     counts = {len(e["iterations"]) for e in result["modes"].values() if e["iterations"]} or {iterations}
     n = max(counts)
     which = ("of the median-total iteration" if n % 2 else "of the two middle iterations by total (their mean)")
     rows = result["batch_size"] * result["samples_per_prompt"]
-    head = (f"{result['case']}: B={result['batch_size']} N={result['samples_per_prompt']} "
-            f"P={result['prompt_length']} R={result['response_length']} (rows {rows}), "
-            f"{_plural(n, 'timed iteration')}: times {which}, so the stages add up to the total (median); "
-            f"other = prompt expansion + post-processing + time between stages")
     world = result.get("world_size", 1)
     roofline = any((e.get("median_stages") or {}).get("roofline_fraction") is not None
                    for e in result["modes"].values())
-    lines = [head,
-             "useful = generated tokens / row-steps computed (each row's sampled positions, summed; the batch "
-             "shrinks as rows end unless compaction is off); decode ms/step, GB/s (weights + KV read per decode step "
-             "/ decode ms per step)"
-             + (", % of the copy_ roofline" if roofline else "") + " and KV MiB (KV storage used) are of the same "
-             "iteration(s); modes ran interleaved, timed by one clock"]
+    case = (f"{result['case']}: B={result['batch_size']} N={result['samples_per_prompt']} "
+            f"P={result['prompt_length']} R={result['response_length']} (rows {rows}), "
+            f"{_plural(n, 'timed iteration')}, modes ran interleaved, timed by one clock")
+    if wide:
+        notes = [f"times {which}, so the stages add up to the total (median); other = prompt expansion + "
+                 "post-processing + time between stages",
+                 "useful = generated tokens / row-steps computed (each row's sampled positions, summed; the batch "
+                 "shrinks as rows end unless compaction is off); decode ms/step, GB/s (weights + KV read per decode "
+                 "step / decode ms per step)" + (", % of the copy_ roofline" if roofline else "")
+                 + " and KV MiB (KV storage used) are of the same iteration(s)"]
+    else:
+        notes = [f"figures {which}; GB/s = (weights + KV read per decode step) / decode ms per step",
+                 "KV MiB = KV storage; " + ("% of roofline: of the copy_ roofline measured at the start of the run; "
+                                            if roofline else "")
+                 + "--wide adds the other stages (which add up to the total), peak MiB, useful, total / expanded"]
     if world > 1:
-        lines.append(f"data-parallel over {world} processes: B is per process (global batch "
+        notes.append(f"data-parallel over {world} processes: B is per process (global batch "
                      f"{result['batch_size'] * world} prompts); times are the slowest process's in each iteration, "
                      "tokens/s counts every process's tokens (global)")
+    lines = [line for text in [case, *notes] for line in _wrap(text)]
     cols = ["mode", "prefill ms", "kv_expand ms", "decode ms", "other ms", "total ms", "decode ms/step", "GB/s"]
     cols += ["% of roofline"] if roofline else []
     cols += ["tokens/s" if world == 1 else "global tokens/s", "KV MiB", "peak MiB", "useful", "total / expanded"]
+    keep = [wide or c not in WIDE_ONLY for c in cols]
+    cols = [c for c, k in zip(cols, keep) if k]
     lines += ["| " + " | ".join(cols) + " |", "|---" + "|---:" * (len(cols) - 1) + "|"]
     base = result["modes"].get("expanded")
     base_split = (base.get("median_stages") or stage_breakdown(base)) if base and not base["error"] else None
@@ -88,16 +109,16 @@ def format_case_table(result: dict, iterations: int) -> str:
         cells += [f(None if fraction is None else 100 * fraction)] if roofline else []
         cells += [f(split["tokens_per_second"]), f(mib(split.get("kv_cache_bytes")), "{:.2f}"),
                   f(mib(e["peak_memory_bytes"])), f(split.get("useful_fraction"), "{:.2f}"), f(ratio, "{:.2f}")]
-        lines.append("| " + " | ".join(cells) + " |")
+        lines.append("| " + " | ".join(c for c, k in zip(cells, keep) if k) + " |")
     if result["error"] and not result["modes"]:
         lines.append(f"| (case) | failed: {result['error']} |")
     agree = result.get("tokens_agree") or {}
     if agree.get("pairs"):
         parts = [f"{k}: {'same' if v else 'DIFFERENT' if v is False else 'not comparable'}"
                  for k, v in agree["pairs"].items()]
-        lines.append("tokens: " + ", ".join(parts))
+        lines += _wrap("tokens: " + ", ".join(parts))
         for note in dict.fromkeys(agree.get("notes", {}).values()):
-            lines.append(f"  ({note})")
+            lines += ["  " + line for line in _wrap(f"({note})", TABLE_WIDTH - 2)]
     return "\n".join(lines)
 
 

@@ -164,14 +164,14 @@ def cmd_bench(args) -> int:
     except KeyboardInterrupt:
         finished = [r for r in results if r is not None]
         for result in finished:
-            _show_case(result, args.iterations)
+            _show_case(result, args.iterations, args.wide)
         save("interrupted")
         kept = f"; {len(finished)} finished case(s) are in {args.output}" if args.output and finished else ""
         if world.is_main:
             print(f"torchkvops: interrupted after {len(finished)} of {len(cases)} case(s){kept}", file=sys.stderr)
         return 130
     for result in results:  # the tables first: they are shown even if the last write fails
-        _show_case(result, args.iterations)
+        _show_case(result, args.iterations, args.wide)
     save("complete")
     failed = [r["case"] for r in results if r["error"]]
     if args.output:
@@ -190,11 +190,11 @@ def cmd_bench(args) -> int:
     return 0
 
 
-def _show_case(result: dict, iterations: int) -> None:
+def _show_case(result: dict, iterations: int, wide: bool = False) -> None:
     from ..bench import report
 
     say()
-    say(report.format_case_table(result, iterations))
+    say(report.format_case_table(result, iterations, wide))
     if result.get("mismatch"):
         say()
         say(report.format_mismatch_table(result))

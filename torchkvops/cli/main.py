@@ -183,6 +183,10 @@ def build_parser() -> _Parser:
     t.add_argument("--plot", metavar="FILE.png", help="a PNG of stacked stage times (needs matplotlib)")
     t.add_argument("--trace", metavar="DIR", help="one extra call per case and mode under torch.profiler, "
                                                   "written as a Chrome trace DIR/<case>_<mode>.json")
+    t.add_argument("--wide", action="store_true",
+                   help="the full table: also the kv_expand, decode and other stage times (with them the stages add "
+                        "up to the total), peak MiB, useful and total / expanded (the default table fits 120 "
+                        "columns; the JSON has every figure either way)")
     t.add_argument("--no-progress", action="store_true",
                    help="no progress bar on stderr (the line with the call count and estimate stays)")
     t.add_argument("--mismatch", action="store_true",
