@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from timeouts import TIMEOUT
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -19,7 +20,7 @@ def run(*args: str, script: bool = False) -> subprocess.CompletedProcess:
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))  # this checkout's torchkvops
     command = [str(ROOT / "benchmarks" / "bench_shared_forward.py")] if script else ["-m", "torchkvops", "bench-train"]
     return subprocess.run([sys.executable, *command, *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)
+                          timeout=TIMEOUT)
 
 
 def test_one_case_end_to_end(tmp_path):

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from timeouts import TIMEOUT
 
 pytest.importorskip("trl")
 from transformers import AutoModelForCausalLM  # noqa: E402
@@ -145,7 +146,7 @@ def test_example_script_prints_the_step_split_of_both_settings(tmp_path):
     command = [sys.executable, str(EXAMPLE), "--steps", "2", "--batch-size", "4", "--num-generations", "2",
                "--prompt-length", "20", "--exact-prompt-length", "--max-completion-length", "4", "--beta", "0.04",
                "--num-iterations", "2"]
-    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=TIMEOUT)
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.splitlines()
     columns = [f"{c} ms ({s})" for s in ("both", "neither") for c in ("generate", "logprob", "train", "step")]

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 import torch
+from timeouts import TIMEOUT
 
 import torchkvops
 from torchkvops import reference
@@ -108,7 +109,7 @@ torch.cuda.synchronize()
 """
     root = str(pathlib.Path(__file__).resolve().parents[1])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=TIMEOUT, env=env)
     assert proc.returncode != 0 and "device-side assert" in proc.stderr, proc.stderr[-2000:]
 
 

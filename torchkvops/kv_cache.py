@@ -121,7 +121,9 @@ class RolloutKVCache(Cache):
     def release(self) -> None:
         """Free the buffers; the next `prepare_*()` allocates new ones."""
         self._storage = self.prompt_kv = self.decode_kv = self.layout = None
-        self.write_pos = torch.zeros(1, dtype=torch.long, device=self.device)  # made anew: see Rollout.release
+        # Made anew (see Rollout.release: a caller's inference_mode may have made these).
+        self.write_pos = torch.zeros(1, dtype=torch.long, device=self.device)
+        self._prefill_start = torch.zeros(1, dtype=torch.long, device=self.device)
 
     @property
     def allocated_bytes(self) -> int:

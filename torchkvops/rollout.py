@@ -205,6 +205,8 @@ class Rollout:
             self._buffers_are_inference = False
             self.cache.release()
             self._states.clear()
+            self._step.state, self._step.kwargs = None, {}  # (the last call's state, kept alive otherwise)
+            self._attention = attention.DecodeAttention(self.config.kv_sharing)  # (its views of the prompt KV)
             self._runner.reset()
             if self._head32 is not None:
                 self._head32.release()
