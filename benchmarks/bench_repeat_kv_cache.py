@@ -2,7 +2,7 @@
 
 Thin entry point: the same as `torchkvops bench-op ARGS` (the measurement is torchkvops/bench/op.py,
 the command torchkvops/cli/bench_op.py).
-Example: .venv/bin/python benchmarks/bench_repeat_kv_cache.py --device cpu --dtype fp16 --output out.json
+Example: .venv/bin/python benchmarks/bench_repeat_kv_cache.py --device cpu --dtype fp16 --output out/bench_repeat_kv_cache.json
 """
 
 import sys
