@@ -69,7 +69,7 @@ def main() -> None:
             assert torch.equal(tokens[name], tokens["off"]), f"{name}: other tokens than without compaction"
             if k:
                 prof = rollouts[name].get_last_profile()
-                shapes = len(rollouts[name]._states)
+                shapes = rollouts[name].decode_counters().decode_shapes
                 results[name].append((prof.decode_ms, prof.useful_fraction, shapes))
     off = statistics.median(r[0] for r in results["off"])
     print(f"{args.model_shape}, B={args.batch_size} N={args.samples_per_prompt} P={args.prompt_length} "

@@ -14,6 +14,7 @@ import torchkvops
 from devices import CUDA
 from models import FAMILIES, prompts
 from torchkvops import Rollout, RolloutConfig, compaction
+from torchkvops.decode import DecodeRunner
 from torchkvops.kv_cache import KVShape, RolloutKVCache
 
 LAYOUTS = ["copy", "prefix"]
@@ -182,23 +183,25 @@ def test_kv_compaction_in_place_gathers_the_rows(layout):
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_decode_shapes_stay_bounded_over_many_calls(layout):
+def test_decode_shapes_stay_bounded_over_many_calls(layout, monkeypatch):
     """Calls with other prompts and seeds end their rows at other steps; the decode shapes they meet are
     compacted sizes of the first (bucket_sizes), and each comes back with its decode state."""
     model = FAMILIES["llama"]()
     r = Rollout(model, RolloutConfig(samples_per_prompt=4, max_new_tokens=48, kv_sharing=layout, temperature=1.0,
                                      eos_token_id=[41, 60, 90]))
     keys = set()
-    start = r._runner.start
-    r._runner.start = lambda dynamic, graph_key: keys.add(graph_key) or start(dynamic, graph_key)
+    start = DecodeRunner.start
+    monkeypatch.setattr(DecodeRunner, "start", lambda self, dynamic, graph_key: keys.add(graph_key)
+                        or start(self, dynamic, graph_key))
     ids, mask = prompts(4, 9, seed=0, left_pad=[0, 2, 0, 1])
     for seed in range(12):
         r._generate(ids, mask, seed=seed)
     shapes = {key[0] for key in keys}
-    assert {s[0] for s in shapes} <= set(compaction.bucket_sizes(16)) and len({s[0] for s in shapes}) > 2
-    assert len(r._states) == len(shapes) <= len(compaction.bucket_sizes(16)) * (1 if layout == "copy" else 8)
+    assert {s.rows for s in shapes} <= set(compaction.bucket_sizes(16)) and len({s.rows for s in shapes}) > 2
+    counters = r.decode_counters()
+    assert counters.decode_shapes == len(shapes) <= len(compaction.bucket_sizes(16)) * (1 if layout == "copy" else 8)
     # Every shape has one key (its addresses do not change from call to call).
-    assert len(keys) == len(shapes)
+    assert counters.graph_keys == len(keys) == len(shapes) and counters.compactions > 12
 
 
 SYNCING_OPS = {"_local_scalar_dense", "item", "nonzero", "masked_select", "unique", "_unique2", "equal", "is_nonzero"}
@@ -215,19 +218,19 @@ class _Recorder(TorchDispatchMode):
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_decode_steps_of_a_compacting_rollout_never_read_a_value_on_the_host(llama, layout):
+def test_decode_steps_of_a_compacting_rollout_never_read_a_value_on_the_host(llama, layout, monkeypatch):
     """The host syncs of decode are the all-ended check's reads (every 8 steps); the steps themselves,
     on compacted batches too, run no op that needs a value on the host."""
     r = Rollout(llama, RolloutConfig(samples_per_prompt=N, max_new_tokens=NEW, kv_sharing=layout, temperature=1.0,
                                      seed=3, eos_token_id=[41, 60], enable_profiling=True))
-    step, seen = r._runner.__call__, set()
+    step, seen = DecodeRunner.__call__, set()
 
-    def watched():
+    def watched(self):
         with _Recorder() as rec:
-            step()
+            step(self)
         seen.update(rec.ops)
 
-    r._runner = type("Watched", (), {"__call__": lambda self: watched(), "start": r._runner.start})()
+    monkeypatch.setattr(DecodeRunner, "__call__", watched)
     ids, mask = _prompts()
     out = r.generate(ids, mask)
     assert r.get_last_profile().computed_row_steps < 12 * out.responses.shape[1]  # compacted
@@ -278,11 +281,11 @@ def test_cuda_graphs_of_compacted_batches_are_replayed_across_calls(device, layo
     eager = Rollout(model, RolloutConfig(cuda_graphs=False, compact_finished_rows=False, **cfg))
     ids, mask = (t.to(device) for t in _prompts())
     assert_same_output(graphs.generate(ids, mask), eager.generate(ids, mask))
-    captured = len(graphs._runner.graphs)
+    captured = graphs.decode_counters().captured_graphs
     assert captured > 1  # the first shape and compacted ones
     for _ in range(2):  # the same rows end at the same steps: every shape is replayed, none captured
         assert_same_output(graphs.generate(ids, mask), eager.generate(ids, mask))
-    assert len(graphs._runner.graphs) == captured
+    assert graphs.decode_counters().captured_graphs == captured
 
 
 @pytest.mark.parametrize("device", [CUDA])
@@ -295,8 +298,7 @@ def test_cuda_decode_steps_of_a_compacting_rollout_never_sync(device, layout):
                                          enable_profiling=True))
         ids, mask = (t.to(device) for t in _prompts())
         r.generate(ids, mask)  # warm-up and capture of every shape happen outside the checked steps
-        runner = r._runner
-        step = type(runner).__call__
+        step = DecodeRunner.__call__
 
         def checked(self):
             torch.cuda.set_sync_debug_mode("error")
@@ -306,6 +308,6 @@ def test_cuda_decode_steps_of_a_compacting_rollout_never_sync(device, layout):
                 torch.cuda.set_sync_debug_mode("default")
 
         with warnings.catch_warnings(), pytest.MonkeyPatch.context() as mp:
-            mp.setattr(type(runner), "__call__", checked)
+            mp.setattr(DecodeRunner, "__call__", checked)
             out = r.generate(ids, mask)
         assert r.get_last_profile().computed_row_steps < 12 * out.responses.shape[1]

@@ -9,6 +9,7 @@ import torch
 
 from models import FAMILIES, prompts
 from torchkvops import Rollout, RolloutConfig
+from torchkvops.decode import Decoder
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -41,8 +42,8 @@ def test_graph_decode_gives_the_eager_tokens_across_calls_and_shapes(model, kv_s
         ids, mask = prompts(batch, length, seed=seed, left_pad=pads)
         ids, mask = ids.cuda(), mask.cuda()
         assert torch.equal(graphs.generate(ids, mask).sequences, eager.generate(ids, mask).sequences)
-    assert len(graphs._runner.graphs) == 2  # one per decode shape
-    assert not eager._runner.graphs
+    assert graphs.decode_counters().captured_graphs == 2  # one per decode shape
+    assert not eager.decode_counters().captured_graphs
 
 
 def test_graphs_follow_weights_updated_in_place_and_replaced(model):
@@ -99,13 +100,13 @@ def test_a_step_that_cannot_be_captured_falls_back_to_eager_with_one_warning(mod
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # once only
             assert torch.equal(graphs.generate(ids, mask).sequences, eager.generate(ids, mask).sequences)
-        assert not graphs._runner.graphs
+        assert not graphs.decode_counters().captured_graphs
     finally:
         handle.remove()
     ok, _ = rollouts(model, samples_per_prompt=2, max_new_tokens=10, eos_token_id=NO_EOS)
     assert torch.equal(ok.generate(ids, mask).sequences, out.sequences)
     assert torch.equal(ok.generate(ids, mask).sequences, out.sequences)
-    assert len(ok._runner.graphs) == 1  # later rollouts still capture
+    assert ok.decode_counters().captured_graphs == 1  # later rollouts still capture
 
 
 @pytest.mark.parametrize("kv_sharing", ["copy", "prefix"])
@@ -119,15 +120,16 @@ def test_no_host_sync_inside_decode(model, kv_sharing):
         ids, mask = prompts(2, 9, seed=8, left_pad=[0, 2])
         ids, mask = ids.cuda(), mask.cuda()
         r.generate(ids, mask)  # warm-up and capture happen outside the checked region
-        original = r._decode
+        original = Decoder.run
 
-        def checked(state, new_tokens):
+        def checked(self, *args, **kwargs):
             torch.cuda.synchronize()
             torch.cuda.set_sync_debug_mode("error")
             try:
-                return original(state, new_tokens)
+                return original(self, *args, **kwargs)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
 
-        r._decode = checked
-        r.generate(ids, mask)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(Decoder, "run", checked)
+            r.generate(ids, mask)

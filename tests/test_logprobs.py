@@ -210,7 +210,7 @@ def test_cuda_graphs_give_the_eager_logprobs_and_the_trainers(kv_sharing, dtype)
     eager = Rollout(model, RolloutConfig(cuda_graphs=False, **cfg))
     for _ in range(3):  # warm-up, capture, replay
         out = graphs.generate(ids, mask)
-    assert graphs._runner.graphs
+    assert graphs.decode_counters().captured_graphs
     calls, handle = head_calls(model)
     try:
         expected = eager.generate(ids, mask)

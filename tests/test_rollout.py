@@ -466,17 +466,17 @@ def test_decode_graph_key_is_stable_across_calls_and_follows_the_weights(kv_shar
     r = Rollout(model, RolloutConfig(samples_per_prompt=2, max_new_tokens=5, eos_token_id=NO_EOS,
                                      kv_sharing=kv_sharing))
     r.generate(*prompts(2, 9, seed=1))
-    key = r._runner.key
+    key = r.decode_counters().graph_key
     r.generate(*prompts(2, 9, seed=2, left_pad=[3, 0]))  # other prompts, same shapes
-    assert r._runner.key == key
+    assert r.decode_counters().graph_key == key
     r.generate(*prompts(3, 9, seed=3))  # another batch size: another key
-    assert r._runner.key != key
+    assert r.decode_counters().graph_key != key
     r.generate(*prompts(2, 9, seed=1))  # the KV allocation grew for 3 prompts: new addresses once,
-    key = r._runner.key
+    key = r.decode_counters().graph_key
     r.generate(*prompts(3, 9, seed=3))
     r.generate(*prompts(2, 9, seed=4))  # then alternating shapes find their own addresses again
-    assert r._runner.key == key
+    assert r.decode_counters().graph_key == key
     with torch.no_grad():
         model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.clone())  # new storage
     r.generate(*prompts(2, 9, seed=1))
-    assert r._runner.key != key
+    assert r.decode_counters().graph_key != key

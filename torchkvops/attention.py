@@ -54,6 +54,16 @@ class DecodeAttention:
     row_prompt: Tensor | None = None
     row_sample: Tensor | None = None
 
+    def load(self, state, prompt_kv: Tensor | None) -> None:
+        """Take every field from the decode state being decoded (`torchkvops.decode.DecodeState`) and the KV
+        cache's prompt view (prefix layout; None in the copy layout), in one place: the decoder calls this
+        whenever it starts decoding a state, so the context never holds a mix of two states. The object
+        itself stays the same (a compiled decode step reads it through a global)."""
+        prefix = prompt_kv is not None
+        self.prompt_kv = prompt_kv
+        self.prompt_bias = state.prompt_bias if prefix else None
+        self.slot_rows, self.row_prompt, self.row_sample = state.slot_rows, state.row_prompt, state.row_sample
+
 
 _active: DecodeAttention | None = None
 # One decode at a time per process: `_active` is one global (a thread-local would break torch.compile's

@@ -41,7 +41,7 @@ import dataclasses
 import torch
 from torch import Tensor
 
-__all__ = ["COMPACT_FRACTION", "bucket", "bucket_sizes", "Plan", "BatchMap", "plan", "move_state"]
+__all__ = ["COMPACT_FRACTION", "bucket", "bucket_sizes", "Plan", "BatchMap", "plan"]
 
 # A batch is compacted when bucket(live rows) <= this fraction of its rows: the smallest step between
 # two sizes above 8 is 7/8, so with four sizes per octave every drop of a bucket compacts.
@@ -145,15 +145,3 @@ def _prefix_plan(keep: Tensor, n_live: int, batch: BatchMap, min_rows: int) -> P
     slot_rows = torch.zeros(n_groups * slots, dtype=torch.long)  # padding slots repeat row 0
     slot_rows[row_slot[:n_live]] = torch.arange(n_live)
     return Plan(keep, groups, slot_rows, row_slot, row_group)
-
-
-def move_state(old, new, rows: Tensor, groups: Tensor | None) -> None:
-    """Gather the rows `rows` (device int64) of DecodeState `old` into DecodeState `new` (and, prefix
-    layout, the prompt groups `groups`): every per-row tensor, and the step counter."""
-    for name in ("tokens", "position_ids", "bias", "finished", "keys", "nonfinite_step", "responses", "logprobs"):
-        src = getattr(old, name)
-        if src is not None:
-            torch.index_select(src, 0, rows, out=getattr(new, name))
-    new.step.copy_(old.step)
-    if groups is not None:
-        torch.index_select(old.prompt_bias, 0, groups, out=new.prompt_bias)

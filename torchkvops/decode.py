@@ -1,4 +1,15 @@
-"""The decode loop: one statically shaped step, run eagerly, compiled, or replayed from a CUDA graph.
+"""The decode loop: one statically shaped step, run eagerly, compiled, or replayed from a CUDA graph, and
+the `Decoder` that owns a rollout's decode.
+
+`Decoder` holds everything decode keeps: the decode states (one per `DecodeShape`, kept across calls so
+that a shape that comes back finds the addresses its graph was captured on), the step, the runner and
+the attention context, which it builds from the state it decodes (`DecodeAttention.load`). `start()`
+resets a state and samples every row's first token; `run()` is the loop: steps, the all-ended check
+every FINISHED_CHECK_INTERVAL steps, compaction (`torchkvops.compaction` plans it; the decoder applies
+it: state, KV cache, attention context, write-back of the rows left behind).
+
+Per-row state is declared once (`DecodeState.FIELDS`): what each tensor holds, its shape, and how it
+moves when the batch is compacted, so that a new field cannot be forgotten by the code that moves rows.
 
 A step feeds every row's last token, writes its K/V at `write_pos`, samples the next token with the
 `sample_tokens` operator (`sample_tokens_with_logprobs` when log-probabilities are asked for) and
@@ -16,6 +27,7 @@ values.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable
@@ -23,11 +35,19 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from . import attention, compaction
 from .hf import ModelAdapter
 from .kv_cache import RolloutKVCache
-from .sampling import SamplingParams, sample, sample_with_logprobs
+from .sampling import SamplingParams, row_keys, sample, sample_with_logprobs
 
-__all__ = ["DecodeState", "DecodeStep", "DecodeRunner"]
+__all__ = ["DecodeShape", "DecodeState", "DecodeStep", "DecodeRunner", "Decoder", "DecodeCounters",
+           "NonFiniteLogitsError", "FINISHED_CHECK_INTERVAL", "MAX_DECODE_STATES"]
+
+# The all-rows-ended check syncs with the host, so decode makes it only every this many steps.
+FINISHED_CHECK_INTERVAL = 8
+# Decode states (and so decode graphs) kept for this many distinct decode shapes: with compaction, a
+# rollout configuration of R rows has up to 8 + 4 log2(R / 8) of them (torchkvops.compaction).
+MAX_DECODE_STATES = 48
 
 # How many captured graphs a rollout keeps (least recently used dropped first); they share one memory
 # pool, in which a step's temporaries (all freed by the step's end) reuse the same blocks. Compaction
@@ -36,40 +56,91 @@ MAX_CUDA_GRAPHS = 48
 _RecompileLimitHit = getattr(torch._dynamo.exc, "FailOnRecompileLimitHit", RuntimeError)
 
 
-class DecodeState:
-    """Statically shaped tensors that the decode step reads and updates in place."""
+@dataclasses.dataclass(frozen=True)
+class DecodeShape:
+    """What fixes a decode step's tensors (and so its graph): rows, the decode buffer's key length, the
+    response length, the model's dtype; in the prefix layout the prompts and their key length, and for a
+    compacted prefix-layout batch its query slots per prompt (torchkvops.compaction); whether
+    log-probabilities are recorded."""
 
-    def __init__(self, rows: int, mask_len: int, max_new_tokens: int, dtype: torch.dtype, device: torch.device,
-                 prompts: int = 0, prompt_len: int = 0, logprobs: bool = False, slots: int = 0):
-        self.shape = (rows, mask_len, max_new_tokens, dtype, prompts, prompt_len, logprobs, slots)
-        self.tokens = torch.zeros(rows, 1, dtype=torch.long, device=device)  # the token fed next
-        self.position_ids = torch.zeros(rows, 1, dtype=torch.long, device=device)
-        # Additive bias over the decode buffer's keys: 0 where a row may attend, -inf elsewhere.
-        self.bias = torch.zeros(rows, 1, 1, mask_len, dtype=dtype, device=device)
-        self.finished = torch.zeros(rows, dtype=torch.bool, device=device)
-        self.step = torch.zeros(1, dtype=torch.long, device=device)  # index of the token sampled next
-        self.keys = torch.zeros(rows, dtype=torch.long, device=device)  # per-row sampling keys
-        # The first step at which a live row's logits could not be sampled from (NaN, +inf, or all -inf:
-        # HF's sampling raises there); -1 while none. Read at the all-ended check and after decode.
-        self.nonfinite_step = torch.full((rows,), -1, dtype=torch.long, device=device)
-        self.responses = torch.zeros(rows, max_new_tokens, dtype=torch.long, device=device)
-        # With logprobs: each sampled token's log-probability (0 once the row has ended), as responses.
-        self.logprobs = torch.zeros(rows, max_new_tokens, dtype=torch.float32, device=device) if logprobs else None
-        # Prefix layout only: the bias over each prompt's shared KV [prompts, 1, 1, prompt_len].
-        self.prompt_bias = torch.zeros(prompts, 1, 1, prompt_len, dtype=dtype, device=device) if prompts else None
-        # Prefix layout of a compacted batch (slots > 0): the shared-prefix attention's query slots, S per
-        # prompt (torchkvops.compaction): the row at each slot [prompts * slots], and each row's slot as
-        # (prompt, sample) [rows] each.
-        self.slot_rows = torch.zeros(prompts * slots, dtype=torch.long, device=device) if slots else None
-        self.row_prompt = torch.zeros(rows, dtype=torch.long, device=device) if slots else None
-        self.row_sample = torch.zeros(rows, dtype=torch.long, device=device) if slots else None
+    rows: int
+    mask_len: int
+    max_new_tokens: int
+    dtype: torch.dtype
+    prompts: int = 0
+    prompt_len: int = 0
+    logprobs: bool = False
+    slots: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class _Field:
+    """One tensor of a DecodeState. `per`: what its first dim indexes, and so how compaction moves it:
+    "row" (gathered with its row), "prompt" (gathered with its prompt group), "slot" (set from the
+    compaction's plan), "call" (copied as it is)."""
+
+    name: str
+    per: str
+    dims: Callable[[DecodeShape], tuple[int, ...] | None]  # its shape, or None when the shape has none
+    dtype: torch.dtype | None = torch.long  # None: the model's dtype
+    doc: str = ""
+
+
+def _if(condition: bool, dims: tuple[int, ...]) -> tuple[int, ...] | None:
+    return dims if condition else None
+
+
+class DecodeState:
+    """Statically shaped tensors that the decode step reads and updates in place, one set per DecodeShape."""
+
+    FIELDS = (
+        _Field("tokens", "row", lambda s: (s.rows, 1), doc="the token fed next"),
+        _Field("position_ids", "row", lambda s: (s.rows, 1)),
+        _Field("bias", "row", lambda s: (s.rows, 1, 1, s.mask_len), None,
+               "additive bias over the decode buffer's keys: 0 where a row may attend, -inf elsewhere"),
+        _Field("finished", "row", lambda s: (s.rows,), torch.bool),
+        _Field("keys", "row", lambda s: (s.rows,), doc="per-row sampling keys"),
+        _Field("nonfinite_step", "row", lambda s: (s.rows,),
+               doc="the first step at which a live row's logits could not be sampled from (NaN, +inf, or all "
+                   "-inf: HF's sampling raises there); -1 while none"),
+        _Field("responses", "row", lambda s: (s.rows, s.max_new_tokens)),
+        _Field("logprobs", "row", lambda s: _if(s.logprobs, (s.rows, s.max_new_tokens)), torch.float32,
+               "each sampled token's log-probability (0 once the row has ended), as responses"),
+        _Field("prompt_bias", "prompt", lambda s: _if(s.prompts > 0, (s.prompts, 1, 1, s.prompt_len)), None,
+               "prefix layout: the bias over each prompt's shared KV"),
+        # A compacted prefix-layout batch (slots > 0): the shared-prefix attention's query slots, S per
+        # prompt: the row at each slot, and each row's slot as (prompt, sample).
+        _Field("slot_rows", "slot", lambda s: _if(s.slots > 0, (s.prompts * s.slots,))),
+        _Field("row_prompt", "slot", lambda s: _if(s.slots > 0, (s.rows,))),
+        _Field("row_sample", "slot", lambda s: _if(s.slots > 0, (s.rows,))),
+        _Field("step", "call", lambda s: (1,), doc="index of the token sampled next"),
+    )
+
+    def __init__(self, shape: DecodeShape, device: torch.device):
+        self.shape = shape
+        for f in self.FIELDS:
+            dims = f.dims(shape)
+            value = None if dims is None else torch.zeros(dims, dtype=f.dtype or shape.dtype, device=device)
+            setattr(self, f.name, value)
 
     @property
     def rows(self) -> int:
-        return self.shape[0]
+        return self.shape.rows
 
     def tensors(self) -> list[Tensor]:
-        return [t for t in vars(self).values() if isinstance(t, Tensor)]
+        return [t for t in (getattr(self, f.name) for f in self.FIELDS) if t is not None]
+
+    def gather_into(self, new: "DecodeState", rows: Tensor, groups: Tensor | None) -> None:
+        """Move the rows `rows` (device int64) into `new`, and (prefix layout) the prompt groups `groups`:
+        every field as its declaration says; "slot" fields are the caller's (they come from a plan)."""
+        for f in self.FIELDS:
+            src = getattr(self, f.name)
+            if src is None or f.per == "slot":
+                continue
+            if f.per == "call":
+                getattr(new, f.name).copy_(src)
+            elif f.per == "row" or groups is not None:
+                torch.index_select(src, 0, rows if f.per == "row" else groups, out=getattr(new, f.name))
 
 
 class DecodeStep:
@@ -328,3 +399,209 @@ def _first_host_sync(fn: Callable[[], None]) -> str | None:
         if w not in syncs:
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     return str(syncs[0].message).splitlines()[0] if syncs else None
+
+
+class NonFiniteLogitsError(RuntimeError):
+    """Sampling met logits holding NaN or +inf (or only -inf) on a live row, where Hugging Face's sampling
+    raises "probability tensor contains either inf, nan or element < 0". Greedy decoding takes the
+    argmax as HF does and never raises this."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeCounters:
+    """What a rollout's decode has built and done so far (for tests and benchmarks, instead of reading
+    private attributes): decode states kept (one per decode shape), distinct graph keys met (a shape and
+    the addresses its step reads), CUDA graphs captured and kept, compactions applied, and the key of
+    the last decode."""
+
+    decode_shapes: int
+    graph_keys: int
+    captured_graphs: int
+    compactions: int
+    graph_key: tuple | None
+
+
+_KEYS_KEPT = 4096  # DecodeCounters.graph_keys counts among the last this many keys (a bounded record)
+
+
+class Decoder:
+    """A rollout's decode: its states, step, runner and attention context, and the loop (module docstring).
+
+    `layout`: the KV layout ("copy" or "prefix"); `samples`: rows per prompt; `compacts`: compact the
+    batch as rows end (needs EOS ids); `graph_extra`: more addresses a step reads (a float32 LM head's)."""
+
+    def __init__(self, adapter: ModelAdapter, cache: RolloutKVCache, params: SamplingParams, pad_id: int,
+                 eos: Tensor | None, *, max_new_tokens: int, min_new_tokens: int, logprobs: bool, layout: str,
+                 samples: int, compile: bool, cuda_graphs: bool, compacts: bool,
+                 graph_extra: Callable[[], tuple] = tuple):
+        self.adapter, self.cache, self.params, self.pad_id, self.eos = adapter, cache, params, pad_id, eos
+        self.max_new_tokens, self.logprobs, self.layout, self.samples = max_new_tokens, logprobs, layout, samples
+        self.compacts = compacts and eos is not None  # compaction happens at the all-ended check
+        self.graph_extra = graph_extra
+        self.step = DecodeStep(adapter, cache, params, pad_id, eos, min_new_tokens, logprobs=logprobs)
+        self.runner = DecodeRunner(self.step, compile, cuda_graphs, adapter.device)
+        self.context = attention.DecodeAttention(layout)
+        self.states: OrderedDict[DecodeShape, DecodeState] = OrderedDict()  # least recently used first
+        self._graph_keys: OrderedDict[int, None] = OrderedDict()  # hashes of the last _KEYS_KEPT keys met
+        self._compactions = 0
+
+    @property
+    def counters(self) -> DecodeCounters:
+        return DecodeCounters(len(self.states), len(self._graph_keys), len(self.runner.graphs), self._compactions,
+                              self.runner.key)
+
+    def release(self) -> None:
+        """Forget every state and graph, and the last call's views of the KV cache."""
+        self.states.clear()
+        self.runner.reset()
+        self.step.state, self.step.kwargs = None, {}
+        self.context = attention.DecodeAttention(self.layout)
+
+    # --- a call ----------------------------------------------------------------------------------
+    def start(self, prompt_mask: Tensor, seed: int, first_logits: Tensor, row_ids: Tensor,
+              live: Tensor | None) -> DecodeState:
+        """Reset the decode state for a call over these prompts (left-padded mask [B, P]) and sample every
+        row's first token from the prefill's logits. The KV cache is prepared for decode first."""
+        cache, n = self.cache, self.samples
+        batch, prompt_len = prompt_mask.shape
+        prefix = self.layout == "prefix"
+        s = self._state(DecodeShape(batch * n, cache.decode_kv.shape[4], self.max_new_tokens, self.adapter.dtype,
+                                    batch if prefix else 0, cache.prompt_kv.shape[4] if prefix else 0,
+                                    self.logprobs))
+        row_mask = prompt_mask.repeat_interleave(n, dim=0).bool()
+        s.bias.fill_(float("-inf"))
+        if not prefix:  # the decode buffer starts with each row's copy of its prompt
+            s.bias[:, 0, 0, :prompt_len].masked_fill_(row_mask, 0.0)
+        else:  # the rows' own buffers start empty; the prompts are seen through the prefix part
+            s.prompt_bias.fill_(float("-inf"))
+            s.prompt_bias[:, 0, 0, :prompt_len].masked_fill_(prompt_mask.bool(), 0.0)
+        s.position_ids.copy_(row_mask.sum(dim=1, keepdim=True))
+        s.finished.zero_()
+        if live is not None:  # filler rows have ended before they start: they only ever hold the pad id
+            s.finished.copy_(~live.to(s.finished.device, torch.bool))
+        s.step.zero_()
+        s.nonfinite_step.fill_(-1)
+        s.keys.copy_(row_keys(seed, row_ids.to(s.keys.device, torch.long)))
+        self.step.bind(s)
+        self.step.draw(first_logits)
+        cache.start_decode(0 if prefix else prompt_len)
+        return s
+
+    def run(self, first: DecodeState, ended_everywhere: Callable[[bool], bool] | None = None) -> tuple[int, int]:
+        """Decode steps until every row has max_new_tokens tokens or has ended (on every process, with
+        `ended_everywhere`: a collective), compacting the batch as rows end; `first`'s responses (and
+        logprobs) then hold every row's tokens. Returns the step count and the row-steps computed (rows
+        sampled, summed over the tokens). Raises NonFiniteLogitsError at the first check after a live
+        row's logits could not be sampled from."""
+        new_tokens = self.max_new_tokens
+        state, steps, row_steps = first, 0, first.rows
+        batch = compaction.BatchMap(first.rows, self.samples if self.layout == "prefix" else None) \
+            if self.compacts else None
+        self._bind(state)
+        with attention.decode_attention(self.adapter.model, self.context):
+            while steps + 1 < new_tokens:
+                self.runner()
+                steps += 1
+                row_steps += state.rows
+                if self.eos is None or steps % FINISHED_CHECK_INTERVAL:
+                    continue
+                # Host sync: reads `finished` (and the non-finite record) every few steps to stop early and
+                # to compact; not made without EOS ids. Compaction (planned on the host from these flags)
+                # adds no other sync.
+                flags = torch.stack([state.finished.long(), state.nonfinite_step]).cpu()
+                finished = flags[0].bool()
+                _raise_on_nonfinite(flags[1])
+                ended = bool(finished.all())
+                if ended_everywhere is not None:
+                    ended = ended_everywhere(ended)
+                if ended:
+                    break
+                if batch is not None and new_tokens - 1 - steps >= FINISHED_CHECK_INTERVAL:
+                    plan = compaction.plan(finished, batch)
+                    if plan is not None:
+                        state = self._compact(first, state, batch, plan, steps + 1)
+                        self._bind(state)
+        if state is not first:
+            self._write_back(first, state, batch, steps + 1)
+        return steps, row_steps
+
+    def check_nonfinite(self, state: DecodeState) -> None:
+        """After `run`, in sampling: raise NonFiniteLogitsError if any live row met logits it could not
+        sample from since the last check. Host sync: one read, once per call."""
+        if not self.params.greedy:
+            _raise_on_nonfinite(state.nonfinite_step.cpu())
+
+    # --- states, compaction, binding ---------------------------------------------------------------
+    def _state(self, shape: DecodeShape) -> DecodeState:
+        """The decode state of this shape, kept (least recently used dropped past MAX_DECODE_STATES)."""
+        s = self.states.pop(shape, None) or DecodeState(shape, self.adapter.device)
+        self.states[shape] = s
+        while len(self.states) > MAX_DECODE_STATES:
+            self.states.popitem(last=False)
+        return s
+
+    def _compact(self, first: DecodeState, state: DecodeState, batch: compaction.BatchMap, plan: compaction.Plan,
+                 tokens: int) -> DecodeState:
+        """Go on with the rows of `plan` (torchkvops.compaction) after `tokens` tokens: a state of the
+        compacted shape holds them, the KV cache keeps theirs, `first` keeps the others'."""
+        device = state.tokens.device
+        rows = plan.rows.to(device)
+        groups = None if plan.groups is None else plan.groups.to(device)
+        new = self._state(dataclasses.replace(state.shape, rows=plan.size, prompts=plan.prompts, slots=plan.slots))
+        state.gather_into(new, rows, groups)
+        if plan.slot_rows is not None:
+            new.slot_rows.copy_(plan.slot_rows)
+            new.row_prompt.copy_(plan.row_slot // plan.slots)
+            new.row_sample.copy_(plan.row_slot % plan.slots)
+        self.cache.compact(rows, groups)
+        if state is not first:
+            self._write_back(first, state, batch, tokens)
+        # Rows that end here hold the pad id (and log-probability 0) from now on, as in a full batch; the
+        # others are written back again later.
+        first.responses[:, tokens:].fill_(self.pad_id)
+        if first.logprobs is not None:
+            first.logprobs[:, tokens:].zero_()
+        batch.apply(plan)
+        self._compactions += 1
+        return new
+
+    def _write_back(self, first: DecodeState, state: DecodeState, batch: compaction.BatchMap, tokens: int) -> None:
+        """The first `tokens` tokens (and logprobs) of the compacted batch's rows, into their original rows."""
+        original = batch.original.to(first.responses.device)
+        first.responses[:, :tokens].index_copy_(0, original, state.responses[:, :tokens])
+        if first.logprobs is not None:
+            first.logprobs[:, :tokens].index_copy_(0, original, state.logprobs[:, :tokens])
+
+    def _bind(self, state: DecodeState) -> None:
+        """Point the step, the attention context and the runner's graph key at `state` and the KV cache's
+        current views."""
+        self.step.bind(state)
+        cache = self.cache
+        self.context.load(state, cache.prompt_kv if self.layout == "prefix" else None)
+        dynamic = [(t, (0,)) for t in state.tensors()] + [(state.bias, (0, 3)), (cache.decode_kv, (2, 4))]
+        if self.layout == "prefix":
+            dynamic += [(cache.prompt_kv, (2, 4)), (state.prompt_bias, (0, 3))]
+        # Once per tensor, with every dim it was listed with (rows, and for some the key length).
+        merged: dict[int, tuple[Tensor, set[int]]] = {}
+        for t, dims in dynamic:
+            merged.setdefault(id(t), (t, set()))[1].update(dims)
+        dynamic = [(t, tuple(sorted(dims))) for t, dims in merged.values()]
+        addresses = tuple(t.data_ptr() for t, _ in dynamic)
+        key = (state.shape, self.layout, addresses, self.adapter.weight_addresses() + self.graph_extra(),
+               self.adapter.adapter_state())
+        self._graph_keys[hash(key)] = None
+        self._graph_keys.move_to_end(hash(key))
+        while len(self._graph_keys) > _KEYS_KEPT:
+            self._graph_keys.popitem(last=False)
+        self.runner.start(dynamic, graph_key=key)
+
+
+def _raise_on_nonfinite(nonfinite_step: Tensor) -> None:
+    """nonfinite_step (host [rows]): DecodeState's record."""
+    bad = nonfinite_step[nonfinite_step >= 0]
+    if bad.numel():
+        raise NonFiniteLogitsError(
+            f"torchkvops: the logits of {bad.numel()} row(s) hold NaN or inf at new token {int(bad.min())} (counting "
+            "from 0), so there is no distribution to sample from; Hugging Face's generate raises here too "
+            "(\"probability tensor contains either inf, nan or element < 0\"). Check the model's weights and inputs "
+            "(a half-precision overflow?)")

@@ -23,18 +23,16 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from . import attention, compaction
-from .decode import DecodeRunner, DecodeState, DecodeStep
+from .decode import FINISHED_CHECK_INTERVAL, MAX_DECODE_STATES, Decoder, DecodeState, NonFiniteLogitsError  # noqa: F401
 from .hf import ModelAdapter
 from .kv_cache import KV_LAYOUTS, RolloutKVCache
 from .lm_head import Float32LMHead
 from .profiling import RolloutProfile, StageTimer
-from .sampling import SamplingParams, row_keys
+from .sampling import SamplingParams
 
-__all__ = ["Rollout", "RolloutConfig", "RolloutOutput", "RolloutProfile", "NonFiniteLogitsError"]
+__all__ = ["Rollout", "RolloutConfig", "RolloutOutput", "RolloutProfile", "NonFiniteLogitsError",
+           "FINISHED_CHECK_INTERVAL", "MAX_DECODE_STATES"]  # (the last three live in torchkvops.decode)
 
-# The all-rows-ended check syncs with the host, so decode makes it only every this many steps.
-FINISHED_CHECK_INTERVAL = 8
 # Decode buffers are rounded up to a multiple of this many positions: nearby prompt lengths then share
 # one decode shape (graph), and the attention kernels get aligned mask widths.
 KV_LENGTH_MULTIPLE = 64
@@ -46,9 +44,6 @@ RESPONSE_KV_MULTIPLE = 8
 # A positive temperature below this would overflow logits / temperature in float32 (1e-44 did): use 0.
 MIN_TEMPERATURE = 1e-6
 _INT64_MAX = 2**63 - 1
-# Decode states (and so decode graphs) kept for this many distinct decode shapes: with compaction, a
-# rollout configuration of R rows has up to 8 + 4 log2(R / 8) of them (torchkvops.compaction).
-MAX_DECODE_STATES = 48
 
 
 def round_up(n: int, multiple: int = KV_LENGTH_MULTIPLE) -> int:
@@ -62,12 +57,6 @@ def kv_lengths(kv_sharing: str, prompt_len: int, new_tokens: int) -> tuple[int, 
     if kv_sharing == "prefix":
         return round_up(prompt_len), round_up(new_tokens - 1, RESPONSE_KV_MULTIPLE)
     return (round_up(prompt_len + new_tokens - 1),)
-
-
-class NonFiniteLogitsError(RuntimeError):
-    """Sampling met logits holding NaN or +inf (or only -inf) on a live row, where Hugging Face's sampling
-    raises "probability tensor contains either inf, nan or element < 0". Greedy decoding takes the
-    argmax as HF does and never raises this."""
 
 
 @dataclasses.dataclass
@@ -171,22 +160,21 @@ class Rollout:
         self._check_special_ids()
         self._eos = torch.tensor(self.eos_ids, dtype=torch.long, device=self.device) if self.eos_ids else None
         self._params = SamplingParams(float(self.config.temperature), self.config.top_k, float(self.config.top_p))
-        # Compaction happens at the all-ended check, which only a rollout with EOS ids makes.
-        self._compacts = self.config.compact_finished_rows and self._eos is not None
-        self._states: dict[tuple, DecodeState] = {}  # by decode shape, least recently used first
         self._last_profile: RolloutProfile | None = None
         # Buffers made under a caller's torch.inference_mode() are inference tensors, which cannot be
         # written outside it: a later call outside it makes new ones.
         self._buffers_are_inference = False
         self._lock = _lock_for(model)
-        self._attention = attention.DecodeAttention(self.config.kv_sharing)
         # A float32 LM head only where it changes something: a float32 head (or model) computes in float32.
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         wants_float32 = self.config.lm_head_dtype == torch.float32 and getattr(head, "weight", None) is not None
         self._head32 = Float32LMHead(model) if wants_float32 and head.weight.dtype != torch.float32 else None
-        self._step = DecodeStep(self.adapter, self.cache, self._params, self.pad_id, self._eos,
-                                self.config.min_new_tokens, logprobs=self.config.return_logprobs)
-        self._runner = DecodeRunner(self._step, self.config.compile, self.config.cuda_graphs, self.device)
+        cfg = self.config
+        self._decoder = Decoder(self.adapter, self.cache, self._params, self.pad_id, self._eos,
+                                max_new_tokens=cfg.max_new_tokens, min_new_tokens=cfg.min_new_tokens,
+                                logprobs=cfg.return_logprobs, layout=cfg.kv_sharing, samples=cfg.samples_per_prompt,
+                                compile=cfg.compile, cuda_graphs=cfg.cuda_graphs, compacts=cfg.compact_finished_rows,
+                                graph_extra=self._head32.addresses if self._head32 is not None else tuple)
         self._prefill_fn = torch.compile(self._prefill, dynamic=True) if self.config.compile else self._prefill
 
     # --- public API ----------------------------------------------------------------------------
@@ -199,15 +187,17 @@ class Rollout:
         """The profile of the last `generate()` call, or None when profiling was off."""
         return self._last_profile
 
+    def decode_counters(self):
+        """What this rollout's decode has built and done (`torchkvops.decode.DecodeCounters`): decode
+        shapes kept, graph keys met, CUDA graphs captured, compactions, the last graph key."""
+        return self._decoder.counters
+
     def release(self) -> None:
         """Free the KV buffer, decode state and CUDA graphs; the next `generate()` makes them again."""
         with self._lock:
             self._buffers_are_inference = False
             self.cache.release()
-            self._states.clear()
-            self._step.state, self._step.kwargs = None, {}  # (the last call's state, kept alive otherwise)
-            self._attention = attention.DecodeAttention(self.config.kv_sharing)  # (its views of the prompt KV)
-            self._runner.reset()
+            self._decoder.release()
             if self._head32 is not None:
                 self._head32.release()
 
@@ -279,11 +269,12 @@ class Rollout:
 
         kv_bytes = self.cache.used_bytes  # before compaction makes the views smaller
         with timer.stage("decode"):
-            state = self._start_decode(attention_mask, seed, logits, row_ids, live)
-            steps, row_steps = self._decode(state, new_tokens, ended_everywhere)
+            state = self._decoder.start(attention_mask, seed, logits, row_ids, live)
+            steps, row_steps = self._decoder.run(state, ended_everywhere)
             response_len = steps + 1
 
         with timer.stage("post_processing"):
+            self._decoder.check_nonfinite(state)
             out = self._finish(input_ids, state, response_len)
             generated = int(out.response_mask.sum())
 
@@ -304,154 +295,6 @@ class Rollout:
     def _prefill(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor) -> Tensor:
         cache_position = torch.arange(input_ids.shape[1], device=input_ids.device)
         return self.adapter.last_logits(self.cache, input_ids, attention_mask, position_ids, cache_position)
-
-    def _start_decode(self, prompt_mask: Tensor, seed: int, first_logits: Tensor, row_ids: Tensor,
-                      live: Tensor | None) -> DecodeState:
-        """Reset the decode state for this rollout and sample every row's first token."""
-        cfg, cache = self.config, self.cache
-        n = cfg.samples_per_prompt
-        batch, prompt_len = prompt_mask.shape
-        rows = batch * n
-        mask_len = cache.decode_kv.shape[4]
-        prefix = cfg.kv_sharing == "prefix"
-        prefix_len = cache.prompt_kv.shape[4] if prefix else 0
-        s = self._state(rows, mask_len, batch if prefix else 0, prefix_len)
-        row_mask = prompt_mask.repeat_interleave(n, dim=0).bool()
-        s.bias.fill_(float("-inf"))
-        if not prefix:  # the decode buffer starts with each row's copy of its prompt
-            s.bias[:, 0, 0, :prompt_len].masked_fill_(row_mask, 0.0)
-            self._attention.prompt_kv = self._attention.prompt_bias = None
-        else:  # the rows' own buffers start empty; the prompts are seen through the prefix part
-            s.prompt_bias.fill_(float("-inf"))
-            s.prompt_bias[:, 0, 0, :prompt_len].masked_fill_(prompt_mask.bool(), 0.0)
-            self._attention.prompt_kv, self._attention.prompt_bias = cache.prompt_kv, s.prompt_bias
-        self._attention.slot_rows = self._attention.row_prompt = self._attention.row_sample = None
-        s.position_ids.copy_(row_mask.sum(dim=1, keepdim=True))
-        s.finished.zero_()
-        if live is not None:  # filler rows have ended before they start: they only ever hold the pad id
-            s.finished.copy_(~live.to(self.device, torch.bool))
-        s.step.zero_()
-        s.nonfinite_step.fill_(-1)
-        s.keys.copy_(row_keys(seed, row_ids.to(self.device, torch.long)))
-        self._step.bind(s)
-        self._step.draw(first_logits)
-        cache.start_decode(0 if prefix else prompt_len)
-        return s
-
-    def _state(self, rows: int, mask_len: int, prompts: int, prompt_len: int, slots: int = 0) -> DecodeState:
-        """The decode state of this shape (slots: a compacted prefix-layout batch's query slots per prompt).
-        One state per decode shape, kept: a shape that comes back finds the addresses its graph was
-        captured on."""
-        cfg = self.config
-        shape = (rows, mask_len, cfg.max_new_tokens, self.dtype, prompts, prompt_len, cfg.return_logprobs, slots)
-        s = self._states.pop(shape, None) or DecodeState(rows, mask_len, cfg.max_new_tokens, self.dtype, self.device,
-                                                         *shape[4:])
-        self._states[shape] = s
-        while len(self._states) > MAX_DECODE_STATES:
-            self._states.pop(next(iter(self._states)))
-        return s
-
-    def _decode(self, first: DecodeState, new_tokens: int,
-                ended_everywhere: Callable[[bool], bool] | None = None) -> tuple[int, int]:
-        """Decode steps until every row has new_tokens tokens or has ended (on every process, with
-        `ended_everywhere`), compacting the batch as rows end (compact_finished_rows); `first`'s responses
-        (and logprobs) then hold every row's tokens. Returns the step count and the row-steps computed
-        (rows sampled, summed over the tokens). Raises NonFiniteLogitsError at the first check after a
-        live row's logits could not be sampled from."""
-        state, steps, row_steps = first, 0, first.rows
-        prefix = self.config.kv_sharing == "prefix"
-        samples = self.config.samples_per_prompt if prefix else None  # the prefix layout's rows per prompt
-        batch = compaction.BatchMap(first.rows, samples) if self._compacts else None
-        self._bind(state)
-        with attention.decode_attention(self.model, self._attention):
-            while steps + 1 < new_tokens:
-                self._runner()
-                steps += 1
-                row_steps += state.rows
-                if self._eos is None or steps % FINISHED_CHECK_INTERVAL:
-                    continue
-                # Host sync: reads `finished` (and the non-finite record) every few steps to stop early and
-                # to compact; not made without EOS ids. Compaction (planned on the host from these
-                # flags) adds no other sync.
-                flags = torch.stack([state.finished.long(), state.nonfinite_step]).cpu()
-                finished = flags[0].bool()
-                self._raise_on_nonfinite(flags[1])
-                ended = bool(finished.all())
-                if ended_everywhere is not None:
-                    ended = ended_everywhere(ended)
-                if ended:
-                    break
-                if batch is not None and new_tokens - 1 - steps >= FINISHED_CHECK_INTERVAL:
-                    plan = compaction.plan(finished, batch)
-                    if plan is not None:
-                        state = self._compact(first, state, batch, plan, steps + 1)
-                        self._bind(state)
-        if not self._params.greedy:
-            self._raise_on_nonfinite(state.nonfinite_step.cpu())  # host sync: once per call, sampling only
-        if state is not first:
-            self._write_back(first, state, batch, steps + 1)
-        return steps, row_steps
-
-    def _raise_on_nonfinite(self, nonfinite_step: Tensor) -> None:
-        """nonfinite_step (host [rows]): DecodeState's record."""
-        bad = nonfinite_step[nonfinite_step >= 0]
-        if bad.numel():
-            raise NonFiniteLogitsError(
-                f"torchkvops: the logits of {bad.numel()} row(s) hold NaN or inf at new token {int(bad.min())} (counting "
-                "from 0), so there is no distribution to sample from; Hugging Face's generate raises here too "
-                "(\"probability tensor contains either inf, nan or element < 0\"). Check the model's weights and "
-                "inputs (a half-precision overflow?)")
-    def _compact(self, first: DecodeState, state: DecodeState, batch: compaction.BatchMap, plan: compaction.Plan,
-                 tokens: int) -> DecodeState:
-        """Go on with the rows of `plan` (torchkvops.compaction) after `tokens` tokens: a state of the
-        compacted shape holds them, the KV cache keeps theirs, `first` keeps the others'."""
-        rows = plan.rows.to(self.device)
-        groups = None if plan.groups is None else plan.groups.to(self.device)
-        new = self._state(plan.size, state.shape[1], plan.prompts, state.shape[5], plan.slots)
-        compaction.move_state(state, new, rows, groups)
-        if plan.slot_rows is not None:
-            new.slot_rows.copy_(plan.slot_rows)
-            new.row_prompt.copy_(plan.row_slot // plan.slots)
-            new.row_sample.copy_(plan.row_slot % plan.slots)
-        self.cache.compact(rows, groups)
-        if state is not first:
-            self._write_back(first, state, batch, tokens)
-        # Rows that end here hold the pad id (and log-probability 0) from now on, as in a full batch; the
-        # others are written back again later.
-        first.responses[:, tokens:].fill_(self.pad_id)
-        if first.logprobs is not None:
-            first.logprobs[:, tokens:].zero_()
-        batch.apply(plan)
-        ctx = self._attention
-        if ctx.prompt_kv is not None:  # the prefix layout's prompts, those kept
-            ctx.prompt_kv, ctx.prompt_bias = self.cache.prompt_kv, new.prompt_bias
-        ctx.slot_rows, ctx.row_prompt, ctx.row_sample = new.slot_rows, new.row_prompt, new.row_sample
-        return new
-
-    def _write_back(self, first: DecodeState, state: DecodeState, batch: compaction.BatchMap, tokens: int) -> None:
-        """The first `tokens` tokens (and logprobs) of the compacted batch's rows, into their original rows."""
-        original = batch.original.to(self.device)
-        first.responses[:, :tokens].index_copy_(0, original, state.responses[:, :tokens])
-        if first.logprobs is not None:
-            first.logprobs[:, :tokens].index_copy_(0, original, state.logprobs[:, :tokens])
-
-    def _bind(self, state: DecodeState) -> None:
-        """Point the decode step, and the runner's graph key, at `state` and the KV cache's current views."""
-        self._step.bind(state)
-        cache, ctx = self.cache, self._attention
-        dynamic = [(t, (0,)) for t in state.tensors()] + [(state.bias, (0, 3)), (cache.decode_kv, (2, 4))]
-        if ctx.prompt_kv is not None:
-            dynamic += [(ctx.prompt_kv, (2, 4)), (ctx.prompt_bias, (0, 3))]
-        # Once per tensor, with every dim it was listed with (rows, and for some the key length).
-        merged: dict[int, tuple[Tensor, set[int]]] = {}
-        for t, dims in dynamic:
-            merged.setdefault(id(t), (t, set()))[1].update(dims)
-        dynamic = [(t, tuple(sorted(dims))) for t, dims in merged.values()]
-        addresses = tuple(t.data_ptr() for t, _ in dynamic)
-        head32 = self._head32.addresses() if self._head32 is not None else ()
-        self._runner.start(dynamic, graph_key=(state.shape, self.config.kv_sharing, addresses,
-                                               self.adapter.weight_addresses() + head32,
-                                               self.adapter.adapter_state()))
 
     def _finish(self, input_ids: Tensor, state: DecodeState, response_len: int) -> RolloutOutput:
         n = self.config.samples_per_prompt
