@@ -13,11 +13,7 @@
 #include <tuple>
 #include <vector>
 
-#if defined(__CUDACC__)
-#define TORCHKVOPS_HD __host__ __device__
-#else
-#define TORCHKVOPS_HD
-#endif
+#include "macros.h"
 
 // Runs __VA_ARGS__ with scalar_t = the C++ type of TYPE, one of the output dtypes we support.
 #define TORCHKVOPS_DISPATCH_MERGE_TYPES(TYPE, NAME, ...)                  \
@@ -88,7 +84,7 @@ struct Weights {
 // m = max(la, lb), wa = exp(la - m), wb = exp(lb - m): ca = wa / (wa + wb), cb = wb / (wa + wb),
 // lse = m + log(wa + wb); a weight that is exactly 0 (lse -inf, or so far below the other that exp
 // underflows) drops its term, and then the other weight is exactly 1.
-TORCHKVOPS_HD inline Weights merge_weights(float la, float lb) {
+TORCHKVOPS_HOST_DEVICE inline Weights merge_weights(float la, float lb) {
   // INFINITY and NAN (not std::numeric_limits) so the same code compiles for the device.
   if (la != la || lb != lb || la == INFINITY || lb == INFINITY) return {NAN, NAN, NAN, kBoth};
   const float m = la > lb ? la : lb;
@@ -117,7 +113,7 @@ struct ItemPlan {
   int64_t sizes[kMaxDims] = {};
   int64_t strides[kTensors][kMaxDims] = {};  // elements (items for kOut)
 
-  TORCHKVOPS_HD inline void offsets(int64_t item, int64_t (&off)[kTensors]) const {
+  TORCHKVOPS_HOST_DEVICE inline void offsets(int64_t item, int64_t (&off)[kTensors]) const {
     for (int t = 0; t < kTensors; ++t) off[t] = 0;
     for (int i = ndim - 1; i >= 0; --i) {
       int64_t idx = item;

@@ -12,6 +12,8 @@
 #include <limits>
 #include <string>
 
+#include "macros.h"
+
 namespace torchkvops {
 
 // Rows (the batch) sit at dim -4, token positions at dim -2.
@@ -36,10 +38,7 @@ struct RowCopyPlan {
   int64_t src_row_stride = 0;             // bytes between consecutive rows of src
   int64_t dst_row_stride = 0;             // bytes between consecutive rows of dst
 
-#if defined(__CUDACC__)
-  __host__ __device__
-#endif
-  inline void run_offsets(int64_t run, int64_t* src_off, int64_t* dst_off) const {
+  TORCHKVOPS_HOST_DEVICE inline void run_offsets(int64_t run, int64_t* src_off, int64_t* dst_off) const {
     int64_t s = 0, d = 0;
     for (int i = ndim - 1; i >= 0; --i) {
       const int64_t idx = run % sizes[i];

@@ -43,11 +43,7 @@
 #include <cstdint>
 #include <string>
 
-#if defined(__CUDACC__)
-#define TORCHKVOPS_HD __host__ __device__ __forceinline__
-#else
-#define TORCHKVOPS_HD inline
-#endif
+#include "macros.h"
 
 namespace torchkvops {
 namespace sampling {
@@ -68,7 +64,7 @@ constexpr float kMassCutoff = -28.0f;
 constexpr int kMaxNoiseStep = 46;
 
 // A 32-bit integer mix (sampling.py's _hash32). A bijection of 32-bit words.
-TORCHKVOPS_HD uint32_t hash32(uint32_t x) {
+TORCHKVOPS_HOST_DEVICE_INLINE uint32_t hash32(uint32_t x) {
   x ^= x >> 16;
   x *= 0x7FEB352Du;
   x ^= x >> 15;
@@ -84,7 +80,7 @@ struct NoiseKey {
   uint32_t low;   // feeds the low words
 };
 
-TORCHKVOPS_HD NoiseKey noise_key(int64_t key, int64_t step) {
+TORCHKVOPS_HOST_DEVICE_INLINE NoiseKey noise_key(int64_t key, int64_t step) {
   const uint32_t s = static_cast<uint32_t>(step);
   const uint32_t high = hash32(static_cast<uint32_t>(key) ^ hash32(s + kStepSalt));
   return {high, hash32(s ^ hash32(high + kLowSalt))};
@@ -93,13 +89,13 @@ TORCHKVOPS_HD NoiseKey noise_key(int64_t key, int64_t step) {
 // The high 32 bits of a token's word (its index's low 32 bits): all the hot loops compute (see
 // cannot_beat). Both halves of the row's key enter it, so that two tokens' words are not tied to each
 // other through 32 bits of row key: given one token's high word, another's still varies with k.low.
-TORCHKVOPS_HD uint32_t noise_high(NoiseKey k, uint32_t token) {
+TORCHKVOPS_HOST_DEVICE_INLINE uint32_t noise_high(NoiseKey k, uint32_t token) {
   return hash32(k.high ^ hash32((token + kTokenSalt) ^ k.low));
 }
 
 // The Gumbel noise of the word (high, low = hash32(k.low ^ high)), in float32 as the reference
 // computes it: in [-3.81, 45.06].
-TORCHKVOPS_HD float gumbel(NoiseKey k, uint32_t high) {
+TORCHKVOPS_HOST_DEVICE_INLINE float gumbel(NoiseKey k, uint32_t high) {
   const uint32_t low = hash32(k.low ^ high);
   const bool upper = (high >> 31) != 0;  // u > 1/2: take the complement 1 - u
   const uint32_t yh = upper ? ~high : high, yl = upper ? ~low : low;
@@ -121,7 +117,7 @@ TORCHKVOPS_HD float gumbel(NoiseKey k, uint32_t high) {
 // An unsigned key with the order of the float values: k(a) < k(b) iff a < b, for all non-NaN values.
 // -0.0 and +0.0 get the same key (they compare equal); every NaN gets the largest key. Branch-free,
 // so that the CPU loops over a row vectorize.
-TORCHKVOPS_HD uint32_t order_key(float v) {
+TORCHKVOPS_HOST_DEVICE_INLINE uint32_t order_key(float v) {
   uint32_t bits;
 #if defined(__CUDA_ARCH__)
   bits = __float_as_uint(v);
@@ -143,7 +139,7 @@ TORCHKVOPS_HD uint32_t order_key(float v) {
 // only high = 2^32 - 1 can reach; no word reaches D = 46.
 constexpr int kNoiseSteps = kMaxNoiseStep + 1;
 
-TORCHKVOPS_HD uint32_t noise_reach_threshold(int d) {
+TORCHKVOPS_HOST_DEVICE_INLINE uint32_t noise_reach_threshold(int d) {
   const double c = -expm1(-exp(-(static_cast<double>(d) - 0.01)));  // the complement a win needs
   if (c <= 0x1p-65) return 0xFFFFFFFFu;  // below the smallest complement, (0 + 1/2) 2^-64
   return static_cast<uint32_t>(4294967295.0 - ceil(c * 4294967296.0));
@@ -154,7 +150,7 @@ TORCHKVOPS_HD uint32_t noise_reach_threshold(int d) {
 // gap, shrunk by 2^-23, is below the exact one), and high <= reach[D], the computed noise is below D,
 // so l + g < best exactly and fl(l + g) <= best (rounding is monotone); a tie goes to the lower index.
 // False whenever l, best or the gap is NaN.
-TORCHKVOPS_HD bool cannot_beat(float l, uint32_t high, float best, const uint32_t* reach) {
+TORCHKVOPS_HOST_DEVICE_INLINE bool cannot_beat(float l, uint32_t high, float best, const uint32_t* reach) {
   const float gap = (best - l) * 0.99999988079071044921875f;  // 1 - 2^-23, exact
   if (!(gap >= 0.0f)) return false;  // l > best, or NaN
   const int d = gap >= static_cast<float>(kMaxNoiseStep) ? kMaxNoiseStep : static_cast<int>(gap);
@@ -167,7 +163,7 @@ TORCHKVOPS_HD bool cannot_beat(float l, uint32_t high, float best, const uint32_
 // round up to the next power of two, which is still at most ~high). ~high < 2 gives E = -127 and a
 // bound of 110 > 45.06. The 0.01 covers the float32 rounding of the noise and of the bound. It is
 // looser than noise_reach_threshold's (by < 1.4) but needs no table.
-TORCHKVOPS_HD float noise_bound(uint32_t high) {
+TORCHKVOPS_HOST_DEVICE_INLINE float noise_bound(uint32_t high) {
   const float f = static_cast<float>(static_cast<int32_t>(~high >> 1));
 #if defined(__CUDA_ARCH__)
   const int32_t bits = __float_as_int(f);
@@ -179,7 +175,7 @@ TORCHKVOPS_HD float noise_bound(uint32_t high) {
 }
 
 // The fixed-point mass of a token d = l - max below the row's maximum (d <= 0).
-TORCHKVOPS_HD uint64_t fixed_mass(float d) {
+TORCHKVOPS_HOST_DEVICE_INLINE uint64_t fixed_mass(float d) {
   if (!(d >= kMassCutoff)) return 0;  // also NaN
 #if defined(__CUDA_ARCH__)
   const float m = expf(d);
@@ -193,7 +189,7 @@ TORCHKVOPS_HD uint64_t fixed_mass(float d) {
 // The number of top-mass units the top-p threshold must reach: ceil(top_p * total), at least 1 (the
 // most likely token always stays) and at most total. top_p is the float32 value the reference compares
 // against.
-TORCHKVOPS_HD uint64_t top_p_target(float top_p, uint64_t total) {
+TORCHKVOPS_HOST_DEVICE_INLINE uint64_t top_p_target(float top_p, uint64_t total) {
   const double t = ceil(static_cast<double>(top_p) * static_cast<double>(total));
   if (!(t >= 1.0)) return 1;
   if (t >= static_cast<double>(total)) return total;
@@ -202,7 +198,7 @@ TORCHKVOPS_HD uint64_t top_p_target(float top_p, uint64_t total) {
 
 // True when (score a, index ia) beats (score b, index ib) under torch.argmax's rules: NaN is the
 // largest value, and the lower index wins a tie.
-TORCHKVOPS_HD bool beats(float a, int64_t ia, float b, int64_t ib) {
+TORCHKVOPS_HOST_DEVICE_INLINE bool beats(float a, int64_t ia, float b, int64_t ib) {
   if (a != a) return b == b || ia < ib;
   if (b != b) return false;
   return a > b || (a == b && ia < ib);

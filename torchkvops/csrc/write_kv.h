@@ -7,13 +7,9 @@
 
 #include <cstdint>
 
-namespace torchkvops {
+#include "macros.h"
 
-#if defined(__CUDACC__)
-#define TORCHKVOPS_WRITE_KV_HD __host__ __device__
-#else
-#define TORCHKVOPS_WRITE_KV_HD
-#endif
+namespace torchkvops {
 
 // key/value [rows, kv_heads, tokens, head_dim] go to cache[layer, 0/1, :rows, :, start:start+tokens].
 // Strides in elements; passed by value to CUDA.
@@ -27,7 +23,7 @@ struct KVWritePlan {
   // Run `run` of 2 * rows * heads * tokens (one head_dim vector: K runs first, then V): whether it
   // is K (0) or V (1), and its first element's offset in key/value and in the layer's cache, in
   // elements, for a write starting at position `first`.
-  TORCHKVOPS_WRITE_KV_HD inline int64_t run_offsets(int64_t run, int64_t first, int64_t* src_off,
+  TORCHKVOPS_HOST_DEVICE inline int64_t run_offsets(int64_t run, int64_t first, int64_t* src_off,
                                                     int64_t* dst_off) const {
     const int64_t t = run % tokens;
     run /= tokens;
