@@ -70,16 +70,25 @@ void inplace_or_view_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet k
   for (const at::Tensor& t : written) torch::autograd::impl::bump_version(t);
 }
 
+// Every mutating op, named once for both blocks below. A mutating op missing here would lose its
+// version-counter bumps without any error; tests/test_schemas.py checks this list against the schemas.
+constexpr const char* kMutatingOps[] = {
+    "repeat_kv_cache_",
+    "write_kv_",
+};
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(torchkvops, Autograd, m) {
-  m.impl("repeat_kv_cache_", torch::CppFunction::makeFromBoxedFunction<&autograd_kernel>());
-  m.impl("write_kv_", torch::CppFunction::makeFromBoxedFunction<&autograd_kernel>());
+  for (const char* name : kMutatingOps) {
+    m.impl(name, torch::CppFunction::makeFromBoxedFunction<&autograd_kernel>());
+  }
 }
 
 TORCH_LIBRARY_IMPL(torchkvops, ADInplaceOrView, m) {
-  m.impl("repeat_kv_cache_", torch::CppFunction::makeFromBoxedFunction<&inplace_or_view_kernel>());
-  m.impl("write_kv_", torch::CppFunction::makeFromBoxedFunction<&inplace_or_view_kernel>());
+  for (const char* name : kMutatingOps) {
+    m.impl(name, torch::CppFunction::makeFromBoxedFunction<&inplace_or_view_kernel>());
+  }
 }
 
 }  // namespace torchkvops
