@@ -1,7 +1,7 @@
 """TRL's GRPOTrainer (no vLLM) with `torchkvops.patch_generate`: the trainer's generate calls go through the
 rollout (one prefill per prompt, none through HF's generate), TRL receives prompts x num_generations
 sequences, and training updates the weights. Also: TRL's default bf16=True on a float32 model falls back
-to HF's generate (see generation._forward_autocast_dtype), and examples/grpo_trl.py runs end to end."""
+to HF's generate (see integration.forward_autocast_dtype), and examples/grpo_trl.py runs end to end."""
 
 import importlib.util
 import os
