@@ -42,7 +42,6 @@ import dataclasses
 import functools
 import inspect
 import sys
-import warnings
 import weakref
 
 import torch
@@ -50,6 +49,7 @@ from torch import Tensor, nn
 from transformers import AttentionInterface, PreTrainedConfig
 
 from .hf import sliding_window, unwrap_model
+from .integration import PatchHandle, WarnOnce, active_dropout, autocast_dtype, disable_dropout
 from .prefix_attention import SERVED_DEVICES, PackedLayout, packed_attention
 from .prefix_groups import find_prefix_groups, pack_layout, row_keys
 
@@ -70,9 +70,8 @@ _SERVED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _HANDLED = {"input_ids", "attention_mask", "position_ids", "use_cache", "output_hidden_states",
             "output_attentions", "return_dict"}
 _CACHE_ARGUMENTS = ("cache", "past_key_values")
-# Float attributes through which transformers layers apply functional dropout in train mode.
-_DROPOUT_ATTRIBUTES = ("dropout", "attention_dropout", "activation_dropout", "hidden_dropout", "attn_dropout",
-                       "resid_dropout", "embd_dropout")
+# The warning for each cause of a fallback, given once per patch.
+_FALLBACK_WARNING = "torchkvops.patch_forward: {cause}; this forward (and every one with it) runs the plain forward"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,8 +147,8 @@ def _shared_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tens
             raise RuntimeError(f"torchkvops: shared-prefix attention got {name}={setting!r}, which it cannot serve")
     # Under autocast the model's own attention (SDPA, eager's matmuls) runs in the autocast dtype, and
     # its inputs may come in mixed dtypes (RoPE in float32, V straight from a bf16 projection).
-    device = query.device.type
-    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else query.dtype
+    dtype = autocast_dtype(query.device.type)
+    dtype = query.dtype if dtype is None else dtype
     query, key, value = (t.to(dtype) for t in (query, key, value))
     return packed_attention(query, key, value, layout, scaling), None
 
@@ -164,7 +163,7 @@ class _PatchState:
     stats: SharedForwardStats
     previous_forward: object  # the backbone's own instance-level forward before the patch, or None
     views: list  # (attention module, its config before the patch)
-    warned: set = dataclasses.field(default_factory=set)
+    warn_once: WarnOnce = dataclasses.field(default_factory=lambda: WarnOnce(_FALLBACK_WARNING))
     # Set by the causal LM's pre-hook for the forward it is running: its labels include a token that a
     # left-padding column predicts (what eager attention gives there, a shared prefix cannot).
     labels_read_blind_queries: bool = False
@@ -173,12 +172,6 @@ class _PatchState:
         if self.previous_forward is not None:
             return self.previous_forward
         return functools.partial(type(backbone).forward, backbone)
-
-    def warn_once(self, reason: str) -> None:
-        if reason not in self.warned:
-            self.warned.add(reason)
-            warnings.warn(f"torchkvops.patch_forward: {reason}; this forward (and every one with it) runs the "
-                          "plain forward", UserWarning, stacklevel=2)
 
 
 def _shared_backbone_forward(self: nn.Module, *args, **kwargs):
@@ -267,7 +260,7 @@ def _plain_reason(backbone: nn.Module, arguments: dict) -> str | None:
     if input_ids.numel() == 0:
         return f"an empty batch (input_ids of shape {tuple(input_ids.shape)})"
     if backbone.training:
-        cause = _active_dropout(backbone)
+        cause = active_dropout(backbone)
         if cause:
             return (f"dropout in train mode ({cause}: every row needs its own dropout mask; set it to 0 with "
                     "torchkvops.shared_forward.disable_dropout(model), or call model.eval())")
@@ -282,36 +275,6 @@ def _plain_reason(backbone: nn.Module, arguments: dict) -> str | None:
     window = sliding_window(config)
     if window is not None and input_ids.shape[1] > window:
         return f"rows of {input_ids.shape[1]} tokens, longer than the sliding window of {window}"
-    return None
-
-
-def disable_dropout(model: nn.Module) -> None:
-    """Set every dropout the shared path checks to 0: nn.Dropout's p (what TRL's disable_dropout does) and
-    the floats that OPT-style layers pass to functional dropout (which TRL's leaves on)."""
-    for module in model.modules():
-        if isinstance(module, nn.Dropout):
-            module.p = 0.0
-            continue
-        for attribute in _DROPOUT_ATTRIBUTES:
-            value = vars(module).get(attribute)
-            if isinstance(value, float) and value > 0:
-                setattr(module, attribute, 0.0)
-
-
-def _active_dropout(backbone: nn.Module) -> str | None:
-    """The first dropout the backbone applies in train mode: an nn.Dropout with p > 0, or a float that a
-    layer passes to functional dropout (OPT's `dropout`, Llama's `attention_dropout`)."""
-    for name, module in backbone.named_modules():
-        if not module.training:
-            continue
-        if isinstance(module, nn.Dropout):
-            if module.p > 0:
-                return f"{name or type(module).__name__} p={module.p}"
-            continue
-        for attribute in _DROPOUT_ATTRIBUTES:
-            value = vars(module).get(attribute)
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
-                return f"{name + '.' if name else ''}{attribute}={value}"
     return None
 
 
@@ -407,11 +370,12 @@ def _labels_post_hook(state: _PatchState, module: nn.Module, args: tuple, output
     state.labels_read_blind_queries = False
 
 
-class ForwardPatch:
+class ForwardPatch(PatchHandle):
     """What `patch_forward` returns: `undo()` (or leaving the `with` block) restores the model;
     `stats` counts the forwards served by the shared path and by the plain one."""
 
     def __init__(self, backbone: nn.Module, config: SharedForwardConfig, causal_lm: nn.Module | None = None):
+        super().__init__()
         self.config = config
         self.stats = SharedForwardStats()
         modules = _attention_modules(backbone)
@@ -428,11 +392,10 @@ class ForwardPatch:
                                                     with_kwargs=True),
                 causal_lm.register_forward_hook(functools.partial(_labels_post_hook, state), always_call=True)]
         self._backbone_ref = weakref.ref(backbone)
-        self.active = True
 
-    def undo(self) -> None:
+    def _restore(self) -> None:
         backbone = self._backbone_ref()
-        if not self.active or backbone is None:
+        if backbone is None:
             return
         state: _PatchState = getattr(backbone, _STATE_ATTR)
         if state.previous_forward is None:
@@ -444,13 +407,6 @@ class ForwardPatch:
         for hook in self._hooks:
             hook.remove()
         delattr(backbone, _STATE_ATTR)
-        self.active = False
-
-    def __enter__(self) -> "ForwardPatch":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.undo()
 
 
 def patch_forward(model: nn.Module, **options) -> ForwardPatch:
