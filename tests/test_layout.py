@@ -127,3 +127,17 @@ def test_the_library_never_imports_the_command_line_or_the_harness():
     allowed = {"library": {"library"}, "bench": {"library", "bench"}, "cli": {"library", "bench", "cli"}}
     wrong = sorted((a, b) for a, targets in graph.items() for b in targets if layer(b) not in allowed[layer(a)])
     assert wrong == []
+
+
+def test_the_integrations_share_a_leaf_and_the_contract_knows_no_patch():
+    """integration.py (what patch_generate and patch_forward share) imports no module of the package, so
+    that any module may use it; generate_contract.py (HF's generate contract) knows neither patch; and the
+    two integrations do not import each other."""
+    graph = import_graph(PACKAGE_ROOT)
+    assert graph["torchkvops.integration"] == set()
+    assert {"torchkvops.integration", "torchkvops.rollout"} <= graph["torchkvops.generate_contract"]
+    assert not {"torchkvops.generation", "torchkvops.shared_forward"} & graph["torchkvops.generate_contract"]
+    assert {"torchkvops.integration", "torchkvops.generate_contract"} <= graph["torchkvops.generation"]
+    assert "torchkvops.integration" in graph["torchkvops.shared_forward"]
+    assert "torchkvops.shared_forward" not in graph["torchkvops.generation"]
+    assert "torchkvops.generation" not in graph["torchkvops.shared_forward"]
