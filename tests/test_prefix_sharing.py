@@ -127,7 +127,7 @@ def test_decode_attention_takes_masks_as_narrow_as_the_response_rounding(device,
     """The prefix layout's response mask is a multiple of RESPONSE_KV_MULTIPLE (8) positions wide: the fused
     kernels (CPU flash; CUDA memory-efficient, which needs each mask row 16-byte aligned) must take it, over
     several rows, and give the reference's attention and log-sum-exp."""
-    from torchkvops.attention import attend
+    from torchkvops.fused_attention import attend
     from torchkvops.rollout import RESPONSE_KV_MULTIPLE
 
     g = torch.Generator().manual_seed(0)
@@ -138,7 +138,7 @@ def test_decode_attention_takes_masks_as_narrow_as_the_response_rounding(device,
         bias = torch.zeros(rows, 1, 1, length)
         for r in range(rows):  # row r sees its first r + 1 keys, as decode step r would
             bias[r, ..., r + 1:] = float("-inf")
-        out, lse = attend(q.to(device), k.to(device), v.to(device), bias.to(device, dtype), None, with_lse=True)
+        out, lse = attend(q.to(device), k.to(device), v.to(device), bias.to(device, dtype))
         scores = q.float() @ k.float().transpose(-1, -2) / head_dim**0.5 + bias
         ref_lse = torch.logsumexp(scores, dim=-1)
         ref = torch.softmax(scores, dim=-1) @ v.float()

@@ -15,8 +15,8 @@ see `decode_attention`), so every attention layer of any supported decoder-only 
   (`torchkvops.compaction`), the rows of a prompt are no longer N consecutive ones: the queries are
   gathered into S slots per prompt (`slot_rows`), and each row reads its slot's prefix attention back.
 
-The kernel is torch's own fused attention that also returns the log-sum-exp: the CPU flash kernel on
-CPU, the memory-efficient kernel on CUDA (plain matmul + softmax elsewhere). Masks are additive biases
+The kernel is torch's own fused attention that also returns the log-sum-exp (`torchkvops.fused_attention`:
+the CPU flash kernel on CPU, the memory-efficient kernel on CUDA, plain matmul + softmax elsewhere). Masks are additive biases
 ([rows, 1, 1, keys], 0 or -inf, in the model's dtype), kept and updated by the decode loop.
 """
 
@@ -33,8 +33,9 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from . import ops
+from .fused_attention import attend
 
-__all__ = ["NAME", "DecodeAttention", "decode_attention", "attend"]
+__all__ = ["NAME", "DecodeAttention", "decode_attention"]
 
 NAME = "torchkvops"
 
@@ -97,25 +98,6 @@ def decode_attention(model: nn.Module, context: DecodeAttention) -> Iterator[Non
             config._attn_implementation = original if len(original) > 1 else original[""]
 
 
-def attend(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scale: float | None, with_lse: bool):
-    """Attention of q [X, H, M, D] over k, v [X, H, L, D] with an additive bias [X, 1, 1, L]:
-    (out [X, H, M, D], lse [X, H, M] float32 natural log, or None)."""
-    if q.device.type == "cpu":
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, False, attn_mask=bias, scale=scale)
-        return out, lse if with_lse else None
-    if q.device.type == "cuda":
-        x, h, m, _ = q.shape
-        out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
-            q, k, v, bias.expand(x, h, m, bias.shape[-1]), with_lse, scale=scale)
-        return out, lse[..., :m] if with_lse else None  # the kernel pads lse's last dim to 32
-    scores = torch.matmul(q, k.transpose(-1, -2)).float() * (q.shape[-1] ** -0.5 if scale is None else scale)
-    scores = scores + bias.float()
-    lse = torch.logsumexp(scores, dim=-1)
-    out = torch.matmul(torch.exp(scores - lse[..., None]).to(v.dtype), v)
-    return out, lse if with_lse else None
-
-
 def torchkvops_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor,
                          dropout: float = 0.0, scaling: float | None = None, **kwargs) -> tuple[Tensor, None]:
     """query [rows, heads, 1, head_dim]; key, value: this layer's decode buffer [rows, kv_heads, T,
@@ -135,7 +117,7 @@ def torchkvops_attention(module: nn.Module, query: Tensor, key: Tensor, value: T
                          f"kv_heads, got query {tuple(query.shape)} and keys {tuple(key.shape)}")
     q = query.reshape(rows, kv_heads, group, head_dim)  # the heads of one KV head, as query length
     if context.layout == "copy":
-        out, _ = attend(q, key, value, attention_mask, scaling, with_lse=False)
+        out, _ = attend(q, key, value, attention_mask, scale=scaling, with_lse=False)
         return out.reshape(rows, 1, heads, head_dim), None
 
     # B and N from shapes, not Python ints: a compiled decode then keeps them symbolic (no recompile).
@@ -148,9 +130,9 @@ def torchkvops_attention(module: nn.Module, query: Tensor, key: Tensor, value: T
     stacked = stacked.view(prompts, samples, kv_heads, group, head_dim).transpose(1, 2)
     stacked = stacked.reshape(prompts, kv_heads, samples * group, head_dim)
     prefix_k, prefix_v = context.prompt_kv[layer, 0], context.prompt_kv[layer, 1]
-    out_p, lse_p = attend(stacked, prefix_k, prefix_v, context.prompt_bias, scaling, with_lse=True)
+    out_p, lse_p = attend(stacked, prefix_k, prefix_v, context.prompt_bias, scale=scaling)
     # Suffix: each row's own response KV, written up to and including this step.
-    out_s, lse_s = attend(q, key, value, attention_mask, scaling, with_lse=True)
+    out_s, lse_s = attend(q, key, value, attention_mask, scale=scaling)
     # Merge, in the rows' layout [B, N, kv_heads, group, ...] (the prefix part as a strided view).
     out_p = out_p.view(prompts, kv_heads, samples, group, head_dim).transpose(1, 2)
     lse_p = lse_p.view(prompts, kv_heads, samples, group).transpose(1, 2)

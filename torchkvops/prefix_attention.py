@@ -30,10 +30,10 @@ first real token, and a padding collator's labels include it). Plain eager atten
 uniform average over the whole row instead, which a shared prefix cannot reproduce:
 `torchkvops.patch_forward` runs such calls plain when labels read one.
 
-Kernels: on CPU `_scaled_dot_product_flash_attention_for_cpu` and its backward (grouped-query heads
-natively); on CUDA `_scaled_dot_product_efficient_attention` and its backward (K/V heads repeated for
-the two causal parts, whose queries cannot be folded). Other devices are not served: the caller falls
-back to the plain forward.
+Kernels: `torchkvops.fused_attention` (on CPU the flash kernel and its backward, grouped-query heads
+natively; on CUDA the memory-efficient kernel and its backward, K/V heads repeated for the two causal
+parts, whose queries cannot be folded). Other devices are not served: the caller falls back to the
+plain forward.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ import torch
 from torch import Tensor
 
 from . import ops
+from .fused_attention import attend, attend_backward
 
 __all__ = ["Bucket", "PackedLayout", "packed_attention", "shared_prefix_attention", "SERVED_DEVICES"]
 
@@ -106,67 +107,6 @@ class PackedLayout:
         return self._biases[key]
 
 
-# --- one fused attention call, forward and backward, per device ---------------------------------
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
-
-
-def _cuda_bias(bias: Tensor, heads: int, queries: int) -> Tensor:
-    """[X, 1, 1, L] -> [X, heads, queries, L] as the memory-efficient kernel takes it: a broadcast view
-    of a copy whose rows start at 16-element boundaries (the kernel's alignment rule)."""
-    x, length = bias.shape[0], bias.shape[-1]
-    padded = bias.new_zeros(x, 1, 1, _round_up(max(length, 1), 16))
-    padded[..., :length] = bias
-    return padded[..., :length].expand(x, heads, queries, length)
-
-
-def _repeat_heads(t: Tensor, heads: int) -> Tensor:
-    return t if t.shape[1] == heads else t.repeat_interleave(heads // t.shape[1], dim=1)
-
-
-def _sum_heads(grad: Tensor, kv_heads: int) -> Tensor:
-    x, heads, length, dim = grad.shape
-    return grad if heads == kv_heads else grad.view(x, kv_heads, heads // kv_heads, length, dim).sum(dim=2)
-
-
-def _attend(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, causal: bool, scale: float | None):
-    """Attention of q [X, H, M, D] over k, v [X, Hkv, L, D] (H a multiple of Hkv), additive key bias
-    [X, 1, 1, L], causal (top-left aligned, M == L) or not: (out [X, H, M, D], lse [X, H, M] float32).
-    `lse` is natural-log; on CUDA it is returned as the kernel pads it, see `_lse_view`."""
-    if q.device.type == "cpu":
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, causal, attn_mask=bias, scale=scale)
-    heads, m = q.shape[1], q.shape[2]
-    out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
-        q, _repeat_heads(k, heads), _repeat_heads(v, heads), _cuda_bias(bias, heads, m), True, 0.0, causal,
-        scale=scale)
-    return out, lse
-
-
-def _lse_view(lse: Tensor, queries: int) -> Tensor:
-    """The [X, H, M] log-sum-exp of `_attend`'s raw one (CUDA pads its last dim to a multiple of 32)."""
-    return lse[..., :queries]
-
-
-def _attend_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, bias: Tensor, causal: bool,
-                     scale: float | None, out: Tensor, lse: Tensor):
-    """dq, dk, dv of `_attend` for the given output and log-sum-exp ([X, H, M], float32), which may be
-    those of a larger attention that this one is a part of (see the module docstring)."""
-    if q.device.type == "cpu":
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad, q, k, v, out, lse, 0.0, causal, attn_mask=bias, scale=scale)
-    heads, m = q.shape[1], q.shape[2]
-    kv_heads = k.shape[1]
-    padded_lse = lse.new_zeros(*lse.shape[:-1], _round_up(max(m, 1), 32))
-    padded_lse[..., :m] = lse
-    seed_offset = torch.zeros(2, dtype=torch.int64, device=q.device)  # unused: no dropout
-    dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-        grad.contiguous(), q, _repeat_heads(k, heads), _repeat_heads(v, heads), _cuda_bias(bias, heads, m),
-        out.contiguous(), padded_lse, seed_offset[0], seed_offset[1], 0.0, [True, True, True, False], causal,
-        scale=scale)
-    return dq, _sum_heads(dk, kv_heads), _sum_heads(dv, kv_heads)
-
-
 # --- the three parts of a bucket ---------------------------------------------------------------
 def _fold(t: Tensor, groups: int, kv_heads: int) -> Tensor:
     """Suffix rows [groups*n, H, S, ...] -> [groups, kv_heads, n * (H // kv_heads) * S, ...]: every query
@@ -192,7 +132,7 @@ class _SharedPrefixAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q_pre, k_pre, v_pre, q_suf, k_suf, v_suf, bias_pre, bias_suf, scale):
         groups, heads = q_pre.shape[0], q_pre.shape[1]
-        out_pre, lse_pre = _attend(q_pre, k_pre, v_pre, bias_pre, True, scale)
+        out_pre, lse_pre = attend(q_pre, k_pre, v_pre, bias_pre, causal=True, scale=scale)
         rows, s = q_suf.shape[0], q_suf.shape[2]
         if s == 0:
             out_suf = q_suf.new_empty(q_suf.shape)
@@ -200,17 +140,17 @@ class _SharedPrefixAttention(torch.autograd.Function):
         else:
             kv_heads = k_pre.shape[1]
             folded = _fold(q_suf, groups, kv_heads)
-            out_x, lse_x = _attend(folded, k_pre, v_pre, bias_pre, False, scale)
-            out_s, lse_s = _attend(q_suf, k_suf, v_suf, bias_suf, True, scale)
+            out_x, lse_x = attend(folded, k_pre, v_pre, bias_pre, scale=scale)
+            out_s, lse_s = attend(q_suf, k_suf, v_suf, bias_suf, causal=True, scale=scale)
             n, per_kv = rows // groups, heads // kv_heads
             split = (groups, n, kv_heads, per_kv, s)
             out_suf, lse_suf = ops.merge_attention_states(
-                _unfold(out_x, groups, rows, heads), _unfold(_lse_view(lse_x, folded.shape[2]), groups, rows, heads),
-                out_s.view(*split, -1), _lse_view(lse_s, s).reshape(split))
+                _unfold(out_x, groups, rows, heads), _unfold(lse_x, groups, rows, heads),
+                out_s.view(*split, -1), lse_s.reshape(split))
             out_suf, lse_suf = out_suf.view(q_suf.shape), lse_suf.view(q_suf.shape[:3])
         ctx.scale = scale
-        ctx.save_for_backward(q_pre, k_pre, v_pre, q_suf, k_suf, v_suf, bias_pre, bias_suf, out_pre,
-                              _lse_view(lse_pre, q_pre.shape[2]), out_suf, lse_suf)
+        ctx.save_for_backward(q_pre, k_pre, v_pre, q_suf, k_suf, v_suf, bias_pre, bias_suf, out_pre, lse_pre, out_suf,
+                              lse_suf)
         return out_pre, out_suf
 
     @staticmethod
@@ -218,19 +158,20 @@ class _SharedPrefixAttention(torch.autograd.Function):
         q_pre, k_pre, v_pre, q_suf, k_suf, v_suf, bias_pre, bias_suf, out_pre, lse_pre, out_suf, lse_suf = \
             ctx.saved_tensors
         scale = ctx.scale
-        dq_pre, dk_pre, dv_pre = _attend_backward(grad_pre.contiguous(), q_pre, k_pre, v_pre, bias_pre, True, scale,
-                                                  out_pre, lse_pre)
+        dq_pre, dk_pre, dv_pre = attend_backward(grad_pre.contiguous(), q_pre, k_pre, v_pre, bias_pre, causal=True,
+                                                 scale=scale, out=out_pre, lse=lse_pre)
         if q_suf.shape[2] == 0:
             return dq_pre, dk_pre, dv_pre, torch.zeros_like(q_suf), torch.zeros_like(k_suf), \
                 torch.zeros_like(v_suf), None, None, None
         groups, kv_heads = q_pre.shape[0], k_pre.shape[1]
         grad_suf = grad_suf.contiguous()
         # Cross part: the folded queries against the prefix K/V, with the merged output and lse.
-        dq_x, dk_x, dv_x = _attend_backward(
-            _fold(grad_suf, groups, kv_heads), _fold(q_suf, groups, kv_heads), k_pre, v_pre, bias_pre, False, scale,
-            _fold(out_suf, groups, kv_heads), _fold(lse_suf, groups, kv_heads))
+        dq_x, dk_x, dv_x = attend_backward(
+            _fold(grad_suf, groups, kv_heads), _fold(q_suf, groups, kv_heads), k_pre, v_pre, bias_pre, causal=False,
+            scale=scale, out=_fold(out_suf, groups, kv_heads), lse=_fold(lse_suf, groups, kv_heads))
         # Suffix part: each row against its own keys, causally, with the same merged output and lse.
-        dq_s, dk_s, dv_s = _attend_backward(grad_suf, q_suf, k_suf, v_suf, bias_suf, True, scale, out_suf, lse_suf)
+        dq_s, dk_s, dv_s = attend_backward(grad_suf, q_suf, k_suf, v_suf, bias_suf, causal=True, scale=scale,
+                                           out=out_suf, lse=lse_suf)
         rows, heads = q_suf.shape[0], q_suf.shape[1]
         dq_suf = dq_s + _unfold(dq_x, groups, rows, heads).reshape(q_suf.shape)
         return dq_pre, dk_pre + dk_x, dv_pre + dv_x, dq_suf, dk_s, dv_s, None, None, None

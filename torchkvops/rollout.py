@@ -37,9 +37,9 @@ __all__ = ["Rollout", "RolloutConfig", "RolloutOutput", "RolloutProfile", "NonFi
 # one decode shape (graph), and the attention kernels get aligned mask widths.
 KV_LENGTH_MULTIPLE = 64
 # The prefix layout's response KV (R - 1 positions) is rounded less: its length is fixed per config, so
-# it adds no decode shape, and a multiple of 8 is what the fused kernels need: CUDA's memory-efficient
-# kernel, called directly (torch's SDPA would pad the mask), requires the mask's row stride to be a
-# multiple of 16 bytes (8 fp16/bf16 elements, 4 fp32). With R=8 a row holds 8 response positions, not 64.
+# it adds no decode shape, and a multiple of 8 keeps every decode bias's rows on 16-byte boundaries, so
+# that `fused_attention`'s CUDA alignment rule never copies a bias in a decode step. With R=8 a row holds
+# 8 response positions, not 64.
 RESPONSE_KV_MULTIPLE = 8
 # A positive temperature below this would overflow logits / temperature in float32 (1e-44 did): use 0.
 MIN_TEMPERATURE = 1e-6
