@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections import OrderedDict
+from collections import OrderedDict  # (the bounded record of graph keys)
 from collections.abc import Callable
 
 import torch
@@ -37,6 +37,7 @@ from torch import Tensor
 
 from . import attention, compaction
 from .hf import ModelAdapter
+from .integration import LRU
 from .kv_cache import RolloutKVCache
 from .sampling import SamplingParams, row_keys, sample, sample_with_logprobs
 
@@ -223,7 +224,7 @@ class DecodeRunner:
         self.compiled = compile
         self.use_graphs = cuda_graphs and device.type == "cuda"
         self.device = device
-        self.graphs: OrderedDict[tuple, torch.cuda.CUDAGraph] = OrderedDict()
+        self.graphs: LRU[tuple, torch.cuda.CUDAGraph] = LRU(MAX_CUDA_GRAPHS)
         self.warmed: set[tuple] = set()
         self.eager_keys: set[tuple] = set()  # shapes whose compile or capture failed: run eagerly
         self._pool = None
@@ -248,7 +249,6 @@ class DecodeRunner:
             return self._run_compiled_or_eager(key)
         graph = self.graphs.get(key)
         if graph is not None:
-            self.graphs.move_to_end(key)
             return graph.replay()
         if key not in self.warmed:  # the first step of a new key runs for real, on the capture stream
             self._warm_up(key)
@@ -328,10 +328,7 @@ class DecodeRunner:
             self._give_up_graphs(key, f"its CUDA-graph capture failed ({type(error).__name__}: "
                                       f"{' '.join(str(error).split())[:300]})")
             return None
-        self.graphs[key] = graph
-        while len(self.graphs) > MAX_CUDA_GRAPHS:
-            self.graphs.popitem(last=False)
-        return graph
+        return self.graphs.put(key, graph)
 
     def _recover_from_failed_capture(self, graph: torch.cuda.CUDAGraph) -> None:
         """Undo what a failed capture leaves behind (torch 2.11's capture_end raises before its own
@@ -441,7 +438,7 @@ class Decoder:
         self.step = DecodeStep(adapter, cache, params, pad_id, eos, min_new_tokens, logprobs=logprobs)
         self.runner = DecodeRunner(self.step, compile, cuda_graphs, adapter.device)
         self.context = attention.DecodeAttention(layout)
-        self.states: OrderedDict[DecodeShape, DecodeState] = OrderedDict()  # least recently used first
+        self.states: LRU[DecodeShape, DecodeState] = LRU(MAX_DECODE_STATES)
         self._graph_keys: OrderedDict[int, None] = OrderedDict()  # hashes of the last _KEYS_KEPT keys met
         self._compactions = 0
 
@@ -534,11 +531,7 @@ class Decoder:
     # --- states, compaction, binding ---------------------------------------------------------------
     def _state(self, shape: DecodeShape) -> DecodeState:
         """The decode state of this shape, kept (least recently used dropped past MAX_DECODE_STATES)."""
-        s = self.states.pop(shape, None) or DecodeState(shape, self.adapter.device)
-        self.states[shape] = s
-        while len(self.states) > MAX_DECODE_STATES:
-            self.states.popitem(last=False)
-        return s
+        return self.states.put(shape, self.states.get(shape) or DecodeState(shape, self.adapter.device))
 
     def _compact(self, first: DecodeState, state: DecodeState, batch: compaction.BatchMap, plan: compaction.Plan,
                  tokens: int) -> DecodeState:

@@ -106,6 +106,10 @@ class LRU(Generic[K, V]):
     def values(self):
         return self._entries.values()
 
+    def __iter__(self):
+        """The keys, least recently used first."""
+        return iter(self._entries)
+
     def __len__(self) -> int:
         return len(self._entries)
 
