@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from devices import requires_gpu
 from models import FAMILIES, prompts
 from torchkvops import Rollout, RolloutConfig, reference
 
@@ -193,7 +194,7 @@ def test_bad_return_logprobs_names_the_field():
 
 # --- CUDA: graphs and the float32 head on the GPU ---------------------------------------------------
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@requires_gpu
 @pytest.mark.parametrize("kv_sharing", ["copy", "prefix"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_cuda_graphs_give_the_eager_logprobs_and_the_trainers(kv_sharing, dtype):

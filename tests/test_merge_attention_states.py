@@ -12,14 +12,10 @@ import math
 import pytest
 import torch
 
+from devices import DEVICES, requires_gpu
 import torchkvops
 from torchkvops import reference
 
-HAS_GPU = torch.cuda.is_available()
-DEVICES = [
-    "cpu",
-    pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU")]),
-]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # Attention outputs in float64 are rounded once to the input dtype and once more on output.
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
@@ -318,7 +314,7 @@ def test_strided_inputs_read_in_place(device):
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU")
+@requires_gpu
 def test_cuda_no_host_sync_and_graph_capture():
     inputs, expected = attention_case([4, 8], 4, 128, torch.bfloat16, torch.bfloat16, True, "cuda", seed=12)
     torch.cuda.set_sync_debug_mode("error")

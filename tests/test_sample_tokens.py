@@ -21,6 +21,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from devices import DEVICES, requires_gpu
 import torchkvops
 from torchkvops import ops, reference
 from torchkvops.sampling import (
@@ -34,8 +35,6 @@ from torchkvops.sampling import (
     sample_with_logprobs,
 )
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-DEVICE_PARAMS = [pytest.param(d, marks=pytest.mark.cuda) if d == "cuda" else d for d in DEVICES]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 TIE_TOL = 1e-5  # perturbed scores closer than this (absolute, in logit/temperature units) are a tie
@@ -96,7 +95,7 @@ def assert_matches_reference(out, logits, keys, step, temperature, top_k, top_p)
     assert len(rows) <= max(1, out.numel() // 20), f"{len(rows)} of {out.numel()} rows disagree"
 
 
-@pytest.mark.parametrize("device", DEVICE_PARAMS)
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("rows,vocab", [(1, 1), (3, 2), (40, 97), (16, 3000)])
 @pytest.mark.parametrize("mode", MODES)
@@ -110,7 +109,7 @@ def test_matches_reference(device, dtype, rows, vocab, mode):
         assert_matches_reference(out, logits, keys, step_t, temperature, top_k, top_p)
 
 
-@pytest.mark.parametrize("device", DEVICE_PARAMS)
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_matches_reference_large_vocab(device, dtype):
     rows, vocab = 3, 151936  # past 65536 and 2^17: every radix digit and a long row
@@ -122,7 +121,7 @@ def test_matches_reference_large_vocab(device, dtype):
         assert_matches_reference(out, logits, keys, step, temperature, top_k, top_p)
 
 
-@pytest.mark.parametrize("device", DEVICE_PARAMS)
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("layout", ["row_strided", "column_strided", "expanded_keys"])
 def test_matches_reference_non_contiguous(device, layout):
     rows, vocab = 9, 1001
@@ -143,7 +142,7 @@ def test_matches_reference_non_contiguous(device, layout):
             assert torch.equal(ops.sample_tokens(logits, keys, other_step, temperature, top_k, top_p), out)
 
 
-@pytest.mark.parametrize("device", DEVICE_PARAMS)
+@pytest.mark.parametrize("device", DEVICES)
 def test_no_rows(device):
     for vocab in (0, 5):
         logits = torch.empty(0, vocab, device=device)
@@ -152,7 +151,7 @@ def test_no_rows(device):
         assert out.shape == (0,) and out.dtype == torch.long and out.device == logits.device
 
 
-@pytest.mark.parametrize("device", DEVICE_PARAMS)
+@pytest.mark.parametrize("device", DEVICES)
 def test_greedy_ties_and_special_values(device):
     """Greedy is torch.argmax exactly: the first of tied maxima, NaN above everything, -inf rows."""
     inf, nan = float("inf"), float("nan")
@@ -171,7 +170,7 @@ def test_greedy_ties_and_special_values(device):
         assert torch.equal(out, torch.ones_like(out))
 
 
-@pytest.mark.parametrize("device", DEVICE_PARAMS)
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_greedy_is_argmax_on_ties_and_special_values_anywhere(device, dtype):
     """Rows of every length around the kernels' block sizes, drawn from a few values (so that ties are
@@ -198,7 +197,7 @@ def key_and_step_for_word(token: int, high: int, low: int) -> tuple[int, int]:
     return unhash32(row_high) ^ _hash32(step + STEP_SALT), step
 
 
-@pytest.mark.parametrize("device", DEVICE_PARAMS)
+@pytest.mark.parametrize("device", DEVICES)
 def test_extreme_noise_words_are_finite_and_masked(device):
     """The largest word (2^64 - 1) gives the largest noise, -log(2^-65) = 45.05 (the 23-bit noise
     stopped at 16.64; a 32-bit uniform once rounded to 1.0 here and gave infinite noise, which beat
@@ -220,7 +219,7 @@ def test_extreme_noise_words_are_finite_and_masked(device):
                 assert (int(out) == token) == (top_k == 0 and top_p == 1.0)
 
 
-@pytest.mark.parametrize("device", DEVICE_PARAMS)
+@pytest.mark.parametrize("device", DEVICES)
 def test_top_k_one_and_tiny_top_p_are_greedy(device):
     logits = make_logits(64, 500, torch.float32, device, seed=1)
     keys = row_keys(4, torch.arange(64, device=device))
@@ -232,7 +231,7 @@ def test_top_k_one_and_tiny_top_p_are_greedy(device):
                 assert torch.equal(ops.sample_tokens(logits, keys, step_t, temperature, top_k, top_p), greedy)
 
 
-@pytest.mark.parametrize("device", DEVICE_PARAMS)
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_draws_stay_in_the_kept_set(device, dtype):
     """Independent of the reference: top-k draws are among the k largest (ties included), top-p draws
@@ -255,7 +254,7 @@ def test_draws_stay_in_the_kept_set(device, dtype):
         assert len(set(out.tolist())) > 1  # the rows draw different tokens
 
 
-@pytest.mark.parametrize("device", DEVICE_PARAMS)
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("temperature,top_k,top_p", [(0.8, 0, 1.0), (1.0, 3, 1.0), (1.2, 0, 0.7), (1.0, 4, 0.9)])
 def test_frequencies_follow_the_distribution(device, temperature, top_k, top_p):
     """Over 20000 draws (4000 keys x 5 steps) the token counts fit the (truncated) softmax: a Pearson
@@ -302,7 +301,7 @@ def assert_within_3_sd(observed, draws, p):
     assert abs(observed - expected) <= 3 * sd, f"{observed} tail draws in {draws}, {expected:.1f} +- {sd:.1f} expected"
 
 
-@pytest.mark.parametrize("device", DEVICE_PARAMS)
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("p_each,vocab,rows", [(1e-7, 49152, 10_000), (1.5e-8, 49152, 60_000)])
 def test_far_tail_is_drawn_at_its_probability(device, p_each, vocab, rows):
     """Issue #20: the 23-bit noise capped the Gumbel at 16.64, and tokens of probability 1.5e-8 came
@@ -328,7 +327,7 @@ def unhash32(x: int) -> int:
     return x ^ (x >> 16)
 
 
-@pytest.mark.parametrize("device", DEVICE_PARAMS)
+@pytest.mark.parametrize("device", DEVICES)
 def test_tail_of_1e_10_is_drawn_at_its_probability(device):
     """A token of probability 1e-10 would need 4e11 token draws for 40 expected hits, so this samples
     only where it can win. Rows [0, -c]: token 1 has probability p = 1e-10. Its noise comes from a
@@ -363,7 +362,7 @@ def test_tail_of_1e_10_is_drawn_at_its_probability(device):
     assert_within_3_sd(hits, rows, p * 2**32 / strata)
 
 
-@pytest.mark.parametrize("device", DEVICE_PARAMS)
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("sampler,op", [(sample, ops.sample_tokens),
                                         (sample_with_logprobs, ops.sample_tokens_with_logprobs)])
 def test_sample_is_the_operator(device, sampler, op):
@@ -423,7 +422,7 @@ def assert_logprobs_match_reference(logits, keys, step, temperature, top_k, top_
     assert (diff <= tolerance).all(), (diff.max().item(), (diff - tolerance).max().item())
 
 
-@pytest.mark.parametrize("device", DEVICE_PARAMS)
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("mode", MODES)
 def test_logprobs_match_reference(device, dtype, mode):
@@ -441,7 +440,7 @@ def test_logprobs_match_reference(device, dtype, mode):
         assert_logprobs_match_reference(logits, keys, step, temperature, top_k, top_p)
 
 
-@pytest.mark.parametrize("device", DEVICE_PARAMS)
+@pytest.mark.parametrize("device", DEVICES)
 def test_logprobs_are_of_the_kept_distribution(device):
     """Independent of the reference: exp(logprob) summed over the tokens the op draws with each
     setting, one row per token of a small vocabulary forced by top-k = 1 ... is a probability; and
@@ -474,7 +473,7 @@ def opcheck_samples(device):
 OPS = {"sample_tokens": ops.sample_tokens, "sample_tokens_with_logprobs": ops.sample_tokens_with_logprobs}
 
 
-@pytest.mark.parametrize("device", DEVICE_PARAMS)
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("op", OPS)
 def test_opcheck(device, op):
     for args in opcheck_samples(device):
@@ -497,7 +496,7 @@ def test_compiled_matches_eager(op):
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@requires_gpu
 def test_cuda_graph_capture_and_no_host_sync():
     logits = make_logits(32, 50272, torch.bfloat16, "cuda")
     keys = row_keys(6, torch.arange(32, device="cuda"))
@@ -520,7 +519,7 @@ def test_cuda_graph_capture_and_no_host_sync():
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@requires_gpu
 def test_cuda_inputs_on_other_devices():
     logits = make_logits(2, 10, torch.float32, "cuda")
     keys, step = torch.arange(2, device="cuda"), torch.zeros(1, dtype=torch.long, device="cuda")

@@ -7,12 +7,12 @@ import sys
 
 import pytest
 import torch
+from devices import DEVICES, requires_gpu
 from timeouts import TIMEOUT
 
 import torchkvops
 from torchkvops import reference
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 def make(device, dtype=torch.float32, rows=3, q=4, start=2, layer=1):
@@ -23,7 +23,7 @@ def make(device, dtype=torch.float32, rows=3, q=4, start=2, layer=1):
     return cache, key, value, layer, torch.tensor([start], device=device)
 
 
-@pytest.mark.parametrize("device", [pytest.param(d, marks=pytest.mark.cuda) if d == "cuda" else d for d in DEVICES])
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rows,q,start", [(3, 4, 2), (5, 1, 11), (1, 12, 0)])
 def test_matches_reference(device, dtype, rows, q, start):
@@ -36,7 +36,7 @@ def test_matches_reference(device, dtype, rows, q, start):
     assert torch.equal(cache, expected)
 
 
-@pytest.mark.parametrize("device", [pytest.param(d, marks=pytest.mark.cuda) if d == "cuda" else d for d in DEVICES])
+@pytest.mark.parametrize("device", DEVICES)
 def test_opcheck(device):
     for args in (make(device, q=4), make(device, q=1, start=7)):
         torch.library.opcheck(torch.ops.torchkvops.write_kv_.default, args)
@@ -95,7 +95,7 @@ def test_start_out_of_range_is_refused_even_for_an_empty_write(tokens):
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@requires_gpu
 @pytest.mark.parametrize("tokens", [4, 0])
 def test_cuda_start_out_of_range_trips_the_device_side_assert(tokens):
     """On CUDA `start` is checked by the kernel (no host sync per call), also when there is nothing to
@@ -114,7 +114,7 @@ torch.cuda.synchronize()
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@requires_gpu
 @pytest.mark.parametrize("moved", ["key", "value", "start"])
 def test_a_tensor_on_another_device_is_refused_before_writing(moved):
     cache, key, value, layer, start = make("cuda")
@@ -126,7 +126,7 @@ def test_a_tensor_on_another_device_is_refused_before_writing(moved):
     assert torch.equal(cache, before)
 
 
-@pytest.mark.parametrize("device", [pytest.param(d, marks=pytest.mark.cuda) if d == "cuda" else d for d in DEVICES])
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("layout", ["head_dim_strided", "permuted"])
 def test_non_contiguous_key_and_value(device, layout):
     cache, key, value, layer, start = make(device, torch.float16)
