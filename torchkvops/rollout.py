@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from .decode import FINISHED_CHECK_INTERVAL, MAX_DECODE_STATES, Decoder, DecodeState, NonFiniteLogitsError  # noqa: F401
 from .hf import ModelAdapter
+from .integration import left_padding_fault
 from .kv_cache import KV_LAYOUTS, RolloutKVCache
 from .lm_head import Float32LMHead
 from .profiling import RolloutProfile, StageTimer
@@ -368,7 +369,8 @@ def check_prompts(input_ids, attention_mask, device: torch.device, vocab: int | 
     if not bool(((mask == 0) | (mask == 1)).all()):  # before any conversion: 0.5 must not become 0
         raise ValueError(f"{where}: attention_mask must hold only 0 and 1")
     mask = mask.long()
-    if require_left_padding and (not bool((mask[:, 1:] >= mask[:, :-1]).all()) or not bool(mask[:, -1].all())):
+    fault = left_padding_fault(mask) if require_left_padding else None
+    if fault is not None:
         raise ValueError(f"{where}: attention_mask must be left-padded (zeros first, then ones) with at least "
-                         "one token per row")
+                         f"one token per row, got a mask with {'an' if fault == 'empty row' else 'a'} {fault}")
     return input_ids, mask
