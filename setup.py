@@ -18,8 +18,10 @@ def find_cuda_home():
     candidate that really holds a toolkit: bin/nvcc and include/cuda_runtime.h."""
 
     def is_toolkit(path):
-        return bool(path) and os.path.isfile(os.path.join(path, "bin", "nvcc")) and os.path.isfile(
-            os.path.join(path, "include", "cuda_runtime.h")
+        return (
+            bool(path)
+            and os.path.isfile(os.path.join(path, "bin", "nvcc"))
+            and os.path.isfile(os.path.join(path, "include", "cuda_runtime.h"))
         )
 
     candidates = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")]
@@ -41,8 +43,10 @@ def wants_cuda(torch):
     os.environ["CUDA_HOME"] = cuda_home
     if not os.environ.get("TORCH_CUDA_ARCH_LIST") and not torch.cuda.is_available():
         os.environ["TORCH_CUDA_ARCH_LIST"] = "8.0;9.0+PTX"
-    print(f"torchkvops: building the CUDA kernels with the toolkit in {cuda_home}, "
-          f"archs {os.environ.get('TORCH_CUDA_ARCH_LIST', 'of the visible GPUs')}")
+    print(
+        f"torchkvops: building the CUDA kernels with the toolkit in {cuda_home}, "
+        f"archs {os.environ.get('TORCH_CUDA_ARCH_LIST', 'of the visible GPUs')}"
+    )
     return True
 
 

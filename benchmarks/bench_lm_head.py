@@ -34,8 +34,9 @@ VARIANTS = {
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--model-shape", choices=MODEL_SHAPES, default="opt-125m")
     p.add_argument("--device", default="cpu")
     p.add_argument("--rows", type=int, nargs=2, default=[2, 4], metavar=("B", "N"), help="prompts and samples each")
@@ -53,12 +54,24 @@ def main(argv=None) -> int:
     device = torch.device(args.device)
     model = build_model(args.model_shape, dtype=torch.bfloat16, device=device)
     batch, n = args.rows
-    prompts = torch.randint(3, model.config.vocab_size, (batch, args.prompt_length),
-                            generator=torch.Generator().manual_seed(0)).to(device)
-    rollouts = {name: Rollout(model, RolloutConfig(samples_per_prompt=n, max_new_tokens=args.response_length,
-                                                   temperature=1.0, seed=0, eos_token_id=[], enable_profiling=True,
-                                                   **extra))
-                for name, extra in VARIANTS.items()}
+    prompts = torch.randint(
+        3, model.config.vocab_size, (batch, args.prompt_length), generator=torch.Generator().manual_seed(0)
+    ).to(device)
+    rollouts = {
+        name: Rollout(
+            model,
+            RolloutConfig(
+                samples_per_prompt=n,
+                max_new_tokens=args.response_length,
+                temperature=1.0,
+                seed=0,
+                eos_token_id=[],
+                enable_profiling=True,
+                **extra,
+            ),
+        )
+        for name, extra in VARIANTS.items()
+    }
     for r in rollouts.values():  # warm-up (and on CUDA, capture)
         r.generate(prompts)
         r.generate(prompts)
@@ -72,16 +85,20 @@ def main(argv=None) -> int:
     refresh_ms = [t * 1e3 for t in time_methods({"refresh": head.refresh}, device, 1, args.rounds)["refresh"]]
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
     w = model.get_output_embeddings().weight
-    print(f"{args.model_shape} bf16 (random weights), {where}, B={batch} N={n} P={args.prompt_length} "
-          f"R={args.response_length}, median of {args.rounds} interleaved rounds\n")
+    print(
+        f"{args.model_shape} bf16 (random weights), {where}, B={batch} N={n} P={args.prompt_length} "
+        f"R={args.response_length}, median of {args.rounds} interleaved rounds\n"
+    )
     print("| rollout | decode ms/step | vs plain |")
     print("|---|---:|---:|")
     plain = statistics.median(per_step["plain"])
     for name, values in per_step.items():
         m = statistics.median(values)
         print(f"| {name} | {m:.2f} | {m / plain:.3f} |")
-    print(f"\nfloat32 head refresh (a cast of the {tuple(w.shape)} head, once per generate): "
-          f"{statistics.median(refresh_ms):.2f} ms; its copy holds {w.numel() * 4 / 2**20:.0f} MiB")
+    print(
+        f"\nfloat32 head refresh (a cast of the {tuple(w.shape)} head, once per generate): "
+        f"{statistics.median(refresh_ms):.2f} ms; its copy holds {w.numel() * 4 / 2**20:.0f} MiB"
+    )
     return 0
 
 

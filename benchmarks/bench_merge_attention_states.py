@@ -43,8 +43,12 @@ def main(argv=None) -> int:
     p.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--sizes", default="32x16x128,512x32x128", help="comma-separated rows x heads x head_dim")
     p.add_argument("--dtypes", default="fp32,bf16", help=f"comma-separated, of {sorted(DTYPES)}")
-    p.add_argument("--layout", choices=["contiguous", "permuted"], default="contiguous",
-                   help="permuted: [rows, heads, D] views of a [heads, rows, D] buffer (SDPA's layout)")
+    p.add_argument(
+        "--layout",
+        choices=["contiguous", "permuted"],
+        default="contiguous",
+        help="permuted: [rows, heads, D] views of a [heads, rows, D] buffer (SDPA's layout)",
+    )
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
@@ -54,8 +58,10 @@ def main(argv=None) -> int:
         raise SystemExit("--device cuda but no CUDA GPU is available")
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(f"device={device} threads={torch.get_num_threads()} layout={args.layout} "
-          f"warmup={args.warmup} iters={args.iters} (median of interleaved runs)")
+    print(
+        f"device={device} threads={torch.get_num_threads()} layout={args.layout} "
+        f"warmup={args.warmup} iters={args.iters} (median of interleaved runs)"
+    )
     print(f"{'size':>14} {'dtype':>5} {'method':>10} {'median us':>10} {'GB/s':>7} {'vs op':>6}")
     for size in args.sizes.split(","):
         rows, heads, head_dim = (int(x) for x in size.lower().split("x"))

@@ -28,8 +28,9 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--model-shape", choices=MODEL_SHAPES, default="llama-small")
     p.add_argument("--head-scale", type=float, default=10.0)
     p.add_argument("--dtype", choices=DTYPES, default="bf16")
@@ -38,8 +39,11 @@ def main(argv=None) -> int:
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--modes", nargs="+", default=["shared", "prefix", "hf-generate"])
-    p.add_argument("--float32-partials", action="store_true",
-                   help="run the prefix layout's partial attentions in float32 (an experiment)")
+    p.add_argument(
+        "--float32-partials",
+        action="store_true",
+        help="run the prefix layout's partial attentions in float32 (an experiment)",
+    )
     args = p.parse_args(argv)
     if args.float32_partials:
         float32_partials(DTYPES[args.dtype])
@@ -54,9 +58,11 @@ def main(argv=None) -> int:
     prompts = cases.synthetic_prompts(case, model.config.vocab_size, [0, 1, 2], 0, torch.device(args.device))
     with torch.inference_mode():
         logits = model(prompts).logits.float()
-    print(f"{args.model_shape}, head x{args.head_scale:g}, {args.dtype}, {args.device}: {case.name}, temperature "
-          f"{args.temperature:g}, top_p {args.top_p:g}; prompt logits: std {logits.std().item():.2f}, mean top-1 "
-          f"probability {logits.softmax(-1).amax(-1).mean().item():.3f}\n")
+    print(
+        f"{args.model_shape}, head x{args.head_scale:g}, {args.dtype}, {args.device}: {case.name}, temperature "
+        f"{args.temperature:g}, top_p {args.top_p:g}; prompt logits: std {logits.std().item():.2f}, mean top-1 "
+        f"probability {logits.softmax(-1).amax(-1).mean().item():.3f}\n"
+    )
     engines = mismatch.measure_mismatch(model, case, args.modes, settings, prompts, pad_token_id=0)
     print(report.format_mismatch_table({"case": case.name, "mismatch": engines}))
     return 0

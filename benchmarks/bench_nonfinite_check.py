@@ -34,8 +34,10 @@ def main() -> None:
     model = build_model(args.model_shape)
     vocab = model.config.vocab_size
     ids = torch.randint(0, vocab, (args.rows // 8, args.prompt_length))
-    rollout = Rollout(model, RolloutConfig(samples_per_prompt=8, max_new_tokens=args.new_tokens, temperature=1.0,
-                                           eos_token_id=[], seed=0))
+    rollout = Rollout(
+        model,
+        RolloutConfig(samples_per_prompt=8, max_new_tokens=args.new_tokens, temperature=1.0, eos_token_id=[], seed=0),
+    )
     checked = DecodeStep.watch_nonfinite
     times = {"with check": [], "without": []}
     tokens = {}
@@ -47,10 +49,14 @@ def main() -> None:
             times[mode].append((time.perf_counter() - start) * 1e3 / args.new_tokens)
     DecodeStep.watch_nonfinite = checked
     a, b = (statistics.median(t[1:]) for t in times.values())
-    print(f"{args.model_shape}, {args.rows} rows, vocab {vocab}, {args.new_tokens} new tokens, {args.threads} threads, "
-          f"median of {args.rounds} interleaved rounds:")
-    print(f"  ms per step with the check {a:.3f}, without {b:.3f}, ratio {a / b:.3f}; "
-          f"tokens equal: {torch.equal(*tokens.values())}")
+    print(
+        f"{args.model_shape}, {args.rows} rows, vocab {vocab}, {args.new_tokens} new tokens, {args.threads} threads, "
+        f"median of {args.rounds} interleaved rounds:"
+    )
+    print(
+        f"  ms per step with the check {a:.3f}, without {b:.3f}, ratio {a / b:.3f}; "
+        f"tokens equal: {torch.equal(*tokens.values())}"
+    )
 
 
 if __name__ == "__main__":

@@ -89,8 +89,10 @@ def main(argv=None) -> None:
     modes = {"plain": plain, "expanded": expanded, "split": split}
     seconds = time_methods({name: lambda fn=fn: step(fn) for name, fn in modes.items()}, dev, 1, args.iters)
     times = {name: [t * 1e3 for t in ts] for name, ts in seconds.items()}
-    print(f"one layer, fwd+bwd: P={P} C={C} G={G} heads={H} kv_heads={Hkv} head_dim={D} {args.dtype} on {dev}, "
-          f"{torch.get_num_threads()} threads, median of {args.iters}")
+    print(
+        f"one layer, fwd+bwd: P={P} C={C} G={G} heads={H} kv_heads={Hkv} head_dim={D} {args.dtype} on {dev}, "
+        f"{torch.get_num_threads()} threads, median of {args.iters}"
+    )
     print("| mode | ms | vs plain | saved MiB |")
     print("|---|---:|---:|---:|")
     base = statistics.median(times["plain"])

@@ -43,11 +43,18 @@ DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
     p.add_argument("--rows", type=int, nargs="+", default=[64, 8], help="rows of each case (default: 64 8)")
-    p.add_argument("--vocab", type=int, nargs="+", default=[151936, 50272],
-                   help="vocab of each case, paired with --rows (default: 151936 50272)")
+    p.add_argument(
+        "--vocab",
+        type=int,
+        nargs="+",
+        default=[151936, 50272],
+        help="vocab of each case, paired with --rows (default: 151936 50272)",
+    )
     p.add_argument("--dtype", choices=DTYPES, default="bf16", help="logits dtype (default: bf16)")
     p.add_argument("--iters", type=int, default=10, help="timed calls of each side per mode (default: 10)")
     p.add_argument("--threads", type=int, help="torch.set_num_threads for both sides (default: torch's)")
@@ -106,6 +113,7 @@ def bench_case(rows: int, vocab: int, dtype: torch.dtype, device: torch.device, 
     step = torch.zeros(1, dtype=torch.long, device=device)
     results = []
     for name, (temperature, top_k, top_p) in MODES.items():
+
         def op():
             return ops.sample_tokens(logits, keys, step, temperature, top_k, top_p)
 
@@ -128,9 +136,17 @@ def bench_case(rows: int, vocab: int, dtype: torch.dtype, device: torch.device, 
             ref_ms.append(t_ref)
             hf_ms.append(t_hf)
             same.append((a == b).float().mean().item())
-        results.append(dict(rows=rows, vocab=vocab, mode=name, op_ms=statistics.median(op_ms),
-                            ref_ms=statistics.median(ref_ms), hf_ms=statistics.median(hf_ms),
-                            same=statistics.mean(same)))
+        results.append(
+            dict(
+                rows=rows,
+                vocab=vocab,
+                mode=name,
+                op_ms=statistics.median(op_ms),
+                ref_ms=statistics.median(ref_ms),
+                hf_ms=statistics.median(hf_ms),
+                same=statistics.mean(same),
+            )
+        )
     return results
 
 
@@ -141,15 +157,20 @@ def main(argv=None) -> int:
     device = torch.device(args.device)
     dtype = DTYPES[args.dtype]
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
-    print(f"sample_tokens vs the Python sampler and HF's sampling: {where}, {args.dtype} logits, median of "
-          f"{args.iters} interleaved calls each, torch {torch.__version__}, torchkvops {torchkvops.__version__}\n")
+    print(
+        f"sample_tokens vs the Python sampler and HF's sampling: {where}, {args.dtype} logits, median of "
+        f"{args.iters} interleaved calls each, torch {torch.__version__}, torchkvops {torchkvops.__version__}\n"
+    )
     print("| rows | vocab | mode | op ms | Python ms | HF ms | vs Python | vs HF | same tokens |")
     print("| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for rows, vocab in zip(args.rows, args.vocab):
         for r in bench_case(rows, vocab, dtype, device, args.iters):
-            print(f"| {r['rows']} | {r['vocab']} | {r['mode']} | {r['op_ms']:.3f} | {r['ref_ms']:.3f} | "
-                  f"{r['hf_ms']:.3f} | {r['ref_ms'] / r['op_ms']:.1f}x | {r['hf_ms'] / r['op_ms']:.1f}x | "
-                  f"{r['same']:.1%} |", flush=True)
+            print(
+                f"| {r['rows']} | {r['vocab']} | {r['mode']} | {r['op_ms']:.3f} | {r['ref_ms']:.3f} | "
+                f"{r['hf_ms']:.3f} | {r['ref_ms'] / r['op_ms']:.1f}x | {r['hf_ms'] / r['op_ms']:.1f}x | "
+                f"{r['same']:.1%} |",
+                flush=True,
+            )
     return 0
 
 

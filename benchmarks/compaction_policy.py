@@ -29,8 +29,12 @@ def pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-POLICIES = {"off": None, "pow2/0.5": (pow2, 0.5), "q4/0.875": (compaction.bucket, compaction.COMPACT_FRACTION),
-            "exact/1": (lambda n: max(n, 1), 1.0)}
+POLICIES = {
+    "off": None,
+    "pow2/0.5": (pow2, 0.5),
+    "q4/0.875": (compaction.bucket, compaction.COMPACT_FRACTION),
+    "exact/1": (lambda n: max(n, 1), 1.0),
+}
 
 
 def main() -> None:
@@ -49,13 +53,25 @@ def main() -> None:
     eos = model.config.eos_token_id
     lengths.install(model, "geometric", eos, temperature=1.0)
     lengths.set_response_length(model, args.response_length)
-    prompts = torch.randint(3, model.config.vocab_size, (args.batch_size, args.prompt_length),
-                            generator=torch.Generator().manual_seed(0))
+    prompts = torch.randint(
+        3, model.config.vocab_size, (args.batch_size, args.prompt_length), generator=torch.Generator().manual_seed(0)
+    )
     default = (compaction.bucket, compaction.COMPACT_FRACTION)
-    rollouts = {name: Rollout(model, RolloutConfig(
-        samples_per_prompt=args.samples_per_prompt, max_new_tokens=args.response_length, temperature=1.0, seed=0,
-        eos_token_id=[eos], enable_profiling=True, compact_finished_rows=policy is not None))
-        for name, policy in POLICIES.items()}
+    rollouts = {
+        name: Rollout(
+            model,
+            RolloutConfig(
+                samples_per_prompt=args.samples_per_prompt,
+                max_new_tokens=args.response_length,
+                temperature=1.0,
+                seed=0,
+                eos_token_id=[eos],
+                enable_profiling=True,
+                compact_finished_rows=policy is not None,
+            ),
+        )
+        for name, policy in POLICIES.items()
+    }
     results = {name: [] for name in POLICIES}
     tokens = {}
     for k in range(args.rounds + 1):  # round 0 warms up
@@ -72,15 +88,19 @@ def main() -> None:
                 shapes = rollouts[name].decode_counters().decode_shapes
                 results[name].append((prof.decode_ms, prof.useful_fraction, shapes))
     off = statistics.median(r[0] for r in results["off"])
-    print(f"{args.model_shape}, B={args.batch_size} N={args.samples_per_prompt} P={args.prompt_length} "
-          f"R={args.response_length}, geometric lengths, {args.rounds} interleaved rounds, threads "
-          f"{torch.get_num_threads()}")
+    print(
+        f"{args.model_shape}, B={args.batch_size} N={args.samples_per_prompt} P={args.prompt_length} "
+        f"R={args.response_length}, geometric lengths, {args.rounds} interleaved rounds, threads "
+        f"{torch.get_num_threads()}"
+    )
     print("| policy | decode ms (median) | off / policy | useful fraction | decode shapes met |")
     print("|---|---:|---:|---:|---:|")
     for name, rows in results.items():
         ms = statistics.median(r[0] for r in rows)
-        print(f"| {name} | {ms:.0f} | {off / ms:.2f} | {statistics.median(r[1] for r in rows):.3f} | "
-              f"{max(r[2] for r in rows)} |")
+        print(
+            f"| {name} | {ms:.0f} | {off / ms:.2f} | {statistics.median(r[1] for r in rows):.3f} | "
+            f"{max(r[2] for r in rows)} |"
+        )
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ class OpCounter(TorchDispatchMode):
         self.counts: collections.Counter[str] = collections.Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not torch.Tag.view_copy in func.tags and not func.is_view:
+        if torch.Tag.view_copy not in func.tags and not func.is_view:
             self.counts[str(func.overloadpacket.__name__)] += 1
         return func(*args, **(kwargs or {}))
 
@@ -35,13 +35,31 @@ class OpCounter(TorchDispatchMode):
 def build(family: str, layers: int):
     torch.manual_seed(0)
     if family == "opt":
-        cfg = OPTConfig(vocab_size=1000, hidden_size=128, ffn_dim=256, num_hidden_layers=layers,
-                        num_attention_heads=4, max_position_embeddings=512, word_embed_proj_dim=128,
-                        pad_token_id=1, bos_token_id=2, eos_token_id=2)
+        cfg = OPTConfig(
+            vocab_size=1000,
+            hidden_size=128,
+            ffn_dim=256,
+            num_hidden_layers=layers,
+            num_attention_heads=4,
+            max_position_embeddings=512,
+            word_embed_proj_dim=128,
+            pad_token_id=1,
+            bos_token_id=2,
+            eos_token_id=2,
+        )
         return OPTForCausalLM(cfg).eval()
-    cfg = LlamaConfig(vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    cfg = LlamaConfig(
+        vocab_size=1000,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     return LlamaForCausalLM(cfg).eval()
 
 
@@ -67,15 +85,19 @@ def main() -> None:
     args = p.parse_args()
     prompts = torch.randint(3, 1000, (2, 16), generator=torch.Generator().manual_seed(0))
     samplings = {"greedy": dict(temperature=0.0), "sampled": dict(temperature=0.8, top_k=50, top_p=0.9)}
-    print(f"decode ops per step ({args.layers} layers, B=2 prompts x N=4 samples, slope between R={args.r1} and R={args.r2})")
+    print(
+        f"decode ops per step ({args.layers} layers, B=2 prompts x N=4 samples, slope between R={args.r1} and R={args.r2})"
+    )
     print("| model | sampling | torchkvops | HF generate | torchkvops / HF |")
     print("|---|---|---:|---:|---:|")
     for family in ("opt", "llama"):
         model = build(family, args.layers)
         for name, sampling in samplings.items():
+
             def ours(r, sampling=sampling):
-                rollout = Rollout(model, RolloutConfig(samples_per_prompt=4, max_new_tokens=r, eos_token_id=[],
-                                                       seed=0, **sampling))
+                rollout = Rollout(
+                    model, RolloutConfig(samples_per_prompt=4, max_new_tokens=r, eos_token_id=[], seed=0, **sampling)
+                )
                 return lambda: rollout.generate(prompts)
 
             def hf(r, sampling=sampling):

@@ -22,8 +22,9 @@ from torchkvops.rollout import kv_lengths
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-def kv_bytes(shape: KVShape, dtype: torch.dtype, layout: str, prompts: int, samples: int, prompt_len: int,
-             response_len: int) -> int:
+def kv_bytes(
+    shape: KVShape, dtype: torch.dtype, layout: str, prompts: int, samples: int, prompt_len: int, response_len: int
+) -> int:
     cache = RolloutKVCache(shape, dtype, torch.device("meta"))
     rows = prompts * samples
     lengths = kv_lengths(layout, prompt_len, response_len)
@@ -55,13 +56,20 @@ def main() -> None:
     args = p.parse_args()
     shape = KVShape.from_config(model_config(args.model_shape))
     budget = int(args.budget_gib * 2**30)
-    print(f"{args.model_shape}, {args.dtype}, KV budget {args.budget_gib:g} GiB, P={args.prompt_length}, "
-          f"R={args.response_length}")
+    print(
+        f"{args.model_shape}, {args.dtype}, KV budget {args.budget_gib:g} GiB, P={args.prompt_length}, "
+        f"R={args.response_length}"
+    )
     print("| N | copy: largest B*N | prefix: largest B*N | prefix / copy | KV bytes prefix / copy at equal B, N |")
     print("|---:|---:|---:|---:|---:|")
     for n in args.samples_per_prompt:
-        kw = dict(shape=shape, dtype=DTYPES[args.dtype], samples=n, prompt_len=args.prompt_length,
-                  response_len=args.response_length)
+        kw = dict(
+            shape=shape,
+            dtype=DTYPES[args.dtype],
+            samples=n,
+            prompt_len=args.prompt_length,
+            response_len=args.response_length,
+        )
         copy = largest_batch(budget, layout="copy", **kw) * n
         prefix = largest_batch(budget, layout="prefix", **kw) * n
         ratio = kv_bytes(layout="prefix", prompts=1, **kw) / kv_bytes(layout="copy", prompts=1, **kw)

@@ -60,8 +60,30 @@ from torchkvops.models import MODEL_SHAPES, build_model
 from torchkvops.shared_forward import disable_dropout
 
 # The prompts' words; the rest of the vocabulary is filler ("w1234").
-WORDS = ("apple", "banana", "cherry", "grape", "lemon", "mango", "peach", "plum", "the", "a", "cat", "dog", "sat",
-         "ran", "on", "under", "red", "blue", "big", "small", "and", "then")
+WORDS = (
+    "apple",
+    "banana",
+    "cherry",
+    "grape",
+    "lemon",
+    "mango",
+    "peach",
+    "plum",
+    "the",
+    "a",
+    "cat",
+    "dog",
+    "sat",
+    "ran",
+    "on",
+    "under",
+    "red",
+    "blue",
+    "big",
+    "small",
+    "and",
+    "then",
+)
 
 
 def build_tokenizer(config) -> PreTrainedTokenizerFast:
@@ -86,8 +108,13 @@ def build_tokenizer(config) -> PreTrainedTokenizerFast:
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     names = {i: n for n, i in specials.items()}
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", pad_token=names[ids["pad"]],
-                                   bos_token=names[ids["bos"]], eos_token=names[ids["eos"]])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        unk_token="<unk>",
+        pad_token=names[ids["pad"]],
+        bos_token=names[ids["bos"]],
+        eos_token=names[ids["eos"]],
+    )
 
 
 def build_dataset(num_prompts: int, prompt_length: int, seed: int = 0, exact: bool = False) -> Dataset:
@@ -95,8 +122,9 @@ def build_dataset(num_prompts: int, prompt_length: int, seed: int = 0, exact: bo
     prompt_length words."""
     rng = random.Random(seed)
     shortest = prompt_length if exact else max(1, prompt_length // 2)
-    prompts = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(shortest, prompt_length)))
-               for _ in range(num_prompts)]
+    prompts = [
+        " ".join(rng.choice(WORDS) for _ in range(rng.randint(shortest, prompt_length))) for _ in range(num_prompts)
+    ]
     return Dataset.from_dict({"prompt": prompts})
 
 
@@ -144,6 +172,7 @@ class StepTimer(TrainerCallback):
 
 def timed(timer: StepTimer, what, fn):
     """fn, recording each call's wall time as `what` (a name, or a function of the call's state giving one)."""
+
     def wrapper(*args, **kwargs):
         start = time.perf_counter()
         out = fn(*args, **kwargs)
@@ -151,6 +180,7 @@ def timed(timer: StepTimer, what, fn):
         if name:
             timer.record(name, (time.perf_counter() - start) * 1e3)
         return out
+
     return wrapper
 
 
@@ -182,17 +212,25 @@ def run(setting: str, args, checkpoint: str, output_dir: str) -> dict:
         save_strategy="no",
         disable_tqdm=True,
     )
-    dataset = build_dataset(max(8, args.steps * args.batch_size), args.prompt_length, seed=args.seed,
-                            exact=args.exact_prompt_length)
-    trainer = GRPOTrainer(model=model, reward_funcs=lucky_word_reward, args=config, train_dataset=dataset,
-                          processing_class=tokenizer, callbacks=[timer])
+    dataset = build_dataset(
+        max(8, args.steps * args.batch_size), args.prompt_length, seed=args.seed, exact=args.exact_prompt_length
+    )
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=lucky_word_reward,
+        args=config,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        callbacks=[timer],
+    )
     if trainer.ref_model is not None:
         disable_dropout(trainer.ref_model)
         if "forward" in patches:
             forward_handles.append(torchkvops.patch_forward(trainer.ref_model))
     model.generate = timed(timer, "generate", model.generate)
     trainer._get_per_token_logps_and_entropies = timed(
-        timer, lambda: None if torch.is_grad_enabled() else "logprob", trainer._get_per_token_logps_and_entropies)
+        timer, lambda: None if torch.is_grad_enabled() else "logprob", trainer._get_per_token_logps_and_entropies
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", UserWarning)
         trainer.train()
@@ -249,31 +287,57 @@ def speedups(results: dict) -> list[str]:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--model-shape", default="tiny", choices=list(MODEL_SHAPES))
-    parser.add_argument("--settings", nargs="+", default=["both", "neither"], choices=list(SETTINGS),
-                        help="which patches each run applies (default: both neither)")
+    parser.add_argument(
+        "--settings",
+        nargs="+",
+        default=["both", "neither"],
+        choices=list(SETTINGS),
+        help="which patches each run applies (default: both neither)",
+    )
     parser.add_argument("--no-patch-generate", action="store_true", help="turn patch_generate off in every setting")
     parser.add_argument("--no-patch-forward", action="store_true", help="turn patch_forward off in every setting")
     parser.add_argument("--steps", type=int, default=8, help="GRPO optimizer steps per setting")
-    parser.add_argument("--rounds", type=int, default=1,
-                        help="run the settings this many times, interleaved (A B A B ...); medians are shown")
-    parser.add_argument("--batch-size", type=int, default=64,
-                        help="per-device train batch size, in completions (a multiple of --num-generations)")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run the settings this many times, interleaved (A B A B ...); medians are shown",
+    )
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=64,
+        help="per-device train batch size, in completions (a multiple of --num-generations)",
+    )
     parser.add_argument("--num-generations", type=int, default=8, help="completions per prompt")
     parser.add_argument("--max-completion-length", type=int, default=64)
     parser.add_argument("--prompt-length", type=int, default=128, help="longest prompt, in words (= tokens)")
-    parser.add_argument("--exact-prompt-length", action="store_true",
-                        help="every prompt has --prompt-length words (default: between half that and that)")
+    parser.add_argument(
+        "--exact-prompt-length",
+        action="store_true",
+        help="every prompt has --prompt-length words (default: between half that and that)",
+    )
     parser.add_argument("--beta", type=float, default=0.0, help="KL coefficient; > 0 adds TRL's reference model pass")
-    parser.add_argument("--num-iterations", type=int, default=1,
-                        help="GRPO iterations per generation; > 1 adds TRL's old-policy logprob pass")
+    parser.add_argument(
+        "--num-iterations",
+        type=int,
+        default=1,
+        help="GRPO iterations per generation; > 1 adds TRL's old-policy logprob pass",
+    )
     parser.add_argument("--learning-rate", type=float, default=1e-4)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch CPU threads, 0 for torch's default (default 1: a small model's ops gain little\n"
-                             "from more, and on a busy machine OpenMP threads stall each op by milliseconds)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch CPU threads, 0 for torch's default (default 1: a small model's ops gain little\n"
+        "from more, and on a busy machine OpenMP threads stall each op by milliseconds)",
+    )
     args = parser.parse_args(argv)
     if args.batch_size % args.num_generations:
-        parser.error(f"--batch-size ({args.batch_size}) must be a multiple of --num-generations ({args.num_generations})")
+        parser.error(
+            f"--batch-size ({args.batch_size}) must be a multiple of --num-generations ({args.num_generations})"
+        )
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore", category=FutureWarning)  # transformers' deprecation notes, from TRL's calls
@@ -288,18 +352,23 @@ def main(argv=None) -> None:
         build_model(args.model_shape, seed=args.seed).save_pretrained(checkpoint)
         for round_ in range(args.rounds):
             for setting in settings:
-                print(f"--- GRPO, round {round_ + 1}/{args.rounds}, setting {setting!r} (patches: "
-                      f"{', '.join(SETTINGS[setting]) or 'none'}): {args.steps} steps of "
-                      f"{args.batch_size // args.num_generations} prompts x {args.num_generations} completions, "
-                      f"model {args.model_shape}", flush=True)
+                print(
+                    f"--- GRPO, round {round_ + 1}/{args.rounds}, setting {setting!r} (patches: "
+                    f"{', '.join(SETTINGS[setting]) or 'none'}): {args.steps} steps of "
+                    f"{args.batch_size // args.num_generations} prompts x {args.num_generations} completions, "
+                    f"model {args.model_shape}",
+                    flush=True,
+                )
                 runs[setting].append(run(setting, args, checkpoint, os.path.join(tmp, f"{setting}{round_}")))
     results = {setting: combine(setting_runs) for setting, setting_runs in runs.items()}
     print()
-    print(f"model {args.model_shape}, {args.batch_size // args.num_generations} prompts x {args.num_generations} "
-          f"completions per step, prompts {'of' if args.exact_prompt_length else '<='} {args.prompt_length} tokens, "
-          f"<= {args.max_completion_length} new tokens, beta {args.beta}, num_iterations {args.num_iterations}, "
-          f"torch {torch.__version__}, {torch.get_num_threads()} threads"
-          + (f", median of {args.rounds} interleaved rounds" if args.rounds > 1 else ""))
+    print(
+        f"model {args.model_shape}, {args.batch_size // args.num_generations} prompts x {args.num_generations} "
+        f"completions per step, prompts {'of' if args.exact_prompt_length else '<='} {args.prompt_length} tokens, "
+        f"<= {args.max_completion_length} new tokens, beta {args.beta}, num_iterations {args.num_iterations}, "
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads"
+        + (f", median of {args.rounds} interleaved rounds" if args.rounds > 1 else "")
+    )
     print(table(results, args.steps))
     for line in speedups(results):
         print(line)
@@ -307,8 +376,10 @@ def main(argv=None) -> None:
         last = setting_runs[-1]
         print(f"mean reward per step ({setting}): " + ", ".join(f"{r:.3f}" for r in last["reward"]))
         for stats in last["shared_forward"]:
-            print(f"shared forward ({setting}): {stats.shared_calls} passes shared, {stats.fallback_calls} fell back, "
-                  f"{stats.computed_tokens} of {stats.row_tokens} tokens computed")
+            print(
+                f"shared forward ({setting}): {stats.shared_calls} passes shared, {stats.fallback_calls} fell back, "
+                f"{stats.computed_tokens} of {stats.row_tokens} tokens computed"
+            )
         for message in sorted({m for r in setting_runs for m in r["fallbacks"]}):
             print(f"NOTE: some {setting} calls fell back: {message}")
 

@@ -59,9 +59,10 @@ def _cause(reason: str) -> str:
 
 
 def _install_routing() -> None:
+    from transformers.generation.utils import GenerationMixin
+
     import torchkvops
     from torchkvops import generation
-    from transformers.generation.utils import GenerationMixin
 
     original = GenerationMixin.generate
 
@@ -128,7 +129,11 @@ def pytest_sessionfinish(session):
     if path:
         import torchkvops
 
-        calls = dict(_calls, fallback=dict(_calls["fallback"].most_common()), examples=_examples,
-                     served_in=dict(_calls["served_in"]))
+        calls = dict(
+            _calls,
+            fallback=dict(_calls["fallback"].most_common()),
+            examples=_examples,
+            served_in=dict(_calls["served_in"]),
+        )
         report = {"routed": _ROUTE, "torchkvops": torchkvops.__file__, "tests": _outcomes, "calls": calls}
         Path(path).write_text(json.dumps(report, indent=1))

@@ -7,7 +7,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 import pytest  # noqa: E402
-
 from models import FAMILIES  # noqa: E402
 
 

@@ -33,13 +33,23 @@ CASES = {
 CONFIGS = {
     "greedy": dict(samples_per_prompt=2, max_new_tokens=6, eos_token_id=[]),
     "sampled": dict(samples_per_prompt=3, max_new_tokens=6, eos_token_id=[], temperature=1.0, top_k=30, seed=5),
-    "sampled-eos": dict(samples_per_prompt=2, max_new_tokens=12, eos_token_id=[7, 9, 11], temperature=1.0, seed=1,
-                        return_logprobs=True),
-    "prefix": dict(samples_per_prompt=2, max_new_tokens=6, eos_token_id=[], temperature=1.0, seed=3,
-                   kv_sharing="prefix"),
+    "sampled-eos": dict(
+        samples_per_prompt=2, max_new_tokens=12, eos_token_id=[7, 9, 11], temperature=1.0, seed=1, return_logprobs=True
+    ),
+    "prefix": dict(
+        samples_per_prompt=2, max_new_tokens=6, eos_token_id=[], temperature=1.0, seed=3, kv_sharing="prefix"
+    ),
     # Long enough, with enough EOS ids, that each shard's batch is compacted as its rows end (issue #19).
-    "compacted": dict(samples_per_prompt=4, max_new_tokens=40, eos_token_id=[5, 7, 9, 11, 13], temperature=1.0,
-                      seed=2, kv_sharing="prefix", return_logprobs=True, enable_profiling=True),
+    "compacted": dict(
+        samples_per_prompt=4,
+        max_new_tokens=40,
+        eos_token_id=[5, 7, 9, 11, 13],
+        temperature=1.0,
+        seed=2,
+        kv_sharing="prefix",
+        return_logprobs=True,
+        enable_profiling=True,
+    ),
 }
 
 
@@ -85,12 +95,14 @@ def main() -> None:
         generated = []  # every local generation: a mismatch must be caught before any
         real_generate = Rollout._generate
         Rollout._generate = lambda self, *a, **k: generated.append(1) or real_generate(self, *a, **k)
-        settings = {"samples_per_prompt": ({"samples_per_prompt": 2}, {"samples_per_prompt": 3}),
-                    "temperature": ({"temperature": 1.0, "seed": 1}, {"temperature": 0.7, "seed": 1}),
-                    "gather": ({}, {}),
-                    # Each decides a collective (the log-probabilities' gather) or the values gathered.
-                    "return_logprobs": ({"return_logprobs": True}, {}),
-                    "lm_head_dtype": ({"lm_head_dtype": torch.float32}, {})}
+        settings = {
+            "samples_per_prompt": ({"samples_per_prompt": 2}, {"samples_per_prompt": 3}),
+            "temperature": ({"temperature": 1.0, "seed": 1}, {"temperature": 0.7, "seed": 1}),
+            "gather": ({}, {}),
+            # Each decides a collective (the log-probabilities' gather) or the values gathered.
+            "return_logprobs": ({"return_logprobs": True}, {}),
+            "lm_head_dtype": ({"lm_head_dtype": torch.float32}, {}),
+        }
         result["errors"] = {}
         for name, per_rank in settings.items():
             cfg = RolloutConfig(max_new_tokens=3, eos_token_id=[], **per_rank[rank])

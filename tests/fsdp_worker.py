@@ -48,8 +48,9 @@ def main() -> None:
     # Different prompts per rank (rank 1's longer and more of them), so their rows end at different steps.
     ids, mask = prompts(2 + 2 * rank, 6 + 3 * rank, seed=40 + rank, left_pad=[0, 1] + [2, 0] * rank)
     if scenario == "synced":
-        kwargs = dict(attention_mask=mask, max_new_tokens=24, do_sample=False, eos_token_id=[5, 7, 9, 11, 13],
-                      pad_token_id=0)
+        kwargs = dict(
+            attention_mask=mask, max_new_tokens=24, do_sample=False, eos_token_id=[5, 7, 9, 11, 13], pad_token_id=0
+        )
         result["expected"] = hf(model, ids, **kwargs)
         handle = torchkvops.patch_generate(model)
         result["got"] = model.generate(ids, **kwargs)
@@ -63,8 +64,9 @@ def main() -> None:
         result["served_after_fallback"] = len(rollouts)
         handle.undo()
     elif scenario == "train":
-        kwargs = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0,
-                      synced_gpus=False)  # no EOS: every rank runs as many forwards
+        kwargs = dict(
+            attention_mask=mask, max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0, synced_gpus=False
+        )  # no EOS: every rank runs as many forwards
         handle = torchkvops.patch_generate(model)
         result["got"] = model.generate(ids, **kwargs)  # the model's first forwards: FSDP allocates in them
         result["expected"] = hf(model, ids, **kwargs)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 
 import torch
-
 from models import FAMILIES
+
 from torchkvops.bench import cases as bench_cases
 from torchkvops.bench import mismatch
 from torchkvops.cli import main as cli
@@ -18,10 +18,35 @@ def test_bench_mismatch_float32_is_within_1e_4_for_every_engine(tmp_path, capsys
     and forced to the rollout's tokens, within 1e-4 of the trainer on every token; the table is printed
     and the JSON holds the numbers."""
     out = tmp_path / "bench.json"
-    rc = cli.main(["bench", "--model-shape", "tiny", "--device", "cpu", "--warmup", "0", "--iterations", "1",
-                   "--no-progress", "--batch-sizes", "1", "--samples-per-prompt", "2", "--prompt-lengths", "8",
-                   "--response-lengths", "6", "--modes", "expanded", "prefix", "hf-generate", "--mismatch",
-                   "--output", str(out)])
+    rc = cli.main(
+        [
+            "bench",
+            "--model-shape",
+            "tiny",
+            "--device",
+            "cpu",
+            "--warmup",
+            "0",
+            "--iterations",
+            "1",
+            "--no-progress",
+            "--batch-sizes",
+            "1",
+            "--samples-per-prompt",
+            "2",
+            "--prompt-lengths",
+            "8",
+            "--response-lengths",
+            "6",
+            "--modes",
+            "expanded",
+            "prefix",
+            "hf-generate",
+            "--mismatch",
+            "--output",
+            str(out),
+        ]
+    )
     assert rc == 0
     printed = capsys.readouterr().out
     data = json.loads(out.read_text())
@@ -46,8 +71,14 @@ def test_mismatch_engines_of_a_bf16_model_include_the_float32_head():
     settings = bench_cases.Settings(temperature=1.0, seed=3)
     prompts = bench_cases.synthetic_prompts(case, 96, [0, 1, 2], 0, torch.device("cpu"))
     engines = mismatch.measure_mismatch(model, case, ["shared", "prefix", "hf-generate"], settings, prompts, 0)
-    assert set(engines) == {"shared", "shared + fp32 head", "prefix", "prefix + fp32 head", "hf-generate",
-                            "hf-generate on shared tokens"}
+    assert set(engines) == {
+        "shared",
+        "shared + fp32 head",
+        "prefix",
+        "prefix + fp32 head",
+        "hf-generate",
+        "hf-generate on shared tokens",
+    }
     for name, e in engines.items():
         assert "error" not in e, (name, e)
         assert e["tokens"] == 10 and e["max_abs_delta"] < 0.1, (name, e)

@@ -52,14 +52,51 @@ def test_run_and_main_cpu(tmp_path, capsys):
 
 def test_rows_are_reported_after_each_size():
     seen = []
-    rows = run(["--device", "cpu", "--dtype", "fp32", "--max-mib", "4", "--warmup", "0", "--iters", "1",
-                         "--methods", "op", "--batch", "2", "--repeats", "2"], on_row=lambda r: seen.append(len(r)))
+    rows = run(
+        [
+            "--device",
+            "cpu",
+            "--dtype",
+            "fp32",
+            "--max-mib",
+            "4",
+            "--warmup",
+            "0",
+            "--iters",
+            "1",
+            "--methods",
+            "op",
+            "--batch",
+            "2",
+            "--repeats",
+            "2",
+        ],
+        on_row=lambda r: seen.append(len(r)),
+    )
     assert seen == [1, 2] and len(rows) == 2
 
 
 def test_size_plan_and_peak_memory():
-    args = parse_args(["--device", "cpu", "--min-mib", "1", "--max-mib", "64", "--factor", "4",
-                                "--batch", "2", "--repeats", "4", "--kv-heads", "2", "--head-dim", "64"])
+    args = parse_args(
+        [
+            "--device",
+            "cpu",
+            "--min-mib",
+            "1",
+            "--max-mib",
+            "64",
+            "--factor",
+            "4",
+            "--batch",
+            "2",
+            "--repeats",
+            "4",
+            "--kv-heads",
+            "2",
+            "--head-dim",
+            "64",
+        ]
+    )
     plan = bench_op.plan(args)
     assert [mib for mib, _, _ in plan] == [1, 4, 16, 64]
     for mib, shape, num_tokens in plan:
@@ -70,7 +107,8 @@ def test_size_plan_and_peak_memory():
     cache = 64 << 20
     assert bench_op.peak_bytes(shape, t, 2, ["op"], check=True) == cache + 3 * rows * row_bytes
     assert bench_op.peak_bytes(shape, t, 2, ["op", "copy", "interleave"], check=False) == (
-        cache + 2 * (rows - 1) * row_bytes + rows * row_bytes)
+        cache + 2 * (rows - 1) * row_bytes + rows * row_bytes
+    )
     with pytest.raises(ValueError, match="factor >= 2"):  # the loop that never ended (issue #7)
         bench_op._sizes(1, 4, 1)
     with pytest.raises(ValueError, match="min_mib > 0"):

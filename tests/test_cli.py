@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from timeouts import TIMEOUT
+
 from torchkvops import atomic_write
 from torchkvops.bench import cases as bench_cases
 from torchkvops.bench import matrix as bench
@@ -43,8 +43,9 @@ def cli_env() -> dict:
     return env
 
 
-def run_cli(*args: str, timeout: float = TIMEOUT, code: str | None = None,
-            python_flags: Sequence[str] = ()) -> subprocess.CompletedProcess:
+def run_cli(
+    *args: str, timeout: float = TIMEOUT, code: str | None = None, python_flags: Sequence[str] = ()
+) -> subprocess.CompletedProcess:
     cmd = [sys.executable, *python_flags] + (["-c", code, *args] if code else ["-m", "torchkvops", *args])
     return subprocess.run(cmd, cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=timeout)
 
@@ -80,8 +81,11 @@ def test_summary_math():
     with pytest.raises(ValueError):
         bench_stats.summarize([])
     profiles = [{"a": float(i), "b": None, "c": 7} for i in range(1, 21)]
-    assert bench_stats.summarize_profiles(profiles) == {"a": {"mean": 10.5, "p50": 10.5, "p95": 19.0}, "b": None,
-                                                        "c": {"mean": 7.0, "p50": 7, "p95": 7}}
+    assert bench_stats.summarize_profiles(profiles) == {
+        "a": {"mean": 10.5, "p50": 10.5, "p95": 19.0},
+        "b": None,
+        "c": {"mean": 7.0, "p50": 7, "p95": 7},
+    }
 
 
 def test_run_order_is_largest_first_and_stable():
@@ -98,19 +102,28 @@ def test_token_agreement_rules():
     greedy = bench_stats.token_agreement(same, greedy=True)
     assert greedy["all_agree"] is True and all(v is True for v in greedy["pairs"].values())
     sampled = bench_stats.token_agreement({"expanded": "h", "shared": "x", "hf-generate": "y"}, greedy=False)
-    assert sampled["pairs"] == {"expanded vs shared": False, "expanded vs hf-generate": None,
-                                "shared vs hf-generate": None}
+    assert sampled["pairs"] == {
+        "expanded vs shared": False,
+        "expanded vs hf-generate": None,
+        "shared vs hf-generate": None,
+    }
     assert sampled["all_agree"] is False and "not comparable" in sampled["notes"]["expanded vs hf-generate"]
     assert bench_stats.token_agreement({"shared": "h", "hf-generate": "y"}, greedy=False)["all_agree"] is None
     assert bench_stats.token_agreement({"shared": "h", "expanded": None}, greedy=True)["pairs"] == {}
 
 
 def test_token_agreement_rules_for_the_prefix_and_static_modes():
-    sampled = bench_stats.token_agreement({"shared": "h", "prefix": "h", "hf-generate": "y", "hf-static": "y"},
-                                          greedy=False)
-    assert sampled["pairs"] == {"shared vs prefix": True, "shared vs hf-generate": None, "shared vs hf-static": None,
-                                "prefix vs hf-generate": None, "prefix vs hf-static": None,
-                                "hf-generate vs hf-static": None}
+    sampled = bench_stats.token_agreement(
+        {"shared": "h", "prefix": "h", "hf-generate": "y", "hf-static": "y"}, greedy=False
+    )
+    assert sampled["pairs"] == {
+        "shared vs prefix": True,
+        "shared vs hf-generate": None,
+        "shared vs hf-static": None,
+        "prefix vs hf-generate": None,
+        "prefix vs hf-static": None,
+        "hf-generate vs hf-static": None,
+    }
     assert sampled["all_agree"] is True and "--temperature 0" in sampled["notes"]["hf-generate vs hf-static"]
     greedy = bench_stats.token_agreement({"prefix": "h", "hf-static": "x"}, greedy=True)
     assert greedy["pairs"] == {"prefix vs hf-static": False} and greedy["all_agree"] is False
@@ -132,8 +145,9 @@ def test_weight_bytes_count_each_storage_once_and_kv_bytes_per_step():
     assert p["decode_ms_per_step"] == 2.0 and p["achieved_gbps"] == (100 + 220) / 2.0 / 1e6
     assert p["roofline_fraction"] is None
     with_roofline = bench_metrics.Traffic(100, 10, roofline_gbps=0.0004)
-    p = with_roofline.annotate("shared", dict(decode_steps=3, decode_ms=6.0, batch_size=2, samples_per_prompt=3,
-                                              prompt_length=5))
+    p = with_roofline.annotate(
+        "shared", dict(decode_steps=3, decode_ms=6.0, batch_size=2, samples_per_prompt=3, prompt_length=5)
+    )
     assert p["roofline_fraction"] == pytest.approx((100 + 420) / 2.0 / 1e6 / 0.0004)
 
 
@@ -173,18 +187,20 @@ def test_cpu_peak_memory_drops_the_allocators_unknown_block_warning_only():
     """Freeing, inside the measured call, a block allocated before it (as a rollout's previous decode
     state is) makes torch's CPU allocator print a warning in the middle of the bench's progress bar: it
     is dropped, the call's own stderr is kept. Each in a fresh process (torch prints it once per 1000)."""
-    code = ("import sys, torch\n"
-            "from torch.profiler import ProfilerActivity, profile\n"
-            "from torchkvops.bench import metrics\n"
-            "held = [torch.ones(1 << 16)]\n"
-            "def work():\n"
-            "    held.clear()\n"
-            "    print('the call says this', file=sys.stderr)\n"
-            "if sys.argv[1] == 'raw':\n"
-            "    with profile(activities=[ProfilerActivity.CPU], profile_memory=True):\n"
-            "        work()\n"
-            "else:\n"
-            "    metrics.cpu_peak_memory_bytes(work)\n")
+    code = (
+        "import sys, torch\n"
+        "from torch.profiler import ProfilerActivity, profile\n"
+        "from torchkvops.bench import metrics\n"
+        "held = [torch.ones(1 << 16)]\n"
+        "def work():\n"
+        "    held.clear()\n"
+        "    print('the call says this', file=sys.stderr)\n"
+        "if sys.argv[1] == 'raw':\n"
+        "    with profile(activities=[ProfilerActivity.CPU], profile_memory=True):\n"
+        "        work()\n"
+        "else:\n"
+        "    metrics.cpu_peak_memory_bytes(work)\n"
+    )
     raw = run_cli("raw", code=code)
     assert raw.returncode == 0, raw.stderr
     assert bench_metrics.UNKNOWN_BLOCK in raw.stderr  # the control: torch does print it
@@ -214,8 +230,24 @@ def test_a_failing_case_is_recorded_and_the_run_goes_on(tmp_path, monkeypatch, c
 
     monkeypatch.setattr(Rollout, "generate", generate)
     out = tmp_path / "bench.json"
-    rc = cli.main(SMALL_BENCH + ["--batch-sizes", "1", "2", "--samples-per-prompt", "2", "--prompt-lengths", "6",
-                                 "--response-lengths", "3", "--iterations", "1", "--output", str(out)])
+    rc = cli.main(
+        SMALL_BENCH
+        + [
+            "--batch-sizes",
+            "1",
+            "2",
+            "--samples-per-prompt",
+            "2",
+            "--prompt-lengths",
+            "6",
+            "--response-lengths",
+            "3",
+            "--iterations",
+            "1",
+            "--output",
+            str(out),
+        ]
+    )
     assert rc == 1
     captured = capsys.readouterr()
     assert "1 case(s) failed: B2_N2_P6_R3" in captured.err
@@ -236,8 +268,9 @@ def _table_block(stdout: str, case: str) -> list[str]:
 
 def _table_rows(stdout: str, case: str) -> dict[str, dict[str, str]]:
     """The cells of one case's table: by mode, then by column."""
-    rows = [[c.strip() for c in line.strip("|").split("|")]
-            for line in _table_block(stdout, case) if line.startswith("| ")]
+    rows = [
+        [c.strip() for c in line.strip("|").split("|")] for line in _table_block(stdout, case) if line.startswith("| ")
+    ]
     header = rows[0]
     return {r[0]: dict(zip(header, r)) for r in rows[1:]}
 
@@ -250,9 +283,31 @@ def test_bench_json_tables_trace_and_order(tmp_path):
 
     out, trace = tmp_path / "bench.json", tmp_path / "trace"
     P, R = 130, 4
-    proc = run_cli("bench", *TINY, "--device", "cpu", "--warmup", "1", "--iterations", "3", "--temperature", "0",
-                   "--batch-sizes", "1", "2", "--samples-per-prompt", "3", "--prompt-lengths", str(P),
-                   "--response-lengths", str(R), "--output", str(out), "--trace", f"{trace}/")
+    proc = run_cli(
+        "bench",
+        *TINY,
+        "--device",
+        "cpu",
+        "--warmup",
+        "1",
+        "--iterations",
+        "3",
+        "--temperature",
+        "0",
+        "--batch-sizes",
+        "1",
+        "2",
+        "--samples-per-prompt",
+        "3",
+        "--prompt-lengths",
+        str(P),
+        "--response-lengths",
+        str(R),
+        "--output",
+        str(out),
+        "--trace",
+        f"{trace}/",
+    )
     assert proc.returncode == 0, proc.stderr
     assert "RANDOM weights" in proc.stdout
     names = [f"B1_N3_P{P}_R{R}", f"B2_N3_P{P}_R{R}"]
@@ -278,9 +333,26 @@ def test_bench_json_tables_trace_and_order(tmp_path):
     assert data["status"] == "complete" and data["cases_pending"] == []
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]  # no temporary file left
     h = data["header"]
-    for key in ("model", "model_shape", "dtype", "device", "device_name", "torch_version", "transformers_version",
-                "torchkvops_version", "flags", "peak_memory_method", "tokens_agree_note", "median_stages_note",
-                "file_note", "timing", "decode_ms_per_step_method", "bytes_per_step", "roofline", "world_size"):
+    for key in (
+        "model",
+        "model_shape",
+        "dtype",
+        "device",
+        "device_name",
+        "torch_version",
+        "transformers_version",
+        "torchkvops_version",
+        "flags",
+        "peak_memory_method",
+        "tokens_agree_note",
+        "median_stages_note",
+        "file_note",
+        "timing",
+        "decode_ms_per_step_method",
+        "bytes_per_step",
+        "roofline",
+        "world_size",
+    ):
         assert key in h
     assert h["model_shape"] == "tiny" and h["random_weights"] and h["dtype"] == "fp32"
     assert h["torch_version"] == torch.__version__ and h["peak_memory_method"] == "cpu_profiler"
@@ -346,8 +418,9 @@ def test_bench_json_tables_trace_and_order(tmp_path):
             if mode != "hf-generate":
                 assert '"torchkvops.prefill"' in text and '"torchkvops.decode"' in text
         # Interleaved: round k runs every mode once, in the --modes order, before round k + 1 starts.
-        starts = sorted((it["started_ms"], mode, it["round"])
-                        for mode, e in c["modes"].items() for it in e["iterations"])
+        starts = sorted(
+            (it["started_ms"], mode, it["round"]) for mode, e in c["modes"].items() for it in e["iterations"]
+        )
         assert [(m, k) for _, m, k in starts] == [(m, k) for k in range(3) for m in modes]
         # KV storage: the buffers as the rollout sizes them; the prefix layout keeps each prompt once.
         kv_bytes = {m: c["modes"][m]["summary"]["kv_cache_bytes"]["p50"] for m in ("expanded", "shared", "prefix")}
@@ -358,8 +431,10 @@ def test_bench_json_tables_trace_and_order(tmp_path):
         cells = _table_rows(proc.stdout, c["case"])
         wide_text = bench_report.format_case_table(c, 3, wide=True)
         wide = _table_rows(wide_text, c["case"])
-        assert ("| mode | prefill ms | kv_expand ms | decode ms | other ms | total ms | decode ms/step | GB/s | "
-                "tokens/s | KV MiB | peak MiB | useful | total / expanded |") in wide_text
+        assert (
+            "| mode | prefill ms | kv_expand ms | decode ms | other ms | total ms | decode ms/step | GB/s | "
+            "tokens/s | KV MiB | peak MiB | useful | total / expanded |"
+        ) in wide_text
         assert "so the stages add up to the total" in wide_text
         for mode, e in c["modes"].items():
             split = e["median_stages"]
@@ -372,7 +447,10 @@ def test_bench_json_tables_trace_and_order(tmp_path):
             assert {k: v for k, v in wide[mode].items() if k in cells[mode]} == cells[mode]
             assert wide[mode]["peak MiB"] == f"{e['peak_memory_bytes'] / 2**20:.1f}"
             assert wide[mode]["useful"] == "1.00"
-            assert wide[mode]["total / expanded"] == f"{split['total_ms'] / c['modes']['expanded']['median_stages']['total_ms']:.2f}"
+            assert (
+                wide[mode]["total / expanded"]
+                == f"{split['total_ms'] / c['modes']['expanded']['median_stages']['total_ms']:.2f}"
+            )
         # Greedy: every mode must give the same tokens (rows in repeat_interleave order).
         assert c["tokens_agree"]["all_agree"] is True
         assert set(c["tokens_agree"]["pairs"].values()) == {True}
@@ -382,10 +460,36 @@ def test_bench_json_tables_trace_and_order(tmp_path):
 
 def test_bench_sampling_agreement_and_mode_subset(tmp_path):
     out = tmp_path / "bench.json"
-    proc = run_cli(*SMALL_BENCH, "--iterations", "1", "--warmup", "0", "--temperature", "0.8", "--top-p", "0.9",
-                   "--batch-sizes", "2", "--samples-per-prompt", "2", "--prompt-lengths", "5",
-                   "--response-lengths", "3", "--modes", "shared", "hf-static", "prefix", "hf-generate", "expanded",
-                   "--output", str(out), "--threads", "1", "--wide")
+    proc = run_cli(
+        *SMALL_BENCH,
+        "--iterations",
+        "1",
+        "--warmup",
+        "0",
+        "--temperature",
+        "0.8",
+        "--top-p",
+        "0.9",
+        "--batch-sizes",
+        "2",
+        "--samples-per-prompt",
+        "2",
+        "--prompt-lengths",
+        "5",
+        "--response-lengths",
+        "3",
+        "--modes",
+        "shared",
+        "hf-static",
+        "prefix",
+        "hf-generate",
+        "expanded",
+        "--output",
+        str(out),
+        "--threads",
+        "1",
+        "--wide",
+    )
     assert proc.returncode == 0, proc.stderr
     data = json.loads(out.read_text())
     assert data["header"]["flags"]["wide"] is True
@@ -406,12 +510,14 @@ def test_bench_sampling_agreement_and_mode_subset(tmp_path):
     assert hf_static["error"] is None and hf_static["iterations"][0]["decode_steps"] == 2
     assert "| hf-static |" in proc.stdout and "| prefix |" in proc.stdout
     # --wide: every column
-    assert ("| mode | prefill ms | kv_expand ms | decode ms | other ms | total ms | decode ms/step | GB/s | "
-            "tokens/s | KV MiB | peak MiB | useful | total / expanded |") in proc.stdout
+    assert (
+        "| mode | prefill ms | kv_expand ms | decode ms | other ms | total ms | decode ms/step | GB/s | "
+        "tokens/s | KV MiB | peak MiB | useful | total / expanded |"
+    ) in proc.stdout
     # "not comparable" is explained where it is printed, below the (wrapped) agreement line.
     lines = proc.stdout.splitlines()
     (first,) = [i for i, text in enumerate(lines) if text.startswith("tokens: ")]
-    explanation = " ".join(line.strip() for line in lines[first + 1:] if line.startswith("  "))
+    explanation = " ".join(line.strip() for line in lines[first + 1 :] if line.startswith("  "))
     assert "torch's generator" in explanation and "--temperature 0" in explanation
     assert "1 timed iteration," in proc.stdout and "1 timed iterations" not in proc.stdout
 
@@ -438,8 +544,16 @@ def test_modes_run_interleaved_and_a_failed_mode_leaves_the_rounds(monkeypatch):
 
         def profile(self, clock, end):
             p = dict.fromkeys(bench_cases.PROFILE_FIELDS)
-            p.update(total_ms=1e9, decode_ms=2.0, decode_steps=2, generated_tokens=case.rows * 3, batch_size=1,
-                     samples_per_prompt=2, prompt_length=4, response_length=3)
+            p.update(
+                total_ms=1e9,
+                decode_ms=2.0,
+                decode_steps=2,
+                generated_tokens=case.rows * 3,
+                batch_size=1,
+                samples_per_prompt=2,
+                prompt_length=4,
+                response_length=3,
+            )
             return p
 
         def free(self):
@@ -450,12 +564,35 @@ def test_modes_run_interleaved_and_a_failed_mode_leaves_the_rounds(monkeypatch):
 
     monkeypatch.setattr(bench, "make_runner", lambda mode, *args: Runner(mode))
     modes = ["expanded", "prefix", "hf-generate"]
-    (result,) = bench.run_matrix(build_model("tiny"), [case], modes, bench_cases.Settings(warmup=2, iterations=3),
-                                 vocab_size=512, special_ids=[0, 1, 2], pad_token_id=0, progress=False)
+    (result,) = bench.run_matrix(
+        build_model("tiny"),
+        [case],
+        modes,
+        bench_cases.Settings(warmup=2, iterations=3),
+        vocab_size=512,
+        special_ids=[0, 1, 2],
+        pad_token_id=0,
+        progress=False,
+    )
     a, b, c = modes
-    assert calls == [a, a, b, b, c, c,  # warm-ups
-                     a, b, c, a, b, c, a, c,  # rounds: prefix fails in the second and leaves
-                     a, c]  # one peak-memory call each
+    assert calls == [
+        a,
+        a,
+        b,
+        b,
+        c,
+        c,  # warm-ups
+        a,
+        b,
+        c,
+        a,
+        b,
+        c,
+        a,
+        c,  # rounds: prefix fails in the second and leaves
+        a,
+        c,
+    ]  # one peak-memory call each
     assert result["modes"]["prefix"]["error"] == "RuntimeError: simulated failure"
     assert "prefix: RuntimeError: simulated failure" in result["error"]
     for mode in (a, c):
@@ -486,8 +623,22 @@ def test_plot_without_matplotlib_fails_at_startup_with_the_install_hint(tmp_path
 def test_plot_png(tmp_path):
     pytest.importorskip("matplotlib")
     png = tmp_path / "stages.png"
-    proc = run_cli(*SMALL_BENCH, "--iterations", "1", "--batch-sizes", "1", "2", "--samples-per-prompt", "2",
-                   "--prompt-lengths", "4", "--response-lengths", "2", "--plot", str(png))
+    proc = run_cli(
+        *SMALL_BENCH,
+        "--iterations",
+        "1",
+        "--batch-sizes",
+        "1",
+        "2",
+        "--samples-per-prompt",
+        "2",
+        "--prompt-lengths",
+        "4",
+        "--response-lengths",
+        "2",
+        "--plot",
+        str(png),
+    )
     assert proc.returncode == 0, proc.stderr
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -495,8 +646,26 @@ def test_plot_png(tmp_path):
 # --- rollout -------------------------------------------------------------------------------------
 def test_rollout_synthetic_prompts_print_and_jsonl(tmp_path):
     out = tmp_path / "samples.jsonl"
-    proc = run_cli("rollout", *TINY, "--device", "cpu", "--prompt-length", "5", "--num-prompts", "2", "-n", "3",
-                   "--max-new-tokens", "4", "--seed", "3", "--output", str(out), "--threads", "1")
+    proc = run_cli(
+        "rollout",
+        *TINY,
+        "--device",
+        "cpu",
+        "--prompt-length",
+        "5",
+        "--num-prompts",
+        "2",
+        "-n",
+        "3",
+        "--max-new-tokens",
+        "4",
+        "--seed",
+        "3",
+        "--output",
+        str(out),
+        "--threads",
+        "1",
+    )
     assert proc.returncode == 0, proc.stderr
     assert "RANDOM weights" in proc.stdout and "=== prompt 1" in proc.stdout and "--- sample 2" in proc.stdout
     assert "; 1 CPU thread)" in proc.stdout  # --threads 1 was applied (torch's default here is one per core)
@@ -525,8 +694,26 @@ def test_rollout_compile_reports_its_warm_up_apart_from_the_samples_times(monkey
         return out
 
     monkeypatch.setattr(Rollout, "generate", generate)
-    assert cli.main(["rollout", *TINY, "--device", "cpu", "--prompt-length", "5", "--num-prompts", "2", "-n", "2",
-                     "--max-new-tokens", "4", "--compile"]) == 0
+    assert (
+        cli.main(
+            [
+                "rollout",
+                *TINY,
+                "--device",
+                "cpu",
+                "--prompt-length",
+                "5",
+                "--num-prompts",
+                "2",
+                "-n",
+                "2",
+                "--max-new-tokens",
+                "4",
+                "--compile",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert len(calls) == 2 and torch.equal(calls[0][0], calls[1][0])  # the same prompts twice
     assert torch.equal(calls[0][1], calls[1][1])  # the same seed: the same samples
@@ -539,11 +726,45 @@ def test_rollout_compile_reports_its_warm_up_apart_from_the_samples_times(monkey
 
 def test_bench_compile_without_warmup_warns(monkeypatch, capsys):
     monkeypatch.setattr(torch, "compile", lambda fn=None, **kwargs: fn if fn is not None else (lambda f: f))
-    assert cli.main(SMALL_BENCH + ["--compile", "--warmup", "0", "--iterations", "1", "--modes", "shared",
-                                   "--prompt-lengths", "4", "--response-lengths", "2"]) == 0
+    assert (
+        cli.main(
+            SMALL_BENCH
+            + [
+                "--compile",
+                "--warmup",
+                "0",
+                "--iterations",
+                "1",
+                "--modes",
+                "shared",
+                "--prompt-lengths",
+                "4",
+                "--response-lengths",
+                "2",
+            ]
+        )
+        == 0
+    )
     assert "warning: --compile with --warmup 0: the first timed calls compile" in capsys.readouterr().err
-    assert cli.main(SMALL_BENCH + ["--compile", "--warmup", "1", "--iterations", "1", "--modes", "shared",
-                                   "--prompt-lengths", "4", "--response-lengths", "2"]) == 0
+    assert (
+        cli.main(
+            SMALL_BENCH
+            + [
+                "--compile",
+                "--warmup",
+                "1",
+                "--iterations",
+                "1",
+                "--modes",
+                "shared",
+                "--prompt-lengths",
+                "4",
+                "--response-lengths",
+                "2",
+            ]
+        )
+        == 0
+    )
     assert "warning" not in capsys.readouterr().err
 
 
@@ -558,9 +779,18 @@ def checkpoint(tmp_path_factory):
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     # No pad token: the command must fall back to EOS.
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
-    config = LlamaConfig(vocab_size=len(words), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         bos_token_id=1, eos_token_id=2, pad_token_id=None)
+    config = LlamaConfig(
+        vocab_size=len(words),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=None,
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).eval()
     path = tmp_path_factory.mktemp("checkpoint")
@@ -574,8 +804,25 @@ def test_rollout_from_a_checkpoint_left_pads_and_matches_hf_greedy(tmp_path, che
     prompts_file = tmp_path / "prompts.jsonl"
     prompts_file.write_text(json.dumps({"prompt": "a big red dog ran fast and the cat sat"}) + "\n")
     out = tmp_path / "samples.jsonl"
-    proc = run_cli("rollout", "--model", str(path), "--device", "cpu", "--prompt", "the cat", "--prompts",
-                   str(prompts_file), "-n", "2", "--max-new-tokens", "6", "--temperature", "0", "--output", str(out))
+    proc = run_cli(
+        "rollout",
+        "--model",
+        str(path),
+        "--device",
+        "cpu",
+        "--prompt",
+        "the cat",
+        "--prompts",
+        str(prompts_file),
+        "-n",
+        "2",
+        "--max-new-tokens",
+        "6",
+        "--temperature",
+        "0",
+        "--output",
+        str(out),
+    )
     assert proc.returncode == 0, proc.stderr
     assert "RANDOM" not in proc.stdout and "=== prompt 1: 'a big red dog" in proc.stdout
     records = [json.loads(line) for line in out.read_text().splitlines()]
@@ -587,8 +834,9 @@ def test_rollout_from_a_checkpoint_left_pads_and_matches_hf_greedy(tmp_path, che
         assert r["prompt_token_ids"] == tokenizer(prompt)["input_ids"]  # the padding is not part of it
         # Each prompt alone through HF's greedy generate: the left-padded batch must give the same tokens.
         ids = torch.tensor([r["prompt_token_ids"]])
-        ref = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=6,
-                             pad_token_id=2)[0, ids.shape[1]:].tolist()
+        ref = model.generate(
+            ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=6, pad_token_id=2
+        )[0, ids.shape[1] :].tolist()
         if 2 in ref:
             ref = ref[: ref.index(2) + 1]
         assert r["token_ids"] == ref
@@ -616,8 +864,10 @@ BAD = {
     "missing model path": (["rollout", "--model", "/nonexistent/checkpoint"], ["no such folder"]),
     "zero batch size": (["bench", "--batch-sizes", "1", "0"], ["--batch-sizes", ">= 1"]),
     "text prompt without a model": (["rollout", "--prompt", "hello"], ["--model"]),
-    "prompt longer than the model allows": (["bench", *TINY, "--device", "cpu", "--prompt-lengths", "2048"],
-                                            ["2048 positions"]),
+    "prompt longer than the model allows": (
+        ["bench", *TINY, "--device", "cpu", "--prompt-lengths", "2048"],
+        ["2048 positions"],
+    ),
 }
 
 
@@ -627,22 +877,25 @@ def test_bad_input_is_one_line_and_non_zero(name, tmp_path):
     assert_one_line_error(run_cli(*[a.replace("{tmp}", str(tmp_path)) for a in args]), *needles)
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["bench", "--response-lengths", "-4"], "--response-lengths: must be >= 1, got -4"),
-    (["bench", "--samples-per-prompt", "4", "x"], "--samples-per-prompt: expected an integer"),
-    (["bench", "--iterations", "0"], "--iterations"),
-    (["bench", "--warmup", "-1"], "--warmup"),
-    (["bench", "--modes", "beam"], "--modes"),
-    (["bench", "--top-p", "1.5"], "--top-p: must be in (0, 1]"),
-    (["bench", "--dtype", "fp64"], "--dtype"),
-    (["rollout", "--top-p", "0"], "--top-p: must be in (0, 1]"),
-    (["rollout", "--temperature", "-1"], "--temperature"),
-    (["rollout", "--temperature", "nan"], "must be finite"),
-    (["rollout", "-n", "0"], "--samples-per-prompt"),
-    (["rollout", "--top-k", "-1"], "--top-k"),
-    (["rollout", "--max-new-tokens", "0"], "--max-new-tokens"),
-    (["nope"], "invalid choice"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["bench", "--response-lengths", "-4"], "--response-lengths: must be >= 1, got -4"),
+        (["bench", "--samples-per-prompt", "4", "x"], "--samples-per-prompt: expected an integer"),
+        (["bench", "--iterations", "0"], "--iterations"),
+        (["bench", "--warmup", "-1"], "--warmup"),
+        (["bench", "--modes", "beam"], "--modes"),
+        (["bench", "--top-p", "1.5"], "--top-p: must be in (0, 1]"),
+        (["bench", "--dtype", "fp64"], "--dtype"),
+        (["rollout", "--top-p", "0"], "--top-p: must be in (0, 1]"),
+        (["rollout", "--temperature", "-1"], "--temperature"),
+        (["rollout", "--temperature", "nan"], "must be finite"),
+        (["rollout", "-n", "0"], "--samples-per-prompt"),
+        (["rollout", "--top-k", "-1"], "--top-k"),
+        (["rollout", "--max-new-tokens", "0"], "--max-new-tokens"),
+        (["nope"], "invalid choice"),
+    ],
+)
 def test_bad_numbers_are_argparse_errors_on_one_line(args, needle, capsys):
     # The same parser as in the subprocess tests above, in-process to keep the file fast.
     with pytest.raises(SystemExit) as exc:
@@ -654,8 +907,9 @@ def test_bad_numbers_are_argparse_errors_on_one_line(args, needle, capsys):
 
 def test_prompt_longer_than_the_checkpoint_allows(checkpoint):
     path, _, _ = checkpoint
-    proc = run_cli("rollout", "--model", str(path), "--device", "cpu", "--prompt", "the cat sat", "--max-new-tokens",
-                   "62")
+    proc = run_cli(
+        "rollout", "--model", str(path), "--device", "cpu", "--prompt", "the cat sat", "--max-new-tokens", "62"
+    )
     assert_one_line_error(proc, "64 positions", "--max-new-tokens")
 
 
@@ -664,8 +918,11 @@ def test_cuda_without_a_gpu_is_the_same_one_line_in_every_command(capsys, monkey
     for command in (cli_rollout, cli_bench):
         monkeypatch.setattr(command, "load_model", lambda *a, **k: pytest.fail("the model was built"))
     errors = []
-    for args in (["rollout", *TINY, "--device", "cuda"], ["bench", *TINY, "--device", "cuda"],
-                 ["bench-op", "--device", "cuda"]):
+    for args in (
+        ["rollout", *TINY, "--device", "cuda"],
+        ["bench", *TINY, "--device", "cuda"],
+        ["bench-op", "--device", "cuda"],
+    ):
         assert cli.main(args) == 2
         errors.append(capsys.readouterr().err)
     assert len(set(errors)) == 1, errors
@@ -674,8 +931,25 @@ def test_cuda_without_a_gpu_is_the_same_one_line_in_every_command(capsys, monkey
 
 # --- bench-op and the console script -------------------------------------------------------------
 def test_bench_op_delegates():
-    proc = run_cli("bench-op", "--device", "cpu", "--dtype", "fp32", "--max-mib", "1", "--warmup", "0", "--iters", "1",
-                   "--methods", "op,copy", "--batch", "2", "--repeats", "2")
+    proc = run_cli(
+        "bench-op",
+        "--device",
+        "cpu",
+        "--dtype",
+        "fp32",
+        "--max-mib",
+        "1",
+        "--warmup",
+        "0",
+        "--iters",
+        "1",
+        "--methods",
+        "op,copy",
+        "--batch",
+        "2",
+        "--repeats",
+        "2",
+    )
     assert proc.returncode == 0, proc.stderr
     assert "| cache MiB |" in proc.stdout
 
@@ -694,9 +968,33 @@ def test_console_script_help():
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 def test_bench_on_cuda(tmp_path, dtype):
     out = tmp_path / "bench.json"
-    proc = run_cli("bench", *TINY, "--device", "cuda", "--dtype", dtype, "--warmup", "1", "--iterations", "3",
-                   "--temperature", "0", "--batch-sizes", "2", "--samples-per-prompt", "4", "--prompt-lengths", "16",
-                   "--response-lengths", "8", "--output", str(out), "--trace", str(tmp_path / "trace"), "--no-progress")
+    proc = run_cli(
+        "bench",
+        *TINY,
+        "--device",
+        "cuda",
+        "--dtype",
+        dtype,
+        "--warmup",
+        "1",
+        "--iterations",
+        "3",
+        "--temperature",
+        "0",
+        "--batch-sizes",
+        "2",
+        "--samples-per-prompt",
+        "4",
+        "--prompt-lengths",
+        "16",
+        "--response-lengths",
+        "8",
+        "--output",
+        str(out),
+        "--trace",
+        str(tmp_path / "trace"),
+        "--no-progress",
+    )
     assert proc.returncode == 0, proc.stderr
     data = json.loads(out.read_text())
     assert data["header"]["peak_memory_method"] == "cuda_allocator"
@@ -713,8 +1011,23 @@ def test_bench_on_cuda(tmp_path, dtype):
 def test_rollout_on_cuda(tmp_path, checkpoint):
     path, _, _ = checkpoint
     out = tmp_path / "samples.jsonl"
-    proc = run_cli("rollout", "--model", str(path), "--device", "cuda", "--prompt", "the cat", "--prompt",
-                   "a big dog ran", "-n", "4", "--max-new-tokens", "8", "--output", str(out))
+    proc = run_cli(
+        "rollout",
+        "--model",
+        str(path),
+        "--device",
+        "cuda",
+        "--prompt",
+        "the cat",
+        "--prompt",
+        "a big dog ran",
+        "-n",
+        "4",
+        "--max-new-tokens",
+        "8",
+        "--output",
+        str(out),
+    )
     assert proc.returncode == 0, proc.stderr
     assert len(out.read_text().splitlines()) == 8
 
@@ -747,13 +1060,17 @@ PARSE_ERRORS = [
     (["bench-op", "--kv-heads", "100000", "--max-mib", "1"], "make the smallest possible cache"),
     (["bench-op", "--device", "cpu", "--max-mib", "1048576"], "--max-mib 1048576: the largest size"),
     (["bench-op", "--bogus"], "bench-op: unrecognized arguments: --bogus"),
-    (["rollout", "--num-prompts", "100000000", "--prompt-length", "1000"],
-     "--num-prompts 100000000 x --prompt-length 1000: the token ids alone"),
+    (
+        ["rollout", "--num-prompts", "100000000", "--prompt-length", "1000"],
+        "--num-prompts 100000000 x --prompt-length 1000: the token ids alone",
+    ),
     (["rollout", "--seed", str(2**63)], "--seed: must be <= 9223372036854775807"),
     (["rollout", "--device", "gpu"], "--device: expected cpu, cuda or cuda:N"),
     (["rollout", "--max-tokens", "3"], "rollout: unrecognized arguments: --max-tokens 3"),
-    (["bench", "--batch-sizes", "100000", "--samples-per-prompt", "1000", "--prompt-lengths", "1000"],
-     "the largest case (B=100000 N=1000 P=1000 R=16): the token ids alone"),
+    (
+        ["bench", "--batch-sizes", "100000", "--samples-per-prompt", "1000", "--prompt-lengths", "1000"],
+        "the largest case (B=100000 N=1000 P=1000 R=16): the token ids alone",
+    ),
     (["bench", "--iteratons", "3"], "bench: unrecognized arguments: --iteratons 3"),
     (["bench", "--model", "/nonexistent/checkpoint"], "--model /nonexistent/checkpoint: no such folder"),
     (["rollout", "--model", str(ROOT / "tests")], "not a Hugging Face checkpoint (no config.json in the folder)"),
@@ -773,8 +1090,14 @@ def test_bad_flags_fail_at_parse_time_with_one_line(args, needle, capsys, monkey
     assert err.rstrip().endswith(f"(see torchkvops {args[0]} --help)"), err  # the subcommand's help
 
 
-HELP_AND_ERRORS = [["--help"], ["rollout", "--help"], ["bench", "--help"], ["bench-op", "--help"],
-                   ["bench-op", "--factor", "1"], ["bench", "--iteratons", "3"]]
+HELP_AND_ERRORS = [
+    ["--help"],
+    ["rollout", "--help"],
+    ["bench", "--help"],
+    ["bench-op", "--help"],
+    ["bench-op", "--factor", "1"],
+    ["bench", "--iteratons", "3"],
+]
 
 
 @pytest.mark.parametrize("args", HELP_AND_ERRORS, ids=[" ".join(a) for a in HELP_AND_ERRORS])
@@ -788,19 +1111,22 @@ def test_help_and_argument_errors_import_neither_torch_nor_transformers(args):
         assert "usage: torchkvops" in proc.stdout
 
 
-@pytest.mark.parametrize("orig_argv,expected", [
-    (["python", "-m", "torchkvops", "--help"], True),
-    (["python", "-m", "torchkvops.__main__"], True),
-    (["python", "-X", "importtime", "-m", "torchkvops"], True),
-    (["python", "-Im", "torchkvops"], True),
-    (["python", "-mtorchkvops", "bench"], True),
-    (["python", "-Wignore::DeprecationWarning", "-m", "torchkvops"], True),
-    (["python", "-W", "ignore", "-m", "torchkvops"], True),
-    (["python", "-m", "mypkg", "torchkvops"], False),
-    (["python", "-m", "pytest", "-m", "torchkvops"], False),
-    (["python", "-c", "import torchkvops", "-m", "torchkvops"], False),
-    (["python", "script.py", "-m", "torchkvops"], False),
-])
+@pytest.mark.parametrize(
+    "orig_argv,expected",
+    [
+        (["python", "-m", "torchkvops", "--help"], True),
+        (["python", "-m", "torchkvops.__main__"], True),
+        (["python", "-X", "importtime", "-m", "torchkvops"], True),
+        (["python", "-Im", "torchkvops"], True),
+        (["python", "-mtorchkvops", "bench"], True),
+        (["python", "-Wignore::DeprecationWarning", "-m", "torchkvops"], True),
+        (["python", "-W", "ignore", "-m", "torchkvops"], True),
+        (["python", "-m", "mypkg", "torchkvops"], False),
+        (["python", "-m", "pytest", "-m", "torchkvops"], False),
+        (["python", "-c", "import torchkvops", "-m", "torchkvops"], False),
+        (["python", "script.py", "-m", "torchkvops"], False),
+    ],
+)
 def test_torch_is_deferred_only_for_python_m_torchkvops(monkeypatch, orig_argv, expected):
     import torchkvops
 
@@ -824,7 +1150,8 @@ def test_import_loads_the_ops_and_defers_the_rollout_engine():
         "from torchkvops import Rollout, RolloutConfig\n"
         "assert torchkvops.Rollout is Rollout and torchkvops.rollout.RolloutConfig is RolloutConfig\n"
         "assert 'Rollout' in dir(torchkvops) and torchkvops.kv_cache is sys.modules['torchkvops.kv_cache']\n"
-        "print('ok')\n")
+        "print('ok')\n"
+    )
     proc = run_cli(code=code)
     assert proc.returncode == 0 and proc.stdout.splitlines()[-1] == "ok", proc.stderr
 
@@ -894,9 +1221,11 @@ def first_python_block(page: Path, heading: str) -> str:
     return text.split("```python\n")[1].split("```")[0]
 
 
-@pytest.mark.parametrize("page, heading", [(README, "### A rollout: N samples per prompt from one KV cache"),
-                                           (DOCS / "rollout.md", "## The API")],
-                         ids=["README", "docs/rollout.md"])
+@pytest.mark.parametrize(
+    "page, heading",
+    [(README, "### A rollout: N samples per prompt from one KV cache"), (DOCS / "rollout.md", "## The API")],
+    ids=["README", "docs/rollout.md"],
+)
 def test_readme_rollout_snippet_runs_as_written(page, heading):
     """The README's Rollout quick start and docs/rollout.md's example, pasted as they are (each builds its
     own model and prompts)."""
@@ -926,7 +1255,7 @@ def test_readme_torchkvops_commands_parse():
             continue
         at = words.index("torchkvops")
         assert words[at - 1] == "-m", words
-        argv = words[at + 1:] or ["bench", *cli.DEFAULT_BENCH_ARGS]
+        argv = words[at + 1 :] or ["bench", *cli.DEFAULT_BENCH_ARGS]
         if "--help" in argv:
             with pytest.raises(SystemExit) as exc:
                 cli.parse_args(argv)
@@ -985,8 +1314,16 @@ def test_every_option_has_help_and_bench_op_help_shows_defaults_and_methods(caps
         cli.main(["bench-op", "--help"])
     assert exc.value.code == 0
     out = capsys.readouterr().out
-    for needle in ("--factor FACTOR", "(default: 4)", "--max-mib MAX_MIB", "(default: 1024.0)",
-                   "(default: op,copy,interleave,loop)", "--kv-heads KV_HEADS", "(default: 8)", "(default: fp16)"):
+    for needle in (
+        "--factor FACTOR",
+        "(default: 4)",
+        "--max-mib MAX_MIB",
+        "(default: 1024.0)",
+        "(default: op,copy,interleave,loop)",
+        "--kv-heads KV_HEADS",
+        "(default: 8)",
+        "(default: fp16)",
+    ):
         assert needle in out, needle
     for method in ("op", "copy", "interleave", "loop"):
         assert f"\n  {method:<11} " in out  # each method explained below the options
@@ -1028,8 +1365,10 @@ def _bad_output_paths(tmp: Path) -> dict:
     # Root-proof unwritable paths: procfs files take no writes, sysfs takes no new files.
     if Path("/proc/version").is_file():
         for command in ("rollout", "bench", "bench-op"):
-            cases[f"{command} output is a read-only /proc file"] = ([command, "--output", "/proc/version"],
-                                                                    "cannot write the file")
+            cases[f"{command} output is a read-only /proc file"] = (
+                [command, "--output", "/proc/version"],
+                "cannot write the file",
+            )
     if Path("/sys/kernel").is_dir():
         cases["bench output in /sys"] = (["bench", "--output", "/sys/kernel/out.json"], "cannot create files in")
         cases["bench trace in /sys"] = (["bench", "--trace", "/sys/kernel/traces"], "cannot create files in")
@@ -1055,8 +1394,10 @@ def test_unwritable_outputs_fail_before_any_work(tmp_path, capsys, monkeypatch):
         assert err.startswith(f"torchkvops: error: {args[0]}: "), (name, err)
     assert not (tmp_path / "missing").exists() and sorted(p.name for p in (tmp_path / "folder").iterdir()) == []
     if IS_ROOT:
-        print("as root: the read-only file and folder sub-cases are skipped (root may write them); the /proc and "
-              "/sys cases stand in for them")
+        print(
+            "as root: the read-only file and folder sub-cases are skipped (root may write them); the /proc and "
+            "/sys cases stand in for them"
+        )
 
 
 def test_output_check_leaves_an_existing_file_alone(tmp_path):
@@ -1073,8 +1414,23 @@ def test_sizes_the_model_cannot_take_fail_before_it_is_built(capsys, monkeypatch
     monkeypatch.setattr(cli_rollout, "load_model", lambda *a, **k: pytest.fail("the model was built"))
     monkeypatch.setattr(cli_checks, "available_memory_bytes", lambda: 2**30)  # 1 GiB free, on any machine
     # 64 prompts x 16 samples x (1024 + 512) tokens of opt-125m's KV in fp32: about 108 GiB.
-    rc = cli.main(["rollout", "--model-shape", "opt-125m", "--device", "cpu", "--num-prompts", "64", "-n", "16",
-                   "--prompt-length", "1024", "--max-new-tokens", "512"])
+    rc = cli.main(
+        [
+            "rollout",
+            "--model-shape",
+            "opt-125m",
+            "--device",
+            "cpu",
+            "--num-prompts",
+            "64",
+            "-n",
+            "16",
+            "--prompt-length",
+            "1024",
+            "--max-new-tokens",
+            "512",
+        ]
+    )
     err = capsys.readouterr().err
     assert rc == 2 and err.count("\n") == 1, err
     assert "the KV cache of 1024 rows x 1536 tokens takes about 108.0 GiB, more than the 1.0 GiB free on cpu" in err
@@ -1105,8 +1461,24 @@ def test_write_json_atomic_replaces_the_whole_file_or_nothing(tmp_path, monkeypa
     assert [p.name for p in tmp_path.iterdir()] == ["r.json"]  # no temporary file left behind
 
 
-INTERRUPT_BENCH = [*SMALL_BENCH, "--batch-sizes", "1", "2", "--samples-per-prompt", "2", "--prompt-lengths", "4",
-                   "--response-lengths", "2", "--warmup", "0", "--iterations", "1", "--modes", "shared"]
+INTERRUPT_BENCH = [
+    *SMALL_BENCH,
+    "--batch-sizes",
+    "1",
+    "2",
+    "--samples-per-prompt",
+    "2",
+    "--prompt-lengths",
+    "4",
+    "--response-lengths",
+    "2",
+    "--warmup",
+    "0",
+    "--iterations",
+    "1",
+    "--modes",
+    "shared",
+]
 
 
 def test_bench_writes_each_case_when_it_finishes_and_keeps_them_on_ctrl_c(tmp_path, monkeypatch, capsys):
@@ -1129,8 +1501,10 @@ def test_bench_writes_each_case_when_it_finishes_and_keeps_them_on_ctrl_c(tmp_pa
     assert during["cases_pending"] == ["B1_N2_P4_R2"]
     final = json.loads(out.read_text())
     assert final["status"] == "interrupted" and final["cases"] == during["cases"]
-    assert final["cases_pending"] == ["B1_N2_P4_R2"] and final["header"]["cases_requested"] == ["B1_N2_P4_R2",
-                                                                                                 "B2_N2_P4_R2"]
+    assert final["cases_pending"] == ["B1_N2_P4_R2"] and final["header"]["cases_requested"] == [
+        "B1_N2_P4_R2",
+        "B2_N2_P4_R2",
+    ]
     captured = capsys.readouterr()
     assert f"interrupted after 1 of 2 case(s); 1 finished case(s) are in {out}" in captured.err
     assert "B2_N2_P4_R2: B=2" in captured.out  # the finished case's table is still printed
@@ -1152,9 +1526,16 @@ def test_sigint_during_a_bench_keeps_the_finished_cases(tmp_path):
         "    return real(self, input_ids, attention_mask)\n"
         "Rollout.generate = generate\n"
         "from torchkvops.cli.main import main\n"
-        "sys.exit(main(sys.argv[1:]))\n")
-    proc = subprocess.Popen([sys.executable, "-c", code, *INTERRUPT_BENCH, "--output", str(out)], cwd=ROOT,
-                            env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, *INTERRUPT_BENCH, "--output", str(out)],
+        cwd=ROOT,
+        env=cli_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + TIMEOUT
         while not (out.exists() and json.loads(out.read_text())["cases"]):  # never half-written: atomic
@@ -1179,13 +1560,21 @@ def test_estimate_scales_the_first_call_by_each_cases_work():
     order = bench_cases.run_order(cases)
     assert cases[order[0]].batch_size == 4
     assert bench.estimate_seconds(2.0, cases, order, n_modes=3, per_mode=5) == pytest.approx(
-        2.0 * 3 * 5 * (32 + 128) / 128)
+        2.0 * 3 * 5 * (32 + 128) / 128
+    )
 
 
 # --- stage times that add up to the total ------------------------------------------------------
 def _iteration(total, prefill, decode, kv=0.5, expansion=0.25, post=0.125, tokens=8):
-    return {"total_ms": total, "prompt_expansion_ms": expansion, "prefill_ms": prefill, "kv_expand_ms": kv,
-            "decode_ms": decode, "post_processing_ms": post, "generated_tokens": tokens}
+    return {
+        "total_ms": total,
+        "prompt_expansion_ms": expansion,
+        "prefill_ms": prefill,
+        "kv_expand_ms": kv,
+        "decode_ms": decode,
+        "post_processing_ms": post,
+        "generated_tokens": tokens,
+    }
 
 
 def test_stage_breakdown_adds_up_to_the_median_total():
@@ -1199,8 +1588,14 @@ def test_stage_breakdown_adds_up_to_the_median_total():
     assert split["other_ms"] == pytest.approx(61.0 - stages) and stages + split["other_ms"] == pytest.approx(61.0)
     assert split["tokens_per_second"] == pytest.approx(8 / 0.061)
     segments = bench_report.plot_segments(entry)
-    assert [label for label, _ in segments] == ["prompt_expansion", "prefill", "kv_expand", "decode",
-                                                "post_processing", "other"]
+    assert [label for label, _ in segments] == [
+        "prompt_expansion",
+        "prefill",
+        "kv_expand",
+        "decode",
+        "post_processing",
+        "other",
+    ]
     assert sum(v for _, v in segments) == pytest.approx(61.0)
 
     # An even count: the mean of the two middle iterations, whose mean total is the median.
@@ -1212,8 +1607,17 @@ def test_stage_breakdown_adds_up_to_the_median_total():
     assert sum(v for _, v in bench_report.plot_segments(entry)) == pytest.approx(63.5)
 
     # A mode without stages (hf-generate): its total alone.
-    hf = [dict(_iteration(t, 0, 0), prefill_ms=None, decode_ms=None, kv_expand_ms=None, prompt_expansion_ms=None,
-               post_processing_ms=None) for t in (80.0, 90.0, 85.0)]
+    hf = [
+        dict(
+            _iteration(t, 0, 0),
+            prefill_ms=None,
+            decode_ms=None,
+            kv_expand_ms=None,
+            prompt_expansion_ms=None,
+            post_processing_ms=None,
+        )
+        for t in (80.0, 90.0, 85.0)
+    ]
     entry = {"error": None, "iterations": hf, "summary": bench_stats.summarize_profiles(hf)}
     assert bench_report.plot_segments(entry) == [("total (not split)", 85.0)]
     assert bench_report.plot_segments({"error": "boom", "iterations": [], "median_stages": None}) == []
@@ -1221,11 +1625,23 @@ def test_stage_breakdown_adds_up_to_the_median_total():
 
 def test_table_stages_add_up_to_its_total_and_say_which_statistic():
     its = [_iteration(61.0, 10.0, 50.0), _iteration(60.5, 40.0, 20.0), _iteration(66.0, 35.0, 30.0)]
-    entry = {"error": None, "iterations": its, "summary": bench_stats.summarize_profiles(its),
-             "peak_memory_bytes": 2**20}
+    entry = {
+        "error": None,
+        "iterations": its,
+        "summary": bench_stats.summarize_profiles(its),
+        "peak_memory_bytes": 2**20,
+    }
     entry["median_stages"] = bench_stats.stage_breakdown(entry)
-    result = {"case": "B1_N2_P4_R2", "batch_size": 1, "samples_per_prompt": 2, "prompt_length": 4,
-              "response_length": 2, "error": None, "modes": {"shared": entry}, "tokens_agree": {"pairs": {}}}
+    result = {
+        "case": "B1_N2_P4_R2",
+        "batch_size": 1,
+        "samples_per_prompt": 2,
+        "prompt_length": 4,
+        "response_length": 2,
+        "error": None,
+        "modes": {"shared": entry},
+        "tokens_agree": {"pairs": {}},
+    }
     table = bench_report.format_case_table(result, 3, wide=True)
     assert "3 timed iterations," in table
     assert "times of the median-total iteration, so the stages add up to the total" in table
@@ -1240,21 +1656,45 @@ def test_table_stages_add_up_to_its_total_and_say_which_statistic():
 def test_the_default_table_fits_120_columns_at_its_widest_and_wide_shows_the_rest():
     """The widest default table: CUDA (a roofline column), data-parallel (global tokens/s), every mode
     (the longest names) and large figures; every line of it, notes included, fits 120 columns."""
-    its = [dict(_iteration(123456.7, 23456.7, 98765.4), decode_ms_per_step=123.45, achieved_gbps=4321.98,
-                roofline_fraction=0.9, tokens_per_second=123456.7, kv_cache_bytes=12345 * 2**20,
-                useful_fraction=0.25)]
-    entry = {"error": None, "iterations": its, "summary": bench_stats.summarize_profiles(its),
-             "peak_memory_bytes": 54321 * 2**20}
+    its = [
+        dict(
+            _iteration(123456.7, 23456.7, 98765.4),
+            decode_ms_per_step=123.45,
+            achieved_gbps=4321.98,
+            roofline_fraction=0.9,
+            tokens_per_second=123456.7,
+            kv_cache_bytes=12345 * 2**20,
+            useful_fraction=0.25,
+        )
+    ]
+    entry = {
+        "error": None,
+        "iterations": its,
+        "summary": bench_stats.summarize_profiles(its),
+        "peak_memory_bytes": 54321 * 2**20,
+    }
     entry["median_stages"] = bench_stats.stage_breakdown(entry)
     notes = {"shared vs hf-generate": "not comparable: " + "a long explanation " * 12}
-    result = {"case": "B1024_N64_P16384_R4096", "batch_size": 1024, "samples_per_prompt": 64, "prompt_length": 16384,
-              "response_length": 4096, "error": None, "world_size": 8, "modes": dict.fromkeys(bench_cases.MODES, entry),
-              "tokens_agree": {"pairs": {f"{a} vs {b}": None for a in bench_cases.MODES for b in bench_cases.MODES
-                                         if a < b}, "notes": notes}}
+    result = {
+        "case": "B1024_N64_P16384_R4096",
+        "batch_size": 1024,
+        "samples_per_prompt": 64,
+        "prompt_length": 16384,
+        "response_length": 4096,
+        "error": None,
+        "world_size": 8,
+        "modes": dict.fromkeys(bench_cases.MODES, entry),
+        "tokens_agree": {
+            "pairs": {f"{a} vs {b}": None for a in bench_cases.MODES for b in bench_cases.MODES if a < b},
+            "notes": notes,
+        },
+    }
     table = bench_report.format_case_table(result, 1)
     assert max(len(line) for line in table.splitlines()) <= 120, table
     header = next(line for line in table.splitlines() if line.startswith("| mode |"))
-    assert header == "| mode | prefill ms | total ms | decode ms/step | GB/s | % of roofline | global tokens/s | KV MiB |"
+    assert (
+        header == "| mode | prefill ms | total ms | decode ms/step | GB/s | % of roofline | global tokens/s | KV MiB |"
+    )
     assert "data-parallel over 8 processes" in table and "a long explanation" in table
     wide = bench_report.format_case_table(result, 1, wide=True)
     header = next(line for line in wide.splitlines() if line.startswith("| mode |"))

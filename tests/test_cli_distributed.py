@@ -11,14 +11,25 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from timeouts import TIMEOUT
+
 from torchkvops.cli import checks as cli_checks
 from torchkvops.cli import launch as cli_launch
 
 ROOT = Path(__file__).absolute().parents[1]
-ROLLOUT = ["rollout", "--model-shape", "tiny", "--device", "cpu", "--num-prompts", "3", "-n", "2",
-           "--max-new-tokens", "4"]
+ROLLOUT = [
+    "rollout",
+    "--model-shape",
+    "tiny",
+    "--device",
+    "cpu",
+    "--num-prompts",
+    "3",
+    "-n",
+    "2",
+    "--max-new-tokens",
+    "4",
+]
 
 
 def free_port() -> int:
@@ -36,16 +47,32 @@ def env() -> dict:
 
 def torchrun(*args: str, program: list[str] | None = None) -> subprocess.CompletedProcess:
     """`python -m torch.distributed.run --nproc-per-node 2 ... -m torchkvops ARGS` (or another program)."""
-    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-              "--master-port", str(free_port())]
+    launch = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+    ]
     target = program if program is not None else ["-m", "torchkvops"]
-    return subprocess.run([*launch, *target, *args], cwd=ROOT, env=env(), capture_output=True, text=True,
-                          timeout=TIMEOUT)
+    return subprocess.run(
+        [*launch, *target, *args], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=TIMEOUT
+    )
 
 
 def single(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "torchkvops", *args], cwd=ROOT, env=env(), capture_output=True,
-                          text=True, timeout=TIMEOUT)
+    return subprocess.run(
+        [sys.executable, "-m", "torchkvops", *args],
+        cwd=ROOT,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
 
 
 def records(path: Path) -> list[dict]:
@@ -69,7 +96,10 @@ def test_torchrun_is_detected_from_its_environment():
     assert cli_launch.torchrun_env({}) is None
     assert cli_launch.torchrun_env({"WORLD_SIZE": "1", "RANK": "0"}) is None
     assert cli_launch.torchrun_env({"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1"}) == {
-        "world_size": 2, "rank": 1, "local_rank": 1}
+        "world_size": 2,
+        "rank": 1,
+        "local_rank": 1,
+    }
     # torchrun --nproc-per-node 1 is still torchrun
     assert cli_launch.torchrun_env({"TORCHELASTIC_RUN_ID": "x", "WORLD_SIZE": "1", "RANK": "0"})["world_size"] == 1
     with pytest.raises(cli_checks.CLIError, match="RANK='a' is not an integer"):
@@ -108,9 +138,31 @@ def test_rollout_under_torchrun_writes_one_file_equal_to_a_single_process_run(tm
 
 def test_bench_under_torchrun_reports_once_for_every_process(tmp_path):
     out = tmp_path / "bench.json"
-    proc = torchrun("bench", "--model-shape", "tiny", "--device", "cpu", "--batch-sizes", "1", "--samples-per-prompt",
-                    "2", "--prompt-lengths", "8", "--response-lengths", "4", "--modes", "shared", "hf-generate",
-                    "--warmup", "1", "--iterations", "1", "--no-progress", "--output", str(out))
+    proc = torchrun(
+        "bench",
+        "--model-shape",
+        "tiny",
+        "--device",
+        "cpu",
+        "--batch-sizes",
+        "1",
+        "--samples-per-prompt",
+        "2",
+        "--prompt-lengths",
+        "8",
+        "--response-lengths",
+        "4",
+        "--modes",
+        "shared",
+        "hf-generate",
+        "--warmup",
+        "1",
+        "--iterations",
+        "1",
+        "--no-progress",
+        "--output",
+        str(out),
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("B1_N2_P8_R4: B=1") == 1 and proc.stdout.count("| shared |") == 1  # the table once
     assert "global tokens/s" in proc.stdout and "data-parallel over 2 processes" in proc.stdout
@@ -180,8 +232,15 @@ def test_a_mode_that_fails_on_another_process_fails_on_this_one_too(monkeypatch)
 
         def profile(self, clock, end):
             p = dict.fromkeys(bench_cases.PROFILE_FIELDS)
-            p.update(decode_ms=2.0, decode_steps=2, generated_tokens=6, batch_size=1, samples_per_prompt=2,
-                     prompt_length=4, response_length=3)
+            p.update(
+                decode_ms=2.0,
+                decode_steps=2,
+                generated_tokens=6,
+                batch_size=1,
+                samples_per_prompt=2,
+                prompt_length=4,
+                response_length=3,
+            )
             return p
 
         def free(self):
@@ -206,8 +265,17 @@ def test_a_mode_that_fails_on_another_process_fails_on_this_one_too(monkeypatch)
     monkeypatch.setattr(bench, "make_runner", lambda mode, *args: Runner(mode))
     world = ElsewhereFails()
     settings = bench_cases.Settings(warmup=1, iterations=2)
-    (result,) = bench.run_matrix(build_model("tiny"), [case], ["shared", "prefix"], settings, vocab_size=512,
-                                 special_ids=[0, 1, 2], pad_token_id=0, progress=False, world=world)
+    (result,) = bench.run_matrix(
+        build_model("tiny"),
+        [case],
+        ["shared", "prefix"],
+        settings,
+        vocab_size=512,
+        special_ids=[0, 1, 2],
+        pad_token_id=0,
+        progress=False,
+        world=world,
+    )
     assert calls == ["shared", "prefix", "shared", "prefix", "prefix", "prefix"]  # warm-ups, rounds, peak
     assert result["modes"]["shared"]["error"] == "rank 1: OutOfMemoryError: simulated"
     assert result["modes"]["prefix"]["error"] is None and len(result["modes"]["prefix"]["iterations"]) == 2

@@ -8,11 +8,11 @@ import warnings
 
 import pytest
 import torch
+from devices import CUDA
+from models import FAMILIES, prompts
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import torchkvops
-from devices import CUDA
-from models import FAMILIES, prompts
 from torchkvops import Rollout, RolloutConfig, compaction
 from torchkvops.decode import DecodeRunner
 from torchkvops.kv_cache import KVShape, RolloutKVCache
@@ -59,8 +59,7 @@ def assert_same_output(a, b):
 @pytest.mark.parametrize("sampling", list(SAMPLING))
 def test_tokens_and_logprobs_equal_without_compaction(llama, layout, sampling):
     ids, mask = _prompts()
-    cfg = dict(samples_per_prompt=N, max_new_tokens=NEW, kv_sharing=layout, return_logprobs=True,
-               **SAMPLING[sampling])
+    cfg = dict(samples_per_prompt=N, max_new_tokens=NEW, kv_sharing=layout, return_logprobs=True, **SAMPLING[sampling])
     eos = spread_eos(llama, ids, mask, **cfg)
     (on, p_on), (off, p_off) = both(llama, ids, mask, eos_token_id=eos, **cfg)
     assert_same_output(on, off)
@@ -79,8 +78,15 @@ def test_rows_ending_at_every_check_with_min_new_tokens(llama, layout):
     """Eight prompts whose rows end at many steps (sampling, three EOS ids), min_new_tokens holding EOS
     back for the first steps: the batch shrinks check after check, down to the smallest sizes."""
     ids, mask = prompts(8, 6, seed=5, left_pad=[0, 2, 0, 4, 1, 0, 3, 0])
-    cfg = dict(samples_per_prompt=2, max_new_tokens=80, kv_sharing=layout, temperature=1.3, seed=11,
-               min_new_tokens=3, return_logprobs=True)
+    cfg = dict(
+        samples_per_prompt=2,
+        max_new_tokens=80,
+        kv_sharing=layout,
+        temperature=1.3,
+        seed=11,
+        min_new_tokens=3,
+        return_logprobs=True,
+    )
     eos = spread_eos(llama, ids, mask, **cfg) + [7]
     (on, p_on), (off, _) = both(llama, ids, mask, eos_token_id=eos, **cfg)
     assert_same_output(on, off)
@@ -187,12 +193,17 @@ def test_decode_shapes_stay_bounded_over_many_calls(layout, monkeypatch):
     """Calls with other prompts and seeds end their rows at other steps; the decode shapes they meet are
     compacted sizes of the first (bucket_sizes), and each comes back with its decode state."""
     model = FAMILIES["llama"]()
-    r = Rollout(model, RolloutConfig(samples_per_prompt=4, max_new_tokens=48, kv_sharing=layout, temperature=1.0,
-                                     eos_token_id=[41, 60, 90]))
+    r = Rollout(
+        model,
+        RolloutConfig(
+            samples_per_prompt=4, max_new_tokens=48, kv_sharing=layout, temperature=1.0, eos_token_id=[41, 60, 90]
+        ),
+    )
     keys = set()
     start = DecodeRunner.start
-    monkeypatch.setattr(DecodeRunner, "start", lambda self, dynamic, graph_key: keys.add(graph_key)
-                        or start(self, dynamic, graph_key))
+    monkeypatch.setattr(
+        DecodeRunner, "start", lambda self, dynamic, graph_key: keys.add(graph_key) or start(self, dynamic, graph_key)
+    )
     ids, mask = prompts(4, 9, seed=0, left_pad=[0, 2, 0, 1])
     for seed in range(12):
         r._generate(ids, mask, seed=seed)
@@ -221,8 +232,18 @@ class _Recorder(TorchDispatchMode):
 def test_decode_steps_of_a_compacting_rollout_never_read_a_value_on_the_host(llama, layout, monkeypatch):
     """The host syncs of decode are the all-ended check's reads (every 8 steps); the steps themselves,
     on compacted batches too, run no op that needs a value on the host."""
-    r = Rollout(llama, RolloutConfig(samples_per_prompt=N, max_new_tokens=NEW, kv_sharing=layout, temperature=1.0,
-                                     seed=3, eos_token_id=[41, 60], enable_profiling=True))
+    r = Rollout(
+        llama,
+        RolloutConfig(
+            samples_per_prompt=N,
+            max_new_tokens=NEW,
+            kv_sharing=layout,
+            temperature=1.0,
+            seed=3,
+            eos_token_id=[41, 60],
+            enable_profiling=True,
+        ),
+    )
     step, seen = DecodeRunner.__call__, set()
 
     def watched(self):
@@ -248,16 +269,28 @@ def test_compact_finished_rows_must_be_a_bool():
 def compiled_prefix(llama):
     """One compiled rollout for the module (compiling costs ~35 s on a small CPU): the prefix layout,
     whose compacted batches also change the shared-prefix attention's slot maps."""
-    return Rollout(llama, RolloutConfig(compile=True, kv_sharing="prefix", temperature=1.0, seed=3,
-                                        samples_per_prompt=N, max_new_tokens=NEW, eos_token_id=[41, 60],
-                                        return_logprobs=True, enable_profiling=True))
+    return Rollout(
+        llama,
+        RolloutConfig(
+            compile=True,
+            kv_sharing="prefix",
+            temperature=1.0,
+            seed=3,
+            samples_per_prompt=N,
+            max_new_tokens=NEW,
+            eos_token_id=[41, 60],
+            return_logprobs=True,
+            enable_profiling=True,
+        ),
+    )
 
 
 def test_compiled_decode_gives_the_eager_uncompacted_tokens(llama, compiled_prefix):
     from torch._dynamo.utils import counters
 
-    eager = Rollout(llama, RolloutConfig(**{**vars(compiled_prefix.config), "compile": False,
-                                            "compact_finished_rows": False}))
+    eager = Rollout(
+        llama, RolloutConfig(**{**vars(compiled_prefix.config), "compile": False, "compact_finished_rows": False})
+    )
     for seed, pads in ((1, [0, 3, 1]), (2, [2, 0, 0])):
         ids, mask = prompts(3, 9, seed=seed, left_pad=pads)
         out = compiled_prefix.generate(ids, mask)
@@ -275,8 +308,15 @@ def test_compiled_decode_gives_the_eager_uncompacted_tokens(llama, compiled_pref
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_cuda_graphs_of_compacted_batches_are_replayed_across_calls(device, layout):
     model = FAMILIES["llama"]().to(device)
-    cfg = dict(samples_per_prompt=N, max_new_tokens=NEW, kv_sharing=layout, temperature=1.0, seed=3,
-               eos_token_id=[41, 60], return_logprobs=True)
+    cfg = dict(
+        samples_per_prompt=N,
+        max_new_tokens=NEW,
+        kv_sharing=layout,
+        temperature=1.0,
+        seed=3,
+        eos_token_id=[41, 60],
+        return_logprobs=True,
+    )
     graphs = Rollout(model, RolloutConfig(cuda_graphs=True, **cfg))
     eager = Rollout(model, RolloutConfig(cuda_graphs=False, compact_finished_rows=False, **cfg))
     ids, mask = (t.to(device) for t in _prompts())
@@ -293,9 +333,19 @@ def test_cuda_graphs_of_compacted_batches_are_replayed_across_calls(device, layo
 def test_cuda_decode_steps_of_a_compacting_rollout_never_sync(device, layout):
     model = FAMILIES["llama"]().to(device)
     for cuda_graphs in (False, True):
-        r = Rollout(model, RolloutConfig(samples_per_prompt=N, max_new_tokens=NEW, kv_sharing=layout,
-                                         temperature=1.0, seed=3, eos_token_id=[41, 60], cuda_graphs=cuda_graphs,
-                                         enable_profiling=True))
+        r = Rollout(
+            model,
+            RolloutConfig(
+                samples_per_prompt=N,
+                max_new_tokens=NEW,
+                kv_sharing=layout,
+                temperature=1.0,
+                seed=3,
+                eos_token_id=[41, 60],
+                cuda_graphs=cuda_graphs,
+                enable_profiling=True,
+            ),
+        )
         ids, mask = (t.to(device) for t in _prompts())
         r.generate(ids, mask)  # warm-up and capture of every shape happen outside the checked steps
         step = DecodeRunner.__call__

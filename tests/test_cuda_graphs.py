@@ -6,8 +6,8 @@ import warnings
 
 import pytest
 import torch
-
 from models import FAMILIES, prompts
+
 from torchkvops import Rollout, RolloutConfig
 from torchkvops.decode import Decoder
 
@@ -28,16 +28,22 @@ def rollouts(model, **cfg):
 
 
 @pytest.mark.parametrize("kv_sharing", ["copy", "prefix"])
-@pytest.mark.parametrize("sampling", [dict(), dict(temperature=0.9, top_k=20, top_p=0.9, seed=4)],
-                         ids=["greedy", "seeded"])
+@pytest.mark.parametrize(
+    "sampling", [dict(), dict(temperature=0.9, top_k=20, top_p=0.9, seed=4)], ids=["greedy", "seeded"]
+)
 def test_graph_decode_gives_the_eager_tokens_across_calls_and_shapes(model, kv_sharing, sampling):
-    graphs, eager = rollouts(model, samples_per_prompt=3, max_new_tokens=12, eos_token_id=NO_EOS,
-                             kv_sharing=kv_sharing, **sampling)
+    graphs, eager = rollouts(
+        model, samples_per_prompt=3, max_new_tokens=12, eos_token_id=NO_EOS, kv_sharing=kv_sharing, **sampling
+    )
     # The largest shape first: a larger one later would grow the KV storage, and the smaller shapes
     # would then be captured once more on its new addresses.
-    cases = [(3, 20, [1, 0, 4], 4),
-             (2, 9, [0, 3], 1), (2, 9, [2, 0], 2), (2, 9, None, 3),  # a new shape: one capture, then replays
-             (3, 20, [1, 2, 0], 5)]  # the first shape comes back: its graph replays
+    cases = [
+        (3, 20, [1, 0, 4], 4),
+        (2, 9, [0, 3], 1),
+        (2, 9, [2, 0], 2),
+        (2, 9, None, 3),  # a new shape: one capture, then replays
+        (3, 20, [1, 2, 0], 5),
+    ]  # the first shape comes back: its graph replays
     for batch, length, pads, seed in cases:
         ids, mask = prompts(batch, length, seed=seed, left_pad=pads)
         ids, mask = ids.cuda(), mask.cuda()
@@ -75,8 +81,9 @@ def assert_cuda_state_is_clean():
 # does only while a capture is under way (so that the capture itself fails).
 SYNCS = {
     "always": lambda mod, args, kwargs: bool(kwargs["position_ids"].max() > -1) and None,
-    "while_capturing": lambda mod, args, kwargs: torch.cuda.synchronize()
-    if torch.cuda.is_current_stream_capturing() else None,
+    "while_capturing": lambda mod, args, kwargs: (
+        torch.cuda.synchronize() if torch.cuda.is_current_stream_capturing() else None
+    ),
 }
 
 
@@ -114,9 +121,21 @@ def test_no_host_sync_inside_decode(model, kv_sharing):
     """The decode loop (no EOS ids: no all-ended check) runs with sync debug mode set to error, graphs
     and plain eager steps alike."""
     for cuda_graphs in (False, True):
-        r = Rollout(model, RolloutConfig(samples_per_prompt=2, max_new_tokens=10, eos_token_id=NO_EOS,
-                                         cuda_graphs=cuda_graphs, kv_sharing=kv_sharing, temperature=1.0,
-                                         top_k=10, top_p=0.9, seed=1, return_logprobs=True))
+        r = Rollout(
+            model,
+            RolloutConfig(
+                samples_per_prompt=2,
+                max_new_tokens=10,
+                eos_token_id=NO_EOS,
+                cuda_graphs=cuda_graphs,
+                kv_sharing=kv_sharing,
+                temperature=1.0,
+                top_k=10,
+                top_p=0.9,
+                seed=1,
+                return_logprobs=True,
+            ),
+        )
         ids, mask = prompts(2, 9, seed=8, left_pad=[0, 2])
         ids, mask = ids.cuda(), mask.cuda()
         r.generate(ids, mask)  # warm-up and capture happen outside the checked region

@@ -10,8 +10,10 @@ import torch
 
 from torchkvops.decode import DecodeShape, DecodeState
 
-SHAPES = {"copy": DecodeShape(rows=6, mask_len=16, max_new_tokens=5, dtype=torch.bfloat16, logprobs=True),
-          "prefix": DecodeShape(rows=6, mask_len=8, max_new_tokens=5, dtype=torch.float32, prompts=3, prompt_len=16)}
+SHAPES = {
+    "copy": DecodeShape(rows=6, mask_len=16, max_new_tokens=5, dtype=torch.bfloat16, logprobs=True),
+    "prefix": DecodeShape(rows=6, mask_len=8, max_new_tokens=5, dtype=torch.float32, prompts=3, prompt_len=16),
+}
 
 
 @pytest.mark.parametrize("layout", list(SHAPES))

@@ -73,19 +73,28 @@ class FakeCuda:
 
         modes = {"default": 0, "warn": 1, "error": 2}
         for name, value in {
-            "Stream": FakeStream, "CUDAGraph": Graph, "stream": stream,
-            "current_stream": lambda device=None: fake.stream, "synchronize": lambda device=None: None,
-            "graph_pool_handle": lambda: ("pool", 1), "current_device": lambda: 0,
+            "Stream": FakeStream,
+            "CUDAGraph": Graph,
+            "stream": stream,
+            "current_stream": lambda device=None: fake.stream,
+            "synchronize": lambda device=None: None,
+            "graph_pool_handle": lambda: ("pool", 1),
+            "current_device": lambda: 0,
             "get_sync_debug_mode": lambda: fake.mode,
             "set_sync_debug_mode": lambda mode: setattr(fake, "mode", modes.get(mode, mode)),
         }.items():
             monkeypatch.setattr(torch.cuda, name, value)
-        monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool", lambda d, p: fake.pool_calls.append(("end", d, p)),
-                            raising=False)
-        monkeypatch.setattr(torch._C, "_cuda_releasePool", lambda d, p: fake.pool_calls.append(("release", d, p)),
-                            raising=False)
-        monkeypatch.setattr(decode, "_end_generator_capture",
-                            lambda stream, device: setattr(fake, "generator_resets", fake.generator_resets + 1))
+        monkeypatch.setattr(
+            torch._C, "_cuda_endAllocateToPool", lambda d, p: fake.pool_calls.append(("end", d, p)), raising=False
+        )
+        monkeypatch.setattr(
+            torch._C, "_cuda_releasePool", lambda d, p: fake.pool_calls.append(("release", d, p)), raising=False
+        )
+        monkeypatch.setattr(
+            decode,
+            "_end_generator_capture",
+            lambda stream, device: setattr(fake, "generator_resets", fake.generator_resets + 1),
+        )
         return self
 
 
@@ -143,8 +152,11 @@ def test_warm_up_then_one_capture_per_key_then_replays(fake):
 def test_a_step_that_syncs_is_seen_in_the_warm_up_and_never_captured(fake):
     step = Step(fake, sync="always")
     runner = runner_for(step)
-    with pytest.warns(RuntimeWarning, match=r"runs without CUDA graphs .* syncs with the host "
-                                            r"\(called a synchronizing CUDA operation\)"):
+    with pytest.warns(
+        RuntimeWarning,
+        match=r"runs without CUDA graphs .* syncs with the host "
+        r"\(called a synchronizing CUDA operation\)",
+    ):
         steps(runner, KEY_A, 4)
     assert step.runs == 4 and fake.captures == 0 and not runner.graphs
     assert fake.stream is fake.default and fake.mode == 0
@@ -157,8 +169,11 @@ def test_a_step_that_syncs_is_seen_in_the_warm_up_and_never_captured(fake):
 def test_a_failed_capture_is_cleaned_up_and_reported_with_its_first_error(fake):
     step = Step(fake, sync="while_capturing")
     runner = runner_for(step)
-    with pytest.warns(RuntimeWarning, match=r"CUDA-graph capture failed \(RuntimeError: CUDA error: operation "
-                                            r"not permitted when stream is capturing\)"):
+    with pytest.warns(
+        RuntimeWarning,
+        match=r"CUDA-graph capture failed \(RuntimeError: CUDA error: operation "
+        r"not permitted when stream is capturing\)",
+    ):
         steps(runner, KEY_A, 4)
     assert step.runs == 4 and fake.captures == 1 and not runner.graphs
     assert fake.stream is fake.default  # the caller's stream, although capture_end raised

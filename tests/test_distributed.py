@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from dist_worker import CASES, CONFIGS, shard
 from models import FAMILIES
 from timeouts import TIMEOUT
+
 from torchkvops import Rollout, RolloutConfig
 
 ROOT = Path(__file__).absolute().parents[1]
@@ -40,8 +40,17 @@ def torchrun(*args: str) -> list[str]:
 
 
 def launch(scenario: str, out: Path, timeout: float = TIMEOUT, **extra_env) -> None:
-    cmd = torchrun("--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-                   WORKER, scenario, str(out))
+    cmd = torchrun(
+        "--nproc-per-node",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        WORKER,
+        scenario,
+        str(out),
+    )
     proc = subprocess.run(cmd, cwd=ROOT, env=env(**extra_env), capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
@@ -94,7 +103,7 @@ def test_gathered_output_equals_a_single_process_rollout(equivalence, case, conf
         rows = CASES[case][rank][0] * n
         assert local.responses.shape[0] == rows
         r = local.responses.shape[1]
-        assert torch.equal(local.responses, expected.responses[first: first + rows, :r])
+        assert torch.equal(local.responses, expected.responses[first : first + rows, :r])
         first += rows
         profile = equivalence[rank].get(f"{case}/{config}/profile")
         if profile is not None and rows > 2:  # each shard compacted its own batch as its rows ended
@@ -114,11 +123,13 @@ def test_a_rank_that_raises_makes_every_rank_raise(tmp_path):
 def test_ranks_with_different_settings_raise_the_same_error_before_generating(tmp_path):
     launch("mismatch", tmp_path)
     results = [load(tmp_path, r) for r in range(2)]
-    expected = {"samples_per_prompt": "samples_per_prompt: 2 on rank 0; 3 on rank 1",
-                "temperature": "temperature: 1.0 on rank 0; 0.7 on rank 1",
-                "gather": "gather: True on rank 0; False on rank 1",
-                "return_logprobs": "return_logprobs: True on rank 0; False on rank 1",
-                "lm_head_dtype": "lm_head_dtype: 'torch.float32' on rank 0; None on rank 1"}
+    expected = {
+        "samples_per_prompt": "samples_per_prompt: 2 on rank 0; 3 on rank 1",
+        "temperature": "temperature: 1.0 on rank 0; 0.7 on rank 1",
+        "gather": "gather: True on rank 0; False on rank 1",
+        "return_logprobs": "return_logprobs: True on rank 0; False on rank 1",
+        "lm_head_dtype": "lm_head_dtype: 'torch.float32' on rank 0; None on rank 1",
+    }
     for name, needle in expected.items():
         error = results[0]["errors"][name]
         assert error == results[1]["errors"][name], name  # the same error on every rank
@@ -139,11 +150,25 @@ def test_a_rank_that_never_calls_gives_an_error_not_a_hang(tmp_path):
 def test_two_nodes_through_a_c10d_rendezvous(tmp_path, equivalence):
     """Two torchrun agents (two "nodes" on 127.0.0.1), one process each, meeting at a c10d rendezvous."""
     port = free_port()
-    cmd = torchrun("--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
-                   "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "torchkvops-test", WORKER, "equivalence",
-                   str(tmp_path))
-    agents = [subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-              for _ in range(2)]
+    cmd = torchrun(
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "1",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "--rdzv-id",
+        "torchkvops-test",
+        WORKER,
+        "equivalence",
+        str(tmp_path),
+    )
+    agents = [
+        subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
     try:
         outputs = [a.communicate(timeout=TIMEOUT) for a in agents]
     finally:

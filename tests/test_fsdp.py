@@ -6,14 +6,13 @@ a served call leaves the model trainable (it ran under inference mode, and FSDP'
 broke the next training step), and the next call follows the trained weights. Every launch is bounded by
 a timeout."""
 
+import subprocess
 from pathlib import Path
 
 import pytest
 import torch
-
 from test_distributed import env, free_port, torchrun
 from timeouts import TIMEOUT
-import subprocess
 
 ROOT = Path(__file__).absolute().parents[1]
 WORKER = str(Path(__file__).with_name("fsdp_worker.py"))
@@ -22,8 +21,17 @@ pytest.importorskip("torch.distributed.fsdp")
 
 
 def run_scenario(scenario: str, out: Path) -> list[dict]:
-    cmd = torchrun("--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-                   WORKER, scenario, str(out))
+    cmd = torchrun(
+        "--nproc-per-node",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        WORKER,
+        scenario,
+        str(out),
+    )
     proc = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=TIMEOUT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]

@@ -5,8 +5,8 @@ masks of every width), backward against autograd through the reference, and the 
 
 import pytest
 import torch
-
 from devices import DEVICES
+
 from torchkvops.fused_attention import _cuda_bias, attend, attend_backward
 
 
@@ -32,22 +32,25 @@ def test_forward_and_backward_equal_the_reference(device, causal, length, heads,
     k, v = (torch.randn(3, kv_heads, length, 16, generator=g).to(device).requires_grad_() for _ in range(2))
     bias = torch.zeros(3, 1, 1, length, device=device)
     bias[1, ..., : length // 2] = torch.finfo(torch.float32).min  # row 1 cannot see its first keys
-    scale = 16 ** -0.5
+    scale = 16**-0.5
     out, lse = attend(q.detach(), k.detach(), v.detach(), bias, causal=causal, scale=scale)
     ref_out, ref_lse = reference(q, k, v, bias, causal, scale)
     real = ref_lse > -1e30  # queries that see a key (a causal row 1 query before its first key sees none)
     torch.testing.assert_close(out[real].double(), ref_out.detach()[real], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse[real].double(), ref_lse.detach()[real], atol=1e-5, rtol=1e-5)
     grad = torch.randn(out.shape, generator=g).to(device) * real[..., None]
-    dq, dk, dv = attend_backward(grad, q.detach(), k.detach(), v.detach(), bias, causal=causal, scale=scale, out=out,
-                                 lse=lse)
+    dq, dk, dv = attend_backward(
+        grad, q.detach(), k.detach(), v.detach(), bias, causal=causal, scale=scale, out=out, lse=lse
+    )
     ref_grads = torch.autograd.grad(ref_out, (q, k, v), grad.double())
     for got, want in zip((dq, dk, dv), ref_grads):
         torch.testing.assert_close(got.double(), want.double(), atol=1e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("dtype,length,copied", [(torch.bfloat16, 8, False), (torch.bfloat16, 5, True),
-                                                 (torch.float32, 4, False), (torch.float32, 6, True)])
+@pytest.mark.parametrize(
+    "dtype,length,copied",
+    [(torch.bfloat16, 8, False), (torch.bfloat16, 5, True), (torch.float32, 4, False), (torch.float32, 6, True)],
+)
 def test_the_cuda_bias_is_copied_only_when_its_rows_are_misaligned(dtype, length, copied):
     bias = torch.randn(3, 1, 1, length).to(dtype)
     view = _cuda_bias(bias, heads=4, queries=2)

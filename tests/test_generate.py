@@ -5,10 +5,10 @@ import warnings
 
 import pytest
 import torch
+from models import FAMILIES, prompts
 from transformers import GenerationConfig
 
 import torchkvops
-from models import FAMILIES, prompts
 
 
 def batch_with_runs(seed=0):
@@ -55,8 +55,11 @@ def test_eos_and_pad_filling_and_early_stop_equal_hf(llama):
     ids, mask = batch_with_runs(seed=2)
     free = hf(llama, ids, mask, max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)[:, 9:]
     eos = [int(free[0, 2]), int(free[3, 4])]  # rows 0-2 end at step <= 2, row 3 at step <= 4
-    for kwargs in (dict(eos_token_id=eos, pad_token_id=5), dict(eos_token_id=eos[0], pad_token_id=0),
-                   dict(eos_token_id=[int(t) for t in free[:, 1].unique()], pad_token_id=7)):  # all rows end at 1
+    for kwargs in (
+        dict(eos_token_id=eos, pad_token_id=5),
+        dict(eos_token_id=eos[0], pad_token_id=0),
+        dict(eos_token_id=[int(t) for t in free[:, 1].unique()], pad_token_id=7),
+    ):  # all rows end at 1
         expected = hf(llama, ids, mask, max_new_tokens=12, do_sample=False, **kwargs)
         out = torchkvops.generate(llama, ids, attention_mask=mask, max_new_tokens=12, do_sample=False, **kwargs)
         assert torch.equal(out, expected), kwargs
@@ -76,9 +79,12 @@ def test_generation_config_precedence(llama):
     saved = llama.generation_config
     llama.generation_config = GenerationConfig(max_new_tokens=9, do_sample=False, eos_token_id=None, pad_token_id=0)
     try:
-        for config, kwargs, length in [(None, {}, 9), (GenerationConfig(max_new_tokens=5), {}, 5),
-                                       (GenerationConfig(max_new_tokens=5), dict(max_new_tokens=3), 3),
-                                       (None, dict(max_length=10), 9)]:  # max_new_tokens (model) wins over max_length
+        for config, kwargs, length in [
+            (None, {}, 9),
+            (GenerationConfig(max_new_tokens=5), {}, 5),
+            (GenerationConfig(max_new_tokens=5), dict(max_new_tokens=3), 3),
+            (None, dict(max_length=10), 9),
+        ]:  # max_new_tokens (model) wins over max_length
             out = torchkvops.generate(llama, ids, attention_mask=mask, generation_config=config, **kwargs)
             expected = hf(llama, ids, mask, generation_config=config, **kwargs)
             assert out.shape == (2, 6 + length) and torch.equal(out, expected)
@@ -88,16 +94,25 @@ def test_generation_config_precedence(llama):
 
 def test_return_dict_in_generate(llama):
     ids, mask = prompts(2, 6, seed=5)
-    out = torchkvops.generate(llama, ids, attention_mask=mask, max_new_tokens=4, do_sample=False,
-                              return_dict_in_generate=True)
+    out = torchkvops.generate(
+        llama, ids, attention_mask=mask, max_new_tokens=4, do_sample=False, return_dict_in_generate=True
+    )
     expected = hf(llama, ids, mask, max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
     assert torch.equal(out.sequences, expected.sequences)
 
 
 def test_sampling_honours_num_return_sequences_and_is_seeded_by_torch(llama):
     ids, mask = prompts(2, 6, seed=6)
-    kwargs = dict(max_new_tokens=6, do_sample=True, temperature=1.3, top_k=20, top_p=0.95,
-                  num_return_sequences=3, eos_token_id=None, pad_token_id=0)
+    kwargs = dict(
+        max_new_tokens=6,
+        do_sample=True,
+        temperature=1.3,
+        top_k=20,
+        top_p=0.95,
+        num_return_sequences=3,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
     torch.manual_seed(11)
     a = torchkvops.generate(llama, ids, attention_mask=mask, **kwargs)
     torch.manual_seed(11)
@@ -126,8 +141,10 @@ def test_unsupported_settings_fall_back_to_hf_with_a_warning_naming_them(llama, 
     ids, mask = prompts(2, 6, seed=7)
     base = dict(max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=0)
     with patched(llama) as handle:
-        with pytest.warns(UserWarning, match=f"torchkvops.generate: {cause!s}".replace("(", r"\(").replace(")", r"\)")
-                          .replace("[", r"\[")):
+        with pytest.warns(
+            UserWarning,
+            match=f"torchkvops.generate: {cause!s}".replace("(", r"\(").replace(")", r"\)").replace("[", r"\["),
+        ):
             out = llama.generate(ids, attention_mask=mask, **base, **kwargs)
         expected = handle.session.original_generate(ids, attention_mask=mask, **base, **kwargs)
         with warnings.catch_warnings():
@@ -245,13 +262,36 @@ def test_train_mode_with_attention_dropout_falls_back_until_it_is_disabled(famil
 
     torch.manual_seed(0)
     if family == "opt":
-        model = OPTForCausalLM(OPTConfig(vocab_size=96, hidden_size=32, ffn_dim=64, num_hidden_layers=1,
-                                         num_attention_heads=2, word_embed_proj_dim=32, attention_dropout=0.1,
-                                         dropout=0.0, pad_token_id=0, bos_token_id=1, eos_token_id=2))
+        model = OPTForCausalLM(
+            OPTConfig(
+                vocab_size=96,
+                hidden_size=32,
+                ffn_dim=64,
+                num_hidden_layers=1,
+                num_attention_heads=2,
+                word_embed_proj_dim=32,
+                attention_dropout=0.1,
+                dropout=0.0,
+                pad_token_id=0,
+                bos_token_id=1,
+                eos_token_id=2,
+            )
+        )
     else:
-        model = GPT2LMHeadModel(GPT2Config(vocab_size=96, n_embd=32, n_layer=1, n_head=2, attn_pdrop=0.1,
-                                           resid_pdrop=0.0, embd_pdrop=0.0, pad_token_id=0, bos_token_id=1,
-                                           eos_token_id=2))
+        model = GPT2LMHeadModel(
+            GPT2Config(
+                vocab_size=96,
+                n_embd=32,
+                n_layer=1,
+                n_head=2,
+                attn_pdrop=0.1,
+                resid_pdrop=0.0,
+                embd_pdrop=0.0,
+                pad_token_id=0,
+                bos_token_id=1,
+                eos_token_id=2,
+            )
+        )
     model.train()
     ids = prompts(1, 5)[0]
     with pytest.warns(UserWarning, match="train mode with attention dropout"):
@@ -264,8 +304,9 @@ def test_train_mode_with_attention_dropout_falls_back_until_it_is_disabled(famil
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         out = torchkvops.generate(model, ids, max_new_tokens=2, do_sample=False, eos_token_id=None, pad_token_id=0)
-    assert torch.equal(out, hf(model, ids, torch.ones_like(ids), max_new_tokens=2, do_sample=False,
-                               eos_token_id=None, pad_token_id=0))
+    assert torch.equal(
+        out, hf(model, ids, torch.ones_like(ids), max_new_tokens=2, do_sample=False, eos_token_id=None, pad_token_id=0)
+    )
 
 
 def test_greedy_with_num_return_sequences_is_hf_error(llama):
@@ -277,14 +318,15 @@ def test_greedy_with_num_return_sequences_is_hf_error(llama):
         torchkvops.generate(llama, ids, attention_mask=mask, max_new_tokens=2, do_sample=False, num_return_sequences=2)
 
 
-
 def test_autocast_to_another_dtype_than_the_weights_falls_back(llama, monkeypatch):
     """Under a bf16 autocast, an fp32 model's K come out fp32 (RoPE's fp32 cos/sin) and its V bf16: the
     rollout's cache holds one dtype, so the call goes to HF's generate (a Trainer with bf16=True wraps
     forward in such an autocast). Weights already in the autocast dtype run through the rollout."""
     calls = []
     original = torchkvops.Rollout._generate
-    monkeypatch.setattr(torchkvops.Rollout, "_generate", lambda self, *a, **k: calls.append(1) or original(self, *a, **k))
+    monkeypatch.setattr(
+        torchkvops.Rollout, "_generate", lambda self, *a, **k: calls.append(1) or original(self, *a, **k)
+    )
     ids, mask = batch_with_runs(seed=13)
     kwargs = dict(max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=0)
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -299,13 +341,20 @@ def test_autocast_to_another_dtype_than_the_weights_falls_back(llama, monkeypatc
     assert calls and out.shape == (ids.shape[0], ids.shape[1] + 4)
 
 
-@pytest.mark.parametrize("ids, mask, error, match", [
-    (torch.empty(0, 5, dtype=torch.long), None, ValueError, r"input_ids is empty \(shape \(0, 5\)\)"),
-    (torch.ones(2, 5), None, TypeError, "input_ids must hold integer token ids"),
-    (torch.full((2, 5), 10_000), None, ValueError, r"input_ids must be token ids in \[0, "),
-    (torch.ones(2, 5, dtype=torch.long), torch.ones(2, 4, dtype=torch.long), ValueError,
-     r"attention_mask must have input_ids' shape \(2, 5\), got \(2, 4\)"),
-])  # (a right-padded mask is not an error: HF's generate takes it, see test_generate_contract.py)
+@pytest.mark.parametrize(
+    "ids, mask, error, match",
+    [
+        (torch.empty(0, 5, dtype=torch.long), None, ValueError, r"input_ids is empty \(shape \(0, 5\)\)"),
+        (torch.ones(2, 5), None, TypeError, "input_ids must hold integer token ids"),
+        (torch.full((2, 5), 10_000), None, ValueError, r"input_ids must be token ids in \[0, "),
+        (
+            torch.ones(2, 5, dtype=torch.long),
+            torch.ones(2, 4, dtype=torch.long),
+            ValueError,
+            r"attention_mask must have input_ids' shape \(2, 5\), got \(2, 4\)",
+        ),
+    ],
+)  # (a right-padded mask is not an error: HF's generate takes it, see test_generate_contract.py)
 def test_bad_inputs_are_named_for_generate_with_the_callers_shapes(llama, ids, mask, error, match):
     """Checked before the rows are grouped, so the message names generate and the shapes the caller
     passed (not the grouped prompts' shapes, nor a RolloutConfig field)."""

@@ -14,11 +14,12 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from devices import DEVICES
+from models import COMMON, FAMILIES, prompts
 from transformers import CompileConfig, GenerationConfig
 
 import torchkvops
-from devices import DEVICES
-from models import COMMON, FAMILIES, prompts
+
 
 def hf_generate(model, *args, **kwargs):
     """The oracle: the model class's own generate, whatever is patched on the instance."""
@@ -76,8 +77,11 @@ def test_2_default_length_is_hfs(llama, served, prompt_length, new_tokens):
 
 
 # --- 3. settings equal to 0 are settings; invalid ones get HF's own error --------------------------
-@pytest.mark.parametrize("setting", [dict(forced_eos_token_id=0), dict(forced_bos_token_id=0), dict(guidance_scale=0),
-                                     dict(max_time=0.0)], ids=lambda s: next(iter(s)))
+@pytest.mark.parametrize(
+    "setting",
+    [dict(forced_eos_token_id=0), dict(forced_bos_token_id=0), dict(guidance_scale=0), dict(max_time=0.0)],
+    ids=lambda s: next(iter(s)),
+)
 def test_3_zero_valued_settings_fall_back(llama, served, setting):
     ids, mask = prompts(2, 6, seed=3)
     kwargs = dict(GREEDY, attention_mask=mask, eos_token_id=None, pad_token_id=0, **setting)
@@ -86,11 +90,25 @@ def test_3_zero_valued_settings_fall_back(llama, served, setting):
     assert not served and same_tokens(out, hf_generate(llama, ids, **kwargs))
 
 
-@pytest.mark.parametrize("setting", [dict(do_sample=True, temperature=0), dict(do_sample=True, temperature=2),
-                                     dict(repetition_penalty=0), dict(do_sample=True, typical_p=0),
-                                     dict(num_beams=0), dict(do_sample=False, num_return_sequences=2)],
-                         ids=["temperature_0", "temperature_int", "repetition_penalty_0", "typical_p_0", "num_beams_0",
-                              "greedy_num_return_sequences"])
+@pytest.mark.parametrize(
+    "setting",
+    [
+        dict(do_sample=True, temperature=0),
+        dict(do_sample=True, temperature=2),
+        dict(repetition_penalty=0),
+        dict(do_sample=True, typical_p=0),
+        dict(num_beams=0),
+        dict(do_sample=False, num_return_sequences=2),
+    ],
+    ids=[
+        "temperature_0",
+        "temperature_int",
+        "repetition_penalty_0",
+        "typical_p_0",
+        "num_beams_0",
+        "greedy_num_return_sequences",
+    ],
+)
 def test_3_settings_hf_rejects_raise_hfs_error(llama, served, setting):
     ids, mask = prompts(2, 6, seed=3)
     kwargs = dict(attention_mask=mask, max_new_tokens=3, **setting)
@@ -196,7 +214,7 @@ def test_7_undo_in_either_order_restores_hfs_generate(llama, served):
         inner = llama.generate
         llama.generate = lambda *args, **kw: inner(*args, **kw)  # a caller's wrapper around the patch
         second = torchkvops.patch_generate(llama)
-        for handle in ((first, second) if order == "first_patch_first" else (second, first)):
+        for handle in (first, second) if order == "first_patch_first" else (second, first):
             handle.undo()
         served.clear()
         assert same_tokens(llama.generate(ids, **kwargs), expected) and not served, order
@@ -207,8 +225,9 @@ def test_7_undo_in_either_order_restores_hfs_generate(llama, served):
 
 
 def test_7_refusals_say_what_to_do(llama):
-    with pytest.raises(TypeError, match="LlamaModel has no generate method .*use the causal LM that wraps it, e.g. "
-                                        "LlamaForCausalLM"):
+    with pytest.raises(
+        TypeError, match="LlamaModel has no generate method .*use the causal LM that wraps it, e.g. LlamaForCausalLM"
+    ):
         torchkvops.patch_generate(llama.model)
     with torchkvops.patch_generate(llama):
         with pytest.raises(RuntimeError, match=r"already patched by torchkvops; call undo\(\) on the handle"):
@@ -222,27 +241,87 @@ def _tiny(cls, config_cls, **fields):
 
 
 UNSERVABLE = {
-    "bloom": (lambda: _tiny(transformers.BloomForCausalLM, transformers.BloomConfig, hidden_size=32, n_layer=2, n_head=4),
-              "ALiBi"),
-    "falcon_alibi": (lambda: _tiny(transformers.FalconForCausalLM, transformers.FalconConfig, hidden_size=32,
-                                   num_hidden_layers=2, num_attention_heads=4, alibi=True, multi_query=False), "ALiBi"),
-    "gemma2": (lambda: _tiny(transformers.Gemma2ForCausalLM, transformers.Gemma2Config, hidden_size=32,
-                             intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                             head_dim=8), "attn_logit_softcapping"),
-    "deepseek_v3": (lambda: _tiny(transformers.DeepseekV3ForCausalLM, transformers.DeepseekV3Config, hidden_size=32,
-                                  intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
-                                  num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
-                                  num_experts_per_tok=2, n_group=1, topk_group=1, kv_lora_rank=16, q_lora_rank=16,
-                                  qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, first_k_dense_replace=1),
-                    "multi-head latent attention"),
-    "gpt_oss": (lambda: _tiny(transformers.GptOssForCausalLM, transformers.GptOssConfig, hidden_size=32,
-                              intermediate_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                              head_dim=8, num_local_experts=4, num_experts_per_tok=2, sliding_window=16),
-                "attention sinks"),
+    "bloom": (
+        lambda: _tiny(transformers.BloomForCausalLM, transformers.BloomConfig, hidden_size=32, n_layer=2, n_head=4),
+        "ALiBi",
+    ),
+    "falcon_alibi": (
+        lambda: _tiny(
+            transformers.FalconForCausalLM,
+            transformers.FalconConfig,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            alibi=True,
+            multi_query=False,
+        ),
+        "ALiBi",
+    ),
+    "gemma2": (
+        lambda: _tiny(
+            transformers.Gemma2ForCausalLM,
+            transformers.Gemma2Config,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+        ),
+        "attn_logit_softcapping",
+    ),
+    "deepseek_v3": (
+        lambda: _tiny(
+            transformers.DeepseekV3ForCausalLM,
+            transformers.DeepseekV3Config,
+            hidden_size=32,
+            intermediate_size=64,
+            moe_intermediate_size=16,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            n_group=1,
+            topk_group=1,
+            kv_lora_rank=16,
+            q_lora_rank=16,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=8,
+            v_head_dim=8,
+            first_k_dense_replace=1,
+        ),
+        "multi-head latent attention",
+    ),
+    "gpt_oss": (
+        lambda: _tiny(
+            transformers.GptOssForCausalLM,
+            transformers.GptOssConfig,
+            hidden_size=32,
+            intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=16,
+        ),
+        "attention sinks",
+    ),
     # Multi-query Falcon: nothing in its config says the rollout cannot run it; its first call shows it.
-    "falcon_multi_query": (lambda: _tiny(transformers.FalconForCausalLM, transformers.FalconConfig, hidden_size=32,
-                                         num_hidden_layers=2, num_attention_heads=4, multi_query=True,
-                                         new_decoder_architecture=False), None),
+    "falcon_multi_query": (
+        lambda: _tiny(
+            transformers.FalconForCausalLM,
+            transformers.FalconConfig,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            multi_query=True,
+            new_decoder_architecture=False,
+        ),
+        None,
+    ),
 }
 
 
@@ -250,7 +329,9 @@ UNSERVABLE = {
 def test_8_models_the_rollout_cannot_run_fall_back_with_a_warning(monkeypatch, name):
     attempts = []
     original = torchkvops.Rollout._generate
-    monkeypatch.setattr(torchkvops.Rollout, "_generate", lambda self, *a, **k: attempts.append(1) or original(self, *a, **k))
+    monkeypatch.setattr(
+        torchkvops.Rollout, "_generate", lambda self, *a, **k: attempts.append(1) or original(self, *a, **k)
+    )
     build, cause = UNSERVABLE[name]
     model = build()
     ids, mask = prompts(2, 6, seed=8, left_pad=[0, 2])
@@ -270,11 +351,19 @@ def test_8_models_the_rollout_cannot_run_fall_back_with_a_warning(monkeypatch, n
 
 
 # --- 9. inputs and settings HF accepts fall back instead of raising ---------------------------------
-MASKS = {"right_padded": [[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]], "hole": [[1, 1, 1, 1, 1, 1], [0, 1, 0, 1, 1, 1]],
-         "empty_row": [[1, 1, 1, 1, 1, 1], [0, 0, 0, 0, 0, 0]]}
-SETTINGS = {"top_p_0": dict(do_sample=True, top_p=0.0), "temperature_1e-8": dict(do_sample=True, temperature=1e-8),
-            "eos_-1": dict(eos_token_id=-1), "eos_outside_vocab": dict(eos_token_id=1000),
-            "beyond_positions": dict(max_new_tokens=30), "beyond_sliding_window": dict(max_new_tokens=30)}
+MASKS = {
+    "right_padded": [[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]],
+    "hole": [[1, 1, 1, 1, 1, 1], [0, 1, 0, 1, 1, 1]],
+    "empty_row": [[1, 1, 1, 1, 1, 1], [0, 0, 0, 0, 0, 0]],
+}
+SETTINGS = {
+    "top_p_0": dict(do_sample=True, top_p=0.0),
+    "temperature_1e-8": dict(do_sample=True, temperature=1e-8),
+    "eos_-1": dict(eos_token_id=-1),
+    "eos_outside_vocab": dict(eos_token_id=1000),
+    "beyond_positions": dict(max_new_tokens=30),
+    "beyond_sliding_window": dict(max_new_tokens=30),
+}
 PROMPT_LENGTHS = {"beyond_positions": 100, "beyond_sliding_window": 40}  # + 30 > 128 positions, > window of 64
 
 
@@ -303,10 +392,16 @@ def test_9_eos_as_a_tensor_is_served(llama, served):
 
 
 # --- 10. arguments that change nothing do not cost the speed-up -------------------------------------
-@pytest.mark.parametrize("extra", [dict(synced_gpus=False), dict(tokenizer=None),
-                                   dict(cache_implementation="static", compile_config=CompileConfig()),
-                                   dict(return_dict_in_generate=True)],
-                         ids=["synced_gpus_False", "tokenizer_None", "static_cache_compile_config", "return_dict"])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        dict(synced_gpus=False),
+        dict(tokenizer=None),
+        dict(cache_implementation="static", compile_config=CompileConfig()),
+        dict(return_dict_in_generate=True),
+    ],
+    ids=["synced_gpus_False", "tokenizer_None", "static_cache_compile_config", "return_dict"],
+)
 def test_10_harmless_arguments_are_served(llama, served, extra):
     ids, mask = prompts(2, 6, seed=10)
     kwargs = dict(GREEDY, attention_mask=mask, **extra)
@@ -328,7 +423,9 @@ def test_generation_config_precedence_with_a_config_passed_positionally(llama, s
 
 
 # --- odd-typed and odd-shaped arguments HF accepts --------------------------------------------------
-@pytest.mark.parametrize("length", [np.int64(4), 4.0, torch.tensor(4), 3.5], ids=["numpy_int", "float", "tensor", "3.5"])
+@pytest.mark.parametrize(
+    "length", [np.int64(4), 4.0, torch.tensor(4), 3.5], ids=["numpy_int", "float", "tensor", "3.5"]
+)
 def test_lengths_of_other_numeric_types_are_served_as_hf_serves_them(served, length):
     """HF stops once the length reaches prompt + max_new_tokens, whatever its numeric type (3.5: 4 tokens).
     A call that failed here once made every later call of the model fall back: the next one is served."""
@@ -392,7 +489,10 @@ def test_top_k_true_gets_hfs_error(llama, served):
     kwargs = dict(attention_mask=mask, do_sample=True, top_k=True, max_new_tokens=3)
     with pytest.raises(TypeError) as hf_error:
         hf_generate(llama, ids, **kwargs)
-    with pytest.raises(TypeError, match=str(hf_error.value).split(":")[0]), pytest.warns(UserWarning, match="top_k=True"):
+    with (
+        pytest.raises(TypeError, match=str(hf_error.value).split(":")[0]),
+        pytest.warns(UserWarning, match="top_k=True"),
+    ):
         torchkvops.generate(llama, ids, **kwargs)
     assert not served
 

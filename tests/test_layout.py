@@ -46,8 +46,7 @@ def import_graph(root: Path) -> dict[str, set[str]]:
                     base = ".".join(base_parts + ([node.module] if node.module else []))
                 else:
                     base = node.module or ""
-                found = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base
-                         for alias in node.names]
+                found = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names]
             else:
                 continue
             for target in found:

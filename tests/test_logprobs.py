@@ -11,9 +11,9 @@ log-probabilities are checked against eager ones in test_rollout.py (its compile
 import pytest
 import torch
 import torch.nn.functional as F
-
 from devices import requires_gpu
 from models import FAMILIES, prompts
+
 from torchkvops import Rollout, RolloutConfig, reference
 
 NO_EOS = []
@@ -40,11 +40,12 @@ def trainer_logprobs(model, ids, mask, out, sampling, min_new_tokens=0, eos=None
     positions = (full_mask.cumsum(dim=1) - 1).clamp(min=0)
     with torch.no_grad():
         logits = model(input_ids=out.sequences, attention_mask=full_mask, position_ids=positions).logits
-    logits = logits[:, p - 1: p + r - 1].float()
+    logits = logits[:, p - 1 : p + r - 1].float()
     if min_new_tokens:  # the rollout's EOS suppression before min_new_tokens tokens
         logits[:, :min_new_tokens, eos] = float("-inf")
-    expected = reference.processed_logprobs(logits, out.responses, sampling.get("temperature", 0.0),
-                                            sampling.get("top_k", 0), sampling.get("top_p", 1.0))
+    expected = reference.processed_logprobs(
+        logits, out.responses, sampling.get("temperature", 0.0), sampling.get("top_k", 0), sampling.get("top_p", 1.0)
+    )
     return torch.where(out.response_mask.bool(), expected, 0.0)
 
 
@@ -76,15 +77,29 @@ def test_logprobs_with_min_new_tokens_are_of_the_distribution_without_eos(llama)
     ids, mask = prompts(2, 9, seed=4)
     sampling = dict(temperature=1.0, seed=5)
     eos = eos_ids(llama, ids, mask, samples_per_prompt=2, max_new_tokens=8, **sampling)
-    out = Rollout(llama, RolloutConfig(samples_per_prompt=2, max_new_tokens=8, min_new_tokens=4, eos_token_id=eos,
-                                       pad_token_id=0, return_logprobs=True, **sampling)).generate(ids, mask)
+    out = Rollout(
+        llama,
+        RolloutConfig(
+            samples_per_prompt=2,
+            max_new_tokens=8,
+            min_new_tokens=4,
+            eos_token_id=eos,
+            pad_token_id=0,
+            return_logprobs=True,
+            **sampling,
+        ),
+    ).generate(ids, mask)
     torch.testing.assert_close(out.logprobs, trainer_logprobs(llama, ids, mask, out, sampling, 4, eos), **TOL)
 
 
 def test_filler_rows_hold_zeros(llama):
     ids, mask = prompts(2, 7, seed=6)
-    rollout = Rollout(llama, RolloutConfig(samples_per_prompt=2, max_new_tokens=5, eos_token_id=NO_EOS,
-                                           return_logprobs=True, temperature=1.0, seed=0))
+    rollout = Rollout(
+        llama,
+        RolloutConfig(
+            samples_per_prompt=2, max_new_tokens=5, eos_token_id=NO_EOS, return_logprobs=True, temperature=1.0, seed=0
+        ),
+    )
     live = torch.tensor([True, False, True, True])
     out = rollout._generate(ids, mask, live=live)
     assert bool((out.logprobs[1] == 0).all()) and bool((out.logprobs[live] < 0).all())
@@ -96,8 +111,10 @@ def test_tokens_do_not_change_and_every_layout_gives_the_same_logprobs(llama):
     base["eos_token_id"] = eos_ids(llama, ids, mask, **base)
     plain = Rollout(llama, RolloutConfig(**base)).generate(ids, mask)
     assert plain.logprobs is None
-    outs = [Rollout(llama, RolloutConfig(return_logprobs=True, **base, **layout)).generate(ids, mask)
-            for layout in LAYOUTS.values()]
+    outs = [
+        Rollout(llama, RolloutConfig(return_logprobs=True, **base, **layout)).generate(ids, mask)
+        for layout in LAYOUTS.values()
+    ]
     for out in outs:
         assert torch.equal(out.sequences, plain.sequences)
         torch.testing.assert_close(out.logprobs, outs[0].logprobs, rtol=1e-5, atol=1e-5)
@@ -172,8 +189,9 @@ def test_float32_head_follows_weight_updates_and_replacements(bf16_llama):
 
 def test_float32_head_on_a_float32_model_changes_nothing(llama):
     ids, mask = prompts(2, 8, seed=12)
-    cfg = dict(samples_per_prompt=2, max_new_tokens=6, eos_token_id=NO_EOS, temperature=1.0, seed=3,
-               return_logprobs=True)
+    cfg = dict(
+        samples_per_prompt=2, max_new_tokens=6, eos_token_id=NO_EOS, temperature=1.0, seed=3, return_logprobs=True
+    )
     plain = Rollout(llama, RolloutConfig(**cfg)).generate(ids, mask)
     head32 = Rollout(llama, RolloutConfig(lm_head_dtype=torch.float32, **cfg))
     assert head32._head32 is None
@@ -204,8 +222,15 @@ def test_cuda_graphs_give_the_eager_logprobs_and_the_trainers(kv_sharing, dtype)
     ids, mask = prompts(2, 9, seed=13, left_pad=[0, 2])
     ids, mask = ids.cuda(), mask.cuda()
     sampling = dict(temperature=0.9, top_k=20, top_p=0.9, seed=4)
-    cfg = dict(samples_per_prompt=3, max_new_tokens=10, pad_token_id=0, kv_sharing=kv_sharing, return_logprobs=True,
-               lm_head_dtype=torch.float32 if dtype != torch.float32 else None, **sampling)
+    cfg = dict(
+        samples_per_prompt=3,
+        max_new_tokens=10,
+        pad_token_id=0,
+        kv_sharing=kv_sharing,
+        return_logprobs=True,
+        lm_head_dtype=torch.float32 if dtype != torch.float32 else None,
+        **sampling,
+    )
     cfg["eos_token_id"] = eos_ids(model, ids, mask, **cfg)
     graphs = Rollout(model, RolloutConfig(cuda_graphs=True, **cfg))
     eager = Rollout(model, RolloutConfig(cuda_graphs=False, **cfg))

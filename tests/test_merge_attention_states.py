@@ -11,8 +11,8 @@ import math
 
 import pytest
 import torch
-
 from devices import DEVICES, requires_gpu
+
 import torchkvops
 from torchkvops import reference
 
@@ -149,8 +149,12 @@ def random_states(shape, dtype_a, dtype_b, device, seed):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(
     "dtype_a,dtype_b",
-    [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32),
-     (torch.float32, torch.bfloat16)],
+    [
+        (torch.float32, torch.float32),
+        (torch.bfloat16, torch.bfloat16),
+        (torch.float16, torch.float32),
+        (torch.float32, torch.bfloat16),
+    ],
     ids=str,
 )
 def test_empty_parts_and_underflow(device, dtype_a, dtype_b):
@@ -397,7 +401,11 @@ BAD = [
     (lambda a: _set(a, 2, a[2][..., :5]), ValueError, r"out_b must have out_a's shape \[6, 4, 8\], got \[6, 4, 5\]"),
     (lambda a: _set(a, 2, a[2][:, :3]), ValueError, r"out_b must have out_a's shape \[6, 4, 8\], got \[6, 3, 8\]"),
     (lambda a: _set(a, 2, a[2][None]), ValueError, r"out_b must have out_a's shape \[6, 4, 8\], got \[1, 6, 4, 8\]"),
-    (lambda a: _set(a, 1, a[1][:, :3]), ValueError, r"lse_a must have shape out_a.shape\[:-1\] = \[6, 4\], got \[6, 3\]"),
+    (
+        lambda a: _set(a, 1, a[1][:, :3]),
+        ValueError,
+        r"lse_a must have shape out_a.shape\[:-1\] = \[6, 4\], got \[6, 3\]",
+    ),
     (lambda a: _set(a, 3, a[3][..., None]), ValueError, r"lse_b must have shape .*\[6, 4\], got \[6, 4, 1\]"),
     (lambda a: _set(a, 1, a[1].double()), TypeError, r"lse_a must be float32.*got (Double|torch.float64)"),
     (lambda a: _set(a, 3, a[3].bfloat16()), TypeError, r"lse_b must be float32.*got (BFloat16|torch.bfloat16)"),

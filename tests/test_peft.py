@@ -11,10 +11,9 @@ import pytest
 import torch
 
 peft = pytest.importorskip("peft")
+from devices import CUDA  # noqa: E402
 from models import FAMILIES, prompts  # noqa: E402
 from peft import LoraConfig, get_peft_model  # noqa: E402
-
-from devices import CUDA  # noqa: E402
 
 import torchkvops  # noqa: E402
 
@@ -69,7 +68,9 @@ def test_patch_generate_on_a_peft_model_is_served_and_follows_the_adapters(targe
     model = lora(FAMILIES["llama"](), TARGETS[targets], "CAUSAL_LM")
     served = []
     original = torchkvops.Rollout._generate
-    monkeypatch.setattr(torchkvops.Rollout, "_generate", lambda self, *a, **k: served.append(1) or original(self, *a, **k))
+    monkeypatch.setattr(
+        torchkvops.Rollout, "_generate", lambda self, *a, **k: served.append(1) or original(self, *a, **k)
+    )
     ids, mask = prompts(4, 8, seed=4, left_pad=[0, 1, 2, 0])
     kwargs = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
     expected = type(model).generate(model, input_ids=ids, **kwargs)  # PEFT's own generate
@@ -103,8 +104,10 @@ def test_a_prompt_learning_adapter_falls_back_to_peft_generate():
 def two_adapters(device: str):
     model = lora(FAMILIES["llama"](), TARGETS["q_v"], "CAUSAL_LM")
     torch.manual_seed(2)
-    model.add_adapter("other", LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS["q_v"], init_lora_weights=False,
-                                          task_type="CAUSAL_LM"))
+    model.add_adapter(
+        "other",
+        LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS["q_v"], init_lora_weights=False, task_type="CAUSAL_LM"),
+    )
     return model.to(device).eval()
 
 
@@ -118,10 +121,13 @@ def test_rollout_decode_of_a_lora_model_follows_its_adapters(device, decode):
     ids, mask = prompts(2, 8, seed=6, left_pad=[0, 2])
     ids, mask = ids.to(device), mask.to(device)
     options = dict(compile=True) if decode == "compile" else dict(cuda_graphs=True)
-    rollout = Rollout(model.get_base_model(), RolloutConfig(samples_per_prompt=2, max_new_tokens=10, eos_token_id=[],
-                                                            **options))
-    reference = Rollout(model.get_base_model(), RolloutConfig(samples_per_prompt=2, max_new_tokens=10, eos_token_id=[],
-                                                              cuda_graphs=False))
+    rollout = Rollout(
+        model.get_base_model(), RolloutConfig(samples_per_prompt=2, max_new_tokens=10, eos_token_id=[], **options)
+    )
+    reference = Rollout(
+        model.get_base_model(),
+        RolloutConfig(samples_per_prompt=2, max_new_tokens=10, eos_token_id=[], cuda_graphs=False),
+    )
 
     def tokens():
         out = rollout.generate(ids, mask).responses
@@ -154,13 +160,15 @@ def grpo_lora_run(checkpoint, output_dir, patch_forward: bool, monkeypatch):
 
     model = AutoModelForCausalLM.from_pretrained(checkpoint)
     config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
-    trainer = test_trl.grpo_trainer(test_trl.load_example(), model, output_dir, steps=2, beta=0.04, num_iterations=2,
-                                    peft_config=config)
+    trainer = test_trl.grpo_trainer(
+        test_trl.load_example(), model, output_dir, steps=2, beta=0.04, num_iterations=2, peft_config=config
+    )
     assert isinstance(trainer.model, peft.PeftModel)
     rollouts, fallbacks = [], []
     original = torchkvops.Rollout._generate
-    monkeypatch.setattr(torchkvops.Rollout, "_generate",
-                        lambda self, *a, **k: rollouts.append(a[0].shape[0]) or original(self, *a, **k))
+    monkeypatch.setattr(
+        torchkvops.Rollout, "_generate", lambda self, *a, **k: rollouts.append(a[0].shape[0]) or original(self, *a, **k)
+    )
     generate = torchkvops.patch_generate(trainer.model)
     fallback = generate.session.original_generate
     generate.session.original_generate = lambda *a, **k: fallbacks.append(1) or fallback(*a, **k)
@@ -177,13 +185,13 @@ def grpo_lora_run(checkpoint, output_dir, patch_forward: bool, monkeypatch):
 def test_grpo_with_peft_config_serves_every_generate_and_shares_every_pass(tmp_path, monkeypatch):
     pytest.importorskip("trl")
     import test_trl
+
     from torchkvops.models import build_model
 
     checkpoint = str(tmp_path / "model")
     build_model("tiny", seed=0).save_pretrained(checkpoint)
     plain, rollouts, fallbacks, _ = grpo_lora_run(checkpoint, tmp_path / "plain", False, monkeypatch)
-    shared, shared_rollouts, shared_fallbacks, stats = grpo_lora_run(checkpoint, tmp_path / "shared", True,
-                                                                     monkeypatch)
+    shared, shared_rollouts, shared_fallbacks, stats = grpo_lora_run(checkpoint, tmp_path / "shared", True, monkeypatch)
     # Each generation batch of each run: served (one prefill per prompt), never PEFT's generate.
     assert rollouts == shared_rollouts == [test_trl.PROMPTS] and fallbacks == shared_fallbacks == []
     # Old-logprob, reference (adapters disabled) and loss passes: all shared, none plain.

@@ -3,9 +3,9 @@ response KV. The oracle is Hugging Face's greedy generate; seeded sampling must 
 
 import pytest
 import torch
-
 from devices import DEVICES
 from models import FAMILIES, hf_greedy, prompts
+
 from torchkvops import Rollout, RolloutConfig
 
 NO_EOS = []
@@ -22,20 +22,28 @@ def test_prefix_greedy_matches_hf_generate(family_models, family, padded, batch,
         pads = [3]
     ids, mask = prompts(batch, 11, seed=batch + n, left_pad=pads)
     new = 9
-    out = Rollout(model, RolloutConfig(samples_per_prompt=n, max_new_tokens=new, eos_token_id=NO_EOS,
-                                       kv_sharing="prefix")).generate(ids, mask)
+    out = Rollout(
+        model, RolloutConfig(samples_per_prompt=n, max_new_tokens=new, eos_token_id=NO_EOS, kv_sharing="prefix")
+    ).generate(ids, mask)
     assert torch.equal(out.responses, hf_greedy(model, ids, mask, new).repeat_interleave(n, dim=0))
     assert torch.equal(out.sequences[:, :11], ids.repeat_interleave(n, dim=0))
 
 
 @pytest.mark.parametrize("family", ["llama", "opt"])
-@pytest.mark.parametrize("sampling", [dict(temperature=1.0, seed=3), dict(temperature=0.7, top_k=20, top_p=0.9, seed=9)],
-                         ids=["temperature", "top-k-top-p"])
+@pytest.mark.parametrize(
+    "sampling",
+    [dict(temperature=1.0, seed=3), dict(temperature=0.7, top_k=20, top_p=0.9, seed=9)],
+    ids=["temperature", "top-k-top-p"],
+)
 def test_prefix_sampling_equals_copy_sampling(family_models, family, sampling):
     ids, mask = prompts(3, 10, seed=7, left_pad=[2, 0, 5])
-    outs = [Rollout(family_models[family], RolloutConfig(samples_per_prompt=4, max_new_tokens=12, eos_token_id=NO_EOS,
-                                                         kv_sharing=sharing, **sampling)).generate(ids, mask)
-            for sharing in ("copy", "prefix")]
+    outs = [
+        Rollout(
+            family_models[family],
+            RolloutConfig(samples_per_prompt=4, max_new_tokens=12, eos_token_id=NO_EOS, kv_sharing=sharing, **sampling),
+        ).generate(ids, mask)
+        for sharing in ("copy", "prefix")
+    ]
     assert torch.equal(outs[0].sequences, outs[1].sequences)
     assert len({tuple(r.tolist()) for r in outs[1].responses[:4]}) > 1  # the samples of a prompt differ
 
@@ -43,8 +51,9 @@ def test_prefix_sampling_equals_copy_sampling(family_models, family, sampling):
 def test_prefix_eos_and_response_masks_equal_copy(family_models):
     model = family_models["llama"]
     ids, mask = prompts(2, 8, seed=8, left_pad=[0, 2])
-    free = Rollout(model, RolloutConfig(samples_per_prompt=3, max_new_tokens=12, eos_token_id=NO_EOS, temperature=1.0,
-                                        seed=2)).generate(ids, mask)
+    free = Rollout(
+        model, RolloutConfig(samples_per_prompt=3, max_new_tokens=12, eos_token_id=NO_EOS, temperature=1.0, seed=2)
+    ).generate(ids, mask)
     eos = int(free.responses[0, 3])
     cfg = dict(samples_per_prompt=3, max_new_tokens=12, eos_token_id=eos, pad_token_id=0, temperature=1.0, seed=2)
     copy = Rollout(model, RolloutConfig(**cfg)).generate(ids, mask)
@@ -56,8 +65,12 @@ def test_prefix_eos_and_response_masks_equal_copy(family_models):
 
 def test_prefix_buffer_reuse_across_lengths_and_kv_cache_bytes(family_models):
     model = family_models["qwen3"]
-    r = Rollout(model, RolloutConfig(samples_per_prompt=4, max_new_tokens=6, eos_token_id=NO_EOS, kv_sharing="prefix",
-                                     enable_profiling=True))
+    r = Rollout(
+        model,
+        RolloutConfig(
+            samples_per_prompt=4, max_new_tokens=6, eos_token_id=NO_EOS, kv_sharing="prefix", enable_profiling=True
+        ),
+    )
     long_ids, long_mask = prompts(2, 40, seed=1)
     short_ids, short_mask = prompts(3, 7, seed=2, left_pad=[0, 3, 1])
     for ids, mask in ((long_ids, long_mask), (short_ids, short_mask), (long_ids, long_mask)):
@@ -69,8 +82,9 @@ def test_prefix_buffer_reuse_across_lengths_and_kv_cache_bytes(family_models):
     per_position = shape.layers * 2 * shape.kv_heads * shape.head_dim * 4  # float32
     p = r.get_last_profile()
     assert p.kv_cache_bytes == per_position * (2 * 64 + 8 * 8)
-    copy = Rollout(model, RolloutConfig(samples_per_prompt=4, max_new_tokens=6, eos_token_id=NO_EOS,
-                                        enable_profiling=True))
+    copy = Rollout(
+        model, RolloutConfig(samples_per_prompt=4, max_new_tokens=6, eos_token_id=NO_EOS, enable_profiling=True)
+    )
     copy.generate(long_ids, long_mask)
     assert copy.get_last_profile().kv_cache_bytes == per_position * 8 * 64  # B*N rows of P+R-1 = 45 -> 64
 
@@ -80,15 +94,30 @@ def test_prefix_kv_bytes_shrink_as_the_formula_says():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
-                                         pad_token_id=0, bos_token_id=1, eos_token_id=2)).eval()
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=96,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=256,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+        )
+    ).eval()
     b, n, p, r = 2, 8, 128, 65  # decode writes r - 1 = 64 positions
     ids, _ = prompts(b, p, seed=3)
     used = {}
     for sharing in ("copy", "prefix"):
-        rollout = Rollout(model, RolloutConfig(samples_per_prompt=n, max_new_tokens=r, eos_token_id=NO_EOS,
-                                               kv_sharing=sharing, enable_profiling=True))
+        rollout = Rollout(
+            model,
+            RolloutConfig(
+                samples_per_prompt=n, max_new_tokens=r, eos_token_id=NO_EOS, kv_sharing=sharing, enable_profiling=True
+            ),
+        )
         rollout.generate(ids)
         used[sharing] = rollout.get_last_profile().kv_cache_bytes
     assert used["prefix"] / used["copy"] == pytest.approx((b * p + b * n * (r - 1)) / (b * n * (p + r - 1)))
@@ -100,15 +129,36 @@ def test_prefix_kv_bytes_at_short_responses():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
-                                         pad_token_id=0, bos_token_id=1, eos_token_id=2)).eval()
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=96,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=256,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+        )
+    ).eval()
     b, n, p, r = 2, 8, 200, 8
     ids, mask = prompts(b, p, seed=4, left_pad=[0, 3])
     used, tokens = {}, {}
     for sharing in ("copy", "prefix"):
-        rollout = Rollout(model, RolloutConfig(samples_per_prompt=n, max_new_tokens=r, eos_token_id=NO_EOS,
-                                               temperature=1.0, seed=1, kv_sharing=sharing, enable_profiling=True))
+        rollout = Rollout(
+            model,
+            RolloutConfig(
+                samples_per_prompt=n,
+                max_new_tokens=r,
+                eos_token_id=NO_EOS,
+                temperature=1.0,
+                seed=1,
+                kv_sharing=sharing,
+                enable_profiling=True,
+            ),
+        )
         tokens[sharing] = rollout.generate(ids, mask).sequences
         used[sharing] = rollout.get_last_profile().kv_cache_bytes
     per_position = 1 * 2 * 1 * 16 * 4  # layers x (K, V) x kv_heads x head_dim x float32
@@ -133,11 +183,10 @@ def test_decode_attention_takes_masks_as_narrow_as_the_response_rounding(device,
     g = torch.Generator().manual_seed(0)
     rows, heads, queries, head_dim = 6, 2, 3, 32
     for length in (RESPONSE_KV_MULTIPLE, 3 * RESPONSE_KV_MULTIPLE):
-        q, k, v = (torch.randn(rows, heads, n, head_dim, generator=g).to(dtype)
-                   for n in (queries, length, length))
+        q, k, v = (torch.randn(rows, heads, n, head_dim, generator=g).to(dtype) for n in (queries, length, length))
         bias = torch.zeros(rows, 1, 1, length)
         for r in range(rows):  # row r sees its first r + 1 keys, as decode step r would
-            bias[r, ..., r + 1:] = float("-inf")
+            bias[r, ..., r + 1 :] = float("-inf")
         out, lse = attend(q.to(device), k.to(device), v.to(device), bias.to(device, dtype))
         scores = q.float() @ k.float().transpose(-1, -2) / head_dim**0.5 + bias
         ref_lse = torch.logsumexp(scores, dim=-1)
@@ -154,22 +203,28 @@ def test_prefix_needs_shared_prefill():
 
 @pytest.fixture(scope="module")
 def compiled_prefix(family_models):
-    return Rollout(family_models["llama"], RolloutConfig(samples_per_prompt=2, max_new_tokens=8, compile=True,
-                                                         eos_token_id=NO_EOS, kv_sharing="prefix"))
+    return Rollout(
+        family_models["llama"],
+        RolloutConfig(samples_per_prompt=2, max_new_tokens=8, compile=True, eos_token_id=NO_EOS, kv_sharing="prefix"),
+    )
 
 
 @pytest.mark.parametrize("batch,length,pads", [(2, 9, [0, 3]), (3, 14, [2, 0, 1]), (1, 12, None)])
 def test_prefix_compiled_equals_eager(family_models, compiled_prefix, batch, length, pads):
     ids, mask = prompts(batch, length, seed=length, left_pad=pads)
-    eager = Rollout(family_models["llama"], RolloutConfig(samples_per_prompt=2, max_new_tokens=8, eos_token_id=NO_EOS,
-                                                          kv_sharing="prefix")).generate(ids, mask)
+    eager = Rollout(
+        family_models["llama"],
+        RolloutConfig(samples_per_prompt=2, max_new_tokens=8, eos_token_id=NO_EOS, kv_sharing="prefix"),
+    ).generate(ids, mask)
     assert torch.equal(compiled_prefix.generate(ids, mask).sequences, eager.sequences)
 
 
 def test_decode_restores_the_models_attention_implementation(family_models):
     model = family_models["opt"]
     before = model.config._attn_implementation
-    Rollout(model, RolloutConfig(samples_per_prompt=2, max_new_tokens=4, kv_sharing="prefix")).generate(prompts(1, 5)[0])
+    Rollout(model, RolloutConfig(samples_per_prompt=2, max_new_tokens=4, kv_sharing="prefix")).generate(
+        prompts(1, 5)[0]
+    )
     assert model.config._attn_implementation == before
     out = model(input_ids=prompts(1, 5)[0])  # the model itself still works as before
     assert out.logits.shape == (1, 5, 96)

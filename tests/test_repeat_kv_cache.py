@@ -16,13 +16,13 @@ import sys
 
 import pytest
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
+from devices import DEVICES, per_device, requires_gpu
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.profiler import ProfilerActivity, profile
 
 import torchkvops
-from devices import DEVICES, per_device, requires_gpu
 from torchkvops import reference
 
 DTYPES = [
@@ -495,7 +495,13 @@ def _bad_inplace_cases():
         ("batch0", ok, (0, 3, 4), ValueError, r"repeat_kv_cache_: batch must be >= 1, got 0"),
         ("batch_neg", ok, (-2, 3, 4), ValueError, r"batch must be >= 1, got -2"),
         ("repeats0", ok, (2, 0, 4), ValueError, r"repeats must be >= 1, got 0"),
-        ("too_many_rows", ok, (4, 2, 4), ValueError, r"batch \* repeats must be <= the cache's rows .*batch=4, repeats=2"),
+        (
+            "too_many_rows",
+            ok,
+            (4, 2, 4),
+            ValueError,
+            r"batch \* repeats must be <= the cache's rows .*batch=4, repeats=2",
+        ),
         ("huge_repeats", ok, (2, 2**62, 4), ValueError, r"batch \* repeats must be <="),
         ("tokens0", ok, (2, 3, 0), ValueError, r"num_tokens must be in \[1, max_tokens=5\].*got 0"),
         ("tokens_over", ok, (2, 3, 6), ValueError, r"num_tokens must be in \[1, max_tokens=5\].*got 6"),
@@ -503,7 +509,13 @@ def _bad_inplace_cases():
         ("int64", lambda: torch.zeros(6, 2, 5, 4, dtype=torch.int64), (2, 3, 4), TypeError, r"cache dtype .*Long"),
         ("int32", lambda: torch.zeros(6, 2, 5, 4, dtype=torch.int32), (2, 3, 4), TypeError, r"cache dtype"),
         ("bool", lambda: torch.zeros(6, 2, 5, 4, dtype=torch.bool), (2, 3, 4), TypeError, r"cache dtype .*Bool"),
-        ("complex", lambda: torch.zeros(6, 2, 5, 4, dtype=torch.complex64), (2, 3, 4), TypeError, r"cache dtype .*Complex"),
+        (
+            "complex",
+            lambda: torch.zeros(6, 2, 5, 4, dtype=torch.complex64),
+            (2, 3, 4),
+            TypeError,
+            r"cache dtype .*Complex",
+        ),
         (
             "expanded",
             lambda: torch.randn(1, 2, 5, 4).expand(6, 2, 5, 4),
@@ -590,7 +602,9 @@ def test_inplace_refuses_an_inference_tensor_outside_inference_mode():
 def test_inplace_refuses_a_tensor_that_requires_grad(leaf):
     base = torch.randn(4, 1, 2, 2, requires_grad=True)
     cache = base if leaf else base * 1
-    with pytest.raises(RuntimeError, match="repeat_kv_cache_: cache requires grad, but this in-place op has no derivative"):
+    with pytest.raises(
+        RuntimeError, match="repeat_kv_cache_: cache requires grad, but this in-place op has no derivative"
+    ):
         torchkvops.repeat_kv_cache_(cache, 2, 2, 2)
     with torch.no_grad():  # as optimizers update parameters in place
         version = cache._version

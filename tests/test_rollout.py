@@ -3,9 +3,9 @@ masks, profiling, compiled decode, and the errors for what is not supported."""
 
 import pytest
 import torch
+from models import FAMILIES, hf_greedy, prompts
 from transformers import BartConfig, BartForConditionalGeneration
 
-from models import FAMILIES, hf_greedy, prompts
 from torchkvops import Rollout, RolloutConfig, RolloutOutput, RolloutProfile
 
 NO_EOS = []  # never stop early: every response has exactly max_new_tokens tokens
@@ -17,7 +17,9 @@ def test_greedy_matches_hf_generate(family_models, family, padded):
     model = family_models[family]
     ids, mask = prompts(3, 11, seed=1, left_pad=[0, 4, 1] if padded else None)
     n, new = 2, 12
-    out = Rollout(model, RolloutConfig(samples_per_prompt=n, max_new_tokens=new, eos_token_id=NO_EOS)).generate(ids, mask)
+    out = Rollout(model, RolloutConfig(samples_per_prompt=n, max_new_tokens=new, eos_token_id=NO_EOS)).generate(
+        ids, mask
+    )
     # Oracle 1: each prompt alone, unpadded.
     for row in range(ids.shape[0]):
         alone = ids[row : row + 1, mask[row].bool()]
@@ -53,13 +55,18 @@ def test_output_layout(llama):
 
 @pytest.mark.parametrize("batch", [1, 3])
 @pytest.mark.parametrize("n", [1, 2, 4])
-@pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=0.9, top_k=20, top_p=0.9, seed=7)],
-                         ids=["greedy", "sampled"])
+@pytest.mark.parametrize(
+    "sampling", [dict(temperature=0.0), dict(temperature=0.9, top_k=20, top_p=0.9, seed=7)], ids=["greedy", "sampled"]
+)
 def test_shared_and_expanded_give_identical_tokens(llama, batch, n, sampling):
     ids, mask = prompts(batch, 9, seed=batch, left_pad=[2, 0, 5][:batch])
     outs = [
-        Rollout(llama, RolloutConfig(samples_per_prompt=n, max_new_tokens=10, shared_prefill=shared,
-                                     eos_token_id=NO_EOS, **sampling)).generate(ids, mask)
+        Rollout(
+            llama,
+            RolloutConfig(
+                samples_per_prompt=n, max_new_tokens=10, shared_prefill=shared, eos_token_id=NO_EOS, **sampling
+            ),
+        ).generate(ids, mask)
         for shared in (True, False)
     ]
     assert torch.equal(outs[0].sequences, outs[1].sequences)
@@ -87,28 +94,39 @@ def test_row_randomness_does_not_depend_on_other_rows(llama):
 
 def test_top_k_one_is_greedy(llama):
     ids, mask = prompts(2, 8, seed=6)
-    greedy = Rollout(llama, RolloutConfig(samples_per_prompt=2, max_new_tokens=8, eos_token_id=NO_EOS)).generate(ids, mask)
-    top1 = Rollout(llama, RolloutConfig(samples_per_prompt=2, max_new_tokens=8, eos_token_id=NO_EOS, temperature=1.0,
-                                        top_k=1, seed=3)).generate(ids, mask)
+    greedy = Rollout(llama, RolloutConfig(samples_per_prompt=2, max_new_tokens=8, eos_token_id=NO_EOS)).generate(
+        ids, mask
+    )
+    top1 = Rollout(
+        llama,
+        RolloutConfig(samples_per_prompt=2, max_new_tokens=8, eos_token_id=NO_EOS, temperature=1.0, top_k=1, seed=3),
+    ).generate(ids, mask)
     assert torch.equal(greedy.responses, top1.responses)
 
 
 def test_top_p_keeps_only_the_nucleus(llama):
     """With a tiny top_p only the most likely token survives, whatever the noise: greedy again."""
     ids, mask = prompts(2, 8, seed=6)
-    greedy = Rollout(llama, RolloutConfig(samples_per_prompt=2, max_new_tokens=8, eos_token_id=NO_EOS)).generate(ids, mask)
-    nucleus = Rollout(llama, RolloutConfig(samples_per_prompt=2, max_new_tokens=8, eos_token_id=NO_EOS, temperature=2.0,
-                                           top_p=1e-6, seed=3)).generate(ids, mask)
+    greedy = Rollout(llama, RolloutConfig(samples_per_prompt=2, max_new_tokens=8, eos_token_id=NO_EOS)).generate(
+        ids, mask
+    )
+    nucleus = Rollout(
+        llama,
+        RolloutConfig(samples_per_prompt=2, max_new_tokens=8, eos_token_id=NO_EOS, temperature=2.0, top_p=1e-6, seed=3),
+    ).generate(ids, mask)
     assert torch.equal(greedy.responses, nucleus.responses)
 
 
 def test_eos_stops_rows_and_masks_the_rest(llama):
     ids, mask = prompts(2, 8, seed=8, left_pad=[0, 2])
-    free = Rollout(llama, RolloutConfig(samples_per_prompt=1, max_new_tokens=12, eos_token_id=NO_EOS)).generate(ids, mask)
+    free = Rollout(llama, RolloutConfig(samples_per_prompt=1, max_new_tokens=12, eos_token_id=NO_EOS)).generate(
+        ids, mask
+    )
     eos = int(free.responses[0, 3])  # row 0 produces this token at step 3 (maybe earlier too)
     pad = 0
-    out = Rollout(llama, RolloutConfig(samples_per_prompt=1, max_new_tokens=12, eos_token_id=eos,
-                                       pad_token_id=pad)).generate(ids, mask)
+    out = Rollout(
+        llama, RolloutConfig(samples_per_prompt=1, max_new_tokens=12, eos_token_id=eos, pad_token_id=pad)
+    ).generate(ids, mask)
     for row in range(2):
         reference = free.responses[row]
         hits = (reference == eos).nonzero()
@@ -122,9 +140,13 @@ def test_eos_stops_rows_and_masks_the_rest(llama):
 
 def test_generation_stops_early_when_every_row_ended(llama):
     ids, mask = prompts(1, 8, seed=9)
-    free = Rollout(llama, RolloutConfig(samples_per_prompt=3, max_new_tokens=40, eos_token_id=NO_EOS)).generate(ids, mask)
+    free = Rollout(llama, RolloutConfig(samples_per_prompt=3, max_new_tokens=40, eos_token_id=NO_EOS)).generate(
+        ids, mask
+    )
     eos = int(free.responses[0, 0])  # greedy: every sample's first token
-    out = Rollout(llama, RolloutConfig(samples_per_prompt=3, max_new_tokens=40, eos_token_id=[eos, 95])).generate(ids, mask)
+    out = Rollout(llama, RolloutConfig(samples_per_prompt=3, max_new_tokens=40, eos_token_id=[eos, 95])).generate(
+        ids, mask
+    )
     assert out.responses.shape[1] < 40
     assert bool((out.responses[:, 0] == eos).all())
     assert bool(out.response_mask[:, 0].eq(1).all()) and bool(out.response_mask[:, 1:].eq(0).all())
@@ -212,15 +234,18 @@ def test_prefill_never_builds_full_logits(llama, monkeypatch):
 
 @pytest.fixture(scope="module")
 def compiled_llama(llama):
-    return Rollout(llama, RolloutConfig(samples_per_prompt=2, max_new_tokens=10, compile=True, eos_token_id=NO_EOS,
-                                        return_logprobs=True))
+    return Rollout(
+        llama,
+        RolloutConfig(samples_per_prompt=2, max_new_tokens=10, compile=True, eos_token_id=NO_EOS, return_logprobs=True),
+    )
 
 
 @pytest.mark.parametrize("length,pads", [(9, [0, 3]), (14, [2, 0]), (12, None)])
 def test_compiled_rollout_gives_the_eager_tokens(llama, compiled_llama, length, pads):
     ids, mask = prompts(2, length, seed=length, left_pad=pads)
-    eager = Rollout(llama, RolloutConfig(samples_per_prompt=2, max_new_tokens=10, eos_token_id=NO_EOS,
-                                         return_logprobs=True)).generate(ids, mask)
+    eager = Rollout(
+        llama, RolloutConfig(samples_per_prompt=2, max_new_tokens=10, eos_token_id=NO_EOS, return_logprobs=True)
+    ).generate(ids, mask)
     compiled = compiled_llama.generate(ids, mask)
     assert torch.equal(compiled.sequences, eager.sequences)
     torch.testing.assert_close(compiled.logprobs, eager.logprobs, rtol=1e-5, atol=1e-5)  # issue #18
@@ -229,9 +254,22 @@ def test_compiled_rollout_gives_the_eager_tokens(llama, compiled_llama, length, 
 # --- errors ------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "field,value",
-    [("samples_per_prompt", 0), ("samples_per_prompt", 2.0), ("max_new_tokens", 0), ("temperature", -0.1),
-     ("temperature", float("nan")), ("top_k", -1), ("top_p", 0.0), ("top_p", 1.5), ("seed", -3),
-     ("eos_token_id", -1), ("eos_token_id", "2"), ("pad_token_id", -1), ("shared_prefill", 1), ("compile", "yes")],
+    [
+        ("samples_per_prompt", 0),
+        ("samples_per_prompt", 2.0),
+        ("max_new_tokens", 0),
+        ("temperature", -0.1),
+        ("temperature", float("nan")),
+        ("top_k", -1),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("seed", -3),
+        ("eos_token_id", -1),
+        ("eos_token_id", "2"),
+        ("pad_token_id", -1),
+        ("shared_prefill", 1),
+        ("compile", "yes"),
+    ],
 )
 def test_bad_config_names_the_field(field, value):
     with pytest.raises(ValueError, match=f"RolloutConfig.{field}"):
@@ -273,9 +311,18 @@ def test_beyond_a_sliding_window_is_refused(family_models):
 
 
 def test_encoder_decoder_is_refused():
-    model = BartForConditionalGeneration(BartConfig(vocab_size=64, d_model=32, encoder_layers=1, decoder_layers=1,
-                                                    encoder_attention_heads=2, decoder_attention_heads=2,
-                                                    encoder_ffn_dim=32, decoder_ffn_dim=32))
+    model = BartForConditionalGeneration(
+        BartConfig(
+            vocab_size=64,
+            d_model=32,
+            encoder_layers=1,
+            decoder_layers=1,
+            encoder_attention_heads=2,
+            decoder_attention_heads=2,
+            encoder_ffn_dim=32,
+            decoder_ffn_dim=32,
+        )
+    )
     with pytest.raises(ValueError, match="encoder-decoder"):
         Rollout(model, RolloutConfig())
 
@@ -376,8 +423,10 @@ def test_rollouts_of_two_models_in_two_threads_give_the_sequential_results(kv_sh
     with torch.no_grad():  # same shapes, other weights: reading the other's context would go unnoticed
         for p in models[1].parameters():
             p.mul_(-1.5)
-    rollouts = [Rollout(m, RolloutConfig(samples_per_prompt=2, max_new_tokens=8, eos_token_id=NO_EOS,
-                                         kv_sharing=kv_sharing)) for m in models]
+    rollouts = [
+        Rollout(m, RolloutConfig(samples_per_prompt=2, max_new_tokens=8, eos_token_id=NO_EOS, kv_sharing=kv_sharing))
+        for m in models
+    ]
     inputs = [prompts(1 + i % 3, 5 + i, seed=i) for i in range(4)]
     expected = [[r.generate(ids, mask).sequences for ids, mask in inputs] for r in rollouts]
     results, errors = {}, []
@@ -415,8 +464,15 @@ def test_special_ids_outside_the_vocabulary_are_refused_at_construction(llama, c
 
 @pytest.mark.parametrize(
     "field,value",
-    [("temperature", 1e-44), ("temperature", 1e-7), ("eos_token_id", 2**64), ("eos_token_id", [1, 2**63]),
-     ("pad_token_id", 2**63), ("seed", 2**64), ("kv_sharing", "paged")],
+    [
+        ("temperature", 1e-44),
+        ("temperature", 1e-7),
+        ("eos_token_id", 2**64),
+        ("eos_token_id", [1, 2**63]),
+        ("pad_token_id", 2**63),
+        ("seed", 2**64),
+        ("kv_sharing", "paged"),
+    ],
 )
 def test_config_values_that_used_to_fail_later(field, value):
     with pytest.raises(ValueError, match=f"RolloutConfig.{field}"):
@@ -425,9 +481,12 @@ def test_config_values_that_used_to_fail_later(field, value):
 
 def test_smallest_allowed_temperature_is_greedy(llama):
     ids, mask = prompts(2, 8, seed=6)
-    greedy = Rollout(llama, RolloutConfig(samples_per_prompt=2, max_new_tokens=8, eos_token_id=NO_EOS)).generate(ids, mask)
-    cold = Rollout(llama, RolloutConfig(samples_per_prompt=2, max_new_tokens=8, eos_token_id=NO_EOS,
-                                        temperature=1e-6, seed=1)).generate(ids, mask)
+    greedy = Rollout(llama, RolloutConfig(samples_per_prompt=2, max_new_tokens=8, eos_token_id=NO_EOS)).generate(
+        ids, mask
+    )
+    cold = Rollout(
+        llama, RolloutConfig(samples_per_prompt=2, max_new_tokens=8, eos_token_id=NO_EOS, temperature=1e-6, seed=1)
+    ).generate(ids, mask)
     assert torch.equal(greedy.sequences, cold.sequences)
 
 
@@ -463,8 +522,9 @@ def test_decode_graph_key_is_stable_across_calls_and_follows_the_weights(kv_shar
     from models import FAMILIES
 
     model = FAMILIES["llama"]()
-    r = Rollout(model, RolloutConfig(samples_per_prompt=2, max_new_tokens=5, eos_token_id=NO_EOS,
-                                     kv_sharing=kv_sharing))
+    r = Rollout(
+        model, RolloutConfig(samples_per_prompt=2, max_new_tokens=5, eos_token_id=NO_EOS, kv_sharing=kv_sharing)
+    )
     r.generate(*prompts(2, 9, seed=1))
     key = r.decode_counters().graph_key
     r.generate(*prompts(2, 9, seed=2, left_pad=[3, 0]))  # other prompts, same shapes

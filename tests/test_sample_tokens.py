@@ -19,9 +19,9 @@ import random
 
 import pytest
 import torch
+from devices import DEVICES, requires_gpu
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from devices import DEVICES, requires_gpu
 import torchkvops
 from torchkvops import ops, reference
 from torchkvops.sampling import (
@@ -146,8 +146,14 @@ def test_matches_reference_non_contiguous(device, layout):
 def test_no_rows(device):
     for vocab in (0, 5):
         logits = torch.empty(0, vocab, device=device)
-        out = ops.sample_tokens(logits, torch.empty(0, dtype=torch.long, device=device),
-                                torch.zeros(1, dtype=torch.long, device=device), 0.7, 3, 0.5)
+        out = ops.sample_tokens(
+            logits,
+            torch.empty(0, dtype=torch.long, device=device),
+            torch.zeros(1, dtype=torch.long, device=device),
+            0.7,
+            3,
+            0.5,
+        )
         assert out.shape == (0,) and out.dtype == torch.long and out.device == logits.device
 
 
@@ -155,8 +161,13 @@ def test_no_rows(device):
 def test_greedy_ties_and_special_values(device):
     """Greedy is torch.argmax exactly: the first of tied maxima, NaN above everything, -inf rows."""
     inf, nan = float("inf"), float("nan")
-    rows = [[1.0, 3.0, 3.0, 2.0], [-inf, -inf, -inf, -inf], [0.0, nan, 5.0, nan], [-0.0, 0.0, -1.0, -0.0],
-            [inf, 1.0, inf, 2.0]]
+    rows = [
+        [1.0, 3.0, 3.0, 2.0],
+        [-inf, -inf, -inf, -inf],
+        [0.0, nan, 5.0, nan],
+        [-0.0, 0.0, -1.0, -0.0],
+        [inf, 1.0, inf, 2.0],
+    ]
     keys = torch.arange(len(rows), device=device)
     step = torch.zeros(1, dtype=torch.long, device=device)
     for dtype in DTYPES:
@@ -247,7 +258,11 @@ def test_draws_stay_in_the_kept_set(device, dtype):
         if top_k:
             assert (chosen >= scaled.topk(top_k, dim=-1).values[:, -1:]).all()
         if top_p < 1.0:
-            kept = scaled >= scaled.topk(top_k, dim=-1).values[:, -1:] if top_k else torch.ones_like(scaled, dtype=torch.bool)
+            kept = (
+                scaled >= scaled.topk(top_k, dim=-1).values[:, -1:]
+                if top_k
+                else torch.ones_like(scaled, dtype=torch.bool)
+            )
             probs = torch.where(kept, scaled, float("-inf")).softmax(dim=-1)
             larger = (probs * (scaled > chosen)).sum(dim=-1)
             assert (larger < top_p + MASS_TOL).all()
@@ -357,14 +372,18 @@ def test_tail_of_1e_10_is_drawn_at_its_probability(device):
     assert high[0, 1] == 0xFFFFFFFF  # the inversion is right
     hits = 0
     for key, step in zip(keys, steps):  # the operator takes one step per call
-        hits += int(ops.sample_tokens(logits, torch.tensor([key], device=device), torch.tensor([step], device=device),
-                                      1.0, 0, 1.0))
+        hits += int(
+            ops.sample_tokens(
+                logits, torch.tensor([key], device=device), torch.tensor([step], device=device), 1.0, 0, 1.0
+            )
+        )
     assert_within_3_sd(hits, rows, p * 2**32 / strata)
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("sampler,op", [(sample, ops.sample_tokens),
-                                        (sample_with_logprobs, ops.sample_tokens_with_logprobs)])
+@pytest.mark.parametrize(
+    "sampler,op", [(sample, ops.sample_tokens), (sample_with_logprobs, ops.sample_tokens_with_logprobs)]
+)
 def test_sample_is_the_operator(device, sampler, op):
     """sampling.sample and sample_with_logprobs (what the rollout calls) go through the operators,
     greedy included."""
@@ -402,8 +421,16 @@ def top_p_uncertainty(scaled, top_k, top_p):
 def special_rows(vocab):
     """Rows with ties, -inf, NaN and +inf, each pattern repeated to `vocab` tokens."""
     inf, nan = float("inf"), float("nan")
-    patterns = [[1.0, 3.0, 3.0, 2.0], [-inf] * 4, [0.0, nan, 5.0, nan], [-0.0, 0.0, -1.0, -0.0], [inf, 1.0, inf, 2.0],
-                [-inf, 0.5, -inf, -inf], [2.0] * 4, [0.5, -inf, 0.5, -3.0]]
+    patterns = [
+        [1.0, 3.0, 3.0, 2.0],
+        [-inf] * 4,
+        [0.0, nan, 5.0, nan],
+        [-0.0, 0.0, -1.0, -0.0],
+        [inf, 1.0, inf, 2.0],
+        [-inf, 0.5, -inf, -inf],
+        [2.0] * 4,
+        [0.5, -inf, 0.5, -3.0],
+    ]
     return torch.tensor([(p * vocab)[:vocab] for p in patterns])
 
 
@@ -431,10 +458,14 @@ def test_logprobs_match_reference(device, dtype, mode):
     temperature, top_k, top_p = MODES[mode]
     step = torch.tensor([3], device=device)
     few_values = (torch.randint(0, 6, (32, 300), generator=torch.Generator().manual_seed(1)) * 0.5).to(device, dtype)
-    cases = [make_logits(64, 3000, dtype, device), few_values, special_rows(257).to(device, dtype),
-             make_logits(16, 3 * 1001, dtype, device).view(16, 3, 1001)[:, -1],  # row-strided
-             make_logits(1001, 9, dtype, device).t(),  # vocab not innermost
-             make_logits(2, 151936, dtype, device, scale=2.0)]
+    cases = [
+        make_logits(64, 3000, dtype, device),
+        few_values,
+        special_rows(257).to(device, dtype),
+        make_logits(16, 3 * 1001, dtype, device).view(16, 3, 1001)[:, -1],  # row-strided
+        make_logits(1001, 9, dtype, device).t(),  # vocab not innermost
+        make_logits(2, 151936, dtype, device, scale=2.0),
+    ]
     for logits in cases:
         keys = row_keys(5, torch.arange(logits.shape[0], device=device))
         assert_logprobs_match_reference(logits, keys, step, temperature, top_k, top_p)
@@ -572,8 +603,10 @@ def test_bad_inputs(change, error, match, op):
             OPS[op](*args)
 
 
-@pytest.mark.parametrize("temperature,top_k,top_p", [(-0.5, 0, 1.0), (float("nan"), 0, 1.0), (1.0, -2, 1.0),
-                                                     (1.0, 0, 1.0000001), (1.0, 0, 0.0), (1e-320, 0, 1.5)])
+@pytest.mark.parametrize(
+    "temperature,top_k,top_p",
+    [(-0.5, 0, 1.0), (float("nan"), 0, 1.0), (1.0, -2, 1.0), (1.0, 0, 1.0000001), (1.0, 0, 0.0), (1e-320, 0, 1.5)],
+)
 @pytest.mark.parametrize("op", OPS)
 def test_fake_kernel_checks_like_the_kernels(temperature, top_k, top_p, op):
     """Under torch.compile the fake kernel sees the arguments first: it refuses what the kernels

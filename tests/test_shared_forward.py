@@ -14,13 +14,13 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from devices import DEVICES, per_device
 from models import FAMILIES, VOCAB, prompts
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import AttentionInterface, GPT2Config, GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForCausalLM
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 import torchkvops
-from devices import DEVICES, per_device
 from torchkvops import shared_forward
 from torchkvops.prefix_attention import shared_prefix_attention
 from torchkvops.prefix_groups import PrefixGroup, find_prefix_groups, row_keys
@@ -59,11 +59,13 @@ def batch(group_sizes, arrangement="adjacent", padded=True, prompt_length=12, co
             completion = torch.randint(3, VOCAB, (completion_length,), generator=g)
             if j == 1:
                 completion[:2] = first[:2]
-            ids, mask = torch.cat([prompt, first if j == 0 else completion]), torch.ones(prompt_length + completion_length,
-                                                                                         dtype=torch.long)
+            ids, mask = (
+                torch.cat([prompt, first if j == 0 else completion]),
+                torch.ones(prompt_length + completion_length, dtype=torch.long),
+            )
             mask[:pads] = 0
             if padded and j % 3:
-                mask[-(j % 3):] = 0
+                mask[-(j % 3) :] = 0
             rows.append((i, j, ids.masked_fill(mask == 0, 0), mask))
     if arrangement == "adjacent":
         rows.sort(key=lambda r: (r[0], r[1]))
@@ -129,9 +131,18 @@ def test_qwen2_too():
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
-                                         initializer_range=0.2, max_position_embeddings=128)).train()
+    model = Qwen2ForCausalLM(
+        Qwen2Config(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=VOCAB,
+            initializer_range=0.2,
+            max_position_embeddings=128,
+        )
+    ).train()
     ids, mask, labels = batch([8, 2, 1], "interleaved")
     plain = run(model, ids, mask, labels)
     with torchkvops.patch_forward(model, min_shared_tokens=4) as handle:
@@ -140,8 +151,12 @@ def test_qwen2_too():
     assert_same(shared, plain, mask)
 
 
-@pytest.mark.parametrize("device,case", per_device([], [("llama", torch.float32), ("qwen3", torch.bfloat16),
-                                                        ("gpt2", torch.float32), ("opt", torch.bfloat16)]))
+@pytest.mark.parametrize(
+    "device,case",
+    per_device(
+        [], [("llama", torch.float32), ("qwen3", torch.bfloat16), ("gpt2", torch.float32), ("opt", torch.bfloat16)]
+    ),
+)
 def test_on_cuda(family_models, device, case):
     """The CUDA kernels (memory-efficient attention and its backward, K/V heads repeated for the causal
     parts) against the plain forward on the GPU; bf16 weights against bf16's own rounding."""
@@ -236,8 +251,11 @@ def test_bf16_autocast_stays_within_the_plain_forwards_own_bf16_error(family_mod
     def errors(result):
         out, grads = result
         logits = (out.logits.float() - exact_out.logits)[real].abs().max().item()
-        relative = [((grads[n] - exact_grads[n]).norm() / exact_grads[n].norm().clamp_min(1e-12)).item()
-                    for n in exact_grads if exact_grads[n].norm() > 1e-6]
+        relative = [
+            ((grads[n] - exact_grads[n]).norm() / exact_grads[n].norm().clamp_min(1e-12)).item()
+            for n in exact_grads
+            if exact_grads[n].norm() > 1e-6
+        ]
         return logits, max(relative)
 
     (logits_s, grads_s), (logits_p, grads_p) = errors(shared), errors(plain)
@@ -262,8 +280,10 @@ def test_shared_forward_and_backward_really_do_less_work(family_models):
     model = no_dropout_train(family_models["llama"])
     prompt_length, completion_length, group = 256, 16, 8
     ids, mask, _ = batch([group], prompt_length=prompt_length, completion_length=completion_length, padded=False)
-    mapping = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: attention_flops,
-               torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: attention_backward_flops}
+    mapping = {
+        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: attention_flops,
+        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: attention_backward_flops,
+    }
 
     def count() -> int:
         model.zero_grad(set_to_none=True)
@@ -285,9 +305,19 @@ def test_torch_compile_of_the_patched_model():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    model = no_dropout_train(LlamaForCausalLM(LlamaConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=VOCAB, initializer_range=0.2)))
+    model = no_dropout_train(
+        LlamaForCausalLM(
+            LlamaConfig(
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=1,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                vocab_size=VOCAB,
+                initializer_range=0.2,
+            )
+        )
+    )
     ids, mask, labels = batch([4, 2], "interleaved")
     plain = run(model, ids, mask, labels)
     with torchkvops.patch_forward(model, min_shared_tokens=4) as handle:
@@ -301,13 +331,18 @@ def test_patch_generate_and_patch_forward_together(family_models):
     """The rollout's prefill and decode carry a KV cache: the patched backbone runs them as they were."""
     model = family_models["llama"]
     ids, mask = (t.repeat_interleave(2, dim=0) for t in prompts(2, 12, left_pad=[0, 3]))
-    expected = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0,
-                              eos_token_id=None)
-    with torchkvops.patch_forward(model, min_shared_tokens=4) as handle, torchkvops.patch_generate(model), \
-            warnings.catch_warnings():
+    expected = model.generate(
+        ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0, eos_token_id=None
+    )
+    with (
+        torchkvops.patch_forward(model, min_shared_tokens=4) as handle,
+        torchkvops.patch_generate(model),
+        warnings.catch_warnings(),
+    ):
         warnings.simplefilter("error", UserWarning)
-        got = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0,
-                             eos_token_id=None)
+        got = model.generate(
+            ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0, eos_token_id=None
+        )
     assert torch.equal(got, expected)
     assert handle.stats.shared_calls == 0 and handle.stats.fallback_calls == 0
 
@@ -335,6 +370,7 @@ def logits_of(**kwargs):
     def call(model):
         with torch.no_grad():
             return model(input_ids=ids, attention_mask=mask, **kwargs).logits
+
     return call
 
 
@@ -352,10 +388,13 @@ def test_opt_functional_dropout_falls_back():
     assert torch.equal(got, expected)
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    ({"output_attentions": True}, "output_attentions=True"),
-    ({"position_ids": torch.zeros(2, 3, dtype=torch.long)}, "position_ids that are not"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"output_attentions": True}, "output_attentions=True"),
+        ({"position_ids": torch.zeros(2, 3, dtype=torch.long)}, "position_ids that are not"),
+    ],
+)
 def test_arguments_the_shared_path_cannot_serve_fall_back(family_models, kwargs, match):
     model = family_models["llama"]
     if "position_ids" in kwargs:  # wrong shape: the model's own forward reports it
@@ -383,8 +422,9 @@ def test_another_attention_implementation_falls_back(family_models):
     model = family_models["llama"]
     model.config._attn_implementation = "test_other_sdpa"
     try:
-        expected, got = plain_and_patched(model, logits_of(), "attn_implementation='test_other_sdpa'",
-                                          min_shared_tokens=4)
+        expected, got = plain_and_patched(
+            model, logits_of(), "attn_implementation='test_other_sdpa'", min_shared_tokens=4
+        )
     finally:
         model.config._attn_implementation = "sdpa"
     assert torch.equal(got, expected)
@@ -502,8 +542,10 @@ def dense_causal_attention(q, k, v, allowed):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("groups,rows,prefix,suffix,heads,kv_heads", [
-    (2, 3, 5, 4, 4, 2), (1, 8, 7, 3, 4, 1), (3, 2, 4, 0, 2, 2), (2, 1, 6, 5, 6, 3), (1, 2, 1, 9, 2, 2)])
+@pytest.mark.parametrize(
+    "groups,rows,prefix,suffix,heads,kv_heads",
+    [(2, 3, 5, 4, 4, 2), (1, 8, 7, 3, 4, 1), (3, 2, 4, 0, 2, 2), (2, 1, 6, 5, 6, 3), (1, 2, 1, 9, 2, 2)],
+)
 def test_shared_prefix_attention_matches_dense_attention(groups, rows, prefix, suffix, heads, kv_heads, dtype, device):
     """Forward and backward (the merged-lse backward) against dense masked attention in float64, with
     left padding in the prefix and right padding in some suffixes."""
@@ -527,8 +569,9 @@ def test_shared_prefix_attention_matches_dense_attention(groups, rows, prefix, s
     masked = torch.finfo(dtype).min
     bias_pre = torch.zeros(groups, 1, 1, prefix, dtype=dtype).masked_fill(~allowed[first, None, None, :prefix], masked)
     bias_suf = torch.zeros(total, 1, 1, suffix, dtype=dtype).masked_fill(~allowed[:, None, None, prefix:], masked)
-    out_pre, out_suf = shared_prefix_attention(q_pre, k_pre, v_pre, q_suf, k_suf, v_suf, bias_pre.to(device),
-                                               bias_suf.to(device))
+    out_pre, out_suf = shared_prefix_attention(
+        q_pre, k_pre, v_pre, q_suf, k_suf, v_suf, bias_pre.to(device), bias_suf.to(device)
+    )
     out = torch.cat([out_pre.repeat_interleave(rows, 0), out_suf], dim=2).cpu()
 
     reference_inputs = [t.clone().requires_grad_() for t in (q, k, v)]
@@ -543,8 +586,14 @@ def test_shared_prefix_attention_matches_dense_attention(groups, rows, prefix, s
     def shared_part(t):  # the prefix's gradient is the sum over the group's rows
         return t.view(groups, rows, *t.shape[1:])[:, :, :, :prefix].sum(1)
 
-    for got, want in ((q_pre.grad, shared_part(dq)), (k_pre.grad, shared_part(dk)), (v_pre.grad, shared_part(dv)),
-                      (q_suf.grad, dq[:, :, prefix:]), (k_suf.grad, dk[:, :, prefix:]), (v_suf.grad, dv[:, :, prefix:])):
+    for got, want in (
+        (q_pre.grad, shared_part(dq)),
+        (k_pre.grad, shared_part(dk)),
+        (v_pre.grad, shared_part(dv)),
+        (q_suf.grad, dq[:, :, prefix:]),
+        (k_suf.grad, dk[:, :, prefix:]),
+        (v_suf.grad, dv[:, :, prefix:]),
+    ):
         torch.testing.assert_close(got.cpu().double(), want, **tol)
 
 
@@ -567,8 +616,9 @@ def test_groups_are_found_wherever_their_rows_are(order):
 
 
 def test_the_longest_prefix_runs_past_the_prompt_and_identical_rows_share_everything():
-    groups = find_prefix_groups(keys([[1, 2, 3, 7, 7, 1], [1, 2, 3, 7, 7, 2], [4, 4, 4, 4, 4, 4],
-                                      [4, 4, 4, 4, 4, 4]]), min_shared=1)
+    groups = find_prefix_groups(
+        keys([[1, 2, 3, 7, 7, 1], [1, 2, 3, 7, 7, 2], [4, 4, 4, 4, 4, 4], [4, 4, 4, 4, 4, 4]]), min_shared=1
+    )
     assert groups == [PrefixGroup((0, 1), 5), PrefixGroup((2, 3), 6)]
 
 
@@ -661,6 +711,9 @@ def test_an_empty_batch_names_input_ids_and_runs_the_plain_forward(family_models
     with pytest.raises(RuntimeError) as plain:
         model(input_ids=ids)
     with torchkvops.patch_forward(model, min_shared_tokens=4):
-        with pytest.warns(UserWarning, match=r"an empty batch \(input_ids of shape"), pytest.raises(RuntimeError) as got:
+        with (
+            pytest.warns(UserWarning, match=r"an empty batch \(input_ids of shape"),
+            pytest.raises(RuntimeError) as got,
+        ):
             model(input_ids=ids)
     assert str(got.value) == str(plain.value)  # the model's own error

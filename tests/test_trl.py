@@ -56,14 +56,30 @@ def length_reward(completions, **kwargs):
 
 
 def grpo_trainer(example, model, output_dir, steps, peft_config=None, **overrides):
-    config = dict(output_dir=str(output_dir), use_cpu=True, bf16=False, report_to="none", seed=0, max_steps=steps,
-                  per_device_train_batch_size=PROMPTS * NUM_GENERATIONS, num_generations=NUM_GENERATIONS,
-                  max_completion_length=MAX_NEW, learning_rate=1e-3, save_strategy="no", disable_tqdm=True,
-                  logging_steps=1)
+    config = dict(
+        output_dir=str(output_dir),
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        seed=0,
+        max_steps=steps,
+        per_device_train_batch_size=PROMPTS * NUM_GENERATIONS,
+        num_generations=NUM_GENERATIONS,
+        max_completion_length=MAX_NEW,
+        learning_rate=1e-3,
+        save_strategy="no",
+        disable_tqdm=True,
+        logging_steps=1,
+    )
     config.update(overrides)
-    return GRPOTrainer(model=model, reward_funcs=length_reward, args=GRPOConfig(**config),
-                       train_dataset=example.build_dataset(16, 8), processing_class=example.build_tokenizer(model.config),
-                       peft_config=peft_config)
+    return GRPOTrainer(
+        model=model,
+        reward_funcs=length_reward,
+        args=GRPOConfig(**config),
+        train_dataset=example.build_dataset(16, 8),
+        processing_class=example.build_tokenizer(model.config),
+        peft_config=peft_config,
+    )
 
 
 def spy_on(model, handle, monkeypatch):
@@ -83,8 +99,14 @@ def spy_on(model, handle, monkeypatch):
 
     def generate_spy(*args, **kwargs):
         out = patched(*args, **kwargs)
-        calls["generate"].append((kwargs["input_ids"].clone(), kwargs["attention_mask"].clone(), out.clone(),
-                                  kwargs.get("generation_config")))
+        calls["generate"].append(
+            (
+                kwargs["input_ids"].clone(),
+                kwargs["attention_mask"].clone(),
+                out.clone(),
+                kwargs.get("generation_config"),
+            )
+        )
         return out
 
     model.generate = generate_spy
@@ -141,11 +163,31 @@ def test_trl_default_bf16_on_a_float32_model_falls_back_to_hf_generate(example, 
 
 
 def test_example_script_prints_the_step_split_of_both_settings(tmp_path):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-               HF_HUB_OFFLINE="1", TMPDIR=str(tmp_path))
-    command = [sys.executable, str(EXAMPLE), "--steps", "2", "--batch-size", "4", "--num-generations", "2",
-               "--prompt-length", "20", "--exact-prompt-length", "--max-completion-length", "4", "--beta", "0.04",
-               "--num-iterations", "2"]
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        HF_HUB_OFFLINE="1",
+        TMPDIR=str(tmp_path),
+    )
+    command = [
+        sys.executable,
+        str(EXAMPLE),
+        "--steps",
+        "2",
+        "--batch-size",
+        "4",
+        "--num-generations",
+        "2",
+        "--prompt-length",
+        "20",
+        "--exact-prompt-length",
+        "--max-completion-length",
+        "4",
+        "--beta",
+        "0.04",
+        "--num-iterations",
+        "2",
+    ]
     result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=TIMEOUT)
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.splitlines()

@@ -14,7 +14,6 @@ import torchkvops
 from torchkvops import reference
 
 
-
 def make(device, dtype=torch.float32, rows=3, q=4, start=2, layer=1):
     g = torch.Generator().manual_seed(rows * 100 + q)
     cache = torch.randn(2, 2, 5, 3, 12, 8, generator=g).to(device, dtype)

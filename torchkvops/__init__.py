@@ -11,15 +11,38 @@ import sys as _sys
 __version__ = "0.1.0"
 
 # Public names imported on first use, and the submodule each comes from.
-_LAZY_NAMES = {"Rollout": "rollout", "RolloutConfig": "rollout", "RolloutOutput": "rollout",
-               "RolloutProfile": "rollout", "generate": "generation", "patch_generate": "generation",
-               "GeneratePatch": "generation", "patch_forward": "shared_forward", "ForwardPatch": "shared_forward",
-               "SharedForwardConfig": "shared_forward", "SharedForwardStats": "shared_forward"}
+_LAZY_NAMES = {
+    "Rollout": "rollout",
+    "RolloutConfig": "rollout",
+    "RolloutOutput": "rollout",
+    "RolloutProfile": "rollout",
+    "generate": "generation",
+    "patch_generate": "generation",
+    "GeneratePatch": "generation",
+    "patch_forward": "shared_forward",
+    "ForwardPatch": "shared_forward",
+    "SharedForwardConfig": "shared_forward",
+    "SharedForwardStats": "shared_forward",
+}
 _OPS_NAMES = frozenset({"torch", "ops", "repeat_kv_cache", "repeat_kv_cache_", "merge_attention_states"})
 # Submodules reachable as attributes without an import statement (`torchkvops.distributed.generate`).
-_SUBMODULES = frozenset({"rollout", "hf", "kv_cache", "profiling", "sampling", "attention", "decode",
-                         "generation", "distributed", "models", "shared_forward", "prefix_attention",
-                         "prefix_groups"})
+_SUBMODULES = frozenset(
+    {
+        "rollout",
+        "hf",
+        "kv_cache",
+        "profiling",
+        "sampling",
+        "attention",
+        "decode",
+        "generation",
+        "distributed",
+        "models",
+        "shared_forward",
+        "prefix_attention",
+        "prefix_groups",
+    }
+)
 _loaded = False
 
 
@@ -68,7 +91,7 @@ def _started_by_python_m() -> bool:
             continue
         elif arg.startswith("-") and len(arg) > 1:  # a cluster of short options, e.g. -I, -Bm, -Wignore
             for k, ch in enumerate(arg[1:], start=1):
-                rest = arg[k + 1:]
+                rest = arg[k + 1 :]
                 if ch == "m":
                     return (rest or next(args, "")) in ("torchkvops", "torchkvops.__main__")
                 if ch == "c":

@@ -27,7 +27,6 @@ import dataclasses
 import threading
 from collections.abc import Iterator
 
-import torch
 from torch import Tensor, nn
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -98,8 +97,16 @@ def decode_attention(model: nn.Module, context: DecodeAttention) -> Iterator[Non
             config._attn_implementation = original if len(original) > 1 else original[""]
 
 
-def torchkvops_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor,
-                         dropout: float = 0.0, scaling: float | None = None, **kwargs) -> tuple[Tensor, None]:
+def torchkvops_attention(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs,
+) -> tuple[Tensor, None]:
     """query [rows, heads, 1, head_dim]; key, value: this layer's decode buffer [rows, kv_heads, T,
     head_dim]; attention_mask: its bias [rows, 1, 1, T]. Returns ([rows, 1, heads, head_dim], None)."""
     context = _active
@@ -107,14 +114,18 @@ def torchkvops_attention(module: nn.Module, query: Tensor, key: Tensor, value: T
         raise RuntimeError("torchkvops attention is only used inside a torchkvops rollout's decode")
     for unsupported in ("softcap", "s_aux", "position_bias"):
         if kwargs.get(unsupported) is not None:
-            raise ValueError(f"torchkvops: this model's attention uses {unsupported!r}, which the rollout's "
-                             "decode attention does not support")
+            raise ValueError(
+                f"torchkvops: this model's attention uses {unsupported!r}, which the rollout's "
+                "decode attention does not support"
+            )
     rows, heads, q_len, head_dim = query.shape
     kv_heads = key.shape[1]
     group = heads // kv_heads
     if q_len != 1 or group * kv_heads != heads:
-        raise ValueError(f"torchkvops: decode attention expects one query token and heads divisible by "
-                         f"kv_heads, got query {tuple(query.shape)} and keys {tuple(key.shape)}")
+        raise ValueError(
+            f"torchkvops: decode attention expects one query token and heads divisible by "
+            f"kv_heads, got query {tuple(query.shape)} and keys {tuple(key.shape)}"
+        )
     q = query.reshape(rows, kv_heads, group, head_dim)  # the heads of one KV head, as query length
     if context.layout == "copy":
         out, _ = attend(q, key, value, attention_mask, scale=scaling, with_lse=False)
@@ -140,8 +151,12 @@ def torchkvops_attention(module: nn.Module, query: Tensor, key: Tensor, value: T
         prompt, sample = context.row_prompt, context.row_sample
         out, _ = ops.merge_attention_states(out_p[prompt, sample], lse_p[prompt, sample], out_s, lse_s)
         return out.reshape(rows, 1, heads, head_dim), None
-    out, _ = ops.merge_attention_states(out_p, lse_p, out_s.view(prompts, samples, kv_heads, group, head_dim),
-                                    lse_s.view(prompts, samples, kv_heads, group))
+    out, _ = ops.merge_attention_states(
+        out_p,
+        lse_p,
+        out_s.view(prompts, samples, kv_heads, group, head_dim),
+        lse_s.view(prompts, samples, kv_heads, group),
+    )
     return out.reshape(rows, 1, heads, head_dim), None
 
 

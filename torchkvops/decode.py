@@ -41,8 +41,17 @@ from .integration import LRU
 from .kv_cache import RolloutKVCache
 from .sampling import SamplingParams, row_keys, sample, sample_with_logprobs
 
-__all__ = ["DecodeShape", "DecodeState", "DecodeStep", "DecodeRunner", "Decoder", "DecodeCounters",
-           "NonFiniteLogitsError", "FINISHED_CHECK_INTERVAL", "MAX_DECODE_STATES"]
+__all__ = [
+    "DecodeShape",
+    "DecodeState",
+    "DecodeStep",
+    "DecodeRunner",
+    "Decoder",
+    "DecodeCounters",
+    "NonFiniteLogitsError",
+    "FINISHED_CHECK_INTERVAL",
+    "MAX_DECODE_STATES",
+]
 
 # The all-rows-ended check syncs with the host, so decode makes it only every this many steps.
 FINISHED_CHECK_INTERVAL = 8
@@ -97,18 +106,37 @@ class DecodeState:
     FIELDS = (
         _Field("tokens", "row", lambda s: (s.rows, 1), doc="the token fed next"),
         _Field("position_ids", "row", lambda s: (s.rows, 1)),
-        _Field("bias", "row", lambda s: (s.rows, 1, 1, s.mask_len), None,
-               "additive bias over the decode buffer's keys: 0 where a row may attend, -inf elsewhere"),
+        _Field(
+            "bias",
+            "row",
+            lambda s: (s.rows, 1, 1, s.mask_len),
+            None,
+            "additive bias over the decode buffer's keys: 0 where a row may attend, -inf elsewhere",
+        ),
         _Field("finished", "row", lambda s: (s.rows,), torch.bool),
         _Field("keys", "row", lambda s: (s.rows,), doc="per-row sampling keys"),
-        _Field("nonfinite_step", "row", lambda s: (s.rows,),
-               doc="the first step at which a live row's logits could not be sampled from (NaN, +inf, or all "
-                   "-inf: HF's sampling raises there); -1 while none"),
+        _Field(
+            "nonfinite_step",
+            "row",
+            lambda s: (s.rows,),
+            doc="the first step at which a live row's logits could not be sampled from (NaN, +inf, or all "
+            "-inf: HF's sampling raises there); -1 while none",
+        ),
         _Field("responses", "row", lambda s: (s.rows, s.max_new_tokens)),
-        _Field("logprobs", "row", lambda s: _if(s.logprobs, (s.rows, s.max_new_tokens)), torch.float32,
-               "each sampled token's log-probability (0 once the row has ended), as responses"),
-        _Field("prompt_bias", "prompt", lambda s: _if(s.prompts > 0, (s.prompts, 1, 1, s.prompt_len)), None,
-               "prefix layout: the bias over each prompt's shared KV"),
+        _Field(
+            "logprobs",
+            "row",
+            lambda s: _if(s.logprobs, (s.rows, s.max_new_tokens)),
+            torch.float32,
+            "each sampled token's log-probability (0 once the row has ended), as responses",
+        ),
+        _Field(
+            "prompt_bias",
+            "prompt",
+            lambda s: _if(s.prompts > 0, (s.prompts, 1, 1, s.prompt_len)),
+            None,
+            "prefix layout: the bias over each prompt's shared KV",
+        ),
         # A compacted prefix-layout batch (slots > 0): the shared-prefix attention's query slots, S per
         # prompt: the row at each slot, and each row's slot as (prompt, sample).
         _Field("slot_rows", "slot", lambda s: _if(s.slots > 0, (s.prompts * s.slots,))),
@@ -131,7 +159,7 @@ class DecodeState:
     def tensors(self) -> list[Tensor]:
         return [t for t in (getattr(self, f.name) for f in self.FIELDS) if t is not None]
 
-    def gather_into(self, new: "DecodeState", rows: Tensor, groups: Tensor | None) -> None:
+    def gather_into(self, new: DecodeState, rows: Tensor, groups: Tensor | None) -> None:
         """Move the rows `rows` (device int64) into `new`, and (prefix layout) the prompt groups `groups`:
         every field as its declaration says; "slot" fields are the caller's (they come from a plan)."""
         for f in self.FIELDS:
@@ -147,8 +175,16 @@ class DecodeState:
 class DecodeStep:
     """One decode step over every row; `bind()` points it at a rollout's state first."""
 
-    def __init__(self, adapter: ModelAdapter, cache: RolloutKVCache, params: SamplingParams, pad_id: int,
-                 eos: Tensor | None, min_new_tokens: int = 0, logprobs: bool = False):
+    def __init__(
+        self,
+        adapter: ModelAdapter,
+        cache: RolloutKVCache,
+        params: SamplingParams,
+        pad_id: int,
+        eos: Tensor | None,
+        min_new_tokens: int = 0,
+        logprobs: bool = False,
+    ):
         self.adapter, self.cache, self.params, self.pad_id, self.eos = adapter, cache, params, pad_id, eos
         self.logprobs = logprobs  # also record each token's log-probability (DecodeState.logprobs)
         self.min_new_tokens = min_new_tokens if eos is not None else 0
@@ -268,9 +304,12 @@ class DecodeRunner:
         except _RecompileLimitHit as e:
             # Dynamo refuses to compile this shape again (its recompile limit, counted over every
             # rollout compiled in this process): never fail a rollout for it; run it eagerly.
-            warnings.warn(f"torchkvops: compiled decode hit torch._dynamo's recompile limit ({e}); this decode "
-                          "shape runs eagerly. Raise torch._dynamo.config.recompile_limit to compile it.",
-                          RuntimeWarning, stacklevel=3)
+            warnings.warn(
+                f"torchkvops: compiled decode hit torch._dynamo's recompile limit ({e}); this decode "
+                "shape runs eagerly. Raise torch._dynamo.config.recompile_limit to compile it.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
             self.eager_keys.add(key)
             return self.step()
 
@@ -280,6 +319,7 @@ class DecodeRunner:
         and a failed capture leaves torch's CUDA state half torn down, so such a model runs without
         graphs and no capture is tried. (Compiled steps are not watched: compiling copies constants to
         the device once, and a model that syncs does not compile with fullgraph=True anyway.)"""
+
         def run() -> None:
             self._on_side_stream(lambda: self._run_compiled_or_eager(key))
 
@@ -325,8 +365,9 @@ class DecodeRunner:
                 error = error or e
         if error is not None:
             self._recover_from_failed_capture(graph)
-            self._give_up_graphs(key, f"its CUDA-graph capture failed ({type(error).__name__}: "
-                                      f"{' '.join(str(error).split())[:300]})")
+            self._give_up_graphs(
+                key, f"its CUDA-graph capture failed ({type(error).__name__}: {' '.join(str(error).split())[:300]})"
+            )
             return None
         return self.graphs.put(key, graph)
 
@@ -352,8 +393,11 @@ class DecodeRunner:
         _end_generator_capture(self._side_stream(), self.device)
 
     def _give_up_graphs(self, key, reason: str) -> None:
-        warnings.warn(f"torchkvops: decode runs without CUDA graphs for this rollout, because {reason}",
-                      RuntimeWarning, stacklevel=4)
+        warnings.warn(
+            f"torchkvops: decode runs without CUDA graphs for this rollout, because {reason}",
+            RuntimeWarning,
+            stacklevel=4,
+        )
         self.use_graphs = False
         self.eager_keys.add(key)
         self.graphs.clear()  # never replayed again: free their memory
@@ -427,10 +471,24 @@ class Decoder:
     `layout`: the KV layout ("copy" or "prefix"); `samples`: rows per prompt; `compacts`: compact the
     batch as rows end (needs EOS ids); `graph_extra`: more addresses a step reads (a float32 LM head's)."""
 
-    def __init__(self, adapter: ModelAdapter, cache: RolloutKVCache, params: SamplingParams, pad_id: int,
-                 eos: Tensor | None, *, max_new_tokens: int, min_new_tokens: int, logprobs: bool, layout: str,
-                 samples: int, compile: bool, cuda_graphs: bool, compacts: bool,
-                 graph_extra: Callable[[], tuple] = tuple):
+    def __init__(
+        self,
+        adapter: ModelAdapter,
+        cache: RolloutKVCache,
+        params: SamplingParams,
+        pad_id: int,
+        eos: Tensor | None,
+        *,
+        max_new_tokens: int,
+        min_new_tokens: int,
+        logprobs: bool,
+        layout: str,
+        samples: int,
+        compile: bool,
+        cuda_graphs: bool,
+        compacts: bool,
+        graph_extra: Callable[[], tuple] = tuple,
+    ):
         self.adapter, self.cache, self.params, self.pad_id, self.eos = adapter, cache, params, pad_id, eos
         self.max_new_tokens, self.logprobs, self.layout, self.samples = max_new_tokens, logprobs, layout, samples
         self.compacts = compacts and eos is not None  # compaction happens at the all-ended check
@@ -444,8 +502,9 @@ class Decoder:
 
     @property
     def counters(self) -> DecodeCounters:
-        return DecodeCounters(len(self.states), len(self._graph_keys), len(self.runner.graphs), self._compactions,
-                              self.runner.key)
+        return DecodeCounters(
+            len(self.states), len(self._graph_keys), len(self.runner.graphs), self._compactions, self.runner.key
+        )
 
     def release(self) -> None:
         """Forget every state and graph, and the last call's views of the KV cache."""
@@ -455,16 +514,25 @@ class Decoder:
         self.context = attention.DecodeAttention(self.layout)
 
     # --- a call ----------------------------------------------------------------------------------
-    def start(self, prompt_mask: Tensor, seed: int, first_logits: Tensor, row_ids: Tensor,
-              live: Tensor | None) -> DecodeState:
+    def start(
+        self, prompt_mask: Tensor, seed: int, first_logits: Tensor, row_ids: Tensor, live: Tensor | None
+    ) -> DecodeState:
         """Reset the decode state for a call over these prompts (left-padded mask [B, P]) and sample every
         row's first token from the prefill's logits. The KV cache is prepared for decode first."""
         cache, n = self.cache, self.samples
         batch, prompt_len = prompt_mask.shape
         prefix = self.layout == "prefix"
-        s = self._state(DecodeShape(batch * n, cache.decode_kv.shape[4], self.max_new_tokens, self.adapter.dtype,
-                                    batch if prefix else 0, cache.prompt_kv.shape[4] if prefix else 0,
-                                    self.logprobs))
+        s = self._state(
+            DecodeShape(
+                batch * n,
+                cache.decode_kv.shape[4],
+                self.max_new_tokens,
+                self.adapter.dtype,
+                batch if prefix else 0,
+                cache.prompt_kv.shape[4] if prefix else 0,
+                self.logprobs,
+            )
+        )
         row_mask = prompt_mask.repeat_interleave(n, dim=0).bool()
         s.bias.fill_(float("-inf"))
         if not prefix:  # the decode buffer starts with each row's copy of its prompt
@@ -492,8 +560,11 @@ class Decoder:
         row's logits could not be sampled from."""
         new_tokens = self.max_new_tokens
         state, steps, row_steps = first, 0, first.rows
-        batch = compaction.BatchMap(first.rows, self.samples if self.layout == "prefix" else None) \
-            if self.compacts else None
+        batch = (
+            compaction.BatchMap(first.rows, self.samples if self.layout == "prefix" else None)
+            if self.compacts
+            else None
+        )
         self._bind(state)
         with attention.decode_attention(self.adapter.model, self.context):
             while steps + 1 < new_tokens:
@@ -533,8 +604,9 @@ class Decoder:
         """The decode state of this shape, kept (least recently used dropped past MAX_DECODE_STATES)."""
         return self.states.put(shape, self.states.get(shape) or DecodeState(shape, self.adapter.device))
 
-    def _compact(self, first: DecodeState, state: DecodeState, batch: compaction.BatchMap, plan: compaction.Plan,
-                 tokens: int) -> DecodeState:
+    def _compact(
+        self, first: DecodeState, state: DecodeState, batch: compaction.BatchMap, plan: compaction.Plan, tokens: int
+    ) -> DecodeState:
         """Go on with the rows of `plan` (torchkvops.compaction) after `tokens` tokens: a state of the
         compacted shape holds them, the KV cache keeps theirs, `first` keeps the others'."""
         device = state.tokens.device
@@ -580,8 +652,13 @@ class Decoder:
             merged.setdefault(id(t), (t, set()))[1].update(dims)
         dynamic = [(t, tuple(sorted(dims))) for t, dims in merged.values()]
         addresses = tuple(t.data_ptr() for t, _ in dynamic)
-        key = (state.shape, self.layout, addresses, self.adapter.weight_addresses() + self.graph_extra(),
-               self.adapter.adapter_state())
+        key = (
+            state.shape,
+            self.layout,
+            addresses,
+            self.adapter.weight_addresses() + self.graph_extra(),
+            self.adapter.adapter_state(),
+        )
         self._graph_keys[hash(key)] = None
         self._graph_keys.move_to_end(hash(key))
         while len(self._graph_keys) > _KEYS_KEPT:
@@ -596,5 +673,6 @@ def _raise_on_nonfinite(nonfinite_step: Tensor) -> None:
         raise NonFiniteLogitsError(
             f"torchkvops: the logits of {bad.numel()} row(s) hold NaN or inf at new token {int(bad.min())} (counting "
             "from 0), so there is no distribution to sample from; Hugging Face's generate raises here too "
-            "(\"probability tensor contains either inf, nan or element < 0\"). Check the model's weights and inputs "
-            "(a half-precision overflow?)")
+            '("probability tensor contains either inf, nan or element < 0"). Check the model\'s weights and inputs '
+            "(a half-precision overflow?)"
+        )

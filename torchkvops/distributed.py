@@ -52,15 +52,18 @@ _SETTINGS_BYTES = 1024
 LOCAL_FIELDS = frozenset({"seed", "compile", "cuda_graphs", "enable_profiling", "compact_finished_rows"})
 
 
-def generate(rollout: Rollout, input_ids: Tensor | None, attention_mask: Tensor | None = None, *, group=None,
-             gather: bool = True) -> RolloutOutput:
+def generate(
+    rollout: Rollout, input_ids: Tensor | None, attention_mask: Tensor | None = None, *, group=None, gather: bool = True
+) -> RolloutOutput:
     """Data-parallel `rollout.generate`: see the module docstring. Every process of `group` (default:
     the world) must call it, with the same rollout configuration."""
     if not isinstance(rollout, Rollout):
         raise TypeError(f"torchkvops.distributed.generate: rollout must be a Rollout, got {type(rollout).__name__}")
     if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("torchkvops.distributed.generate: torch.distributed is not initialized; call "
-                           "torch.distributed.init_process_group() first (torchrun sets up its environment)")
+        raise RuntimeError(
+            "torchkvops.distributed.generate: torch.distributed is not initialized; call "
+            "torch.distributed.init_process_group() first (torchrun sets up its environment)"
+        )
     exchange = _Exchange(group, rollout.device)
     n = rollout.config.samples_per_prompt
 
@@ -72,8 +75,9 @@ def generate(rollout: Rollout, input_ids: Tensor | None, attention_mask: Tensor 
         local = (input_ids.shape[0], input_ids.shape[1], seed)
     except Exception as e:  # noqa: BLE001 - reported to every process below
         exchange.fail(e)
-    batches, prompt_lengths, seeds = exchange.gather_status(local, "checking its prompts",
-                                                            settings=_settings(rollout, gather))
+    batches, prompt_lengths, seeds = exchange.gather_status(
+        local, "checking its prompts", settings=_settings(rollout, gather)
+    )
     rank = exchange.rank
     first_row = sum(batches[:rank]) * n
     seed = seeds[0]
@@ -104,8 +108,13 @@ def _settings(rollout: Rollout, gather: bool) -> dict:
     if len(json.dumps(eos)) > _SETTINGS_BYTES // 2:
         eos = f"{len(eos)} ids, sha256 {hashlib.sha256(json.dumps(eos).encode()).hexdigest()[:16]}"
     settings = {f.name: getattr(c, f.name) for f in dataclasses.fields(c) if f.name not in LOCAL_FIELDS}
-    settings.update(temperature=float(c.temperature), top_p=float(c.top_p), eos_token_id=eos,
-                    pad_token_id=rollout.pad_id, gather=bool(gather))
+    settings.update(
+        temperature=float(c.temperature),
+        top_p=float(c.top_p),
+        eos_token_id=eos,
+        pad_token_id=rollout.pad_id,
+        gather=bool(gather),
+    )
     if c.lm_head_dtype is not None:
         settings["lm_head_dtype"] = str(c.lm_head_dtype)
     return settings
@@ -119,8 +128,10 @@ def _settings_mismatch(settings: list[dict]) -> str | None:
         for rank, values in enumerate(settings):
             ranks_by_value.setdefault(json.dumps(values.get(name)), []).append(rank)
         if len(ranks_by_value) > 1:
-            parts = [f"{json.loads(value)!r} on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
-                     for value, ranks in ranks_by_value.items()]
+            parts = [
+                f"{json.loads(value)!r} on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+                for value, ranks in ranks_by_value.items()
+            ]
             differing.append(f"{name}: {'; '.join(parts)}")
     return " | ".join(differing) or None
 
@@ -129,8 +140,10 @@ def _local_inputs(input_ids, attention_mask) -> tuple[Tensor, Tensor | None]:
     if input_ids is None:
         return torch.zeros(0, 0, dtype=torch.long), None
     if not isinstance(input_ids, Tensor) or input_ids.dim() != 2:
-        raise ValueError("torchkvops.distributed.generate: input_ids must be a 2-D tensor [batch, prompt_length] "
-                         f"(or None for no prompts), got {getattr(input_ids, 'shape', type(input_ids).__name__)}")
+        raise ValueError(
+            "torchkvops.distributed.generate: input_ids must be a 2-D tensor [batch, prompt_length] "
+            f"(or None for no prompts), got {getattr(input_ids, 'shape', type(input_ids).__name__)}"
+        )
     return input_ids, attention_mask
 
 
@@ -141,8 +154,14 @@ def _empty(rollout: Rollout, prompt_length: int) -> RolloutOutput:
     return RolloutOutput(z, r, r.clone(), prompt_length, logprobs)
 
 
-def _gather(exchange: "_Exchange", rollout: Rollout, out: RolloutOutput | None, rows: list[int], prompt_len: int,
-            response_len: int) -> RolloutOutput:
+def _gather(
+    exchange: _Exchange,
+    rollout: Rollout,
+    out: RolloutOutput | None,
+    rows: list[int],
+    prompt_len: int,
+    response_len: int,
+) -> RolloutOutput:
     """all_gather of every process's rows, padded to the same shape, then the padding rows dropped."""
     pad = rollout.pad_id
     most = max(rows)
@@ -150,8 +169,8 @@ def _gather(exchange: "_Exchange", rollout: Rollout, out: RolloutOutput | None, 
     mask = torch.zeros(most, response_len, dtype=torch.long, device=exchange.device)
     if out is not None:
         r, p, resp = out.responses.shape[0], out.prompt_length, out.responses.shape[1]
-        sequences[:r, prompt_len - p: prompt_len] = out.sequences[:, :p].to(exchange.device)  # left-padded prompt
-        sequences[:r, prompt_len: prompt_len + resp] = out.responses.to(exchange.device)  # right-padded response
+        sequences[:r, prompt_len - p : prompt_len] = out.sequences[:, :p].to(exchange.device)  # left-padded prompt
+        sequences[:r, prompt_len : prompt_len + resp] = out.responses.to(exchange.device)  # right-padded response
         mask[:r, :resp] = out.response_mask.to(exchange.device)
     all_sequences = exchange.all_gather(sequences)
     all_masks = exchange.all_gather(mask)
@@ -217,8 +236,9 @@ class _Exchange:
         dist.all_gather(parts, t.contiguous(), group=self.group)
         return parts
 
-    def gather_status(self, values: tuple[int, int, int] | None, stage: str,
-                      settings: dict | None = None) -> tuple[list[int], list[int], list[int]]:
+    def gather_status(
+        self, values: tuple[int, int, int] | None, stage: str, settings: dict | None = None
+    ) -> tuple[list[int], list[int], list[int]]:
         """Every process's (a, b, c), or raise on every process if any process failed or, given
         `settings`, if the processes' settings differ."""
         message = (self.error or "").encode()[:_ERROR_BYTES]
@@ -227,8 +247,8 @@ class _Exchange:
         status[0] = 1 if self.error else 0
         if not self.error and values is not None:
             status[1:4] = torch.tensor(values, dtype=torch.long)
-        status[4: 4 + len(message)] = torch.tensor(list(message), dtype=torch.long)
-        status[4 + _ERROR_BYTES: 4 + _ERROR_BYTES + len(sent)] = torch.tensor(list(sent), dtype=torch.long)
+        status[4 : 4 + len(message)] = torch.tensor(list(message), dtype=torch.long)
+        status[4 + _ERROR_BYTES : 4 + _ERROR_BYTES + len(sent)] = torch.tensor(list(sent), dtype=torch.long)
         parts = torch.stack(self.all_gather(status)).cpu()  # host sync: the statuses, twice per call
 
         def text(r: int, start: int, end: int) -> str:
@@ -238,13 +258,17 @@ class _Exchange:
         if failed:
             r = failed[0]
             others = f" (and ranks {failed[1:]})" if len(failed) > 1 else ""
-            raise RuntimeError(f"torchkvops.distributed.generate: rank {r}{others} failed while {stage}: "
-                               f"{text(r, 4, 4 + _ERROR_BYTES)}")
+            raise RuntimeError(
+                f"torchkvops.distributed.generate: rank {r}{others} failed while {stage}: "
+                f"{text(r, 4, 4 + _ERROR_BYTES)}"
+            )
         if settings is not None:
             end = 4 + _ERROR_BYTES + _SETTINGS_BYTES
             differing = _settings_mismatch([json.loads(text(r, 4 + _ERROR_BYTES, end)) for r in range(self.world)])
             if differing:
-                raise ValueError(f"torchkvops.distributed.generate: the processes' settings differ ({differing}); "
-                                 "every process must call it with the same RolloutConfig, model EOS and pad ids, "
-                                 "and gather")
+                raise ValueError(
+                    f"torchkvops.distributed.generate: the processes' settings differ ({differing}); "
+                    "every process must call it with the same RolloutConfig, model EOS and pad ids, "
+                    "and gather"
+                )
         return parts[:, 1].tolist(), parts[:, 2].tolist(), parts[:, 3].tolist()

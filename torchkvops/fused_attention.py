@@ -26,18 +26,34 @@ _CUDA_BIAS_ALIGNMENT_BYTES = 16  # the memory-efficient kernel's rule for the bi
 _CUDA_LSE_MULTIPLE = 32  # the memory-efficient kernel pads its log-sum-exp's last dim to this
 
 
-def attend(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, *, causal: bool = False, scale: float | None = None,
-           with_lse: bool = True) -> tuple[Tensor, Tensor | None]:
+def attend(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    bias: Tensor,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    with_lse: bool = True,
+) -> tuple[Tensor, Tensor | None]:
     """Attention of q over k, v with an additive key bias: (out [X, H, M, D], lse [X, H, M] or None)."""
     if q.device.type == "cpu":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, causal, attn_mask=bias, scale=scale)
+            q, k, v, 0.0, causal, attn_mask=bias, scale=scale
+        )
         return out, lse if with_lse else None
     if q.device.type == "cuda":
         heads, m = q.shape[1], q.shape[2]
         out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
-            q, _repeat_heads(k, heads), _repeat_heads(v, heads), _cuda_bias(bias, heads, m), with_lse, 0.0, causal,
-            scale=scale)
+            q,
+            _repeat_heads(k, heads),
+            _repeat_heads(v, heads),
+            _cuda_bias(bias, heads, m),
+            with_lse,
+            0.0,
+            causal,
+            scale=scale,
+        )
         return out, lse[..., :m] if with_lse else None
     if causal:
         raise NotImplementedError(f"torchkvops: causal fused attention on {q.device.type} (served: cpu, cuda)")
@@ -49,14 +65,25 @@ def attend(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, *, causal: bool = Fals
     return out, lse if with_lse else None
 
 
-def attend_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, bias: Tensor, *, causal: bool,
-                    scale: float | None, out: Tensor, lse: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def attend_backward(
+    grad: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    bias: Tensor,
+    *,
+    causal: bool,
+    scale: float | None,
+    out: Tensor,
+    lse: Tensor,
+) -> tuple[Tensor, Tensor, Tensor]:
     """dq, dk, dv of `attend` given an output and log-sum-exp ([X, H, M], float32), which may be those of a
     larger attention this one is a part of (the merged output and log-sum-exp of a split attention:
     see torchkvops.prefix_attention)."""
     if q.device.type == "cpu":
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad, q, k, v, out, lse, 0.0, causal, attn_mask=bias, scale=scale)
+            grad, q, k, v, out, lse, 0.0, causal, attn_mask=bias, scale=scale
+        )
     if q.device.type != "cuda":
         raise NotImplementedError(f"torchkvops: fused attention backward on {q.device.type} (served: cpu, cuda)")
     heads, m = q.shape[1], q.shape[2]
@@ -65,9 +92,20 @@ def attend_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, bias: Tensor,
     padded_lse[..., :m] = lse
     seed_offset = torch.zeros(2, dtype=torch.int64, device=q.device)  # unused: no dropout
     dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-        grad.contiguous(), q, _repeat_heads(k, heads), _repeat_heads(v, heads), _cuda_bias(bias, heads, m),
-        out.contiguous(), padded_lse, seed_offset[0], seed_offset[1], 0.0, [True, True, True, False], causal,
-        scale=scale)
+        grad.contiguous(),
+        q,
+        _repeat_heads(k, heads),
+        _repeat_heads(v, heads),
+        _cuda_bias(bias, heads, m),
+        out.contiguous(),
+        padded_lse,
+        seed_offset[0],
+        seed_offset[1],
+        0.0,
+        [True, True, True, False],
+        causal,
+        scale=scale,
+    )
     return dq, _sum_heads(dk, kv_heads), _sum_heads(dv, kv_heads)
 
 

@@ -18,7 +18,8 @@ import inspect
 import math
 import numbers
 import operator
-from typing import Callable, Literal
+from collections.abc import Callable
+from typing import Literal
 
 import torch
 from torch import Tensor, nn
@@ -45,30 +46,79 @@ from .rollout import MIN_TEMPERATURE, Rollout, check_prompts
 # HF's generate signature: calls are bound to it as HF binds them (same defaults, same TypeErrors).
 SIGNATURE = inspect.signature(GenerationMixin.generate)
 # generate() arguments that select something the rollout does not do, whenever they are given.
-_HF_ONLY_ARGUMENTS = ("prefix_allowed_tokens_fn", "assistant_model", "streamer", "negative_prompt_ids",
-                      "negative_prompt_attention_mask", "custom_generate")
+_HF_ONLY_ARGUMENTS = (
+    "prefix_allowed_tokens_fn",
+    "assistant_model",
+    "streamer",
+    "negative_prompt_ids",
+    "negative_prompt_attention_mask",
+    "custom_generate",
+)
 # Generation config fields honoured here (through HF's own resolution of them, below) ...
-_HONOURED = {"max_new_tokens", "max_length", "min_new_tokens", "min_length", "do_sample", "temperature", "top_k",
-             "top_p", "eos_token_id", "pad_token_id", "num_return_sequences", "return_dict_in_generate"}
+_HONOURED = {
+    "max_new_tokens",
+    "max_length",
+    "min_new_tokens",
+    "min_length",
+    "do_sample",
+    "temperature",
+    "top_k",
+    "top_p",
+    "eos_token_id",
+    "pad_token_id",
+    "num_return_sequences",
+    "return_dict_in_generate",
+}
 # ... those that cannot change a decoder-only model's greedy or sampled tokens here (beam-only ones are
 # harmless since num_beams must be 1; assisted-only ones since no assistant is allowed) ...
-_HARMLESS = {"bos_token_id", "decoder_start_token_id", "use_cache", "cache_implementation", "cache_config",
-             "max_cache_len", "disable_compile", "compile_config", "prefill_chunk_size", "continuous_batching_config",
-             "early_stopping", "length_penalty", "num_beam_groups", "diversity_penalty", "num_assistant_tokens",
-             "num_assistant_tokens_schedule", "assistant_confidence_threshold", "assistant_lookbehind",
-             "target_lookbehind", "max_matching_ngram_size", "assistant_ensemble_weight", "speculation_type",
-             "transformers_version"}
+_HARMLESS = {
+    "bos_token_id",
+    "decoder_start_token_id",
+    "use_cache",
+    "cache_implementation",
+    "cache_config",
+    "max_cache_len",
+    "disable_compile",
+    "compile_config",
+    "prefill_chunk_size",
+    "continuous_batching_config",
+    "early_stopping",
+    "length_penalty",
+    "num_beam_groups",
+    "diversity_penalty",
+    "num_assistant_tokens",
+    "num_assistant_tokens_schedule",
+    "assistant_confidence_threshold",
+    "assistant_lookbehind",
+    "target_lookbehind",
+    "max_matching_ngram_size",
+    "assistant_ensemble_weight",
+    "speculation_type",
+    "transformers_version",
+}
 # ... those that only sampling reads (ignored by greedy decoding, as HF ignores them) ...
 _SAMPLING_ONLY = {"min_p", "top_h", "typical_p", "epsilon_cutoff", "eta_cutoff"}
 # ... and on/off flags whose None and False both mean off. Every other field must equal HF's default.
-_FLAGS = {"output_attentions", "output_hidden_states", "output_scores", "output_logits", "token_healing",
-          "renormalize_logits", "remove_invalid_values", "use_mtp", "is_assistant", "low_memory"}
+_FLAGS = {
+    "output_attentions",
+    "output_hidden_states",
+    "output_scores",
+    "output_logits",
+    "token_healing",
+    "renormalize_logits",
+    "remove_invalid_values",
+    "use_mtp",
+    "is_assistant",
+    "low_memory",
+}
 # Cache implementations whose output is not the exact computation's (or not generate's usual output).
 _FALLBACK_CACHES = {"paged": "continuous batching, another output format", "quantized": "a lossy KV cache"}
 # What an attention mask that is not left-padded is refused as (integration.left_padding_fault's names).
-_MASK_FAULTS = {"empty row": "an attention mask with a row of zeros (a prompt without tokens)",
-                "right padding": "an attention mask with a 0 in the last column (right padding)",
-                "hole": "an attention mask with a 0 after a 1 (a hole; the rollout takes left padding only)"}
+_MASK_FAULTS = {
+    "empty row": "an attention mask with a row of zeros (a prompt without tokens)",
+    "right padding": "an attention mask with a 0 in the last column (right padding)",
+    "hole": "an attention mask with a 0 after a 1 (a hole; the rollout takes left padding only)",
+}
 
 # What a refusal is about: the call's arguments, the model, the call's context (autocast, train mode),
 # the generation settings, the input tensors, the length, or the other processes (synced_gpus).
@@ -137,8 +187,9 @@ def bind(model: nn.Module, args: tuple, kwargs: dict) -> Arguments | Refusal:
     extra.pop("assistant_tokenizer", None)  # only read with an assistant model, refused above
     tokenizer = extra.pop("tokenizer", None)  # only read for stop_strings and token healing, which fall back
     # synced_gpus: as HF resolves it (True under DeepSpeed ZeRO-3 or FSDP with several processes).
-    synced = bool(model._extract_generation_mode_kwargs(None, {}, arguments.get("synced_gpus"), None,
-                                                        None)["synced_gpus"])
+    synced = bool(
+        model._extract_generation_mode_kwargs(None, {}, arguments.get("synced_gpus"), None, None)["synced_gpus"]
+    )
     input_ids = arguments.get("inputs")
     if input_ids is not None and "input_ids" in extra:
         return Refusal("both inputs and input_ids", "call")
@@ -146,8 +197,9 @@ def bind(model: nn.Module, args: tuple, kwargs: dict) -> Arguments | Refusal:
         input_ids = extra.pop("input_ids", None)
     if not isinstance(input_ids, Tensor) or input_ids.dim() != 2:
         return Refusal("input that is not a 2-D tensor of token ids (inputs_embeds, or no input_ids)", "call")
-    return Arguments(input_ids, extra.pop("attention_mask", None), arguments.get("generation_config"), tokenizer, extra,
-                     synced)
+    return Arguments(
+        input_ids, extra.pop("attention_mask", None), arguments.get("generation_config"), tokenizer, extra, synced
+    )
 
 
 def check(model: nn.Module, adapter: ModelAdapter, arguments: Arguments) -> Call | Refusal:
@@ -198,13 +250,18 @@ def _resolve(model: nn.Module, adapter: ModelAdapter, call: Arguments):
     tokens and length set, ids, attention mask (inferred from the pad id when none is given), logits
     processors, stopping criteria); else the Refusal."""
     # Whether no length was given anywhere, as HF's generate decides it before resolving the config.
-    has_default = {name: call.extra.get(name) is None and getattr(call.generation_config, name, None) is None
-                   and getattr(model.generation_config, name, None) is None for name in ("max_length", "min_length")}
+    has_default = {
+        name: call.extra.get(name) is None
+        and getattr(call.generation_config, name, None) is None
+        and getattr(model.generation_config, name, None) is None
+        for name in ("max_length", "min_length")
+    }
     try:
         config, model_kwargs = model._prepare_generation_config(call.generation_config, **call.extra)
     except Exception as e:  # HF's validation: its generate raises the same
-        return Refusal(f"a generation config that Hugging Face's generate refuses ({type(e).__name__}: {e})",
-                       "settings")
+        return Refusal(
+            f"a generation config that Hugging Face's generate refuses ({type(e).__name__}: {e})", "settings"
+        )
     refusal = _unsupported_setting(config)
     if refusal:
         return refusal
@@ -214,28 +271,52 @@ def _resolve(model: nn.Module, adapter: ModelAdapter, call: Arguments):
 
     input_ids = call.input_ids
     given = call.attention_mask
-    if (isinstance(given, Tensor) and given.shape == input_ids.shape and not given.dtype.is_complex
-            and not bool(((given == 0) | (given == 1)).all())):  # host sync: a mask check, once per call
-        return Refusal("an attention mask with values other than 0 and 1 (HF attends where it is not 0, and "
-                       "numbers positions by its cumulative sum)", "inputs")
-    ids, mask = check_prompts(input_ids, call.attention_mask, input_ids.device, adapter.input_vocab,
-                              "torchkvops.generate", require_left_padding=False)
+    if (
+        isinstance(given, Tensor)
+        and given.shape == input_ids.shape
+        and not given.dtype.is_complex
+        and not bool(((given == 0) | (given == 1)).all())
+    ):  # host sync: a mask check, once per call
+        return Refusal(
+            "an attention mask with values other than 0 and 1 (HF attends where it is not 0, and "
+            "numbers positions by its cumulative sum)",
+            "inputs",
+        )
+    ids, mask = check_prompts(
+        input_ids,
+        call.attention_mask,
+        input_ids.device,
+        adapter.input_vocab,
+        "torchkvops.generate",
+        require_left_padding=False,
+    )
     batch, prompt_length = ids.shape
     try:
-        model._prepare_special_tokens(config, call.attention_mask is not None, device=input_ids.device,
-                                      batch_size=batch)
+        model._prepare_special_tokens(
+            config, call.attention_mask is not None, device=input_ids.device, batch_size=batch
+        )
         if call.attention_mask is None and adapter.takes_attention_mask:
             mask = model._prepare_attention_mask_for_generation(input_ids, config, {}).to(ids.device, torch.long)
         config = model._prepare_generated_length(
-            generation_config=config, has_default_max_length=has_default["max_length"],
-            has_default_min_length=has_default["min_length"], model_input_name="input_ids",
-            input_ids_length=prompt_length, inputs_tensor=input_ids)
+            generation_config=config,
+            has_default_max_length=has_default["max_length"],
+            has_default_min_length=has_default["min_length"],
+            model_input_name="input_ids",
+            input_ids_length=prompt_length,
+            inputs_tensor=input_ids,
+        )
         model._validate_generated_length(config, prompt_length, has_default["max_length"])
         processors = model._get_logits_processor(
-            generation_config=config, input_ids_seq_length=prompt_length, encoder_input_ids=input_ids,
-            logits_processor=LogitsProcessorList(), device=input_ids.device, model_kwargs={"attention_mask": mask})
-        criteria = model._get_stopping_criteria(generation_config=config, stopping_criteria=StoppingCriteriaList(),
-                                                tokenizer=call.tokenizer)
+            generation_config=config,
+            input_ids_seq_length=prompt_length,
+            encoder_input_ids=input_ids,
+            logits_processor=LogitsProcessorList(),
+            device=input_ids.device,
+            model_kwargs={"attention_mask": mask},
+        )
+        criteria = model._get_stopping_criteria(
+            generation_config=config, stopping_criteria=StoppingCriteriaList(), tokenizer=call.tokenizer
+        )
     except Exception as e:  # HF's checks: its generate raises the same
         return Refusal(f"settings that Hugging Face's generate refuses ({type(e).__name__}: {e})", "settings")
     return config, ids, mask, processors, criteria
@@ -248,12 +329,18 @@ def _unsupported_context(model: nn.Module, adapter: ModelAdapter) -> Refusal | N
     autocast = forward_autocast_dtype(model, adapter.device.type)
     weights = adapter.dtype
     if autocast is not None and autocast != weights:
-        return Refusal(f"a forward that runs under autocast to {autocast} with {weights} parameters (its K and V "
-                       f"then come in mixed dtypes, the rollout's KV cache holds {weights}; load the model in "
-                       f"{autocast}, or run without mixed precision)", "context")
+        return Refusal(
+            f"a forward that runs under autocast to {autocast} with {weights} parameters (its K and V "
+            f"then come in mixed dtypes, the rollout's KV cache holds {weights}; load the model in "
+            f"{autocast}, or run without mixed precision)",
+            "context",
+        )
     if model.training and attention_dropout(model) > 0:
-        return Refusal("a model in train mode with attention dropout (the rollout's decode attention applies none; "
-                       "call model.eval() or set the dropout to 0)", "context")
+        return Refusal(
+            "a model in train mode with attention dropout (the rollout's decode attention applies none; "
+            "call model.eval() or set the dropout to 0)",
+            "context",
+        )
     return None
 
 
@@ -298,8 +385,10 @@ def _unsupported_setting(config: GenerationConfig) -> Refusal | None:
             continue
         return Refusal(f"generation_config.{field}={value!r}", "settings")
     if config.cache_implementation in _FALLBACK_CACHES:
-        return Refusal(f"cache_implementation={config.cache_implementation!r} "
-                       f"({_FALLBACK_CACHES[config.cache_implementation]})", "settings")
+        return Refusal(
+            f"cache_implementation={config.cache_implementation!r} ({_FALLBACK_CACHES[config.cache_implementation]})",
+            "settings",
+        )
     mode = config.get_generation_mode()
     if mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
         return Refusal(f"the generation mode {mode.value!r}", "settings")
@@ -312,8 +401,7 @@ def _unsupported_mask(mask: Tensor) -> Refusal | None:
     return None if fault is None else Refusal(_MASK_FAULTS[fault], "inputs")
 
 
-def _plan(config: GenerationConfig, adapter: ModelAdapter, prompt_length: int, processors,
-          criteria) -> Plan | Refusal:
+def _plan(config: GenerationConfig, adapter: ModelAdapter, prompt_length: int, processors, criteria) -> Plan | Refusal:
     """The rollout's parameters from what HF built for this call, or why the rollout cannot do it."""
     sampled = config.get_generation_mode() == GenerationMode.SAMPLE
     temperature, top_k, top_p, min_new = 1.0, 0, 1.0, 0
@@ -336,8 +424,9 @@ def _plan(config: GenerationConfig, adapter: ModelAdapter, prompt_length: int, p
     if sampled and isinstance(top_k, bool):
         return Refusal(f"top_k={top_k!r} (Hugging Face's top-k sampling raises on it)", "settings")
     if sampled and temperature < MIN_TEMPERATURE:
-        return Refusal(f"temperature={temperature!r} (below {MIN_TEMPERATURE:g}, the logits / temperature overflow)",
-                       "settings")
+        return Refusal(
+            f"temperature={temperature!r} (below {MIN_TEMPERATURE:g}, the logits / temperature overflow)", "settings"
+        )
     if sampled and top_p <= 0:
         return Refusal(f"top_p={top_p!r}", "settings")
     eos = config._eos_token_tensor
@@ -355,8 +444,9 @@ def _plan(config: GenerationConfig, adapter: ModelAdapter, prompt_length: int, p
         # host sync: one id, once per call
         pad = pad_tensor.item() if pad_tensor.numel() == 1 and not pad_tensor.is_floating_point() else None
         if pad is None or pad < 0 or (vocab_in is not None and pad >= vocab_in):
-            return Refusal(f"pad_token_id={config.pad_token_id!r} (not one of the model's {vocab_in} token ids)",
-                           "settings")
+            return Refusal(
+                f"pad_token_id={config.pad_token_id!r} (not one of the model's {vocab_in} token ids)", "settings"
+            )
     k = _whole(config.num_return_sequences)
     if k is None or k < 1:
         return Refusal(f"num_return_sequences={config.num_return_sequences!r}", "settings")
@@ -366,10 +456,17 @@ def _plan(config: GenerationConfig, adapter: ModelAdapter, prompt_length: int, p
     min_new = _tokens_until(min_new + prompt_length, prompt_length) if min_new else 0
     if max_new is None or min_new is None:
         return Refusal(f"max_length={config.max_length!r} or min_new_tokens (not numbers)", "settings")
-    return Plan(max_new_tokens=max_new, min_new_tokens=min(max(min_new, 0), max_new),
-                temperature=float(temperature) if sampled else 0.0, top_k=int(top_k) if sampled else 0,
-                top_p=min(float(top_p), 1.0) if sampled else 1.0, eos=eos, pad=int(pad), num_return_sequences=k,
-                return_dict=bool(config.return_dict_in_generate))
+    return Plan(
+        max_new_tokens=max_new,
+        min_new_tokens=min(max(min_new, 0), max_new),
+        temperature=float(temperature) if sampled else 0.0,
+        top_k=int(top_k) if sampled else 0,
+        top_p=min(float(top_p), 1.0) if sampled else 1.0,
+        eos=eos,
+        pad=int(pad),
+        num_return_sequences=k,
+        return_dict=bool(config.return_dict_in_generate),
+    )
 
 
 def _whole(value) -> int | None:
@@ -415,8 +512,14 @@ def run(call: Call, rollout_for: Callable[[int], Rollout]) -> Tensor:
     row_ids = (first_out_row[:, None] + slot[None, :]).flatten()
     rollout = rollout_for(samples)
     seed = int(torch.randint(0, 2**62, (1,)).item())  # from torch's global generator, as HF's sampling
-    out = rollout._generate(input_ids[starts], attention_mask[starts], row_ids=row_ids, live=live, seed=seed,
-                            ended_everywhere=distributed.ended_everywhere if call.synced else None)
+    out = rollout._generate(
+        input_ids[starts],
+        attention_mask[starts],
+        row_ids=row_ids,
+        live=live,
+        seed=seed,
+        ended_everywhere=distributed.ended_everywhere if call.synced else None,
+    )
     responses = out.responses[live.to(out.responses.device)]  # [rows, R], in output order
     responses = _trim_to_hf_length(responses, plan)
     return torch.cat([input_ids.repeat_interleave(k, dim=0), responses.to(device)], dim=1)

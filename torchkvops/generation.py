@@ -60,8 +60,9 @@ _SESSION_ATTRIBUTE = "_torchkvops_generate_session"
 # How many rollouts (one per distinct sampling setup) a model keeps between calls.
 _MAX_ROLLOUTS = 4
 # The warning for each cause of a fallback, given once per model (where: the function that found it).
-_FALLBACK_WARNING = ("{where}: {cause} is not supported; this call (and every call with it) runs the model's own "
-                     "generate")
+_FALLBACK_WARNING = (
+    "{where}: {cause} is not supported; this call (and every call with it) runs the model's own generate"
+)
 
 
 class _Session:
@@ -107,17 +108,32 @@ class _Session:
         return self.refusal
 
     def rollout(self, model: nn.Module, samples: int, plan: Plan) -> Rollout:
-        key = (samples, plan.max_new_tokens, plan.min_new_tokens, plan.temperature, plan.top_k, plan.top_p, plan.eos,
-               plan.pad)
+        key = (
+            samples,
+            plan.max_new_tokens,
+            plan.min_new_tokens,
+            plan.temperature,
+            plan.top_k,
+            plan.top_p,
+            plan.eos,
+            plan.pad,
+        )
         rollout = self.rollouts.get(key)
         if rollout is None:
             options = dict(self.options)
             if _is_fsdp(model):  # a replayed graph would skip FSDP's hooks, which gather the weights each forward
                 options["cuda_graphs"] = False
-            config = RolloutConfig(samples_per_prompt=samples, max_new_tokens=plan.max_new_tokens,
-                                   min_new_tokens=plan.min_new_tokens, temperature=plan.temperature,
-                                   top_k=plan.top_k, top_p=plan.top_p, eos_token_id=list(plan.eos),
-                                   pad_token_id=plan.pad, **options)
+            config = RolloutConfig(
+                samples_per_prompt=samples,
+                max_new_tokens=plan.max_new_tokens,
+                min_new_tokens=plan.min_new_tokens,
+                temperature=plan.temperature,
+                top_k=plan.top_k,
+                top_p=plan.top_p,
+                eos_token_id=list(plan.eos),
+                pad_token_id=plan.pad,
+                **options,
+            )
             rollout = self.rollouts.put(key, Rollout(model, config))
         return rollout
 
@@ -158,8 +174,10 @@ def _check_generative(model, where: str) -> None:
     """A bare backbone (LlamaModel) has no generate to serve or fall back to: the caller's mistake."""
     if not callable(getattr(type(model), "generate", None)):
         name = type(model).__name__
-        raise TypeError(f"{where}: {name} has no generate method (a bare backbone without a language-model "
-                        f"head?); use the causal LM that wraps it, e.g. {name.removesuffix('Model') or name}ForCausalLM")
+        raise TypeError(
+            f"{where}: {name} has no generate method (a bare backbone without a language-model "
+            f"head?); use the causal LM that wraps it, e.g. {name.removesuffix('Model') or name}ForCausalLM"
+        )
 
 
 def _peft_refusal(model: nn.Module) -> Refusal | None:
@@ -168,8 +186,13 @@ def _peft_refusal(model: nn.Module) -> Refusal | None:
     return None if reason is None else Refusal(reason, "model")
 
 
-def generate(model: nn.Module, input_ids: Tensor | None = None, attention_mask: Tensor | None = None,
-             generation_config: GenerationConfig | None = None, **kwargs):
+def generate(
+    model: nn.Module,
+    input_ids: Tensor | None = None,
+    attention_mask: Tensor | None = None,
+    generation_config: GenerationConfig | None = None,
+    **kwargs,
+):
     """`model.generate(input_ids, attention_mask=..., generation_config=..., **kwargs)` for a decoder-only
     Hugging Face model, with runs of identical prompts prefilled once. Returns what HF's generate returns:
     `[rows, P + T]` token ids (the prompts as given, then the new tokens; rows that ended early are
@@ -330,15 +353,19 @@ def patch_generate(model: nn.Module, **options) -> GeneratePatch:
     take, ...) is patched all the same, with a warning now: its calls run its own generate."""
     unknown = sorted(set(options) - set(PATCH_OPTIONS))
     if unknown:
-        raise TypeError(f"patch_generate: unknown option {unknown[0]!r}; the options are {', '.join(PATCH_OPTIONS)} "
-                        "(the rest comes from each call's generation config)")
+        raise TypeError(
+            f"patch_generate: unknown option {unknown[0]!r}; the options are {', '.join(PATCH_OPTIONS)} "
+            "(the rest comes from each call's generation config)"
+        )
     RolloutConfig(**options)  # the same checks and messages
     _check_generative(model, "patch_generate")
     current = vars(model).get("generate")
     if isinstance(current, _PatchedGenerate) and current.active:
-        raise RuntimeError("patch_generate: this model's generate is already patched by torchkvops; call undo() on "
-                           "the handle that patch_generate returned (or leave its `with` block) before patching "
-                           "again, or keep using that patch")
+        raise RuntimeError(
+            "patch_generate: this model's generate is already patched by torchkvops; call undo() on "
+            "the handle that patch_generate returned (or leave its `with` block) before patching "
+            "again, or keep using that patch"
+        )
     session = _Session(model, dict(options))
     patched = _PatchedGenerate(model, session, current)
     session.original_generate = patched.original()

@@ -42,10 +42,25 @@ def output_vocab(model: nn.Module) -> int | None:
 
 
 # Every config field that ModelAdapter (and KVShape) read: `model_state` watches them.
-_CONFIG_FIELDS = ("_attn_implementation", "is_encoder_decoder", "layer_types", "num_hidden_layers", "num_attention_heads",
-                  "num_key_value_heads", "head_dim", "hidden_size", "max_position_embeddings", "use_sliding_window",
-                  "sliding_window", "vocab_size", "model_type", "alibi", "attn_logit_softcapping", "kv_lora_rank",
-                  "v_head_dim")
+_CONFIG_FIELDS = (
+    "_attn_implementation",
+    "is_encoder_decoder",
+    "layer_types",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "hidden_size",
+    "max_position_embeddings",
+    "use_sliding_window",
+    "sliding_window",
+    "vocab_size",
+    "model_type",
+    "alibi",
+    "attn_logit_softcapping",
+    "kv_lora_rank",
+    "v_head_dim",
+)
 
 
 def model_state(model: nn.Module) -> tuple:
@@ -61,9 +76,14 @@ def model_state(model: nn.Module) -> tuple:
     for name in _CONFIG_FIELDS:
         value = getattr(config, name, None)
         fields.append(tuple(value) if isinstance(value, list) else value)
-    return (id(config), tuple(fields), None if first is None else (first.dtype, first.device),
-            input_vocab(model) if config is not None else None, output_vocab(model) if config is not None else None,
-            getattr(forward, "__func__", forward))
+    return (
+        id(config),
+        tuple(fields),
+        None if first is None else (first.dtype, first.device),
+        input_vocab(model) if config is not None else None,
+        output_vocab(model) if config is not None else None,
+        getattr(forward, "__func__", forward),
+    )
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
@@ -154,8 +174,10 @@ class ModelAdapter:
         first_param = next(model.parameters())
         self.device, self.dtype = first_param.device, first_param.dtype  # where and in what the model computes
         if self.dtype not in _DTYPES:
-            raise ValueError(f"torchkvops: {type(model).__name__} has {self.dtype} parameters; the rollout's "
-                             f"sampler takes {', '.join(map(str, _DTYPES))}")
+            raise ValueError(
+                f"torchkvops: {type(model).__name__} has {self.dtype} parameters; the rollout's "
+                f"sampler takes {', '.join(map(str, _DTYPES))}"
+            )
         params = inspect.signature(model.forward).parameters
         if "cache" in params:
             self.cache_kwarg = "cache"
@@ -170,8 +192,11 @@ class ModelAdapter:
         self.kv_shape = KVShape.from_config(config)
         self.max_positions = getattr(config, "max_position_embeddings", None)
         # PEFT's tuner layers (LoRA's Linear, ...), whose active adapters a decode graph depends on.
-        self._tuner_layers = [m for m in model.modules() if isinstance(getattr(type(m), "active_adapters", None), property)
-                              and hasattr(m, "disable_adapters")]
+        self._tuner_layers = [
+            m
+            for m in model.modules()
+            if isinstance(getattr(type(m), "active_adapters", None), property) and hasattr(m, "disable_adapters")
+        ]
         # Token ids the model can embed (inputs, and the pad id fed back after EOS) and produce (EOS ids).
         self.input_vocab = input_vocab(model)
         self.output_vocab = output_vocab(model)
@@ -201,8 +226,11 @@ class ModelAdapter:
         return ids or _as_id_list(getattr(self.config, "eos_token_id", None))
 
     def pad_id(self, configured, eos_ids: list[int]) -> int:
-        for value in (configured, getattr(getattr(self.model, "generation_config", None), "pad_token_id", None),
-                      getattr(self.config, "pad_token_id", None)):
+        for value in (
+            configured,
+            getattr(getattr(self.model, "generation_config", None), "pad_token_id", None),
+            getattr(self.config, "pad_token_id", None),
+        ):
             if value is not None:
                 return int(value)
         return eos_ids[0] if eos_ids else 0
@@ -224,14 +252,24 @@ class ModelAdapter:
         """Which PEFT adapters the model's tuner layers run now (`set_adapter`, `disable_adapter()`,
         merging): a CUDA graph replays the kernels of the adapters active when it was captured, so a change
         means re-capture. Adapter weights updated in place need none: the graph reads them. Cheap."""
-        return tuple((tuple(getattr(m, "active_adapters", ())), bool(getattr(m, "disable_adapters", False)),
-                      tuple(getattr(m, "merged_adapters", ()))) for m in self._tuner_layers)
+        return tuple(
+            (
+                tuple(getattr(m, "active_adapters", ())),
+                bool(getattr(m, "disable_adapters", False)),
+                tuple(getattr(m, "merged_adapters", ())),
+            )
+            for m in self._tuner_layers
+        )
 
     def forward_kwargs(self, cache, attention_mask, position_ids, cache_position) -> dict:
         """The model's forward arguments besides input_ids, for one call that keeps the last
         position's logits only."""
-        kwargs = {self.cache_kwarg: cache, "attention_mask": attention_mask, "position_ids": position_ids,
-                  "use_cache": True}
+        kwargs = {
+            self.cache_kwarg: cache,
+            "attention_mask": attention_mask,
+            "position_ids": position_ids,
+            "use_cache": True,
+        }
         if self.takes_cache_position:
             kwargs["cache_position"] = cache_position
         if self.takes_logits_to_keep:

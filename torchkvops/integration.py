@@ -9,14 +9,26 @@ from __future__ import annotations
 import collections
 import sys
 import warnings
-from typing import Callable, Generic, Hashable, TypeVar
+from collections.abc import Callable, Hashable
+from typing import Generic, TypeVar
 
 import torch
 from torch import Tensor, nn
 
-__all__ = ["PatchHandle", "WarnOnce", "LRU", "DROPOUT_ATTRIBUTES", "ATTENTION_DROPOUT_ATTRIBUTES",
-           "dropout_probability", "attention_dropout", "active_dropout", "disable_dropout", "autocast_dtype",
-           "forward_autocast_dtype", "left_padding_fault"]
+__all__ = [
+    "PatchHandle",
+    "WarnOnce",
+    "LRU",
+    "DROPOUT_ATTRIBUTES",
+    "ATTENTION_DROPOUT_ATTRIBUTES",
+    "dropout_probability",
+    "attention_dropout",
+    "active_dropout",
+    "disable_dropout",
+    "autocast_dtype",
+    "forward_autocast_dtype",
+    "left_padding_fault",
+]
 
 
 # --- the handle a patch_* function returns -----------------------------------------------------------
@@ -120,8 +132,15 @@ class LRU(Generic[K, V]):
 # --- dropout ------------------------------------------------------------------------------------------
 # Where transformers layers keep a dropout probability: an nn.Dropout submodule, or the float they pass
 # to functional dropout in train mode (OPT's `dropout`, Llama's `attention_dropout`).
-DROPOUT_ATTRIBUTES = ("dropout", "attention_dropout", "activation_dropout", "hidden_dropout", "attn_dropout",
-                      "resid_dropout", "embd_dropout")
+DROPOUT_ATTRIBUTES = (
+    "dropout",
+    "attention_dropout",
+    "activation_dropout",
+    "hidden_dropout",
+    "attn_dropout",
+    "resid_dropout",
+    "embd_dropout",
+)
 # Of those, the ones an attention layer applies to its attention probabilities (GPT-2's nn.Dropout
 # `attn_dropout`, Llama's `attention_dropout`, OPT's `dropout`), in the order a layer is read: the first
 # one it has is the one it applies.

@@ -43,7 +43,7 @@ class KVShape:
         self.layers, self.kv_heads, self.head_dim = layers, kv_heads, head_dim
 
     @classmethod
-    def from_config(cls, config) -> "KVShape":
+    def from_config(cls, config) -> KVShape:
         heads = config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
@@ -84,8 +84,9 @@ class RolloutKVCache(Cache):
     def prepare_prefix(self, prompts: int, prompt_tokens: int, rows: int, response_tokens: int) -> None:
         """The prompts' KV once ([..., prompts, ..., prompt_tokens, ...]) and each row's response KV
         ([..., rows, ..., response_tokens, ...])."""
-        prefix, suffix = self._views([self.shape.buffer_shape(prompts, prompt_tokens),
-                                      self.shape.buffer_shape(rows, response_tokens)])
+        prefix, suffix = self._views(
+            [self.shape.buffer_shape(prompts, prompt_tokens), self.shape.buffer_shape(rows, response_tokens)]
+        )
         self.layout, self.prompt_kv, self.decode_kv = "prefix", prefix, suffix
 
     def compact(self, rows: Tensor, prompts: Tensor | None = None) -> None:
@@ -101,8 +102,12 @@ class RolloutKVCache(Cache):
             _gather_rows(self.decode_kv, rows, kv)
             self.prompt_kv = self.decode_kv = kv
             return
-        prefix, suffix = self._views([self.shape.buffer_shape(prompts.numel(), self.prompt_kv.shape[4]),
-                                      self.shape.buffer_shape(rows.numel(), self.decode_kv.shape[4])])
+        prefix, suffix = self._views(
+            [
+                self.shape.buffer_shape(prompts.numel(), self.prompt_kv.shape[4]),
+                self.shape.buffer_shape(rows.numel(), self.decode_kv.shape[4]),
+            ]
+        )
         _gather_rows(self.prompt_kv, prompts, prefix)
         _gather_rows(self.decode_kv, rows, suffix)
         self.prompt_kv, self.decode_kv = prefix, suffix
@@ -114,7 +119,7 @@ class RolloutKVCache(Cache):
             self._storage = torch.zeros(sum(sizes), dtype=self.dtype, device=self.device)
         views, offset = [], 0
         for shape, size in zip(shapes, sizes):
-            views.append(self._storage[offset: offset + size].view(shape))
+            views.append(self._storage[offset : offset + size].view(shape))
             offset += size
         return views
 

@@ -35,8 +35,10 @@ class Float32LMHead:
     def __init__(self, model: nn.Module):
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         if not isinstance(head, nn.Linear):
-            raise ValueError(f"torchkvops: lm_head_dtype=torch.float32 needs the model's LM head "
-                             f"(get_output_embeddings()) to be an nn.Linear, got {type(head).__name__}")
+            raise ValueError(
+                f"torchkvops: lm_head_dtype=torch.float32 needs the model's LM head "
+                f"(get_output_embeddings()) to be an nn.Linear, got {type(head).__name__}"
+            )
         self.head = head
         self.weight: Tensor | None = None  # float32 [vocab, hidden]
         self.bias: Tensor | None = None

@@ -11,30 +11,68 @@ __all__ = ["MODEL_SHAPES", "build_model", "model_config"]
 
 def _tiny() -> PreTrainedConfig:
     # A modern decoder (grouped-query attention, RoPE) small enough for tests and CPU demos.
-    return LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                       bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    return LlamaConfig(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
 
 
 def _llama_small() -> PreTrainedConfig:
     # A small Llama-style decoder (grouped-query attention, RoPE, 8192 positions) for CPU benchmarks with
     # long prompts: the KV cache, not the weights, dominates a decode step's reads there.
-    return LlamaConfig(vocab_size=8192, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
-                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
-                       bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    return LlamaConfig(
+        vocab_size=8192,
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=8192,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
 
 
 def _opt_125m() -> PreTrainedConfig:
-    return OPTConfig(vocab_size=50272, hidden_size=768, ffn_dim=3072, num_hidden_layers=12, num_attention_heads=12,
-                     max_position_embeddings=2048, word_embed_proj_dim=768, do_layer_norm_before=True,
-                     pad_token_id=1, bos_token_id=2, eos_token_id=2)
+    return OPTConfig(
+        vocab_size=50272,
+        hidden_size=768,
+        ffn_dim=3072,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        max_position_embeddings=2048,
+        word_embed_proj_dim=768,
+        do_layer_norm_before=True,
+        pad_token_id=1,
+        bos_token_id=2,
+        eos_token_id=2,
+    )
 
 
 def _opt_6_7b() -> PreTrainedConfig:
     # The shape of DeepSpeed's published shared-prefill measurement (facebook/opt-6.7b).
-    return OPTConfig(vocab_size=50272, hidden_size=4096, ffn_dim=16384, num_hidden_layers=32, num_attention_heads=32,
-                     max_position_embeddings=2048, word_embed_proj_dim=4096, do_layer_norm_before=True,
-                     pad_token_id=1, bos_token_id=2, eos_token_id=2)
+    return OPTConfig(
+        vocab_size=50272,
+        hidden_size=4096,
+        ffn_dim=16384,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        max_position_embeddings=2048,
+        word_embed_proj_dim=4096,
+        do_layer_norm_before=True,
+        pad_token_id=1,
+        bos_token_id=2,
+        eos_token_id=2,
+    )
 
 
 def _gpt2() -> PreTrainedConfig:
@@ -42,9 +80,20 @@ def _gpt2() -> PreTrainedConfig:
 
 
 def _qwen3_0_6b() -> PreTrainedConfig:
-    return Qwen3Config(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
-                       tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151645, pad_token_id=151643)
+    return Qwen3Config(
+        vocab_size=151936,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=40960,
+        tie_word_embeddings=True,
+        bos_token_id=151643,
+        eos_token_id=151645,
+        pad_token_id=151643,
+    )
 
 
 MODEL_SHAPES = {
@@ -63,8 +112,9 @@ def model_config(shape: str) -> PreTrainedConfig:
     return MODEL_SHAPES[shape]()
 
 
-def build_model(shape: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                seed: int = 0) -> torch.nn.Module:
+def build_model(
+    shape: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", seed: int = 0
+) -> torch.nn.Module:
     """A causal LM of the named shape with random weights (seeded), in eval mode."""
     config = model_config(shape)
     torch.manual_seed(seed)

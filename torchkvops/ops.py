@@ -5,8 +5,14 @@ import math
 import torch
 from torch import Tensor
 
-__all__ = ["repeat_kv_cache_", "repeat_kv_cache", "write_kv_", "merge_attention_states", "sample_tokens",
-           "sample_tokens_with_logprobs"]
+__all__ = [
+    "repeat_kv_cache_",
+    "repeat_kv_cache",
+    "write_kv_",
+    "merge_attention_states",
+    "sample_tokens",
+    "sample_tokens_with_logprobs",
+]
 
 
 def repeat_kv_cache_(cache: Tensor, batch: int, repeats: int, num_tokens: int) -> None:
@@ -30,9 +36,13 @@ def repeat_kv_cache(cache: Tensor, repeats: int) -> Tensor:
 def _repeat_kv_cache_fake(cache: Tensor, repeats: int) -> Tensor:
     torch._check(cache.dim() >= 4, lambda: f"repeat_kv_cache: cache must have at least 4 dims, got {cache.dim()}")
     torch._check(repeats >= 1, lambda: f"repeat_kv_cache: repeats must be >= 1, got {repeats}")
-    torch._check_value(cache.numel() * repeats * cache.element_size() < 2**63,
-                 lambda: f"repeat_kv_cache: repeats={repeats} makes an output of {cache.shape[-4]} x {repeats} rows "
-                         f"of shape {tuple(cache.shape)}, more bytes than int64 can count")
+    torch._check_value(
+        cache.numel() * repeats * cache.element_size() < 2**63,
+        lambda: (
+            f"repeat_kv_cache: repeats={repeats} makes an output of {cache.shape[-4]} x {repeats} rows "
+            f"of shape {tuple(cache.shape)}, more bytes than int64 can count"
+        ),
+    )
     shape = list(cache.shape)
     shape[-4] = shape[-4] * repeats
     return cache.new_empty(shape)
@@ -171,8 +181,9 @@ def sample_tokens(logits: Tensor, keys: Tensor, step: Tensor, temperature: float
     return torch.ops.torchkvops.sample_tokens.default(logits, keys, step, temperature, top_k, top_p)
 
 
-def sample_tokens_with_logprobs(logits: Tensor, keys: Tensor, step: Tensor, temperature: float, top_k: int,
-                                top_p: float) -> tuple[Tensor, Tensor]:
+def sample_tokens_with_logprobs(
+    logits: Tensor, keys: Tensor, step: Tensor, temperature: float, top_k: int, top_p: float
+) -> tuple[Tensor, Tensor]:
     """`sample_tokens`' tokens (the same ones) and each one's log-probability under the distribution it
     was drawn from: `([rows] int64, [rows] float32)`. For sampling, the log_softmax of `logits /
     temperature` over the tokens top-k / top-p keep (vLLM's processed logprobs, what TRL's importance
@@ -184,33 +195,41 @@ def sample_tokens_with_logprobs(logits: Tensor, keys: Tensor, step: Tensor, temp
     return torch.ops.torchkvops.sample_tokens_with_logprobs.default(logits, keys, step, temperature, top_k, top_p)
 
 
-def _check_sample_args(op: str, logits: Tensor, keys: Tensor, step: Tensor, temperature: float, top_k: int,
-                       top_p: float) -> None:
+def _check_sample_args(
+    op: str, logits: Tensor, keys: Tensor, step: Tensor, temperature: float, top_k: int, top_p: float
+) -> None:
     """The checks of sample_tokens.h that a fake tensor allows, with the same exception types and
     messages (floats as Python's repr writes them, as the kernels do)."""
-    torch._check_value(logits.dim() == 2,
-                       lambda: f"{op}: logits must be 2-D [rows, vocab], got shape {list(logits.shape)}")
-    torch._check_value(keys.dim() == 1 and keys.shape[0] == logits.shape[0],
-                       lambda: f"{op}: keys must be 1-D with one key per row ({logits.shape[0]}), got shape "
-                               f"{list(keys.shape)}")
-    torch._check_value(step.numel() == 1,
-                       lambda: f"{op}: step must be a 1-element int64 tensor, got {step.numel()} elements")
-    torch._check_value(math.isfinite(temperature) and temperature >= 0.0,
-                       lambda: f"{op}: temperature must be finite and >= 0 (0 = greedy), got {temperature!r}")
+    torch._check_value(
+        logits.dim() == 2, lambda: f"{op}: logits must be 2-D [rows, vocab], got shape {list(logits.shape)}"
+    )
+    torch._check_value(
+        keys.dim() == 1 and keys.shape[0] == logits.shape[0],
+        lambda: f"{op}: keys must be 1-D with one key per row ({logits.shape[0]}), got shape {list(keys.shape)}",
+    )
+    torch._check_value(
+        step.numel() == 1, lambda: f"{op}: step must be a 1-element int64 tensor, got {step.numel()} elements"
+    )
+    torch._check_value(
+        math.isfinite(temperature) and temperature >= 0.0,
+        lambda: f"{op}: temperature must be finite and >= 0 (0 = greedy), got {temperature!r}",
+    )
     torch._check_value(top_k >= 0, lambda: f"{op}: top_k must be >= 0 (0 = off), got {top_k!r}")
     torch._check_value(0.0 < top_p <= 1.0, lambda: f"{op}: top_p must be in (0, 1] (1 = off), got {top_p!r}")
 
 
 @torch.library.register_fake("torchkvops::sample_tokens")
-def _sample_tokens_fake(logits: Tensor, keys: Tensor, step: Tensor, temperature: float, top_k: int,
-                        top_p: float) -> Tensor:
+def _sample_tokens_fake(
+    logits: Tensor, keys: Tensor, step: Tensor, temperature: float, top_k: int, top_p: float
+) -> Tensor:
     _check_sample_args("sample_tokens", logits, keys, step, temperature, top_k, top_p)
     return logits.new_empty((logits.shape[0],), dtype=torch.long)
 
 
 @torch.library.register_fake("torchkvops::sample_tokens_with_logprobs")
-def _sample_tokens_with_logprobs_fake(logits: Tensor, keys: Tensor, step: Tensor, temperature: float, top_k: int,
-                                      top_p: float) -> tuple[Tensor, Tensor]:
+def _sample_tokens_with_logprobs_fake(
+    logits: Tensor, keys: Tensor, step: Tensor, temperature: float, top_k: int, top_p: float
+) -> tuple[Tensor, Tensor]:
     _check_sample_args("sample_tokens_with_logprobs", logits, keys, step, temperature, top_k, top_p)
     rows = logits.shape[0]
     return logits.new_empty((rows,), dtype=torch.long), logits.new_empty((rows,), dtype=torch.float32)

@@ -102,8 +102,10 @@ class PackedLayout:
                 values = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, masked)
                 return values.view(batch, 1, 1, -1)
 
-            self._biases[key] = (bias(self.token_mask[start:mid], b.groups),
-                                 bias(self.token_mask[mid:start + b.tokens], b.groups * b.rows))
+            self._biases[key] = (
+                bias(self.token_mask[start:mid], b.groups),
+                bias(self.token_mask[mid : start + b.tokens], b.groups * b.rows),
+            )
         return self._biases[key]
 
 
@@ -145,40 +147,73 @@ class _SharedPrefixAttention(torch.autograd.Function):
             n, per_kv = rows // groups, heads // kv_heads
             split = (groups, n, kv_heads, per_kv, s)
             out_suf, lse_suf = ops.merge_attention_states(
-                _unfold(out_x, groups, rows, heads), _unfold(lse_x, groups, rows, heads),
-                out_s.view(*split, -1), lse_s.reshape(split))
+                _unfold(out_x, groups, rows, heads),
+                _unfold(lse_x, groups, rows, heads),
+                out_s.view(*split, -1),
+                lse_s.reshape(split),
+            )
             out_suf, lse_suf = out_suf.view(q_suf.shape), lse_suf.view(q_suf.shape[:3])
         ctx.scale = scale
-        ctx.save_for_backward(q_pre, k_pre, v_pre, q_suf, k_suf, v_suf, bias_pre, bias_suf, out_pre, lse_pre, out_suf,
-                              lse_suf)
+        ctx.save_for_backward(
+            q_pre, k_pre, v_pre, q_suf, k_suf, v_suf, bias_pre, bias_suf, out_pre, lse_pre, out_suf, lse_suf
+        )
         return out_pre, out_suf
 
     @staticmethod
     def backward(ctx, grad_pre, grad_suf):
-        q_pre, k_pre, v_pre, q_suf, k_suf, v_suf, bias_pre, bias_suf, out_pre, lse_pre, out_suf, lse_suf = \
+        q_pre, k_pre, v_pre, q_suf, k_suf, v_suf, bias_pre, bias_suf, out_pre, lse_pre, out_suf, lse_suf = (
             ctx.saved_tensors
+        )
         scale = ctx.scale
-        dq_pre, dk_pre, dv_pre = attend_backward(grad_pre.contiguous(), q_pre, k_pre, v_pre, bias_pre, causal=True,
-                                                 scale=scale, out=out_pre, lse=lse_pre)
+        dq_pre, dk_pre, dv_pre = attend_backward(
+            grad_pre.contiguous(), q_pre, k_pre, v_pre, bias_pre, causal=True, scale=scale, out=out_pre, lse=lse_pre
+        )
         if q_suf.shape[2] == 0:
-            return dq_pre, dk_pre, dv_pre, torch.zeros_like(q_suf), torch.zeros_like(k_suf), \
-                torch.zeros_like(v_suf), None, None, None
+            return (
+                dq_pre,
+                dk_pre,
+                dv_pre,
+                torch.zeros_like(q_suf),
+                torch.zeros_like(k_suf),
+                torch.zeros_like(v_suf),
+                None,
+                None,
+                None,
+            )
         groups, kv_heads = q_pre.shape[0], k_pre.shape[1]
         grad_suf = grad_suf.contiguous()
         # Cross part: the folded queries against the prefix K/V, with the merged output and lse.
         dq_x, dk_x, dv_x = attend_backward(
-            _fold(grad_suf, groups, kv_heads), _fold(q_suf, groups, kv_heads), k_pre, v_pre, bias_pre, causal=False,
-            scale=scale, out=_fold(out_suf, groups, kv_heads), lse=_fold(lse_suf, groups, kv_heads))
+            _fold(grad_suf, groups, kv_heads),
+            _fold(q_suf, groups, kv_heads),
+            k_pre,
+            v_pre,
+            bias_pre,
+            causal=False,
+            scale=scale,
+            out=_fold(out_suf, groups, kv_heads),
+            lse=_fold(lse_suf, groups, kv_heads),
+        )
         # Suffix part: each row against its own keys, causally, with the same merged output and lse.
-        dq_s, dk_s, dv_s = attend_backward(grad_suf, q_suf, k_suf, v_suf, bias_suf, causal=True, scale=scale,
-                                           out=out_suf, lse=lse_suf)
+        dq_s, dk_s, dv_s = attend_backward(
+            grad_suf, q_suf, k_suf, v_suf, bias_suf, causal=True, scale=scale, out=out_suf, lse=lse_suf
+        )
         rows, heads = q_suf.shape[0], q_suf.shape[1]
         dq_suf = dq_s + _unfold(dq_x, groups, rows, heads).reshape(q_suf.shape)
         return dq_pre, dk_pre + dk_x, dv_pre + dv_x, dq_suf, dk_s, dv_s, None, None, None
 
 
-def shared_prefix_attention(q_pre: Tensor, k_pre: Tensor, v_pre: Tensor, q_suf: Tensor, k_suf: Tensor,
-                            v_suf: Tensor, bias_pre: Tensor, bias_suf: Tensor, scale: float | None = None):
+def shared_prefix_attention(
+    q_pre: Tensor,
+    k_pre: Tensor,
+    v_pre: Tensor,
+    q_suf: Tensor,
+    k_suf: Tensor,
+    v_suf: Tensor,
+    bias_pre: Tensor,
+    bias_suf: Tensor,
+    scale: float | None = None,
+):
     """Causal attention of G groups of n rows that share a prefix, differentiable.
 
     q_pre [G, H, p, D], k_pre/v_pre [G, Hkv, p, D]: each group's prefix; q_suf [G*n, H, S, D],
@@ -199,14 +234,15 @@ def packed_attention(query: Tensor, key: Tensor, value: Tensor, layout: PackedLa
         mid, end = b.offset + b.groups * b.prefix, b.offset + b.tokens
 
         def prefix(t: Tensor) -> Tensor:  # [h, groups*prefix, D] -> [groups, h, prefix, D] (a view)
-            return t[:, b.offset:mid].unflatten(1, (b.groups, b.prefix)).transpose(0, 1)
+            return t[:, b.offset : mid].unflatten(1, (b.groups, b.prefix)).transpose(0, 1)
 
         def suffix(t: Tensor) -> Tensor:  # [h, groups*rows*suffix, D] -> [groups*rows, h, suffix, D]
             return t[:, mid:end].unflatten(1, (b.groups * b.rows, b.suffix)).transpose(0, 1)
 
         bias_pre, bias_suf = layout.biases(index, q.dtype)
-        out_pre, out_suf = shared_prefix_attention(prefix(q), prefix(k), prefix(v), suffix(q), suffix(k), suffix(v),
-                                                   bias_pre, bias_suf, scale)
+        out_pre, out_suf = shared_prefix_attention(
+            prefix(q), prefix(k), prefix(v), suffix(q), suffix(k), suffix(v), bias_pre, bias_suf, scale
+        )
         pieces.append(out_pre.transpose(1, 2).reshape(-1, heads, dim))
         pieces.append(out_suf.transpose(1, 2).reshape(-1, heads, dim))
     out = torch.cat(pieces)[None] if len(pieces) > 1 else pieces[0][None]

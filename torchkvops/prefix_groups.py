@@ -78,7 +78,7 @@ def find_prefix_groups(keys: np.ndarray, min_shared: int) -> list[PrefixGroup]:
         if hi - lo == 1:
             best[lo, hi] = (0, [([lo], length)])
             continue
-        inner = lcp[lo:hi - 1]
+        inner = lcp[lo : hi - 1]
         shared = int(inner.min())
         cuts = [lo] + [lo + 1 + int(i) for i in np.flatnonzero(inner == shared)] + [hi]
         children = list(zip(cuts[:-1], cuts[1:]))
@@ -94,11 +94,11 @@ def find_prefix_groups(keys: np.ndarray, min_shared: int) -> list[PrefixGroup]:
             joined = [r for (a, b), join in zip(children, joins) if join for r in range(a, b)]
             if len(joined) >= 2:
                 value = (len(joined) - 1) * shared + sum(v for (v, _), join in zip(results, joins) if not join)
-                segments = [(joined, shared)] + [seg for (_, segs), join in zip(results, joins) if not join
-                                                 for seg in segs]
+                segments = [(joined, shared)] + [
+                    seg for (_, segs), join in zip(results, joins) if not join for seg in segs
+                ]
         best[lo, hi] = (value, segments)
-    groups = [PrefixGroup(tuple(sorted(order[i] for i in positions)), prefix)
-              for positions, prefix in best[0, rows][1]]
+    groups = [PrefixGroup(tuple(sorted(order[i] for i in positions)), prefix) for positions, prefix in best[0, rows][1]]
     return sorted(groups, key=lambda g: g.rows[0])
 
 
@@ -118,8 +118,9 @@ def pack_layout(groups: list[PrefixGroup], length: int, attention_mask: Tensor) 
         member_rows = np.array([g.rows for g in members], dtype=np.int64)  # [groups, n]
         # Prefix tokens: each group's first row, columns [0, prefix).
         src_parts.append((member_rows[:, :1] * length + np.arange(prefix)).reshape(-1))
-        dest[member_rows, :prefix] = (offset + np.arange(len(members))[:, None, None] * prefix
-                                      + np.arange(prefix)[None, None, :])
+        dest[member_rows, :prefix] = (
+            offset + np.arange(len(members))[:, None, None] * prefix + np.arange(prefix)[None, None, :]
+        )
         # Suffix tokens: every row, columns [prefix, length).
         suffix_start = offset + len(members) * prefix
         src_parts.append((member_rows[:, :, None] * length + prefix + np.arange(suffix)).reshape(-1))
@@ -132,6 +133,12 @@ def pack_layout(groups: list[PrefixGroup], length: int, attention_mask: Tensor) 
     mask = attention_mask.bool()
     # A query sees some key once its row has had a real token: the left padding's queries see none.
     sees_a_key = mask.cummax(dim=1).values.reshape(-1)[src]
-    return PackedLayout(buckets=tuple(buckets), src=src, dest=torch.from_numpy(dest.reshape(-1)).to(device),
-                        token_mask=mask.reshape(-1)[src], rows=rows, length=length,
-                        blind_queries=None if bool(sees_a_key.all()) else ~sees_a_key)
+    return PackedLayout(
+        buckets=tuple(buckets),
+        src=src,
+        dest=torch.from_numpy(dest.reshape(-1)).to(device),
+        token_mask=mask.reshape(-1)[src],
+        rows=rows,
+        length=length,
+        blind_queries=None if bool(sees_a_key.all()) else ~sees_a_key,
+    )

@@ -93,15 +93,15 @@ def processed_logits(logits: Tensor, temperature: float, top_k: int, top_p: floa
     return logits
 
 
-def perturbed_scores(logits: Tensor, keys: Tensor, step: Tensor, temperature: float, top_k: int,
-                     top_p: float) -> Tensor:
+def perturbed_scores(
+    logits: Tensor, keys: Tensor, step: Tensor, temperature: float, top_k: int, top_p: float
+) -> Tensor:
     """What sample_tokens takes the argmax of when temperature > 0: the scaled logits with the tokens
     that top-k / top-p drop set to -inf, plus the Gumbel noise. [rows, vocab] float32."""
     return processed_logits(logits, temperature, top_k, top_p) + gumbel_noise(keys, step, logits.shape[-1])
 
 
-def sample_tokens(logits: Tensor, keys: Tensor, step: Tensor, temperature: float, top_k: int,
-                  top_p: float) -> Tensor:
+def sample_tokens(logits: Tensor, keys: Tensor, step: Tensor, temperature: float, top_k: int, top_p: float) -> Tensor:
     """Next token per row: logits [rows, vocab] -> [rows] int64. Greedy when temperature == 0."""
     if temperature == 0.0:
         return logits.argmax(dim=-1)
@@ -115,8 +115,9 @@ def processed_logprobs(logits: Tensor, tokens: Tensor, temperature: float, top_k
     return logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
-def sample_tokens_with_logprobs(logits: Tensor, keys: Tensor, step: Tensor, temperature: float, top_k: int,
-                                top_p: float) -> tuple[Tensor, Tensor]:
+def sample_tokens_with_logprobs(
+    logits: Tensor, keys: Tensor, step: Tensor, temperature: float, top_k: int, top_p: float
+) -> tuple[Tensor, Tensor]:
     """sample_tokens and the drawn tokens' processed log-probabilities: ([rows] int64, [rows] float32)."""
     tokens = sample_tokens(logits, keys, step, temperature, top_k, top_p)
     return tokens, processed_logprobs(logits, tokens, temperature, top_k, top_p)

@@ -31,8 +31,15 @@ from .lm_head import Float32LMHead
 from .profiling import RolloutProfile, StageTimer
 from .sampling import SamplingParams
 
-__all__ = ["Rollout", "RolloutConfig", "RolloutOutput", "RolloutProfile", "NonFiniteLogitsError",
-           "FINISHED_CHECK_INTERVAL", "MAX_DECODE_STATES"]  # (the last three live in torchkvops.decode)
+__all__ = [
+    "Rollout",
+    "RolloutConfig",
+    "RolloutOutput",
+    "RolloutProfile",
+    "NonFiniteLogitsError",
+    "FINISHED_CHECK_INTERVAL",
+    "MAX_DECODE_STATES",
+]  # (the last three live in torchkvops.decode)
 
 # Decode buffers are rounded up to a multiple of this many positions: nearby prompt lengths then share
 # one decode shape (graph), and the attention kernels get aligned mask widths.
@@ -93,32 +100,64 @@ class RolloutConfig:
         def is_id(v):
             return is_int(v) and 0 <= v <= _INT64_MAX
 
-        need(is_int(self.samples_per_prompt) and self.samples_per_prompt >= 1, "samples_per_prompt", "must be an int >= 1")
+        need(
+            is_int(self.samples_per_prompt) and self.samples_per_prompt >= 1,
+            "samples_per_prompt",
+            "must be an int >= 1",
+        )
         need(is_int(self.max_new_tokens) and self.max_new_tokens >= 1, "max_new_tokens", "must be an int >= 1")
-        need(is_int(self.min_new_tokens) and 0 <= self.min_new_tokens <= self.max_new_tokens, "min_new_tokens",
-             f"must be an int in [0, max_new_tokens={self.max_new_tokens}]")
-        for flag in ("shared_prefill", "enable_profiling", "compile", "cuda_graphs", "return_logprobs",
-                     "compact_finished_rows"):
+        need(
+            is_int(self.min_new_tokens) and 0 <= self.min_new_tokens <= self.max_new_tokens,
+            "min_new_tokens",
+            f"must be an int in [0, max_new_tokens={self.max_new_tokens}]",
+        )
+        for flag in (
+            "shared_prefill",
+            "enable_profiling",
+            "compile",
+            "cuda_graphs",
+            "return_logprobs",
+            "compact_finished_rows",
+        ):
             need(isinstance(getattr(self, flag), bool), flag, "must be a bool")
         t = self.temperature
-        need(isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t)
-             and (t == 0 or t >= MIN_TEMPERATURE), "temperature",
-             f"must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE:g} (smaller ones overflow the scaled "
-             "logits)")
+        need(
+            isinstance(t, (int, float))
+            and not isinstance(t, bool)
+            and math.isfinite(t)
+            and (t == 0 or t >= MIN_TEMPERATURE),
+            "temperature",
+            f"must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE:g} (smaller ones overflow the scaled logits)",
+        )
         need(is_int(self.top_k) and self.top_k >= 0, "top_k", "must be an int >= 0")
-        need(isinstance(self.top_p, (int, float)) and not isinstance(self.top_p, bool) and 0.0 < self.top_p <= 1.0,
-             "top_p", "must be in (0, 1]")
+        need(
+            isinstance(self.top_p, (int, float)) and not isinstance(self.top_p, bool) and 0.0 < self.top_p <= 1.0,
+            "top_p",
+            "must be in (0, 1]",
+        )
         need(self.seed is None or is_id(self.seed), "seed", "must be None or an int in [0, 2**63)")
         eos = self.eos_token_id
-        need(eos is None or is_id(eos) or (isinstance(eos, (list, tuple)) and all(is_id(e) for e in eos)),
-             "eos_token_id", "must be None, a token id (an int in [0, 2**63)) or a list of them (empty: never stop early)")
-        need(self.pad_token_id is None or is_id(self.pad_token_id), "pad_token_id",
-             "must be None or a token id (an int in [0, 2**63))")
+        need(
+            eos is None or is_id(eos) or (isinstance(eos, (list, tuple)) and all(is_id(e) for e in eos)),
+            "eos_token_id",
+            "must be None, a token id (an int in [0, 2**63)) or a list of them (empty: never stop early)",
+        )
+        need(
+            self.pad_token_id is None or is_id(self.pad_token_id),
+            "pad_token_id",
+            "must be None or a token id (an int in [0, 2**63))",
+        )
         need(self.kv_sharing in KV_LAYOUTS, "kv_sharing", f"must be one of {', '.join(map(repr, KV_LAYOUTS))}")
-        need(self.kv_sharing == "copy" or self.shared_prefill, "kv_sharing",
-             "'prefix' needs shared_prefill=True (the expanded baseline has no shared prompt to keep once)")
-        need(self.lm_head_dtype in (None, torch.float32), "lm_head_dtype",
-             "must be None (the model's dtype) or torch.float32")
+        need(
+            self.kv_sharing == "copy" or self.shared_prefill,
+            "kv_sharing",
+            "'prefix' needs shared_prefill=True (the expanded baseline has no shared prompt to keep once)",
+        )
+        need(
+            self.lm_head_dtype in (None, torch.float32),
+            "lm_head_dtype",
+            "must be None (the model's dtype) or torch.float32",
+        )
 
 
 @dataclasses.dataclass
@@ -171,11 +210,22 @@ class Rollout:
         wants_float32 = self.config.lm_head_dtype == torch.float32 and getattr(head, "weight", None) is not None
         self._head32 = Float32LMHead(model) if wants_float32 and head.weight.dtype != torch.float32 else None
         cfg = self.config
-        self._decoder = Decoder(self.adapter, self.cache, self._params, self.pad_id, self._eos,
-                                max_new_tokens=cfg.max_new_tokens, min_new_tokens=cfg.min_new_tokens,
-                                logprobs=cfg.return_logprobs, layout=cfg.kv_sharing, samples=cfg.samples_per_prompt,
-                                compile=cfg.compile, cuda_graphs=cfg.cuda_graphs, compacts=cfg.compact_finished_rows,
-                                graph_extra=self._head32.addresses if self._head32 is not None else tuple)
+        self._decoder = Decoder(
+            self.adapter,
+            self.cache,
+            self._params,
+            self.pad_id,
+            self._eos,
+            max_new_tokens=cfg.max_new_tokens,
+            min_new_tokens=cfg.min_new_tokens,
+            logprobs=cfg.return_logprobs,
+            layout=cfg.kv_sharing,
+            samples=cfg.samples_per_prompt,
+            compile=cfg.compile,
+            cuda_graphs=cfg.cuda_graphs,
+            compacts=cfg.compact_finished_rows,
+            graph_extra=self._head32.addresses if self._head32 is not None else tuple,
+        )
         self._prefill_fn = torch.compile(self._prefill, dynamic=True) if self.config.compile else self._prefill
 
     # --- public API ----------------------------------------------------------------------------
@@ -203,9 +253,16 @@ class Rollout:
                 self._head32.release()
 
     # --- the stages ----------------------------------------------------------------------------
-    def _generate(self, input_ids: Tensor, attention_mask: Tensor | None, *, row_ids: Tensor | None = None,
-                  live: Tensor | None = None, seed: int | None = None,
-                  ended_everywhere: Callable[[bool], bool] | None = None) -> RolloutOutput:
+    def _generate(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor | None,
+        *,
+        row_ids: Tensor | None = None,
+        live: Tensor | None = None,
+        seed: int | None = None,
+        ended_everywhere: Callable[[bool], bool] | None = None,
+    ) -> RolloutOutput:
         """`generate`, and what the drop-in `generate` and data-parallel rollouts need besides:
         - row_ids [B*N] int64: the index that keys each row's sampling (default 0..B*N-1), e.g. a
           data-parallel shard's place among all rows, or a row's place in a caller's batch;
@@ -226,11 +283,23 @@ class Rollout:
             self._buffers_are_inference = inference or self._buffers_are_inference
             out = self._run(input_ids, attention_mask, row_ids, live, seed, ended_everywhere)
         # Copies: the decode state's buffers are reused by the next call.
-        return RolloutOutput(out.sequences.clone(), out.responses.clone(), out.response_mask.clone(), out.prompt_length,
-                             None if out.logprobs is None else out.logprobs.clone())
+        return RolloutOutput(
+            out.sequences.clone(),
+            out.responses.clone(),
+            out.response_mask.clone(),
+            out.prompt_length,
+            None if out.logprobs is None else out.logprobs.clone(),
+        )
 
-    def _run(self, input_ids: Tensor, attention_mask: Tensor | None, row_ids: Tensor | None, live: Tensor | None,
-             seed: int | None, ended_everywhere: Callable[[bool], bool] | None = None) -> RolloutOutput:
+    def _run(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor | None,
+        row_ids: Tensor | None,
+        live: Tensor | None,
+        seed: int | None,
+        ended_everywhere: Callable[[bool], bool] | None = None,
+    ) -> RolloutOutput:
         cfg = self.config
         input_ids, attention_mask = self._check_inputs(input_ids, attention_mask)
         batch, prompt_len = input_ids.shape
@@ -283,13 +352,24 @@ class Rollout:
         if cfg.enable_profiling:
             ms = timer.elapsed_ms()
             self._last_profile = RolloutProfile(
-                prompt_expansion_ms=ms["prompt_expansion"], prefill_ms=ms["prefill"], kv_expand_ms=ms["kv_expand"],
-                decode_ms=ms["decode"], generation_ms=ms["prefill"] + ms["kv_expand"] + ms["decode"],
-                post_processing_ms=ms["post_processing"], total_ms=ms["total"], generated_tokens=generated,
+                prompt_expansion_ms=ms["prompt_expansion"],
+                prefill_ms=ms["prefill"],
+                kv_expand_ms=ms["kv_expand"],
+                decode_ms=ms["decode"],
+                generation_ms=ms["prefill"] + ms["kv_expand"] + ms["decode"],
+                post_processing_ms=ms["post_processing"],
+                total_ms=ms["total"],
+                generated_tokens=generated,
                 tokens_per_second=generated / (ms["total"] / 1e3) if ms["total"] > 0 else 0.0,
-                decode_steps=steps, batch_size=batch, samples_per_prompt=n, prompt_length=prompt_len,
-                response_length=response_len, peak_memory_bytes=timer.peak_memory_bytes(),
-                kv_cache_bytes=kv_bytes, computed_row_steps=row_steps, useful_row_steps=generated,
+                decode_steps=steps,
+                batch_size=batch,
+                samples_per_prompt=n,
+                prompt_length=prompt_len,
+                response_length=response_len,
+                peak_memory_bytes=timer.peak_memory_bytes(),
+                kv_cache_bytes=kv_bytes,
+                computed_row_steps=row_steps,
+                useful_row_steps=generated,
             )
         return out
 
@@ -307,8 +387,9 @@ class Rollout:
             response_mask = ((is_eos.cumsum(dim=1) - is_eos) == 0).long()  # up to and including the first EOS
         prompts = input_ids.repeat_interleave(n, dim=0)
         logprobs = None if state.logprobs is None else state.logprobs[:, :response_len].clone()
-        return RolloutOutput(torch.cat([prompts, responses], dim=1), responses, response_mask, input_ids.shape[1],
-                             logprobs)
+        return RolloutOutput(
+            torch.cat([prompts, responses], dim=1), responses, response_mask, input_ids.shape[1], logprobs
+        )
 
     # --- inputs --------------------------------------------------------------------------------
     def _prefill_attention_mask(self, prompt_mask: Tensor) -> Tensor | None:
@@ -329,19 +410,24 @@ class Rollout:
         outside the vocabulary could never end a row."""
         vocab_in, vocab_out = self.adapter.input_vocab, self.adapter.output_vocab
         if vocab_in is not None and not 0 <= self.pad_id < vocab_in:
-            raise ValueError(f"Rollout: pad_token_id {self.pad_id} is outside the model's vocabulary of {vocab_in} "
-                             "token ids (set RolloutConfig.pad_token_id)")
+            raise ValueError(
+                f"Rollout: pad_token_id {self.pad_id} is outside the model's vocabulary of {vocab_in} "
+                "token ids (set RolloutConfig.pad_token_id)"
+            )
         bad = [e for e in self.eos_ids if vocab_out is not None and not 0 <= e < vocab_out]
         if bad:
-            raise ValueError(f"Rollout: eos_token_id {bad[0]} is outside the model's vocabulary of {vocab_out} "
-                             "token ids (set RolloutConfig.eos_token_id)")
+            raise ValueError(
+                f"Rollout: eos_token_id {bad[0]} is outside the model's vocabulary of {vocab_out} "
+                "token ids (set RolloutConfig.eos_token_id)"
+            )
 
     def _check_inputs(self, input_ids, attention_mask) -> tuple[Tensor, Tensor]:
         return check_prompts(input_ids, attention_mask, self.device, self.adapter.input_vocab, "Rollout.generate")
 
 
-def check_prompts(input_ids, attention_mask, device: torch.device, vocab: int | None,
-                  where: str, require_left_padding: bool = True) -> tuple[Tensor, Tensor]:
+def check_prompts(
+    input_ids, attention_mask, device: torch.device, vocab: int | None, where: str, require_left_padding: bool = True
+) -> tuple[Tensor, Tensor]:
     """Left-padded prompts checked before any work, each problem named for the caller `where`;
     returns them on `device` as int64 ids and a 0/1 int64 mask. With require_left_padding=False the
     mask's layout is left to the caller (the drop-in generate hands other layouts to HF's generate)."""
@@ -352,12 +438,16 @@ def check_prompts(input_ids, attention_mask, device: torch.device, vocab: int | 
     if input_ids.dtype not in (torch.long, torch.int32, torch.int16, torch.int8, torch.uint8):
         raise TypeError(f"{where}: input_ids must hold integer token ids, got {input_ids.dtype}")
     if input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
-        raise ValueError(f"{where}: input_ids is empty (shape {tuple(input_ids.shape)}); need batch >= 1 and prompt_length >= 1")
+        raise ValueError(
+            f"{where}: input_ids is empty (shape {tuple(input_ids.shape)}); need batch >= 1 and prompt_length >= 1"
+        )
     input_ids = input_ids.to(device, torch.long)
     low, high = int(input_ids.min()), int(input_ids.max())  # host sync: input checks, once per call
     if low < 0 or (vocab is not None and high >= vocab):
-        raise ValueError(f"{where}: input_ids must be token ids in [0, {vocab}) (the model's vocabulary), "
-                         f"got {low if low < 0 else high}")
+        raise ValueError(
+            f"{where}: input_ids must be token ids in [0, {vocab}) (the model's vocabulary), "
+            f"got {low if low < 0 else high}"
+        )
     if attention_mask is None:
         return input_ids, torch.ones_like(input_ids)
     if not isinstance(attention_mask, Tensor) or attention_mask.shape != input_ids.shape:
@@ -371,6 +461,8 @@ def check_prompts(input_ids, attention_mask, device: torch.device, vocab: int | 
     mask = mask.long()
     fault = left_padding_fault(mask) if require_left_padding else None
     if fault is not None:
-        raise ValueError(f"{where}: attention_mask must be left-padded (zeros first, then ones) with at least "
-                         f"one token per row, got a mask with {'an' if fault == 'empty row' else 'a'} {fault}")
+        raise ValueError(
+            f"{where}: attention_mask must be left-padded (zeros first, then ones) with at least "
+            f"one token per row, got a mask with {'an' if fault == 'empty row' else 'a'} {fault}"
+        )
     return input_ids, mask

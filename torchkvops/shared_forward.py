@@ -61,14 +61,27 @@ _STATE_ATTR = "_torchkvops_shared_forward"
 
 # Model families served, and how their backbone numbers positions when the caller passes none:
 # "column" = the column index (arange over the padded row), "mask" = OPT's cumsum(mask) - 1.
-FAMILIES = {"gpt2": "column", "opt": "mask", "llama": "column", "mistral": "column", "qwen2": "column",
-            "qwen3": "column"}
+FAMILIES = {
+    "gpt2": "column",
+    "opt": "mask",
+    "llama": "column",
+    "mistral": "column",
+    "qwen2": "column",
+    "qwen3": "column",
+}
 # Attention implementations whose results the shared path reproduces (all exact attention).
 SERVED_ATTENTION = ("eager", "sdpa", "flash_attention_2", "flash_attention_3")
 _SERVED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Arguments the shared path handles; any other argument set (not None) means the plain forward.
-_HANDLED = {"input_ids", "attention_mask", "position_ids", "use_cache", "output_hidden_states",
-            "output_attentions", "return_dict"}
+_HANDLED = {
+    "input_ids",
+    "attention_mask",
+    "position_ids",
+    "use_cache",
+    "output_hidden_states",
+    "output_attentions",
+    "return_dict",
+}
 _CACHE_ARGUMENTS = ("cache", "past_key_values")
 # The warning for each cause of a fallback, given once per patch.
 _FALLBACK_WARNING = "torchkvops.patch_forward: {cause}; this forward (and every one with it) runs the plain forward"
@@ -125,23 +138,39 @@ def _model_attention(module: nn.Module):
     looked up as its own modeling file looks it up."""
     view = module.config
     if not isinstance(view, _ConfigView):
-        raise RuntimeError(f"torchkvops: the {NAME!r} attention is set only by torchkvops.patch_forward on the "
-                           "attention layers it patches; do not select it as a model's attn_implementation")
+        raise RuntimeError(
+            f"torchkvops: the {NAME!r} attention is set only by torchkvops.patch_forward on the "
+            "attention layers it patches; do not select it as a model's attn_implementation"
+        )
     family = sys.modules[type(module).__module__]
-    return family.ALL_ATTENTION_FUNCTIONS.get_interface(view._torchkvops_config._attn_implementation,
-                                                        family.eager_attention_forward)
+    return family.ALL_ATTENTION_FUNCTIONS.get_interface(
+        view._torchkvops_config._attn_implementation, family.eager_attention_forward
+    )
 
 
-def _shared_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask,
-                      dropout: float = 0.0, scaling: float | None = None, **kwargs):
+def _shared_attention(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs,
+):
     layout: PackedLayout | None = kwargs.pop(_LAYOUT_KWARG, None)
     if layout is None:
-        return _model_attention(module)(module, query, key, value, attention_mask, dropout=dropout,
-                                        scaling=scaling, **kwargs)
+        return _model_attention(module)(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     # The backbone checked all of these before packing (see _plain_reason); here they are invariants.
     window = kwargs.get("sliding_window")
-    unserved = {"dropout": dropout if dropout else None, "softcap": kwargs.get("softcap"),
-                "s_aux": kwargs.get("s_aux"), "sliding_window": window if window and window < layout.length else None}
+    unserved = {
+        "dropout": dropout if dropout else None,
+        "softcap": kwargs.get("softcap"),
+        "s_aux": kwargs.get("s_aux"),
+        "sliding_window": window if window and window < layout.length else None,
+    }
     for name, setting in unserved.items():
         if setting is not None:
             raise RuntimeError(f"torchkvops: shared-prefix attention got {name}={setting!r}, which it cannot serve")
@@ -206,8 +235,10 @@ def _plan(backbone: nn.Module, state: _PatchState, args: tuple, kwargs: dict):
             arguments.update(arguments.pop(name, {}))
     reason = _plain_reason(backbone, arguments)
     if reason is None and state.labels_read_blind_queries and backbone.config._attn_implementation == "eager":
-        reason = ("labels that a left-padding column predicts, under eager attention (its output there is a "
-                  "uniform average over the whole row, which a shared prefix cannot reproduce; sdpa serves these)")
+        reason = (
+            "labels that a left-padding column predicts, under eager attention (its output there is a "
+            "uniform average over the whole row, which a shared prefix cannot reproduce; sdpa serves these)"
+        )
     if reason is None:
         input_ids = arguments["input_ids"]
         mask = arguments.get("attention_mask")
@@ -215,7 +246,9 @@ def _plan(backbone: nn.Module, state: _PatchState, args: tuple, kwargs: dict):
         given = arguments.get("position_ids")
         groups = find_prefix_groups(row_keys(input_ids, mask, given), state.config.min_shared_tokens)
         if all(len(g.rows) == 1 for g in groups):
-            reason = f"no rows that share a prefix of at least min_shared_tokens={state.config.min_shared_tokens} columns"
+            reason = (
+                f"no rows that share a prefix of at least min_shared_tokens={state.config.min_shared_tokens} columns"
+            )
     if reason is not None:
         state.stats.fallback_calls += 1
         state.warn_once(reason)
@@ -253,17 +286,22 @@ def _plain_reason(backbone: nn.Module, arguments: dict) -> str | None:
         return "input_ids that are not a 2-D tensor of token ids"
     if mask is not None and (not isinstance(mask, Tensor) or mask.shape != input_ids.shape):
         return "an attention_mask that is not 2-D [rows, length] (a custom 4-D mask)"
-    if positions is not None and (not isinstance(positions, Tensor) or positions.dim() != 2
-                                  or positions.shape[1] != input_ids.shape[1]
-                                  or positions.shape[0] not in (1, input_ids.shape[0])):
+    if positions is not None and (
+        not isinstance(positions, Tensor)
+        or positions.dim() != 2
+        or positions.shape[1] != input_ids.shape[1]
+        or positions.shape[0] not in (1, input_ids.shape[0])
+    ):
         return "position_ids that are not [rows, length] or [1, length]"
     if input_ids.numel() == 0:
         return f"an empty batch (input_ids of shape {tuple(input_ids.shape)})"
     if backbone.training:
         cause = active_dropout(backbone)
         if cause:
-            return (f"dropout in train mode ({cause}: every row needs its own dropout mask; set it to 0 with "
-                    "torchkvops.shared_forward.disable_dropout(model), or call model.eval())")
+            return (
+                f"dropout in train mode ({cause}: every row needs its own dropout mask; set it to 0 with "
+                "torchkvops.shared_forward.disable_dropout(model), or call model.eval())"
+            )
     attn = config._attn_implementation
     if attn not in SERVED_ATTENTION:
         return f"attn_implementation={attn!r} (served: {', '.join(SERVED_ATTENTION)})"
@@ -281,11 +319,15 @@ def _plain_reason(backbone: nn.Module, arguments: dict) -> str | None:
 def _run_packed(original, stats: SharedForwardStats, arguments: dict, layout: PackedLayout, positions: Tensor):
     input_ids = arguments["input_ids"]
     rows, length = input_ids.shape
-    call = {"input_ids": input_ids.reshape(-1)[layout.src][None],
-            "position_ids": positions.reshape(-1)[layout.src][None],
-            # A 4-D mask is returned as it is by transformers' mask builders: no [T, T] mask is built.
-            "attention_mask": torch.ones((1, 1, 1, 1), dtype=torch.bool, device=input_ids.device),
-            "use_cache": False, "return_dict": True, _LAYOUT_KWARG: layout}
+    call = {
+        "input_ids": input_ids.reshape(-1)[layout.src][None],
+        "position_ids": positions.reshape(-1)[layout.src][None],
+        # A 4-D mask is returned as it is by transformers' mask builders: no [T, T] mask is built.
+        "attention_mask": torch.ones((1, 1, 1, 1), dtype=torch.bool, device=input_ids.device),
+        "use_cache": False,
+        "return_dict": True,
+        _LAYOUT_KWARG: layout,
+    }
     if arguments.get("output_hidden_states") is not None:
         call["output_hidden_states"] = arguments["output_hidden_states"]
     out = original(**call)
@@ -310,8 +352,9 @@ def _backbone(model: nn.Module) -> nn.Module:
     model = unwrap_model(model)
     backbone = getattr(model, "base_model", model)
     if not isinstance(getattr(backbone, "config", None), PreTrainedConfig):
-        raise TypeError(f"patch_forward: model must be a Hugging Face causal LM or its backbone, got "
-                        f"{type(model).__name__}")
+        raise TypeError(
+            f"patch_forward: model must be a Hugging Face causal LM or its backbone, got {type(model).__name__}"
+        )
     decoder = getattr(backbone, "decoder", None)
     if isinstance(decoder, nn.Module) and isinstance(getattr(decoder, "config", None), PreTrainedConfig):
         return decoder
@@ -319,9 +362,13 @@ def _backbone(model: nn.Module) -> nn.Module:
 
 
 def _attention_modules(backbone: nn.Module) -> list[nn.Module]:
-    return [m for m in backbone.modules()
-            if type(m).__name__.endswith("Attention") and hasattr(m, "layer_idx")
-            and isinstance(getattr(m, "config", None), (PreTrainedConfig, _ConfigView))]
+    return [
+        m
+        for m in backbone.modules()
+        if type(m).__name__.endswith("Attention")
+        and hasattr(m, "layer_idx")
+        and isinstance(getattr(m, "config", None), (PreTrainedConfig, _ConfigView))
+    ]
 
 
 def _unsupported_model(backbone: nn.Module) -> str | None:
@@ -361,8 +408,13 @@ def _labels_pre_hook(state: _PatchState, module: nn.Module, args: tuple, kwargs:
         bound = {}
     labels, mask = bound.get("labels"), bound.get("attention_mask")
     state.labels_read_blind_queries = bool(
-        isinstance(labels, Tensor) and isinstance(mask, Tensor) and mask.dim() == 2 and labels.shape == mask.shape
-        and mask.shape[1] > 1 and ((labels[:, 1:] != -100) & ~mask.bool().cummax(dim=1).values[:, :-1]).any())
+        isinstance(labels, Tensor)
+        and isinstance(mask, Tensor)
+        and mask.dim() == 2
+        and labels.shape == mask.shape
+        and mask.shape[1] > 1
+        and ((labels[:, 1:] != -100) & ~mask.bool().cummax(dim=1).values[:, :-1]).any()
+    )
 
 
 @torch.compiler.disable
@@ -379,8 +431,12 @@ class ForwardPatch(PatchHandle):
         self.config = config
         self.stats = SharedForwardStats()
         modules = _attention_modules(backbone)
-        state = _PatchState(config=config, stats=self.stats, previous_forward=vars(backbone).get("forward"),
-                            views=[(m, m.config) for m in modules])
+        state = _PatchState(
+            config=config,
+            stats=self.stats,
+            previous_forward=vars(backbone).get("forward"),
+            views=[(m, m.config) for m in modules],
+        )
         for m in modules:
             m.config = _ConfigView(m.config)
         setattr(backbone, _STATE_ATTR, state)
@@ -388,9 +444,9 @@ class ForwardPatch(PatchHandle):
         self._hooks = []
         if causal_lm is not None and causal_lm is not backbone:
             self._hooks = [
-                causal_lm.register_forward_pre_hook(functools.partial(_labels_pre_hook, state),
-                                                    with_kwargs=True),
-                causal_lm.register_forward_hook(functools.partial(_labels_post_hook, state), always_call=True)]
+                causal_lm.register_forward_pre_hook(functools.partial(_labels_pre_hook, state), with_kwargs=True),
+                causal_lm.register_forward_hook(functools.partial(_labels_post_hook, state), always_call=True),
+            ]
         self._backbone_ref = weakref.ref(backbone)
 
     def _restore(self) -> None:

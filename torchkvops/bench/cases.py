@@ -17,9 +17,22 @@ from torch import Tensor
 from ..profiling import RolloutProfile
 
 __all__ = [
-    "MODES", "DEFAULT_MODES", "ROLLOUT_MODES", "HF_MODES", "PROFILE_FIELDS", "ITERATION_FIELDS", "BOOKKEEPING_FIELDS",
-    "SUMMARY_FIELDS", "INT_FIELDS", "STAGE_FIELDS", "PER_STEP_FIELDS", "Case", "plan_cases", "run_order",
-    "synthetic_prompts", "Settings",
+    "MODES",
+    "DEFAULT_MODES",
+    "ROLLOUT_MODES",
+    "HF_MODES",
+    "PROFILE_FIELDS",
+    "ITERATION_FIELDS",
+    "BOOKKEEPING_FIELDS",
+    "SUMMARY_FIELDS",
+    "INT_FIELDS",
+    "STAGE_FIELDS",
+    "PER_STEP_FIELDS",
+    "Case",
+    "plan_cases",
+    "run_order",
+    "synthetic_prompts",
+    "Settings",
 ]
 
 
@@ -31,18 +44,45 @@ HF_MODES = ("hf-generate", "hf-static")
 PROFILE_FIELDS = tuple(f.name for f in dataclasses.fields(RolloutProfile))
 # Each timed call's record: the rollout's profile fields (total_ms and tokens_per_second from the outer
 # clock), then what the bench derives or adds.
-ITERATION_FIELDS = PROFILE_FIELDS + ("rollout_total_ms", "decode_ms_per_step", "kv_bytes_per_step", "weight_bytes",
-                                     "achieved_gbps", "roofline_fraction", "useful_fraction", "round", "started_ms")
+ITERATION_FIELDS = PROFILE_FIELDS + (
+    "rollout_total_ms",
+    "decode_ms_per_step",
+    "kv_bytes_per_step",
+    "weight_bytes",
+    "achieved_gbps",
+    "roofline_fraction",
+    "useful_fraction",
+    "round",
+    "started_ms",
+)
 # The interleaved order's bookkeeping: recorded, not summarized.
 BOOKKEEPING_FIELDS = ("round", "started_ms")
 SUMMARY_FIELDS = tuple(f for f in ITERATION_FIELDS if f not in BOOKKEEPING_FIELDS)
 # The fields that are whole numbers (World.gather_records sends records as float64 and turns these back).
-INT_FIELDS = {"generated_tokens", "decode_steps", "batch_size", "samples_per_prompt", "prompt_length",
-              "response_length", "peak_memory_bytes", "kv_cache_bytes", "weight_bytes", "round", "computed_row_steps",
-              "useful_row_steps"}
+INT_FIELDS = {
+    "generated_tokens",
+    "decode_steps",
+    "batch_size",
+    "samples_per_prompt",
+    "prompt_length",
+    "response_length",
+    "peak_memory_bytes",
+    "kv_cache_bytes",
+    "weight_bytes",
+    "round",
+    "computed_row_steps",
+    "useful_row_steps",
+}
 STAGE_FIELDS = ("prompt_expansion_ms", "prefill_ms", "kv_expand_ms", "decode_ms", "post_processing_ms")
-PER_STEP_FIELDS = ("decode_ms_per_step", "kv_bytes_per_step", "weight_bytes", "achieved_gbps", "roofline_fraction",
-                   "kv_cache_bytes", "useful_fraction")
+PER_STEP_FIELDS = (
+    "decode_ms_per_step",
+    "kv_bytes_per_step",
+    "weight_bytes",
+    "achieved_gbps",
+    "roofline_fraction",
+    "kv_cache_bytes",
+    "useful_fraction",
+)
 
 
 # --- the matrix ----------------------------------------------------------------------------------
@@ -62,8 +102,12 @@ class Case:
         return self.batch_size * self.samples_per_prompt
 
 
-def plan_cases(batch_sizes: Iterable[int], samples_per_prompt: Iterable[int], prompt_lengths: Iterable[int],
-               response_lengths: Iterable[int]) -> list[Case]:
+def plan_cases(
+    batch_sizes: Iterable[int],
+    samples_per_prompt: Iterable[int],
+    prompt_lengths: Iterable[int],
+    response_lengths: Iterable[int],
+) -> list[Case]:
     """Every combination, in the requested order (duplicates dropped)."""
     cases = [Case(*c) for c in itertools.product(batch_sizes, samples_per_prompt, prompt_lengths, response_lengths)]
     return list(dict.fromkeys(cases))
@@ -72,12 +116,15 @@ def plan_cases(batch_sizes: Iterable[int], samples_per_prompt: Iterable[int], pr
 def run_order(cases: Sequence[Case]) -> list[int]:
     """Indices of `cases` in the order they run: most rows (B*N) first, then longest P+R; ties keep
     the requested order."""
-    return sorted(range(len(cases)), key=lambda i: (-cases[i].rows, -(cases[i].prompt_length + cases[i].response_length)))
+    return sorted(
+        range(len(cases)), key=lambda i: (-cases[i].rows, -(cases[i].prompt_length + cases[i].response_length))
+    )
 
 
 # --- inputs --------------------------------------------------------------------------------------
-def synthetic_prompts(case: Case, vocab_size: int, special_ids: Iterable[int], seed: int,
-                      device: torch.device, shard: int = 0) -> Tensor:
+def synthetic_prompts(
+    case: Case, vocab_size: int, special_ids: Iterable[int], seed: int, device: torch.device, shard: int = 0
+) -> Tensor:
     """[B, P] random token ids, none of them special, the same for a given seed, case and shard (a
     data-parallel process's rank: each process its own prompts; shard 0 is the single-process set)."""
     special = {int(i) for i in special_ids if i is not None and 0 <= int(i) < vocab_size}

@@ -46,8 +46,9 @@ class GeometricEOSHead(nn.Module):
         is_eos = torch.zeros(vocab, dtype=torch.bool, device=head.weight.device)
         is_eos[eos] = True
         self.register_buffer("is_eos", is_eos, persistent=False)
-        self.register_buffer("log_odds", torch.zeros((), dtype=torch.float32, device=head.weight.device),
-                             persistent=False)
+        self.register_buffer(
+            "log_odds", torch.zeros((), dtype=torch.float32, device=head.weight.device), persistent=False
+        )
 
     @property
     def weight(self) -> Tensor:
@@ -70,8 +71,9 @@ def install(model: nn.Module, profile: str, eos: int | None, temperature: float)
     if eos is None:
         raise ValueError("the geometric length profile needs an EOS token id, and the model has none")
     if not temperature > 0:
-        raise ValueError("the geometric length profile needs sampling (a temperature > 0): greedy decoding picks "
-                         "EOS never or always")
+        raise ValueError(
+            "the geometric length profile needs sampling (a temperature > 0): greedy decoding picks EOS never or always"
+        )
     head = model.get_output_embeddings()
     vocab = head.weight.shape[0]
     model.set_output_embeddings(GeometricEOSHead(head, eos, vocab, temperature))
@@ -98,6 +100,8 @@ def set_response_length(model: nn.Module, response_length: int) -> None:
 def describe(profile: str) -> str:
     if profile == "fixed":
         return "fixed: no EOS, every row generates exactly R tokens"
-    return ("geometric: every row samples EOS with probability min(4/R, 1/2) at every step (the LM head's EOS logit "
-            "set to T * (logsumexp(other logits / T) + log(p / (1 - p)))), so response lengths are geometric with "
-            "mean R/4, capped at R")
+    return (
+        "geometric: every row samples EOS with probability min(4/R, 1/2) at every step (the LM head's EOS logit "
+        "set to T * (logsumexp(other logits / T) + log(p / (1 - p)))), so response lengths are geometric with "
+        "mean R/4, capped at R"
+    )

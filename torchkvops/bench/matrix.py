@@ -83,12 +83,14 @@ from .world import World, merge_ranks
 __all__ = ["TIMING_NOTE", "run_matrix", "calls_per_mode", "estimate_seconds", "recompile_headroom"]
 
 
-TIMING_NOTE = ("interleaved: per case, each mode's warm-up calls, then `iterations` rounds that each run every mode "
-               "once, in the --modes order (A B C A B C ...). total_ms of every call is measured around the whole "
-               "call by one clock: CUDA events on the current stream, read after a synchronize (CUDA), "
-               "time.perf_counter (CPU); tokens_per_second = generated_tokens / that total. The stage times of the "
-               "rollout modes come from the rollout's own profile (rollout_total_ms: its first stage to its last); "
-               "iterations[].round and started_ms (from the case's first timed call) record the order.")
+TIMING_NOTE = (
+    "interleaved: per case, each mode's warm-up calls, then `iterations` rounds that each run every mode "
+    "once, in the --modes order (A B C A B C ...). total_ms of every call is measured around the whole "
+    "call by one clock: CUDA events on the current stream, read after a synchronize (CUDA), "
+    "time.perf_counter (CPU); tokens_per_second = generated_tokens / that total. The stage times of the "
+    "rollout modes come from the rollout's own profile (rollout_total_ms: its first stage to its last); "
+    "iterations[].round and started_ms (from the case's first timed call) record the order."
+)
 
 
 # --- running -------------------------------------------------------------------------------------
@@ -96,16 +98,18 @@ def _one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {' '.join(str(e).split())}"
 
 
-def calls_per_mode(s: "Settings", device: torch.device) -> int:
+def calls_per_mode(s: Settings, device: torch.device) -> int:
     """Calls each case runs per mode: warm-up, timed, one for the peak memory, one for --trace."""
     return s.warmup + s.iterations + 1 + (s.trace_dir is not None)
 
 
-def estimate_seconds(first_call_s: float, cases: Sequence[Case], order: Sequence[int], n_modes: int,
-                     per_mode: int) -> float:
+def estimate_seconds(
+    first_call_s: float, cases: Sequence[Case], order: Sequence[int], n_modes: int, per_mode: int
+) -> float:
     """The whole run's time from its first call (of the first case run): every call is assumed to take
     first_call_s scaled by its case's rows x (prompt + response length). Rough: the first call also
     pays one-time costs (allocation, and compilation with --compile), and modes differ."""
+
     def work(c: Case) -> int:
         return c.rows * (c.prompt_length + c.response_length)
 
@@ -122,15 +126,32 @@ def _duration(seconds: float) -> str:
 
 
 def _new_entry(mode: str, device: torch.device) -> dict:
-    return {"mode": mode, "error": None, "iterations": [], "summary": None, "median_stages": None,
-            "peak_memory_bytes": None,
-            "peak_memory_method": "cuda_allocator" if device.type == "cuda" else "cpu_profiler",
-            "tokens_sha256": None, "trace": None}
+    return {
+        "mode": mode,
+        "error": None,
+        "iterations": [],
+        "summary": None,
+        "median_stages": None,
+        "peak_memory_bytes": None,
+        "peak_memory_method": "cuda_allocator" if device.type == "cuda" else "cpu_profiler",
+        "tokens_sha256": None,
+        "trace": None,
+    }
 
 
-def _run_case(model: nn.Module, case: Case, modes: Sequence[str], prompts: Tensor, s: Settings, traffic: Traffic,
-              pad_token_id: int, device: torch.device, world: World, tick: Callable[[int], None],
-              label: Callable[[str], None] = lambda text: None) -> dict[str, dict]:
+def _run_case(
+    model: nn.Module,
+    case: Case,
+    modes: Sequence[str],
+    prompts: Tensor,
+    s: Settings,
+    traffic: Traffic,
+    pad_token_id: int,
+    device: torch.device,
+    world: World,
+    tick: Callable[[int], None],
+    label: Callable[[str], None] = lambda text: None,
+) -> dict[str, dict]:
     """Every mode of one case, interleaved (TIMING_NOTE); one entry per mode. Every step below (making
     a runner, each call) is followed by a status exchange, so that all processes agree on which modes
     still run and take the same collective steps."""
@@ -175,8 +196,11 @@ def _run_case(model: nn.Module, case: Case, modes: Sequence[str], prompts: Tenso
 
     try:
         for m in modes:
-            step(m, lambda m=m: runners.__setitem__(m, make_runner(m, model, case, s, prompts, pad_token_id, clock)),
-                 counted=False)
+            step(
+                m,
+                lambda m=m: runners.__setitem__(m, make_runner(m, model, case, s, prompts, pad_token_id, clock)),
+                counted=False,
+            )
         for m in live():
             for _ in range(s.warmup):
                 if not step(m, lambda m=m: runners[m].run()):
@@ -188,8 +212,9 @@ def _run_case(model: nn.Module, case: Case, modes: Sequence[str], prompts: Tenso
         for m in live():
             for runner in runners.values():
                 runner.free()
-            if not step(m, lambda m=m: entries[m].__setitem__("peak_memory_bytes",
-                                                              peak_memory_bytes(runners[m], device))):
+            if not step(
+                m, lambda m=m: entries[m].__setitem__("peak_memory_bytes", peak_memory_bytes(runners[m], device))
+            ):
                 continue
             if s.trace_dir is not None:
                 suffix = f"_rank{world.rank}" if world.size > 1 else ""
@@ -231,10 +256,19 @@ def _combine(entries: dict[str, dict], modes: Sequence[str], world: World) -> No
         e["median_stages"] = stage_breakdown(e)
 
 
-def run_matrix(model: nn.Module, cases: Sequence[Case], modes: Sequence[str], settings: Settings, *,
-               vocab_size: int, special_ids: Iterable[int], pad_token_id: int,
-               progress: bool = True, on_case: Callable[[int, dict], None] | None = None,
-               world: World | None = None) -> list[dict]:
+def run_matrix(
+    model: nn.Module,
+    cases: Sequence[Case],
+    modes: Sequence[str],
+    settings: Settings,
+    *,
+    vocab_size: int,
+    special_ids: Iterable[int],
+    pad_token_id: int,
+    progress: bool = True,
+    on_case: Callable[[int, dict], None] | None = None,
+    world: World | None = None,
+) -> list[dict]:
     """Run every case and mode; one result per case, in the requested order. on_case(i, result) is
     called as soon as case i (its index in `cases`) has finished. After the first call, one line on
     stderr gives the number of calls and an estimate of the run's time (see estimate_seconds). Under
@@ -261,9 +295,11 @@ def run_matrix(model: nn.Module, cases: Sequence[Case], modes: Sequence[str], se
             estimated = True
             first = time.perf_counter() - start
             est = estimate_seconds(first, cases, order, len(modes), per_mode)
-            bar.write(f"bench: {total_calls} calls in all ({len(cases)} case(s) x {len(modes)} mode(s) x {per_mode}); "
-                      f"the first took {first:.1f} s, so the run may take about {_duration(est)} (rough: later cases "
-                      f"scaled by rows x (P+R); first calls pay one-time costs, so it is often less)")
+            bar.write(
+                f"bench: {total_calls} calls in all ({len(cases)} case(s) x {len(modes)} mode(s) x {per_mode}); "
+                f"the first took {first:.1f} s, so the run may take about {_duration(est)} (rough: later cases "
+                f"scaled by rows x (P+R); first calls pay one-time costs, so it is often less)"
+            )
 
     try:
         for k, i in enumerate(order):
@@ -282,8 +318,19 @@ def run_matrix(model: nn.Module, cases: Sequence[Case], modes: Sequence[str], se
                 result["error"] = world.describe(failed)
                 bar.update(len(modes) * per_mode)
             else:
-                result["modes"] = _run_case(model, case, modes, prompts, settings, traffic, pad_token_id, device,
-                                            world, tick, bar.set_description)
+                result["modes"] = _run_case(
+                    model,
+                    case,
+                    modes,
+                    prompts,
+                    settings,
+                    traffic,
+                    pad_token_id,
+                    device,
+                    world,
+                    tick,
+                    bar.set_description,
+                )
                 if settings.mismatch:  # after the timed calls, so that it does not disturb them
                     bar.set_description(f"{case.name} mismatch")
                     result["mismatch"] = measure_mismatch(model, case, modes, settings, prompts, pad_token_id)

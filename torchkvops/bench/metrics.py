@@ -17,32 +17,51 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from .stats import summarize
 from ..kv_cache import KVShape
+from .stats import summarize
 
-__all__ = ["saved_tensor_bytes", "BYTES_NOTE", "ROOFLINE_NOTE", "PEAK_NOTE", "UNKNOWN_BLOCK", "Clock", "model_weight_bytes",
-           "kv_bytes_per_token", "Traffic", "copy_roofline", "cpu_peak_memory_bytes", "peak_memory_bytes", "export_trace"]
+__all__ = [
+    "saved_tensor_bytes",
+    "BYTES_NOTE",
+    "ROOFLINE_NOTE",
+    "PEAK_NOTE",
+    "UNKNOWN_BLOCK",
+    "Clock",
+    "model_weight_bytes",
+    "kv_bytes_per_token",
+    "Traffic",
+    "copy_roofline",
+    "cpu_peak_memory_bytes",
+    "peak_memory_bytes",
+    "export_trace",
+]
 
-BYTES_NOTE = ("bytes read per decode step, a model of the useful traffic (not what kernels read over padding or masked "
-              "positions): weight_bytes = bytes of the model's unique parameters and buffers (tied weights once, by "
-              "storage; the input embedding counted in full); kv_bytes_per_token = layers x 2 x kv_heads x head_dim x "
-              "dtype bytes; decode step t = 1..S (S = decode_steps) attends to P + t keys per row, averaged over the "
-              "steps: t_avg = (S + 1) / 2. kv_bytes_per_step: expanded, shared, hf-generate, hf-static: rows x "
-              "kv_bytes_per_token x (P + t_avg); prefix: (B x P + rows x t_avg) x kv_bytes_per_token, with rows = "
-              "B x N. With the batch compacted as rows end (compact_finished_rows), kv_bytes_per_step is scaled by the "
-              "mean fraction of the rows decoded, computed_row_steps / (rows x (S + 1)) (approximate: rows "
-              "and prompts leave at different steps). achieved_gbps = (weight_bytes + kv_bytes_per_step) / "
-              "decode_ms_per_step / 1e6 (GB/s, 1e9 bytes); roofline_fraction = achieved_gbps / copy_roofline_gbps (CUDA only)")
-ROOFLINE_NOTE = ("CUDA only: at the start of the run, dst.copy_(src) device to device on two buffers of `bytes` each "
-                 "(1 GiB, less when memory is short), timed with CUDA events; copy_roofline_gbps = 2 x bytes (read "
-                 "+ write) / the median of `repeats` timed copies")
-PEAK_NOTE = {"cuda": "torch.cuda.max_memory_allocated over one extra call per mode after the timed rounds, every "
-                     "mode's buffers released first (weights included)",
-             "cpu": "one extra call per mode after the timed rounds, every mode's buffers released first, under "
-                    "torch.profiler(profile_memory=True): peak of the running sum of its [memory] events, i.e. "
-                    "memory held beyond what was allocated when the call began (weights excluded). Blocks "
-                    "allocated before the call and freed in it (a rollout's previous decode state) are not "
-                    "subtracted, so the peak can exceed the true one by at most their size"}
+BYTES_NOTE = (
+    "bytes read per decode step, a model of the useful traffic (not what kernels read over padding or masked "
+    "positions): weight_bytes = bytes of the model's unique parameters and buffers (tied weights once, by "
+    "storage; the input embedding counted in full); kv_bytes_per_token = layers x 2 x kv_heads x head_dim x "
+    "dtype bytes; decode step t = 1..S (S = decode_steps) attends to P + t keys per row, averaged over the "
+    "steps: t_avg = (S + 1) / 2. kv_bytes_per_step: expanded, shared, hf-generate, hf-static: rows x "
+    "kv_bytes_per_token x (P + t_avg); prefix: (B x P + rows x t_avg) x kv_bytes_per_token, with rows = "
+    "B x N. With the batch compacted as rows end (compact_finished_rows), kv_bytes_per_step is scaled by the "
+    "mean fraction of the rows decoded, computed_row_steps / (rows x (S + 1)) (approximate: rows "
+    "and prompts leave at different steps). achieved_gbps = (weight_bytes + kv_bytes_per_step) / "
+    "decode_ms_per_step / 1e6 (GB/s, 1e9 bytes); roofline_fraction = achieved_gbps / copy_roofline_gbps (CUDA only)"
+)
+ROOFLINE_NOTE = (
+    "CUDA only: at the start of the run, dst.copy_(src) device to device on two buffers of `bytes` each "
+    "(1 GiB, less when memory is short), timed with CUDA events; copy_roofline_gbps = 2 x bytes (read "
+    "+ write) / the median of `repeats` timed copies"
+)
+PEAK_NOTE = {
+    "cuda": "torch.cuda.max_memory_allocated over one extra call per mode after the timed rounds, every "
+    "mode's buffers released first (weights included)",
+    "cpu": "one extra call per mode after the timed rounds, every mode's buffers released first, under "
+    "torch.profiler(profile_memory=True): peak of the running sum of its [memory] events, i.e. "
+    "memory held beyond what was allocated when the call began (weights excluded). Blocks "
+    "allocated before the call and freed in it (a rollout's previous decode state) are not "
+    "subtracted, so the peak can exceed the true one by at most their size",
+}
 
 
 # --- clocks, bytes and the roofline --------------------------------------------------------------
@@ -95,7 +114,7 @@ class Traffic:
     roofline_gbps: float | None = None
 
     @classmethod
-    def of(cls, model: nn.Module, roofline_gbps: float | None = None) -> "Traffic":
+    def of(cls, model: nn.Module, roofline_gbps: float | None = None) -> Traffic:
         return cls(model_weight_bytes(model), kv_bytes_per_token(model), roofline_gbps)
 
     def kv_bytes_per_step(self, mode: str, batch: int, samples: int, prompt_len: int, steps: int) -> float | None:
@@ -112,15 +131,25 @@ class Traffic:
         """Add decode_ms_per_step, kv_bytes_per_step, weight_bytes, achieved_gbps, roofline_fraction."""
         steps, decode_ms = profile.get("decode_steps") or 0, profile.get("decode_ms")
         per_step = decode_ms / steps if steps > 0 and decode_ms is not None else None
-        kv = self.kv_bytes_per_step(mode.removesuffix("-nocompact"), profile["batch_size"],
-                                    profile["samples_per_prompt"], profile["prompt_length"], steps)
+        kv = self.kv_bytes_per_step(
+            mode.removesuffix("-nocompact"),
+            profile["batch_size"],
+            profile["samples_per_prompt"],
+            profile["prompt_length"],
+            steps,
+        )
         computed = profile.get("computed_row_steps")
         if kv is not None and computed:  # a compacted batch decodes fewer rows (BYTES_NOTE)
             kv *= computed / (profile["batch_size"] * profile["samples_per_prompt"] * (steps + 1))
         gbps = (self.weight_bytes + kv) / per_step / 1e6 if per_step and kv is not None else None
         fraction = gbps / self.roofline_gbps if gbps is not None and self.roofline_gbps else None
-        profile.update(decode_ms_per_step=per_step, kv_bytes_per_step=kv, weight_bytes=self.weight_bytes,
-                       achieved_gbps=gbps, roofline_fraction=fraction)
+        profile.update(
+            decode_ms_per_step=per_step,
+            kv_bytes_per_step=kv,
+            weight_bytes=self.weight_bytes,
+            achieved_gbps=gbps,
+            roofline_fraction=fraction,
+        )
         return profile
 
 
@@ -146,8 +175,13 @@ def copy_roofline(device: torch.device, max_bytes: int = 1 << 30, repeats: int =
     del src, dst
     torch.cuda.empty_cache()
     ms = summarize(times)["p50"]
-    return {"copy_roofline_gbps": 2 * nbytes / ms / 1e6, "bytes": nbytes, "median_ms": ms, "repeats": repeats,
-            "note": ROOFLINE_NOTE}
+    return {
+        "copy_roofline_gbps": 2 * nbytes / ms / 1e6,
+        "bytes": nbytes,
+        "median_ms": ms,
+        "repeats": repeats,
+        "note": ROOFLINE_NOTE,
+    }
 
 
 # --- memory and traces ---------------------------------------------------------------------------
@@ -202,8 +236,11 @@ def _without(line_text: str):
             os.dup2(saved, 2)
             os.close(saved)
             caught.seek(0)
-            kept = [line for line in caught.read().decode(errors="replace").splitlines(keepends=True)
-                    if line_text not in line]
+            kept = [
+                line
+                for line in caught.read().decode(errors="replace").splitlines(keepends=True)
+                if line_text not in line
+            ]
             if kept:
                 sys.stderr.write("".join(kept))
                 sys.stderr.flush()
@@ -241,8 +278,11 @@ def cpu_peak_memory_bytes(fn: Callable[[], object]) -> int:
     with _profiling(profile(activities=[ProfilerActivity.CPU], profile_memory=True)) as prof, _without(UNKNOWN_BLOCK):
         fn()
     cpu_types = {torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.MKLDNN, torch.autograd.DeviceType.IDEEP}
-    events = [e for e in prof.profiler.kineto_results.events()
-              if e.name() == MEMORY_EVENT_NAME and e.device_type() in cpu_types]
+    events = [
+        e
+        for e in prof.profiler.kineto_results.events()
+        if e.name() == MEMORY_EVENT_NAME and e.device_type() in cpu_types
+    ]
     running = peak = 0
     for e in sorted(events, key=lambda e: e.start_ns()):
         running += e.nbytes()

@@ -41,7 +41,8 @@ MISMATCH_NOTE = (
     "processor) to that mode's sequences, its output_logits processed the same way. Over every generated token (no "
     "EOS, R per row): mean and max of |delta| = |engine - trainer| and k3 = mean(exp(-delta) - 1 + delta), an "
     "unbiased estimate of KL(engine || trainer) over the engine's samples. Under torchrun each process measures its "
-    "own prompts; the results are the first process's.")
+    "own prompts; the results are the first process's."
+)
 
 # Rows of trainer logits scored at once: at most this many float32 logits in memory.
 _MAX_LOGITS = 2**28
@@ -52,26 +53,36 @@ def _half_head(model: nn.Module) -> bool:
     return isinstance(head, nn.Linear) and head.weight.dtype in (torch.float16, torch.bfloat16)
 
 
-def _rollout(model: nn.Module, case: Case, mode: str, s: Settings, prompts: Tensor,
-             head32: bool) -> tuple[Tensor, Tensor]:
-    out = Rollout(model, rollout_config(case, mode, s, [], return_logprobs=True,
-                                        lm_head_dtype=torch.float32 if head32 else None)).generate(prompts)
+def _rollout(
+    model: nn.Module, case: Case, mode: str, s: Settings, prompts: Tensor, head32: bool
+) -> tuple[Tensor, Tensor]:
+    out = Rollout(
+        model, rollout_config(case, mode, s, [], return_logprobs=True, lm_head_dtype=torch.float32 if head32 else None)
+    ).generate(prompts)
     return out.sequences, out.logprobs
 
 
 def _hf_kwargs(case: Case, pad_token_id: int) -> dict:
     # As the bench's hf-generate mode: exactly R tokens, no EOS, top-k off.
-    return dict(max_new_tokens=case.response_length, min_new_tokens=case.response_length, eos_token_id=None,
-                pad_token_id=pad_token_id, use_cache=True, return_dict_in_generate=True)
+    return dict(
+        max_new_tokens=case.response_length,
+        min_new_tokens=case.response_length,
+        eos_token_id=None,
+        pad_token_id=pad_token_id,
+        use_cache=True,
+        return_dict_in_generate=True,
+    )
 
 
-def _hf_own_samples(model: nn.Module, case: Case, s: Settings, prompts: Tensor,
-                    pad_token_id: int) -> tuple[Tensor, Tensor]:
+def _hf_own_samples(
+    model: nn.Module, case: Case, s: Settings, prompts: Tensor, pad_token_id: int
+) -> tuple[Tensor, Tensor]:
     ids, sampling = hf_sampling(prompts, case, s)
     torch.manual_seed(s.seed)
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), output_scores=True,
-                         **_hf_kwargs(case, pad_token_id), **sampling)
-    responses = out.sequences[:, prompts.shape[1]:]
+    out = model.generate(
+        ids, attention_mask=torch.ones_like(ids), output_scores=True, **_hf_kwargs(case, pad_token_id), **sampling
+    )
+    responses = out.sequences[:, prompts.shape[1] :]
     scores = torch.stack(out.scores, dim=1).float()  # [rows, R, vocab], processed
     return out.sequences, scores.log_softmax(dim=-1).gather(-1, responses[..., None]).squeeze(-1)
 
@@ -88,14 +99,20 @@ class _ForceTokens(LogitsProcessor):
         return forced.scatter_(1, target[:, None], 0.0)
 
 
-def _hf_forced(model: nn.Module, case: Case, s: Settings, prompts: Tensor, pad_token_id: int,
-               sequences: Tensor) -> tuple[Tensor, Tensor]:
+def _hf_forced(
+    model: nn.Module, case: Case, s: Settings, prompts: Tensor, pad_token_id: int, sequences: Tensor
+) -> tuple[Tensor, Tensor]:
     p = prompts.shape[1]
     responses = sequences[:, p:]
     ids = prompts.repeat_interleave(case.samples_per_prompt, dim=0)
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, output_logits=True,
-                         logits_processor=LogitsProcessorList([_ForceTokens(responses, p)]),
-                         **_hf_kwargs(case, pad_token_id))
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        do_sample=False,
+        output_logits=True,
+        logits_processor=LogitsProcessorList([_ForceTokens(responses, p)]),
+        **_hf_kwargs(case, pad_token_id),
+    )
     if not torch.equal(out.sequences, sequences):
         raise RuntimeError("Hugging Face generate did not follow the forced tokens")
     logits = torch.stack(out.logits, dim=1)  # [rows, R, vocab], raw
@@ -114,21 +131,26 @@ def trainer_logprobs(model: nn.Module, sequences: Tensor, prompt_length: int, s:
     parts = []
     with torch.inference_mode(), head:
         for start in range(0, rows, chunk):
-            seq = sequences[start: start + chunk]
+            seq = sequences[start : start + chunk]
             logits = model(input_ids=seq, attention_mask=torch.ones_like(seq), **kwargs).logits
-            logits = logits[:, -(r + 1):-1]  # the positions that predict the response tokens
+            logits = logits[:, -(r + 1) : -1]  # the positions that predict the response tokens
             parts.append(reference.processed_logprobs(logits, seq[:, prompt_length:], s.temperature, 0, s.top_p))
     return torch.cat(parts)
 
 
 def mismatch_stats(engine: Tensor, trainer: Tensor) -> dict:
     delta = (engine.double() - trainer.double()).flatten()
-    return {"tokens": delta.numel(), "mean_abs_delta": delta.abs().mean().item(),
-            "max_abs_delta": delta.abs().max().item(), "k3_kl": (torch.expm1(-delta) + delta).mean().item()}
+    return {
+        "tokens": delta.numel(),
+        "mean_abs_delta": delta.abs().mean().item(),
+        "max_abs_delta": delta.abs().max().item(),
+        "k3_kl": (torch.expm1(-delta) + delta).mean().item(),
+    }
 
 
-def measure_mismatch(model: nn.Module, case: Case, modes, s: Settings, prompts: Tensor,
-                     pad_token_id: int) -> dict[str, dict]:
+def measure_mismatch(
+    model: nn.Module, case: Case, modes, s: Settings, prompts: Tensor, pad_token_id: int
+) -> dict[str, dict]:
     """Every engine of this case (see the module docstring): {engine: mismatch_stats, or {"error": ...}}."""
     p = prompts.shape[1]
     rollout_modes = [m for m in modes if m in ROLLOUT_MODES]
@@ -146,7 +168,8 @@ def measure_mismatch(model: nn.Module, case: Case, modes, s: Settings, prompts: 
     if "hf-generate" in modes and rollout_modes and sequences[rollout_modes[0]] is not None:
         forced_to = sequences[rollout_modes[0]]
         results[f"hf-generate on {rollout_modes[0]} tokens"], _ = _scored(
-            model, p, s, False, lambda: _hf_forced(model, case, s, prompts, pad_token_id, forced_to))
+            model, p, s, False, lambda: _hf_forced(model, case, s, prompts, pad_token_id, forced_to)
+        )
     return results
 
 

@@ -42,6 +42,7 @@ METHODS = {
 }
 MiB = 1 << 20
 
+
 def cache_shape(target_bytes: int, rows: int, kv_heads: int, head_dim: int, itemsize: int) -> list[int]:
     """[layers, 2, rows, kv_heads, max_tokens, head_dim] of about target_bytes: max_tokens grows to
     256 before layers do (up to 32 layers), as in a real model's cache."""

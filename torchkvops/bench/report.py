@@ -11,20 +11,34 @@ from collections.abc import Sequence
 from .cases import STAGE_FIELDS, Case
 from .stats import stage_breakdown
 
-__all__ = ["FILE_NOTE", "TABLE_WIDTH", "WIDE_ONLY", "results_document", "format_case_table", "format_mismatch_table",
-           "plot_segments", "plot_stage_times"]
+__all__ = [
+    "FILE_NOTE",
+    "TABLE_WIDTH",
+    "WIDE_ONLY",
+    "results_document",
+    "format_case_table",
+    "format_mismatch_table",
+    "plot_segments",
+    "plot_stage_times",
+]
 
-FILE_NOTE = ("status: 'partial' while the run goes on (rewritten after every case; a file left 'partial' is from a "
-             "run that died), 'interrupted' after Ctrl-C, 'complete' at the end. cases: the finished cases in the "
-             "requested order; cases_pending: those not finished.")
+FILE_NOTE = (
+    "status: 'partial' while the run goes on (rewritten after every case; a file left 'partial' is from a "
+    "run that died), 'interrupted' after Ctrl-C, 'complete' at the end. cases: the finished cases in the "
+    "requested order; cases_pending: those not finished."
+)
 
 
 # --- the JSON document ---------------------------------------------------------------------------
-def results_document(header: dict, cases: Sequence["Case"], results: Sequence[dict | None], status: str) -> dict:
+def results_document(header: dict, cases: Sequence[Case], results: Sequence[dict | None], status: str) -> dict:
     """The --output JSON: the header, the finished cases in the requested order, the names of the
     others, and the run's status ("partial", "interrupted" or "complete"; see FILE_NOTE)."""
-    return {"status": status, "header": header, "cases": [r for r in results if r is not None],
-            "cases_pending": [c.name for c, r in zip(cases, results) if r is None]}
+    return {
+        "status": status,
+        "header": header,
+        "cases": [r for r in results if r is not None],
+        "cases_pending": [c.name for c, r in zip(cases, results) if r is None],
+    }
 
 
 # --- the table -----------------------------------------------------------------------------------
@@ -50,30 +64,40 @@ def format_case_table(result: dict, iterations: int, wide: bool = False) -> str:
     peak memory, the useful fraction and the total relative to expanded's."""
     counts = {len(e["iterations"]) for e in result["modes"].values() if e["iterations"]} or {iterations}
     n = max(counts)
-    which = ("of the median-total iteration" if n % 2 else "of the two middle iterations by total (their mean)")
+    which = "of the median-total iteration" if n % 2 else "of the two middle iterations by total (their mean)"
     rows = result["batch_size"] * result["samples_per_prompt"]
     world = result.get("world_size", 1)
-    roofline = any((e.get("median_stages") or {}).get("roofline_fraction") is not None
-                   for e in result["modes"].values())
-    case = (f"{result['case']}: B={result['batch_size']} N={result['samples_per_prompt']} "
-            f"P={result['prompt_length']} R={result['response_length']} (rows {rows}), "
-            f"{_plural(n, 'timed iteration')}, modes ran interleaved, timed by one clock")
+    roofline = any(
+        (e.get("median_stages") or {}).get("roofline_fraction") is not None for e in result["modes"].values()
+    )
+    case = (
+        f"{result['case']}: B={result['batch_size']} N={result['samples_per_prompt']} "
+        f"P={result['prompt_length']} R={result['response_length']} (rows {rows}), "
+        f"{_plural(n, 'timed iteration')}, modes ran interleaved, timed by one clock"
+    )
     if wide:
-        notes = [f"times {which}, so the stages add up to the total (median); other = prompt expansion + "
-                 "post-processing + time between stages",
-                 "useful = generated tokens / row-steps computed (each row's sampled positions, summed; the batch "
-                 "shrinks as rows end unless compaction is off); decode ms/step, GB/s (weights + KV read per decode "
-                 "step / decode ms per step)" + (", % of the copy_ roofline" if roofline else "")
-                 + " and KV MiB (KV storage used) are of the same iteration(s)"]
+        notes = [
+            f"times {which}, so the stages add up to the total (median); other = prompt expansion + "
+            "post-processing + time between stages",
+            "useful = generated tokens / row-steps computed (each row's sampled positions, summed; the batch "
+            "shrinks as rows end unless compaction is off); decode ms/step, GB/s (weights + KV read per decode "
+            "step / decode ms per step)"
+            + (", % of the copy_ roofline" if roofline else "")
+            + " and KV MiB (KV storage used) are of the same iteration(s)",
+        ]
     else:
-        notes = [f"figures {which}; GB/s = (weights + KV read per decode step) / decode ms per step",
-                 "KV MiB = KV storage; " + ("% of roofline: of the copy_ roofline measured at the start of the run; "
-                                            if roofline else "")
-                 + "--wide adds the other stages (which add up to the total), peak MiB, useful, total / expanded"]
+        notes = [
+            f"figures {which}; GB/s = (weights + KV read per decode step) / decode ms per step",
+            "KV MiB = KV storage; "
+            + ("% of roofline: of the copy_ roofline measured at the start of the run; " if roofline else "")
+            + "--wide adds the other stages (which add up to the total), peak MiB, useful, total / expanded",
+        ]
     if world > 1:
-        notes.append(f"data-parallel over {world} processes: B is per process (global batch "
-                     f"{result['batch_size'] * world} prompts); times are the slowest process's in each iteration, "
-                     "tokens/s counts every process's tokens (global)")
+        notes.append(
+            f"data-parallel over {world} processes: B is per process (global batch "
+            f"{result['batch_size'] * world} prompts); times are the slowest process's in each iteration, "
+            "tokens/s counts every process's tokens (global)"
+        )
     lines = [line for text in [case, *notes] for line in _wrap(text)]
     cols = ["mode", "prefill ms", "kv_expand ms", "decode ms", "other ms", "total ms", "decode ms/step", "GB/s"]
     cols += ["% of roofline"] if roofline else []
@@ -98,24 +122,39 @@ def format_case_table(result: dict, iterations: int, wide: bool = False) -> str:
         split = e.get("median_stages") or stage_breakdown(e)
         other = None
         if "other_ms" in split:
-            other = (split["other_ms"] + (split.get("prompt_expansion_ms") or 0.0)
-                     + (split.get("post_processing_ms") or 0.0))
+            other = (
+                split["other_ms"] + (split.get("prompt_expansion_ms") or 0.0) + (split.get("post_processing_ms") or 0.0)
+            )
         total = split["total_ms"]
         ratio = total / base_total if base_total else None
         fraction = split.get("roofline_fraction")
-        cells = [mode, f(split.get("prefill_ms")), f(split.get("kv_expand_ms"), "{:.2f}"), f(split.get("decode_ms")),
-                 f(other), f(total), f(split.get("decode_ms_per_step"), "{:.2f}"),
-                 f(split.get("achieved_gbps"), "{:.2f}")]
+        cells = [
+            mode,
+            f(split.get("prefill_ms")),
+            f(split.get("kv_expand_ms"), "{:.2f}"),
+            f(split.get("decode_ms")),
+            f(other),
+            f(total),
+            f(split.get("decode_ms_per_step"), "{:.2f}"),
+            f(split.get("achieved_gbps"), "{:.2f}"),
+        ]
         cells += [f(None if fraction is None else 100 * fraction)] if roofline else []
-        cells += [f(split["tokens_per_second"]), f(mib(split.get("kv_cache_bytes")), "{:.2f}"),
-                  f(mib(e["peak_memory_bytes"])), f(split.get("useful_fraction"), "{:.2f}"), f(ratio, "{:.2f}")]
+        cells += [
+            f(split["tokens_per_second"]),
+            f(mib(split.get("kv_cache_bytes")), "{:.2f}"),
+            f(mib(e["peak_memory_bytes"])),
+            f(split.get("useful_fraction"), "{:.2f}"),
+            f(ratio, "{:.2f}"),
+        ]
         lines.append("| " + " | ".join(c for c, k in zip(cells, keep) if k) + " |")
     if result["error"] and not result["modes"]:
         lines.append(f"| (case) | failed: {result['error']} |")
     agree = result.get("tokens_agree") or {}
     if agree.get("pairs"):
-        parts = [f"{k}: {'same' if v else 'DIFFERENT' if v is False else 'not comparable'}"
-                 for k, v in agree["pairs"].items()]
+        parts = [
+            f"{k}: {'same' if v else 'DIFFERENT' if v is False else 'not comparable'}"
+            for k, v in agree["pairs"].items()
+        ]
         lines += _wrap("tokens: " + ", ".join(parts))
         for note in dict.fromkeys(agree.get("notes", {}).values()):
             lines += ["  " + line for line in _wrap(f"({note})", TABLE_WIDTH - 2)]
@@ -127,15 +166,19 @@ def format_mismatch_table(result: dict) -> str:
     engines = result.get("mismatch")
     if not engines:
         return ""
-    lines = [f"{result['case']}: log-probabilities against a trainer's forward over the same sequences "
-             "(|delta| = |engine - trainer|; k3 estimates KL(engine || trainer))",
-             "| engine | tokens | mean abs delta | max abs delta | k3 KL |", "|---|---:|---:|---:|---:|"]
+    lines = [
+        f"{result['case']}: log-probabilities against a trainer's forward over the same sequences "
+        "(|delta| = |engine - trainer|; k3 estimates KL(engine || trainer))",
+        "| engine | tokens | mean abs delta | max abs delta | k3 KL |",
+        "|---|---:|---:|---:|---:|",
+    ]
     for name, m in engines.items():
         if "error" in m:
             lines.append(f"| {name} | failed: {m['error']} |")
             continue
-        lines.append(f"| {name} | {m['tokens']} | {m['mean_abs_delta']:.3g} | {m['max_abs_delta']:.3g} | "
-                     f"{m['k3_kl']:.3g} |")
+        lines.append(
+            f"| {name} | {m['tokens']} | {m['mean_abs_delta']:.3g} | {m['max_abs_delta']:.3g} | {m['k3_kl']:.3g} |"
+        )
     return "\n".join(lines)
 
 
@@ -179,15 +222,20 @@ def plot_stage_times(results: Sequence[dict], path: str, title: str) -> None:
             bottom = 0.0
             for label, v in segments:
                 if v > 0:
-                    ax.bar(x, v, bottom=bottom, color=colors[label],
-                           hatch="//" if label == "total (not split)" else None,
-                           label=label if label not in labelled else None)
+                    ax.bar(
+                        x,
+                        v,
+                        bottom=bottom,
+                        color=colors[label],
+                        hatch="//" if label == "total (not split)" else None,
+                        label=label if label not in labelled else None,
+                    )
                     labelled.add(label)
                     bottom += v
         ax.set_xticks(range(len(names)), names, fontsize=7)
         ax.set_title(result["case"], fontsize=9)
         ax.set_ylabel("ms, median-total iteration", fontsize=8)
-    for ax in list(axes.flat)[len(results):]:
+    for ax in list(axes.flat)[len(results) :]:
         ax.axis("off")
     fig.suptitle(f"{title}\nstages of the median-total iteration: bar height = the table's median total", fontsize=9)
     fig.legend(loc="lower center", ncol=7, fontsize=8)

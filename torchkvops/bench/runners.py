@@ -8,20 +8,20 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from ..rollout import Rollout, RolloutConfig
 from . import lengths
 from .cases import HF_MODES, MODES, PROFILE_FIELDS, ROLLOUT_MODES, Case, Settings
 from .metrics import Clock
-from ..rollout import Rollout, RolloutConfig
 
 __all__ = ["DECODE_STEP_NOTE", "make_runner", "timed_call"]
 
 DECODE_STEP_NOTE = {
     "rollout modes": "decode_ms / decode_steps from the rollout's profile: its decode stage (sampling the first token "
-                     "from the prefill logits, then R-1 decode steps) over its R-1 steps",
+    "from the prefill logits, then R-1 decode steps) over its R-1 steps",
     "hf modes": "forward pre-hooks on the model record the clock at the start of every forward during the timed call "
-                "(CUDA events, no synchronize in the hook); the first forward is the prefill. prefill_ms = start of "
-                "the second forward - start of the first; decode_ms = end of the call - start of the second forward; "
-                "decode_steps = forwards - 1; decode_ms_per_step = decode_ms / decode_steps",
+    "(CUDA events, no synchronize in the hook); the first forward is the prefill. prefill_ms = start of "
+    "the second forward - start of the first; decode_ms = end of the call - start of the second forward; "
+    "decode_steps = forwards - 1; decode_ms_per_step = decode_ms / decode_steps",
 }
 
 
@@ -30,10 +30,18 @@ def rollout_config(case: Case, mode: str, s: Settings, eos_token_id: list[int], 
     for one case, with the run's sampling settings; `options`: further RolloutConfig fields."""
     layout = mode.removesuffix("-nocompact")
     return RolloutConfig(
-        samples_per_prompt=case.samples_per_prompt, max_new_tokens=case.response_length,
-        shared_prefill=layout != "expanded", kv_sharing="prefix" if layout == "prefix" else "copy",
-        compile=s.compile, temperature=s.temperature, top_p=s.top_p, seed=s.seed, eos_token_id=eos_token_id,
-        compact_finished_rows=not mode.endswith("-nocompact"), **options)
+        samples_per_prompt=case.samples_per_prompt,
+        max_new_tokens=case.response_length,
+        shared_prefill=layout != "expanded",
+        kv_sharing="prefix" if layout == "prefix" else "copy",
+        compile=s.compile,
+        temperature=s.temperature,
+        top_p=s.top_p,
+        seed=s.seed,
+        eos_token_id=eos_token_id,
+        compact_finished_rows=not mode.endswith("-nocompact"),
+        **options,
+    )
 
 
 def hf_sampling(prompts: Tensor, case: Case, s: Settings) -> tuple[Tensor, dict]:
@@ -43,8 +51,9 @@ def hf_sampling(prompts: Tensor, case: Case, s: Settings) -> tuple[Tensor, dict]
         # HF refuses greedy search with num_return_sequences > 1: repeat the prompts instead
         # (repeat_interleave, the rollout's row order).
         return prompts.repeat_interleave(case.samples_per_prompt, dim=0), dict(do_sample=False)
-    return prompts, dict(do_sample=True, num_return_sequences=case.samples_per_prompt, temperature=s.temperature,
-                         top_p=s.top_p, top_k=0)  # top_k=0: off, as in the rollout (HF's default is 50)
+    return prompts, dict(
+        do_sample=True, num_return_sequences=case.samples_per_prompt, temperature=s.temperature, top_p=s.top_p, top_k=0
+    )  # top_k=0: off, as in the rollout (HF's default is 50)
 
 
 class _RolloutRunner:
@@ -54,8 +63,9 @@ class _RolloutRunner:
         self.prompts = prompts
         eos = lengths.eos_id(model)
         # fixed lengths: no EOS, every mode generates exactly R tokens; else the length profile's EOS
-        self.rollout = Rollout(model, rollout_config(case, mode, s, [] if eos is None else [eos],
-                                                     enable_profiling=True))
+        self.rollout = Rollout(
+            model, rollout_config(case, mode, s, [] if eos is None else [eos], enable_profiling=True)
+        )
 
     def run(self) -> Tensor:
         return self.rollout.generate(self.prompts).responses
@@ -79,15 +89,20 @@ class _HFRunner:
     close(), so that a compiled decode (hf-static on CUDA) sees the same hooks in its warm-up and timed
     calls and is not recompiled between them."""
 
-    def __init__(self, model: nn.Module, case: Case, s: Settings, prompts: Tensor, pad_token_id: int, clock: Clock,
-                 static: bool):
+    def __init__(
+        self, model: nn.Module, case: Case, s: Settings, prompts: Tensor, pad_token_id: int, clock: Clock, static: bool
+    ):
         self.model, self.case, self.s, self.clock = model, case, s, clock
         self.eos = lengths.eos_id(model)
         # Fixed lengths: no EOS at all, as the rollout's eos_token_id=[] (with an EOS, min_new_tokens would
         # mask its logit and greedy tokens could differ from the rollout's). Else the length profile's EOS.
-        self.kwargs = dict(max_new_tokens=case.response_length,
-                           min_new_tokens=case.response_length if self.eos is None else 0,
-                           pad_token_id=pad_token_id, use_cache=True, eos_token_id=self.eos)
+        self.kwargs = dict(
+            max_new_tokens=case.response_length,
+            min_new_tokens=case.response_length if self.eos is None else 0,
+            pad_token_id=pad_token_id,
+            use_cache=True,
+            eos_token_id=self.eos,
+        )
         if static:
             self.kwargs["cache_implementation"] = "static"
         self.input_ids, sampling = hf_sampling(prompts, case, s)
@@ -111,12 +126,14 @@ class _HFRunner:
         finally:
             self.marks, self._recording = self._recording, None
         c = self.case
-        responses = out[:, c.prompt_length:]
+        responses = out[:, c.prompt_length :]
         shape = tuple(responses.shape)
         # Without EOS exactly R tokens; with one, HF stops when every row has ended.
         if shape[0] != c.rows or shape[1] > c.response_length or (self.eos is None and shape[1] < c.response_length):
-            raise RuntimeError(f"Hugging Face generate returned responses of shape {shape}, expected "
-                               f"{(c.rows, c.response_length)}" + ("" if self.eos is None else " or fewer columns"))
+            raise RuntimeError(
+                f"Hugging Face generate returned responses of shape {shape}, expected "
+                f"{(c.rows, c.response_length)}" + ("" if self.eos is None else " or fewer columns")
+            )
         self.generated = c.rows * shape[1] if self.eos is None else int(_up_to_first_eos(responses, self.eos).sum())
         return responses
 
@@ -126,12 +143,19 @@ class _HFRunner:
             raise RuntimeError("Hugging Face generate ran no forward through the model (the timing hook saw none)")
         profile = dict.fromkeys(PROFILE_FIELDS)  # the stages it cannot report stay None
         second = marks[1] if len(marks) > 1 else end
-        profile.update(prefill_ms=clock.ms(marks[0], second), decode_ms=clock.ms(second, end),
-                       decode_steps=len(marks) - 1, generated_tokens=self.generated,
-                       batch_size=c.batch_size, samples_per_prompt=c.samples_per_prompt,
-                       prompt_length=c.prompt_length, response_length=c.response_length,
-                       # every row runs every forward (the prefill's logits give the first token)
-                       computed_row_steps=c.rows * len(marks), useful_row_steps=self.generated)
+        profile.update(
+            prefill_ms=clock.ms(marks[0], second),
+            decode_ms=clock.ms(second, end),
+            decode_steps=len(marks) - 1,
+            generated_tokens=self.generated,
+            batch_size=c.batch_size,
+            samples_per_prompt=c.samples_per_prompt,
+            prompt_length=c.prompt_length,
+            response_length=c.response_length,
+            # every row runs every forward (the prefill's logits give the first token)
+            computed_row_steps=c.rows * len(marks),
+            useful_row_steps=self.generated,
+        )
         return profile
 
     def free(self) -> None:
@@ -147,8 +171,7 @@ def _up_to_first_eos(responses: Tensor, eos: int) -> Tensor:
     return (is_eos.cumsum(dim=1) - is_eos) == 0
 
 
-def make_runner(mode: str, model: nn.Module, case: Case, s: Settings, prompts: Tensor, pad_token_id: int,
-                 clock: Clock):
+def make_runner(mode: str, model: nn.Module, case: Case, s: Settings, prompts: Tensor, pad_token_id: int, clock: Clock):
     lengths.set_response_length(model, case.response_length)  # the modes of a case are made together
     if mode in ROLLOUT_MODES:
         return _RolloutRunner(model, case, mode, s, prompts)

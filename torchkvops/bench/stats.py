@@ -15,25 +15,42 @@ from torch import Tensor
 
 from .cases import HF_MODES, PER_STEP_FIELDS, ROLLOUT_MODES, STAGE_FIELDS
 
-__all__ = ["NOT_COMPARABLE", "HF_NOT_COMPARED", "TOKENS_AGREE_NOTE", "MEDIAN_STAGES_NOTE", "summarize",
-           "summarize_profiles", "stage_breakdown", "tokens_sha256", "token_agreement"]
+__all__ = [
+    "NOT_COMPARABLE",
+    "HF_NOT_COMPARED",
+    "TOKENS_AGREE_NOTE",
+    "MEDIAN_STAGES_NOTE",
+    "summarize",
+    "summarize_profiles",
+    "stage_breakdown",
+    "tokens_sha256",
+    "token_agreement",
+]
 
-NOT_COMPARABLE = ("not comparable: Hugging Face samples with torch's generator, the rollout with its own "
-                  "counter-based sampler, so sampled tokens cannot match even when both are right; only greedy "
-                  "tokens (--temperature 0) can be compared across them")
-HF_NOT_COMPARED = ("not compared under sampling: the static cache runs other attention kernels (compiled ones on "
-                   "CUDA) and torch.multinomial's pick depends on every probability's rounding; compare them with "
-                   "--temperature 0")
-TOKENS_AGREE_NOTE = ("tokens_agree.pairs: true when two modes generated identical token ids, false when they "
-                     "differ although they should not (greedy; or two rollout modes, expanded / shared / prefix, "
-                     "which sample with the same sampler and the same per-row keys), null when they are not "
-                     "comparable (sampling with a Hugging Face mode: see tokens_agree.notes). Under "
-                     "torch.distributed: false if they differ on any process")
-MEDIAN_STAGES_NOTE = ("median_stages: the stage times of the iteration whose total_ms is the median (for an even "
-                      "count, the mean of the two middle iterations), with other_ms = total_ms - the stages (time "
-                      "between them); they add up to summary.total_ms.p50, which the per-field medians of summary "
-                      "need not do. decode_ms_per_step, achieved_gbps, roofline_fraction and kv_cache_bytes there "
-                      "are of the same iteration(s). The table and the plot show these.")
+NOT_COMPARABLE = (
+    "not comparable: Hugging Face samples with torch's generator, the rollout with its own "
+    "counter-based sampler, so sampled tokens cannot match even when both are right; only greedy "
+    "tokens (--temperature 0) can be compared across them"
+)
+HF_NOT_COMPARED = (
+    "not compared under sampling: the static cache runs other attention kernels (compiled ones on "
+    "CUDA) and torch.multinomial's pick depends on every probability's rounding; compare them with "
+    "--temperature 0"
+)
+TOKENS_AGREE_NOTE = (
+    "tokens_agree.pairs: true when two modes generated identical token ids, false when they "
+    "differ although they should not (greedy; or two rollout modes, expanded / shared / prefix, "
+    "which sample with the same sampler and the same per-row keys), null when they are not "
+    "comparable (sampling with a Hugging Face mode: see tokens_agree.notes). Under "
+    "torch.distributed: false if they differ on any process"
+)
+MEDIAN_STAGES_NOTE = (
+    "median_stages: the stage times of the iteration whose total_ms is the median (for an even "
+    "count, the mean of the two middle iterations), with other_ms = total_ms - the stages (time "
+    "between them); they add up to summary.total_ms.p50, which the per-field medians of summary "
+    "need not do. decode_ms_per_step, achieved_gbps, roofline_fraction and kv_cache_bytes there "
+    "are of the same iteration(s). The table and the plot show these."
+)
 
 
 # --- summaries -----------------------------------------------------------------------------------

@@ -30,21 +30,21 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import Tensor, nn
 
-from .metrics import Clock, cpu_peak_memory_bytes, saved_tensor_bytes
 from ..models import build_model
 from ..shared_forward import disable_dropout, patch_forward
+from .metrics import Clock, cpu_peak_memory_bytes, saved_tensor_bytes
 
 __all__ = ["TrainCase", "cases", "make_batch", "measure_case", "format_table", "NOTES"]
 
 NOTES = {
     "time": "median ms of `iterations` steps per mode, plain and shared steps alternating after the warm-up",
     "saved_mib": "activations held for backward after the forward (unique storages seen by saved-tensor hooks, "
-                 "parameters excluded)",
+    "parameters excluded)",
     "peak_mib": "peak memory of one more step per mode beyond the weights and their gradients (allocated by a step "
-                "before, zeroed in place): CUDA max_memory_allocated beyond what was allocated before; CPU the running "
-                "sum of the profiler's memory events",
+    "before, zeroed in place): CUDA max_memory_allocated beyond what was allocated before; CPU the running "
+    "sum of the profiler's memory events",
     "grad_rel_diff": "max |shared - plain| over every parameter's gradient / the largest |plain| gradient (ReLU models: "
-                     "a unit within float32 rounding of the kink can switch, see the README)",
+    "a unit within float32 rounding of the kink can switch, see the README)",
     "tokens": "rows x (P + C) for plain; for shared, the tokens the packed sequence holds (B x (P + G x C))",
 }
 
@@ -122,16 +122,17 @@ def _peak_bytes(model: nn.Module, ids: Tensor, completion_length: int, device: t
     return cpu_peak_memory_bytes(lambda: _step(model, ids, completion_length, keep_grads=True))
 
 
-
-
 def measure_case(model: nn.Module, case: TrainCase, iterations: int, warmup: int, seed: int = 0) -> dict:
     """One case: times, memory and agreement of the plain and shared steps (see the module docstring)."""
     device = next(model.parameters()).device
     ids = make_batch(case, model.config.vocab_size, device, seed)
     clock = Clock(device)
     c = case.completion_length
-    result = {**dataclasses.asdict(case), "plain_tokens": case.rows * (case.prompt_length + c),
-              "shared_tokens": case.prompts * (case.prompt_length + case.group * c)}
+    result = {
+        **dataclasses.asdict(case),
+        "plain_tokens": case.rows * (case.prompt_length + c),
+        "shared_tokens": case.prompts * (case.prompt_length + case.group * c),
+    }
 
     # Agreement first (it also warms both modes up).
     loss_plain = _step(model, ids, c)
@@ -141,12 +142,15 @@ def measure_case(model: nn.Module, case: TrainCase, iterations: int, warmup: int
     result["loss_rel_diff"] = ((loss_shared - loss_plain).abs() / loss_plain.abs()).item()
     # Relative to the largest gradient: some are 0 in exact arithmetic (a key projection's bias), noise here.
     scale = max(g.float().abs().max().item() for g in grads_plain)
-    result["grad_rel_diff"] = max((s.float() - p.float()).abs().max().item() for s, p in zip(grads_shared, grads_plain)) / scale
+    result["grad_rel_diff"] = (
+        max((s.float() - p.float()).abs().max().item() for s, p in zip(grads_shared, grads_plain)) / scale
+    )
     del grads_plain, grads_shared
 
     times: dict[str, list[float]] = {"plain": [], "shared": []}
     for i in range(warmup + iterations):
         for mode in ("plain", "shared"):
+
             def timed():
                 clock.wait()
                 start = clock.mark()
@@ -162,8 +166,9 @@ def measure_case(model: nn.Module, case: TrainCase, iterations: int, warmup: int
         result[f"{mode}_ms"] = statistics.median(times[mode])
         result[f"{mode}_ms_all"] = times[mode]
         result[f"{mode}_saved_mib"] = _in_mode(model, mode == "shared", lambda: _saved_bytes(model, ids, c)) / 2**20
-        result[f"{mode}_peak_mib"] = _in_mode(model, mode == "shared",
-                                              lambda: _peak_bytes(model, ids, c, device)) / 2**20
+        result[f"{mode}_peak_mib"] = (
+            _in_mode(model, mode == "shared", lambda: _peak_bytes(model, ids, c, device)) / 2**20
+        )
     model.zero_grad(set_to_none=True)
     result["speedup"] = result["plain_ms"] / result["shared_ms"]
     result["saved_ratio"] = result["shared_saved_mib"] / result["plain_saved_mib"]
@@ -179,14 +184,42 @@ def train_model(shape: str, device, dtype: torch.dtype = torch.float32, seed: in
 
 
 def format_table(rows: list[dict]) -> str:
-    header = ["P", "C", "G", "B", "tokens plain/shared", "plain ms", "shared ms", "speedup", "saved MiB plain/shared",
-              "saved ratio", "peak MiB plain/shared", "peak ratio", "grad rel diff"]
+    header = [
+        "P",
+        "C",
+        "G",
+        "B",
+        "tokens plain/shared",
+        "plain ms",
+        "shared ms",
+        "speedup",
+        "saved MiB plain/shared",
+        "saved ratio",
+        "peak MiB plain/shared",
+        "peak ratio",
+        "grad rel diff",
+    ]
     lines = ["| " + " | ".join(header) + " |", "|" + "---:|" * len(header)]
     for r in rows:
-        lines.append("| " + " | ".join([
-            str(r["prompt_length"]), str(r["completion_length"]), str(r["group"]), str(r["prompts"]),
-            f"{r['plain_tokens']}/{r['shared_tokens']}", f"{r['plain_ms']:.0f}", f"{r['shared_ms']:.0f}",
-            f"{r['speedup']:.2f}x", f"{r['plain_saved_mib']:.0f}/{r['shared_saved_mib']:.0f}", f"{r['saved_ratio']:.2f}",
-            f"{r['plain_peak_mib']:.0f}/{r['shared_peak_mib']:.0f}", f"{r['peak_ratio']:.2f}",
-            f"{r['grad_rel_diff']:.1e}"]) + " |")
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    str(r["prompt_length"]),
+                    str(r["completion_length"]),
+                    str(r["group"]),
+                    str(r["prompts"]),
+                    f"{r['plain_tokens']}/{r['shared_tokens']}",
+                    f"{r['plain_ms']:.0f}",
+                    f"{r['shared_ms']:.0f}",
+                    f"{r['speedup']:.2f}x",
+                    f"{r['plain_saved_mib']:.0f}/{r['shared_saved_mib']:.0f}",
+                    f"{r['saved_ratio']:.2f}",
+                    f"{r['plain_peak_mib']:.0f}/{r['shared_peak_mib']:.0f}",
+                    f"{r['peak_ratio']:.2f}",
+                    f"{r['grad_rel_diff']:.1e}",
+                ]
+            )
+            + " |"
+        )
     return "\n".join(lines)

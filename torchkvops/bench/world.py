@@ -16,12 +16,14 @@ from .cases import INT_FIELDS
 
 __all__ = ["WORLD_NOTE", "World", "merge_ranks"]
 
-WORLD_NOTE = ("torch.distributed: every process runs every case on its own B prompts (global batch = B x world_size), "
-              "in lockstep (a status exchange after every call; a call that fails on one process fails that mode on "
-              "all). Each iteration's record is the profile of the process with the largest total_ms in that "
-              "iteration (slowest_rank), with generated_tokens = the tokens of all processes and tokens_per_second "
-              "= that / the slowest total (global tokens/s); modes[].ranks holds every process's own iterations, "
-              "peak_memory_bytes is the largest of the processes' (rank_peak_memory_bytes)")
+WORLD_NOTE = (
+    "torch.distributed: every process runs every case on its own B prompts (global batch = B x world_size), "
+    "in lockstep (a status exchange after every call; a call that fails on one process fails that mode on "
+    "all). Each iteration's record is the profile of the process with the largest total_ms in that "
+    "iteration (slowest_rank), with generated_tokens = the tokens of all processes and tokens_per_second "
+    "= that / the slowest total (global tokens/s); modes[].ranks holds every process's own iterations, "
+    "peak_memory_bytes is the largest of the processes' (rank_peak_memory_bytes)"
+)
 
 
 class World:
@@ -78,21 +80,24 @@ class World:
         return "; ".join(f"rank {r}: {text}" for r, text in failures)
 
     def gather_text(self, text: str) -> list[str]:
-        return [self._decode(p) for p in self.all_gather(self._encode(text, self.TEXT_BYTES))] if self.active \
-            else [text]
+        return (
+            [self._decode(p) for p in self.all_gather(self._encode(text, self.TEXT_BYTES))] if self.active else [text]
+        )
 
     def gather_records(self, records: Sequence[dict], fields: Sequence[str]) -> list[list[dict]]:
         """Every process's records (the same count on each), as a float64 vector per record (None as NaN)."""
         if not self.active:
             return [list(records)]
-        t = torch.tensor([[math.nan if r.get(f) is None else float(r[f]) for f in fields] for r in records],
-                         dtype=torch.float64).reshape(len(records), len(fields))
+        t = torch.tensor(
+            [[math.nan if r.get(f) is None else float(r[f]) for f in fields] for r in records], dtype=torch.float64
+        ).reshape(len(records), len(fields))
         out = []
         for part in self.all_gather(t):
             rows = []
             for row in part.tolist():
-                rows.append({f: None if math.isnan(v) else int(v) if f in INT_FIELDS else v
-                             for f, v in zip(fields, row)})
+                rows.append(
+                    {f: None if math.isnan(v) else int(v) if f in INT_FIELDS else v for f, v in zip(fields, row)}
+                )
             out.append(rows)
         return out
 

@@ -22,8 +22,8 @@ def cmd_bench(args) -> int:
     import torch
 
     from .. import __version__
-    from ..bench import cases as bench_cases
     from ..atomic_write import write_json_atomic
+    from ..bench import cases as bench_cases
     from ..bench import lengths, matrix, metrics, mismatch, report, runners, stats
     from ..bench import world as bench_world
 
@@ -32,13 +32,17 @@ def cmd_bench(args) -> int:
     world = bench_world.World()
     dtype_name, dtype = resolve_dtype(args.dtype, device)
     modes = list(dict.fromkeys(args.modes))
-    cases = bench_cases.plan_cases(args.batch_sizes, args.samples_per_prompt, args.prompt_lengths,
-                                   args.response_lengths)
+    cases = bench_cases.plan_cases(
+        args.batch_sizes, args.samples_per_prompt, args.prompt_lengths, args.response_lengths
+    )
     model_config, source = load_config(args)
     longest = max(cases, key=lambda c: c.prompt_length + c.response_length)
-    check_positions(model_config, longest.prompt_length + longest.response_length,
-                    f"case {longest.name}: --prompt-lengths {longest.prompt_length} + --response-lengths "
-                    f"{longest.response_length}", "lower them")
+    check_positions(
+        model_config,
+        longest.prompt_length + longest.response_length,
+        f"case {longest.name}: --prompt-lengths {longest.prompt_length} + --response-lengths {longest.response_length}",
+        "lower them",
+    )
     check_bench_kv_memory(model_config, device, dtype, cases, modes)
     if args.trace:
         try:
@@ -52,10 +56,17 @@ def cmd_bench(args) -> int:
         raise CLIError(f"--length-profile {args.length_profile}: {e}") from None
 
     roofline = metrics.copy_roofline(device)  # CUDA only: measured before any case, on this process's device
-    settings = bench_cases.Settings(temperature=args.temperature, top_p=args.top_p, seed=args.seed,
-                                    compile=args.compile, warmup=args.warmup, iterations=args.iterations,
-                                    trace_dir=args.trace, mismatch=args.mismatch,
-                                    roofline_gbps=roofline["copy_roofline_gbps"] if roofline else None)
+    settings = bench_cases.Settings(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+        compile=args.compile,
+        warmup=args.warmup,
+        iterations=args.iterations,
+        trace_dir=args.trace,
+        mismatch=args.mismatch,
+        roofline_gbps=roofline["copy_roofline_gbps"] if roofline else None,
+    )
     traffic = metrics.Traffic.of(model, settings.roofline_gbps)
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()
     rank_devices = world.device_description(device, device_name)
@@ -72,18 +83,22 @@ def cmd_bench(args) -> int:
         "shared": f"Rollout(shared_prefill=True, kv_sharing='copy', {stop}){compiled}",
         "prefix": f"Rollout(shared_prefill=True, kv_sharing='prefix', {stop}){compiled}",
         "shared-nocompact": f"Rollout(shared_prefill=True, kv_sharing='copy', {stop}, "
-                            f"compact_finished_rows=False){compiled}",
+        f"compact_finished_rows=False){compiled}",
         "prefix-nocompact": f"Rollout(shared_prefill=True, kv_sharing='prefix', {stop}, "
-                            f"compact_finished_rows=False){compiled}",
+        f"compact_finished_rows=False){compiled}",
         "hf-generate": "model.generate, default (dynamic) cache, eager (--compile does not apply), "
-                       + ("max_new_tokens=min_new_tokens=R, eos_token_id=None (no EOS, as the rollout's eos_token_id=[])"
-                          if eos is None else f"max_new_tokens=R, eos_token_id={eos}") + ", top_k=0",
+        + (
+            "max_new_tokens=min_new_tokens=R, eos_token_id=None (no EOS, as the rollout's eos_token_id=[])"
+            if eos is None
+            else f"max_new_tokens=R, eos_token_id={eos}"
+        )
+        + ", top_k=0",
         "hf-static": "model.generate(cache_implementation='static'), otherwise as hf-generate, run as Hugging Face "
-                     "runs it: on CUDA transformers compiles its decode step (torch.compile, mode 'reduce-overhead') "
-                     "in the first call of each new shape, so the warm-up calls include that compilation (with "
-                     "--warmup 0 the first timed call does); on the CPU it does not compile. transformers sizes the "
-                     "static cache to the longest max length of this process's earlier calls, so a case run after a "
-                     "longer one gets a larger cache",
+        "runs it: on CUDA transformers compiles its decode step (torch.compile, mode 'reduce-overhead') "
+        "in the first call of each new shape, so the warm-up calls include that compilation (with "
+        "--warmup 0 the first timed call does); on the CPU it does not compile. transformers sizes the "
+        "static cache to the longest max length of this process's earlier calls, so a case run after a "
+        "longer one gets a larger cache",
     }
     header = {
         "tool": "torchkvops bench",
@@ -104,8 +119,11 @@ def cmd_bench(args) -> int:
         "rank_devices": rank_devices,
         "timing": matrix.TIMING_NOTE,
         "decode_ms_per_step_method": runners.DECODE_STEP_NOTE,
-        "bytes_per_step": {"weight_bytes": traffic.weight_bytes, "kv_bytes_per_token": traffic.kv_bytes_per_token,
-                           "formula": metrics.BYTES_NOTE},
+        "bytes_per_step": {
+            "weight_bytes": traffic.weight_bytes,
+            "kv_bytes_per_token": traffic.kv_bytes_per_token,
+            "formula": metrics.BYTES_NOTE,
+        },
         "roofline": roofline,
         "peak_memory_method": "cuda_allocator" if device.type == "cuda" else "cpu_profiler",
         "peak_memory_note": metrics.PEAK_NOTE[device.type],
@@ -124,16 +142,24 @@ def cmd_bench(args) -> int:
     if args.mismatch:
         header["mismatch_note"] = mismatch.MISMATCH_NOTE
     per_mode = matrix.calls_per_mode(settings, device)
-    where = (f"{world.size} processes ({world.backend}), each on {device.type} with its own --batch-sizes prompts"
-             if world.size > 1 else f"{device_name} ({device})")
-    say(f"bench: {len(cases)} case(s) x {len(modes)} mode(s) x {per_mode} calls on {where}, {dtype_name}, "
+    where = (
+        f"{world.size} processes ({world.backend}), each on {device.type} with its own --batch-sizes prompts"
+        if world.size > 1
+        else f"{device_name} ({device})"
+    )
+    say(
+        f"bench: {len(cases)} case(s) x {len(modes)} mode(s) x {per_mode} calls on {where}, {dtype_name}, "
         f"{header['sampling']}, {args.length_profile} lengths, warmup {args.warmup}, {args.iterations} timed "
         f"iteration{'s' if args.iterations != 1 else ''}, modes interleaved"
-        + (f"; copy_ roofline {roofline['copy_roofline_gbps']:.0f} GB/s" if roofline else ""))
+        + (f"; copy_ roofline {roofline['copy_roofline_gbps']:.0f} GB/s" if roofline else "")
+    )
 
     if args.compile and args.warmup == 0 and world.is_main:
-        print("torchkvops: warning: --compile with --warmup 0: the first timed calls compile, and their time counts "
-              "in the results (give --warmup 1 or more)", file=sys.stderr)
+        print(
+            "torchkvops: warning: --compile with --warmup 0: the first timed calls compile, and their time counts "
+            "in the results (give --warmup 1 or more)",
+            file=sys.stderr,
+        )
 
     results: list[dict | None] = [None] * len(cases)
 
@@ -147,8 +173,11 @@ def cmd_bench(args) -> int:
         try:
             save("partial")
         except OSError as e:
-            print(f"torchkvops: warning: cannot write --output {args.output} ({e.strerror or e}); "
-                  "trying again after the next case", file=sys.stderr)
+            print(
+                f"torchkvops: warning: cannot write --output {args.output} ({e.strerror or e}); "
+                "trying again after the next case",
+                file=sys.stderr,
+            )
 
     save_during_run()  # the header at once: a run that dies before its first case still leaves a record
 
@@ -158,9 +187,18 @@ def cmd_bench(args) -> int:
 
     try:
         with matrix.recompile_headroom(args.compile or "hf-static" in modes):
-            matrix.run_matrix(model, cases, modes, settings, vocab_size=vocab_size(model, tokenizer),
-                             special_ids=special_ids(model, tokenizer), pad_token_id=pad_id(model, tokenizer),
-                             progress=not args.no_progress, on_case=case_done, world=world)
+            matrix.run_matrix(
+                model,
+                cases,
+                modes,
+                settings,
+                vocab_size=vocab_size(model, tokenizer),
+                special_ids=special_ids(model, tokenizer),
+                pad_token_id=pad_id(model, tokenizer),
+                progress=not args.no_progress,
+                on_case=case_done,
+                world=world,
+            )
     except KeyboardInterrupt:
         finished = [r for r in results if r is not None]
         for result in finished:
@@ -180,12 +218,17 @@ def cmd_bench(args) -> int:
         report.plot_stage_times(results, args.plot, f"{model_desc}, {dtype_name}, {device_name}")
         say(f"wrote {args.plot}")
     if args.trace:
-        say(f"wrote Chrome traces to {os.path.join(args.trace, '')} (open in chrome://tracing or "
-            "https://ui.perfetto.dev)")
+        say(
+            f"wrote Chrome traces to {os.path.join(args.trace, '')} (open in chrome://tracing or "
+            "https://ui.perfetto.dev)"
+        )
     if failed:
         if world.is_main:
-            print(f"torchkvops: {len(failed)} case(s) failed: {', '.join(failed)} (errors in the table"
-                  f"{' and the JSON' if args.output else ''})", file=sys.stderr)
+            print(
+                f"torchkvops: {len(failed)} case(s) failed: {', '.join(failed)} (errors in the table"
+                f"{' and the JSON' if args.output else ''})",
+                file=sys.stderr,
+            )
         return 1
     return 0
 

@@ -17,10 +17,14 @@ MAX_MIB = 1 << 20  # 1 TiB: a cache size beyond any machine this runs on
 MAX_SIZES = 64
 DESCRIPTION = op.__doc__.split("\n\n")[0]  # the first paragraph of torchkvops.bench.op's docstring
 
-EPILOG = "methods (--methods, comma-separated):\n" + "\n".join(f"  {k:<11} {v}" for k, v in METHODS.items()) + (
-    "\n\nCache sizes: --min-mib, --min-mib * --factor, ... up to --max-mib. GB/s = (bytes read + written) / "
-    "median time / 1e9.")
-
+EPILOG = (
+    "methods (--methods, comma-separated):\n"
+    + "\n".join(f"  {k:<11} {v}" for k, v in METHODS.items())
+    + (
+        "\n\nCache sizes: --min-mib, --min-mib * --factor, ... up to --max-mib. GB/s = (bytes read + written) / "
+        "median time / 1e9."
+    )
+)
 
 
 def methods_list(text: str) -> list[str]:
@@ -32,27 +36,38 @@ def methods_list(text: str) -> list[str]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--device", type=device_name, default=None,
-                   help="cpu, cuda or cuda:N (default: cuda when available, else cpu)")
+    p.add_argument(
+        "--device", type=device_name, default=None, help="cpu, cuda or cuda:N (default: cuda when available, else cpu)"
+    )
     p.add_argument("--dtype", choices=sorted(DTYPE_NAMES), default="fp16", help="the cache's element type")
     p.add_argument("--batch", type=int_in(1), default=8, help="prompts B (rows [0, B) hold them)")
     p.add_argument("--repeats", type=int_in(2), default=4, help="samples per prompt N (rows = B*N; 1 moves nothing)")
     p.add_argument("--kv-heads", type=int_in(1), default=8, help="KV heads per layer")
     p.add_argument("--head-dim", type=int_in(1), default=128, help="the dimension of each head")
-    p.add_argument("--prompt-frac", type=float_in(0, 1, lo_open=True), default=0.5,
-                   help="num_tokens = this fraction of max_tokens, in (0, 1]")
+    p.add_argument(
+        "--prompt-frac",
+        type=float_in(0, 1, lo_open=True),
+        default=0.5,
+        help="num_tokens = this fraction of max_tokens, in (0, 1]",
+    )
     p.add_argument("--min-mib", type=float_in(0, MAX_MIB, lo_open=True), default=1.0, help="smallest cache size in MiB")
-    p.add_argument("--max-mib", type=float_in(0, MAX_MIB, lo_open=True), default=1024.0,
-                   help="largest cache size in MiB")
+    p.add_argument(
+        "--max-mib", type=float_in(0, MAX_MIB, lo_open=True), default=1024.0, help="largest cache size in MiB"
+    )
     p.add_argument("--factor", type=int_in(2), default=4, help="ratio between successive sizes")
     p.add_argument("--warmup", type=int_in(0), default=3, help="untimed runs per method and size")
     p.add_argument("--iters", type=int_in(1), default=10, help="timed runs per method and size (median reported)")
     add_threads_argument(p)
-    p.add_argument("--methods", type=methods_list, default=",".join(METHODS),
-                   help=f"comma-separated subset of {', '.join(METHODS)} to time (see below)")
+    p.add_argument(
+        "--methods",
+        type=methods_list,
+        default=",".join(METHODS),
+        help=f"comma-separated subset of {', '.join(METHODS)} to time (see below)",
+    )
     p.add_argument("--no-check", action="store_true", help="skip the check that op and loop agree")
-    p.add_argument("--output", metavar="FILE.json",
-                   help="also write the rows as JSON to this file (rewritten after each size)")
+    p.add_argument(
+        "--output", metavar="FILE.json", help="also write the rows as JSON to this file (rewritten after each size)"
+    )
 
 
 def check_args(args) -> None:
@@ -61,16 +76,20 @@ def check_args(args) -> None:
         raise CLIError(f"--min-mib {args.min_mib:.10g} is more than --max-mib {args.max_mib:.10g}")
     count = math.floor(math.log(args.max_mib / args.min_mib, args.factor) + 1e-9) + 1
     if count > MAX_SIZES:
-        raise CLIError(f"--min-mib {args.min_mib:.10g} to --max-mib {args.max_mib:.10g} by --factor {args.factor} makes "
-                       f"{count} sizes; at most {MAX_SIZES}: raise --min-mib or --factor")
+        raise CLIError(
+            f"--min-mib {args.min_mib:.10g} to --max-mib {args.max_mib:.10g} by --factor {args.factor} makes "
+            f"{count} sizes; at most {MAX_SIZES}: raise --min-mib or --factor"
+        )
     check_output_file(args.output, "--output")
     sizes = plan(args)
     _, shape, _ = sizes[-1]
     actual = math.prod(shape) * ITEMSIZE[args.dtype]
     if actual > 2 * args.max_mib * MiB:
-        raise CLIError(f"--batch {args.batch} x --repeats {args.repeats} rows of --kv-heads {args.kv_heads} x "
-                       f"--head-dim {args.head_dim} make the smallest possible cache {shape} {actual / MiB:.0f} MiB, "
-                       f"more than --max-mib {args.max_mib:.10g}: lower them or raise --max-mib")
+        raise CLIError(
+            f"--batch {args.batch} x --repeats {args.repeats} rows of --kv-heads {args.kv_heads} x "
+            f"--head-dim {args.head_dim} make the smallest possible cache {shape} {actual / MiB:.0f} MiB, "
+            f"more than --max-mib {args.max_mib:.10g}: lower them or raise --max-mib"
+        )
     if args.device == "cpu":
         check_memory(args, sizes, available_memory_bytes(), "available here")
 
@@ -82,8 +101,10 @@ def check_memory(args, sizes, have: int | None, where: str) -> None:
     _, shape, num_tokens = max(sizes, key=lambda s: math.prod(s[1]))
     need = peak_bytes(shape, num_tokens, ITEMSIZE[args.dtype], args.methods, not args.no_check)
     if need > have:
-        raise CLIError(f"--max-mib {args.max_mib:.10g}: the largest size (cache {shape}) needs about {gib(need)} with "
-                       f"--methods {','.join(args.methods)}, more than the {gib(have)} {where}; lower --max-mib")
+        raise CLIError(
+            f"--max-mib {args.max_mib:.10g}: the largest size (cache {shape}) needs about {gib(need)} with "
+            f"--methods {','.join(args.methods)}, more than the {gib(have)} {where}; lower --max-mib"
+        )
 
 
 def run(args: argparse.Namespace, on_row: Callable[[list[dict]], None] | None = None) -> list[dict]:

@@ -13,26 +13,39 @@ from .model import DTYPE_NAMES, resolve_dtype
 
 # torchkvops.models' shapes and their positions (max_position_embeddings), spelled out so that the checks
 # need no transformers (tests/test_bench_train.py checks that they agree).
-MODEL_POSITIONS = {"llama-small": 8192, "opt-125m": 2048, "tiny": 2048, "gpt2": 1024, "qwen3-0.6b": 40960,
-                   "opt-6.7b": 2048}
-DESCRIPTION = ("Forward + backward of the completion log-probabilities of G completions per prompt (a GRPO loss "
-               "pass), the plain forward against torchkvops.patch_forward's shared-prefix forward, interleaved "
-               "(A B A B ...), over a matrix of prompt lengths P, completion lengths C and group sizes G.")
-EPILOG = ("Per case: time (median of --iterations steps per mode, after --warmup), activations held for backward, "
-          "peak memory of one more step per mode, and the shared step's max relative difference from the plain "
-          "one's gradients. Models have random weights, train mode, dropout off.")
+MODEL_POSITIONS = {
+    "llama-small": 8192,
+    "opt-125m": 2048,
+    "tiny": 2048,
+    "gpt2": 1024,
+    "qwen3-0.6b": 40960,
+    "opt-6.7b": 2048,
+}
+DESCRIPTION = (
+    "Forward + backward of the completion log-probabilities of G completions per prompt (a GRPO loss "
+    "pass), the plain forward against torchkvops.patch_forward's shared-prefix forward, interleaved "
+    "(A B A B ...), over a matrix of prompt lengths P, completion lengths C and group sizes G."
+)
+EPILOG = (
+    "Per case: time (median of --iterations steps per mode, after --warmup), activations held for backward, "
+    "peak memory of one more step per mode, and the shared step's max relative difference from the plain "
+    "one's gradients. Models have random weights, train mode, dropout off."
+)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model-shape", choices=list(MODEL_POSITIONS), default="llama-small",
-                   help="a torchkvops.models shape")
-    p.add_argument("--device", type=device_name, default=None,
-                   help="cpu, cuda or cuda:N (default: cuda when available, else cpu)")
+    p.add_argument(
+        "--model-shape", choices=list(MODEL_POSITIONS), default="llama-small", help="a torchkvops.models shape"
+    )
+    p.add_argument(
+        "--device", type=device_name, default=None, help="cpu, cuda or cuda:N (default: cuda when available, else cpu)"
+    )
     p.add_argument("--dtype", choices=list(DTYPE_NAMES), default="fp32", help="the weights' dtype")
     p.add_argument("--prompts", type=int_in(1), default=1, help="prompts B per step (rows = B x G)")
     p.add_argument("--prompt-lengths", type=int_in(1), nargs="+", default=[1024], metavar="P", help="prompt tokens")
-    p.add_argument("--completion-lengths", type=int_in(1), nargs="+", default=[128], metavar="C",
-                   help="completion tokens per row")
+    p.add_argument(
+        "--completion-lengths", type=int_in(1), nargs="+", default=[128], metavar="C", help="completion tokens per row"
+    )
     p.add_argument("--group-sizes", type=int_in(2), nargs="+", default=[8], metavar="G", help="completions per prompt")
     p.add_argument("--warmup", type=int_in(0), default=1, help="untimed steps per case and mode")
     p.add_argument("--iterations", type=int_in(1), default=3, help="timed steps per case and mode (median reported)")
@@ -46,8 +59,10 @@ def check_args(args) -> None:
     limit = MODEL_POSITIONS[args.model_shape]
     longest = max(args.prompt_lengths) + max(args.completion_lengths)
     if longest > limit:
-        raise CLIError(f"--prompt-lengths + --completion-lengths reach {longest} tokens, more than the "
-                       f"{args.model_shape} shape's {limit} positions")
+        raise CLIError(
+            f"--prompt-lengths + --completion-lengths reach {longest} tokens, more than the "
+            f"{args.model_shape} shape's {limit} positions"
+        )
     check_output_file(args.output, "--output")
 
 
@@ -61,18 +76,30 @@ def execute(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
     _, dtype = resolve_dtype(args.dtype, device)
     model = train_model(args.model_shape, device, dtype, args.seed)
-    header = {"model_shape": args.model_shape, "device": str(device), "dtype": args.dtype, "torch": torch.__version__,
-              "threads": torch.get_num_threads(), "warmup": args.warmup, "iterations": args.iterations,
-              "notes": NOTES}
+    header = {
+        "model_shape": args.model_shape,
+        "device": str(device),
+        "dtype": args.dtype,
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "warmup": args.warmup,
+        "iterations": args.iterations,
+        "notes": NOTES,
+    }
     results = []
     for case in cases(args.prompts, args.prompt_lengths, args.completion_lengths, args.group_sizes):
-        print(f"P={case.prompt_length} C={case.completion_length} G={case.group} B={case.prompts} ...",
-              file=sys.stderr, flush=True)
+        print(
+            f"P={case.prompt_length} C={case.completion_length} G={case.group} B={case.prompts} ...",
+            file=sys.stderr,
+            flush=True,
+        )
         results.append(measure_case(model, case, args.iterations, args.warmup, args.seed))
         if args.output:
             write_json_atomic(args.output, {"header": header, "results": results})
-    print(f"bench-train: {args.model_shape} {args.dtype} on {device}, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads, median of {args.iterations} steps after {args.warmup} warm-up")
+    print(
+        f"bench-train: {args.model_shape} {args.dtype} on {device}, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads, median of {args.iterations} steps after {args.warmup} warm-up"
+    )
     print(format_table(results))
     if args.output:
         print(f"wrote {args.output}")

@@ -16,9 +16,27 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-__all__ = ["CLIError", "int_in", "positive_int", "non_negative_int", "float_in", "temperature", "top_p", "device_name",
-           "available_memory_bytes", "gib", "check_output_file", "check_output_dir", "check_plot_path",
-           "model_source", "check_rollout_args", "check_bench_args", "check_positions", "check_kv_memory", "check_bench_kv_memory"]
+__all__ = [
+    "CLIError",
+    "int_in",
+    "positive_int",
+    "non_negative_int",
+    "float_in",
+    "temperature",
+    "top_p",
+    "device_name",
+    "available_memory_bytes",
+    "gib",
+    "check_output_file",
+    "check_output_dir",
+    "check_plot_path",
+    "model_source",
+    "check_rollout_args",
+    "check_bench_args",
+    "check_positions",
+    "check_kv_memory",
+    "check_bench_kv_memory",
+]
 
 PLOT_HINT = "pip install matplotlib  (or, in a clone of torchkvops: pip install -e '.[plot]')"
 
@@ -119,8 +137,10 @@ def check_token_memory(batch: int, samples: int, prompt_len: int, new_tokens: in
     need = 8 * (batch * prompt_len + batch * samples * (prompt_len + new_tokens))
     have = available_memory_bytes()
     if have is not None and need > have:
-        raise CLIError(f"{what}: the token ids alone (int64 prompts and outputs) take {gib(need)}, more than the "
-                       f"{gib(have)} of memory available here; {hint}")
+        raise CLIError(
+            f"{what}: the token ids alone (int64 prompts and outputs) take {gib(need)}, more than the "
+            f"{gib(have)} of memory available here; {hint}"
+        )
 
 
 def _nearest_existing(path: Path) -> Path:
@@ -181,8 +201,10 @@ def check_plot_path(path: str | None) -> None:
     suffix = Path(path).suffix.lower().lstrip(".")
     formats = FigureCanvasBase.get_supported_filetypes()
     if suffix and suffix not in formats:
-        raise CLIError(f"--plot {path}: matplotlib cannot write .{suffix} files; use one of "
-                       f"{', '.join('.' + f for f in sorted(formats))}")
+        raise CLIError(
+            f"--plot {path}: matplotlib cannot write .{suffix} files; use one of "
+            f"{', '.join('.' + f for f in sorted(formats))}"
+        )
     check_output_file(path, "--plot")
 
 
@@ -206,12 +228,19 @@ def check_rollout_args(args) -> None:
         model_source(args.model)
     check_output_file(args.output, "--output")
     if (args.prompt or args.prompts) and not args.model:
-        raise CLIError("--prompt/--prompts need --model (a checkpoint with a tokenizer); without --model, "
-                       "use --prompt-length for synthetic prompts")
+        raise CLIError(
+            "--prompt/--prompts need --model (a checkpoint with a tokenizer); without --model, "
+            "use --prompt-length for synthetic prompts"
+        )
     if not (args.prompt or args.prompts):
-        check_token_memory(args.num_prompts, args.samples_per_prompt, args.prompt_length, args.max_new_tokens,
-                           f"--num-prompts {args.num_prompts} x --prompt-length {args.prompt_length}",
-                           "lower --num-prompts, --prompt-length, --samples-per-prompt or --max-new-tokens")
+        check_token_memory(
+            args.num_prompts,
+            args.samples_per_prompt,
+            args.prompt_length,
+            args.max_new_tokens,
+            f"--num-prompts {args.num_prompts} x --prompt-length {args.prompt_length}",
+            "lower --num-prompts, --prompt-length, --samples-per-prompt or --max-new-tokens",
+        )
 
 
 def check_bench_args(args) -> None:
@@ -221,12 +250,24 @@ def check_bench_args(args) -> None:
     check_plot_path(args.plot)
     check_output_dir(args.trace, "--trace")
     if args.length_profile == "geometric" and args.temperature == 0:
-        raise CLIError("--length-profile geometric needs sampling (--temperature > 0): greedy decoding would pick "
-                       "the EOS token never or always")
-    b, n, p, r = max(args.batch_sizes), max(args.samples_per_prompt), max(args.prompt_lengths), \
-        max(args.response_lengths)
-    check_token_memory(b, n, p, r, f"the largest case (B={b} N={n} P={p} R={r})",
-                       "lower --batch-sizes, --samples-per-prompt, --prompt-lengths or --response-lengths")
+        raise CLIError(
+            "--length-profile geometric needs sampling (--temperature > 0): greedy decoding would pick "
+            "the EOS token never or always"
+        )
+    b, n, p, r = (
+        max(args.batch_sizes),
+        max(args.samples_per_prompt),
+        max(args.prompt_lengths),
+        max(args.response_lengths),
+    )
+    check_token_memory(
+        b,
+        n,
+        p,
+        r,
+        f"the largest case (B={b} N={n} P={p} R={r})",
+        "lower --batch-sizes, --samples-per-prompt, --prompt-lengths or --response-lengths",
+    )
 
 
 # --- checks before the model is built (its config read, torch loaded) ----------------------------
@@ -258,8 +299,10 @@ def check_positions(config, total: int, what: str, hint: str) -> None:
     again, with its own message; this one names the flags)."""
     max_positions = getattr(config, "max_position_embeddings", None)
     if isinstance(max_positions, int) and total > max_positions:
-        raise CLIError(f"{what} = {total} tokens, more than the model's {max_positions} positions "
-                       f"(max_position_embeddings); {hint}")
+        raise CLIError(
+            f"{what} = {total} tokens, more than the model's {max_positions} positions "
+            f"(max_position_embeddings); {hint}"
+        )
 
 
 def check_kv_memory(config, device, dtype, rows: int, total: int, what: str, hint: str) -> None:
@@ -268,8 +311,10 @@ def check_kv_memory(config, device, dtype, rows: int, total: int, what: str, hin
     need = kv_cache_bytes(config, rows, total, dtype.itemsize)
     have = device_memory_bytes(device)
     if need is not None and have is not None and need > have:
-        raise CLIError(f"{what}: the KV cache of {rows} rows x {total} tokens takes about {gib(need)}, more than the "
-                       f"{gib(have)} free on {device}; {hint}")
+        raise CLIError(
+            f"{what}: the KV cache of {rows} rows x {total} tokens takes about {gib(need)}, more than the "
+            f"{gib(have)} free on {device}; {hint}"
+        )
 
 
 def bench_kv_bytes(config, case, modes: Sequence[str], itemsize: int) -> int | None:
@@ -278,9 +323,11 @@ def bench_kv_bytes(config, case, modes: Sequence[str], itemsize: int) -> int | N
     x R), plus the largest Hugging Face cache (rows x (P+R)), allocated during its own call. None when
     the config does not say."""
     b, rows, p, r = case.batch_size, case.rows, case.prompt_length, case.response_length
-    parts = {"expanded": (kv_cache_bytes(config, rows, p + r, itemsize),),
-             "shared": (kv_cache_bytes(config, rows, p + r, itemsize),),
-             "prefix": (kv_cache_bytes(config, b, p, itemsize), kv_cache_bytes(config, rows, r, itemsize))}
+    parts = {
+        "expanded": (kv_cache_bytes(config, rows, p + r, itemsize),),
+        "shared": (kv_cache_bytes(config, rows, p + r, itemsize),),
+        "prefix": (kv_cache_bytes(config, b, p, itemsize), kv_cache_bytes(config, rows, r, itemsize)),
+    }
     modes = [m.removesuffix("-nocompact") for m in modes]  # the same buffers as their layout's
     sizes = [size for m in modes if m in parts for size in parts[m]]
     if any(m not in parts for m in modes):
@@ -298,7 +345,9 @@ def check_bench_kv_memory(config, device, dtype, cases, modes: Sequence[str]) ->
     need, case = max(needs, key=lambda nc: nc[0])
     have = device_memory_bytes(device)
     if have is not None and need > have:
-        raise CLIError(f"case {case.name}: the KV caches of the modes {', '.join(modes)} take about {gib(need)} held "
-                       f"at once (the rollout modes' buffers stay allocated while the modes interleave), more than the "
-                       f"{gib(have)} free on {device}; lower --batch-sizes, --samples-per-prompt, --prompt-lengths or "
-                       "--response-lengths, or time fewer --modes per run")
+        raise CLIError(
+            f"case {case.name}: the KV caches of the modes {', '.join(modes)} take about {gib(need)} held "
+            f"at once (the rollout modes' buffers stay allocated while the modes interleave), more than the "
+            f"{gib(have)} free on {device}; lower --batch-sizes, --samples-per-prompt, --prompt-lengths or "
+            "--response-lengths, or time fewer --modes per run"
+        )

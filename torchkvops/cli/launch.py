@@ -12,8 +12,19 @@ import os
 
 from .checks import CLIError, int_in
 
-__all__ = ["RunError", "say", "current_rank", "current_world_size", "resolve_device", "torchrun_env",
-           "start_processes", "stop_processes", "shard_bounds", "add_threads_argument", "set_threads"]
+__all__ = [
+    "RunError",
+    "say",
+    "current_rank",
+    "current_world_size",
+    "resolve_device",
+    "torchrun_env",
+    "start_processes",
+    "stop_processes",
+    "shard_bounds",
+    "add_threads_argument",
+    "set_threads",
+]
 
 
 class RunError(Exception):
@@ -52,8 +63,9 @@ def torchrun_env(environ=None) -> dict | None:
         try:
             return int(text)
         except (TypeError, ValueError):
-            raise CLIError(f"launched by torchrun (WORLD_SIZE / TORCHELASTIC_RUN_ID set), but {name}={text!r} is not "
-                           "an integer") from None
+            raise CLIError(
+                f"launched by torchrun (WORLD_SIZE / TORCHELASTIC_RUN_ID set), but {name}={text!r} is not an integer"
+            ) from None
 
     if not env.get("TORCHELASTIC_RUN_ID") and number("WORLD_SIZE", "1") <= 1:
         return None
@@ -77,11 +89,15 @@ def start_processes(device_text: str | None):
     backend = "gloo"
     if device.type == "cuda":
         if device_text not in (None, "cuda", f"cuda:{launch['local_rank']}"):
-            raise CLIError(f"--device {device_text}: under torchrun each process uses cuda:LOCAL_RANK (here "
-                           f"cuda:{launch['local_rank']}); pass --device cuda (or no --device)")
+            raise CLIError(
+                f"--device {device_text}: under torchrun each process uses cuda:LOCAL_RANK (here "
+                f"cuda:{launch['local_rank']}); pass --device cuda (or no --device)"
+            )
         if launch["local_rank"] >= torch.cuda.device_count():
-            raise CLIError(f"torchrun's LOCAL_RANK={launch['local_rank']}, but this machine has "
-                           f"{torch.cuda.device_count()} CUDA device(s); lower --nproc-per-node")
+            raise CLIError(
+                f"torchrun's LOCAL_RANK={launch['local_rank']}, but this machine has "
+                f"{torch.cuda.device_count()} CUDA device(s); lower --nproc-per-node"
+            )
         device = torch.device("cuda", launch["local_rank"])
         torch.cuda.set_device(device)
         backend = "nccl"
@@ -130,8 +146,10 @@ def resolve_device(text: str | None):
         raise CLIError(f"--device {text!r} is not a device; use cpu, cuda or cuda:N") from None
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise CLIError(f"--device {text}: no CUDA GPU is available here (torch {torch.__version__}, "
-                           f"built for CUDA {torch.version.cuda or 'none'})")
+            raise CLIError(
+                f"--device {text}: no CUDA GPU is available here (torch {torch.__version__}, "
+                f"built for CUDA {torch.version.cuda or 'none'})"
+            )
         if device.index is not None and device.index >= torch.cuda.device_count():
             raise CLIError(f"--device {text}: only {torch.cuda.device_count()} CUDA device(s) here")
         if device.index is None:
@@ -145,10 +163,15 @@ def resolve_device(text: str | None):
 def add_threads_argument(parser) -> None:
     """--threads N, the same in every command (applied by set_threads before the work)."""
     cpus = os.cpu_count() or 1
-    parser.add_argument("--threads", type=int_in(1, cpus, f" (the {cpus} CPUs here)"), default=None, metavar="N",
-                        help="CPU threads torch uses in this process (torch.set_num_threads; default: torch's "
-                             "choice, one per core). On a machine other jobs share, fewer threads can be much "
-                             "faster")
+    parser.add_argument(
+        "--threads",
+        type=int_in(1, cpus, f" (the {cpus} CPUs here)"),
+        default=None,
+        metavar="N",
+        help="CPU threads torch uses in this process (torch.set_num_threads; default: torch's "
+        "choice, one per core). On a machine other jobs share, fewer threads can be much "
+        "faster",
+    )
 
 
 def set_threads(args: argparse.Namespace) -> None:

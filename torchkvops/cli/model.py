@@ -11,8 +11,7 @@ import sys
 from .checks import CLIError, model_source
 from .launch import current_rank, say
 
-__all__ = ["DTYPE_NAMES", "resolve_dtype", "load_config", "load_model", "special_ids", "vocab_size", "pad_id",
-           "eos_id"]
+__all__ = ["DTYPE_NAMES", "resolve_dtype", "load_config", "load_model", "special_ids", "vocab_size", "pad_id", "eos_id"]
 
 DTYPE_NAMES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 
@@ -28,12 +27,17 @@ def resolve_dtype(name: str | None, device):
         (a @ a).sum().item()
     except RuntimeError as e:
         raise CLIError(f"--dtype {name} is not supported for matmul on {device}: {' '.join(str(e).split())}") from None
-    if device.type == "cuda" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported(including_emulation=False):
+    if (
+        device.type == "cuda"
+        and dtype == torch.bfloat16
+        and not torch.cuda.is_bf16_supported(including_emulation=False)
+    ):
         raise CLIError(f"--dtype bf16: {torch.cuda.get_device_name(device)} has no native bf16; use fp16")
     if device.type == "cpu" and dtype == torch.float16:
         if current_rank() == 0:
-            print("torchkvops: note: fp16 on CPU works but is slow on most CPUs; fp32 or bf16 are faster",
-                  file=sys.stderr)
+            print(
+                "torchkvops: note: fp16 on CPU works but is slow on most CPUs; fp32 or bf16 are faster", file=sys.stderr
+            )
     return name, dtype
 
 
@@ -53,8 +57,10 @@ def load_config(args):
         config = AutoConfig.from_pretrained(source, local_files_only=True)
     except OSError as e:
         if is_name:  # a name: transformers' message is about the network, say it plainly
-            raise CLIError(f"--model {args.model}: no such folder, and no such model in the local Hugging Face "
-                           "cache (offline: nothing is downloaded)") from None
+            raise CLIError(
+                f"--model {args.model}: no such folder, and no such model in the local Hugging Face "
+                "cache (offline: nothing is downloaded)"
+            ) from None
         raise CLIError(f"--model {args.model}: cannot read its config: {' '.join(str(e).split())}") from None
     except (ValueError, TypeError, KeyError) as e:
         raise CLIError(f"--model {args.model}: cannot read its config: {' '.join(str(e).split())}") from None
@@ -67,8 +73,10 @@ def load_model(args, config, source, device, dtype):
         from ..models import build_model
 
         model = build_model(args.model_shape, dtype, device, seed=0)  # --seed changes prompts and sampling only
-        say(f"model: {args.model_shape} shape with RANDOM weights (built in memory, nothing downloaded); "
-              "its tokens are not meaningful text")
+        say(
+            f"model: {args.model_shape} shape with RANDOM weights (built in memory, nothing downloaded); "
+            "its tokens are not meaningful text"
+        )
         return model, None, f"{args.model_shape} (random weights)"
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -84,9 +92,13 @@ def load_model(args, config, source, device, dtype):
     if tokenizer is not None and tokenizer.pad_token is None and tokenizer.eos_token is not None:
         tokenizer.pad_token = tokenizer.eos_token
     params = sum(p.numel() for p in model.parameters())
-    size = f"{params / 1e9:.2f}B" if params >= 1e9 else f"{params / 1e6:.1f}M" if params >= 1e6 else f"{params / 1e3:.1f}k"
-    say(f"model: {args.model} ({type(model).__name__}, {size} parameters"
-          f"{'' if tokenizer is not None else ', no tokenizer'})")
+    size = (
+        f"{params / 1e9:.2f}B" if params >= 1e9 else f"{params / 1e6:.1f}M" if params >= 1e6 else f"{params / 1e3:.1f}k"
+    )
+    say(
+        f"model: {args.model} ({type(model).__name__}, {size} parameters"
+        f"{'' if tokenizer is not None else ', no tokenizer'})"
+    )
     return model, tokenizer, str(args.model)
 
 
@@ -112,8 +124,12 @@ def pad_id(model, tokenizer) -> int:
     if tokenizer is not None and tokenizer.pad_token_id is not None:
         return tokenizer.pad_token_id
     gen = getattr(model, "generation_config", None)
-    for cfg, attr in ((gen, "pad_token_id"), (model.config, "pad_token_id"), (gen, "eos_token_id"),
-                      (model.config, "eos_token_id")):
+    for cfg, attr in (
+        (gen, "pad_token_id"),
+        (model.config, "pad_token_id"),
+        (gen, "eos_token_id"),
+        (model.config, "eos_token_id"),
+    ):
         v = getattr(cfg, attr, None)
         v = v[0] if isinstance(v, (list, tuple)) and v else v
         if isinstance(v, int):

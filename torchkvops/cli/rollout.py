@@ -40,7 +40,7 @@ def read_prompts(path: str) -> list[str]:
         except ValueError as e:
             raise CLIError(f"--prompts {path}:{no}: not JSON ({e})") from None
         if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
-            raise CLIError(f"--prompts {path}:{no}: a JSONL record needs a string \"prompt\" field")
+            raise CLIError(f'--prompts {path}:{no}: a JSONL record needs a string "prompt" field')
         prompts.append(record["prompt"])
     return prompts
 
@@ -55,44 +55,76 @@ def cmd_rollout(args) -> int:
     set_threads(args)
     rank, world = current_rank(), current_world_size()
     _, dtype = resolve_dtype(args.dtype, device)
-    config = RolloutConfig(samples_per_prompt=args.samples_per_prompt, max_new_tokens=args.max_new_tokens,
-                           shared_prefill=not args.no_shared_prefill, enable_profiling=True, compile=args.compile,
-                           temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    config = RolloutConfig(
+        samples_per_prompt=args.samples_per_prompt,
+        max_new_tokens=args.max_new_tokens,
+        shared_prefill=not args.no_shared_prefill,
+        enable_profiling=True,
+        compile=args.compile,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+    )
     model_config, source = load_config(args)
     n = args.samples_per_prompt
     # Under torchrun a process holds the KV of its own shard only: at most ceil(prompts / processes) prompts.
     most = -(-(len(texts) or args.num_prompts) // world)
     if not texts:
-        check_positions(model_config, args.prompt_length + args.max_new_tokens,
-                        f"--prompt-length {args.prompt_length} + --max-new-tokens {args.max_new_tokens}",
-                        "lower one of them")
-        check_kv_memory(model_config, device, dtype, most * n, args.prompt_length + args.max_new_tokens,
-                        f"--num-prompts {args.num_prompts} x -n {n}"
-                        + (f" over {world} processes" if world > 1 else ""),
-                        "lower --num-prompts, --samples-per-prompt, --prompt-length or --max-new-tokens")
+        check_positions(
+            model_config,
+            args.prompt_length + args.max_new_tokens,
+            f"--prompt-length {args.prompt_length} + --max-new-tokens {args.max_new_tokens}",
+            "lower one of them",
+        )
+        check_kv_memory(
+            model_config,
+            device,
+            dtype,
+            most * n,
+            args.prompt_length + args.max_new_tokens,
+            f"--num-prompts {args.num_prompts} x -n {n}" + (f" over {world} processes" if world > 1 else ""),
+            "lower --num-prompts, --samples-per-prompt, --prompt-length or --max-new-tokens",
+        )
     model, tokenizer, _ = load_model(args, model_config, source, device, dtype)
     if texts:
         if tokenizer is None:
-            raise CLIError(f"--model {args.model}: has no tokenizer, so text prompts cannot be encoded; "
-                           "use --prompt-length for synthetic prompts")
+            raise CLIError(
+                f"--model {args.model}: has no tokenizer, so text prompts cannot be encoded; "
+                "use --prompt-length for synthetic prompts"
+            )
         enc = tokenizer(texts, return_tensors="pt", padding=True)
         input_ids, attention_mask = enc["input_ids"], enc["attention_mask"]
         if input_ids.shape[1] == 0:
             raise CLIError("the prompts encode to no tokens")
         config.pad_token_id = tokenizer.pad_token_id
         total = input_ids.shape[1] + args.max_new_tokens
-        check_positions(model_config, total, f"the longest prompt's {input_ids.shape[1]} tokens + --max-new-tokens "
-                                             f"{args.max_new_tokens}", "shorten it or lower --max-new-tokens")
-        check_kv_memory(model_config, device, dtype, most * n, total, f"{len(texts)} prompt(s) x -n {n}",
-                        "fewer prompts, a lower --samples-per-prompt or --max-new-tokens")
+        check_positions(
+            model_config,
+            total,
+            f"the longest prompt's {input_ids.shape[1]} tokens + --max-new-tokens {args.max_new_tokens}",
+            "shorten it or lower --max-new-tokens",
+        )
+        check_kv_memory(
+            model_config,
+            device,
+            dtype,
+            most * n,
+            total,
+            f"{len(texts)} prompt(s) x -n {n}",
+            "fewer prompts, a lower --samples-per-prompt or --max-new-tokens",
+        )
     else:
         from ..bench.cases import Case, synthetic_prompts
 
         case = Case(args.num_prompts, args.samples_per_prompt, args.prompt_length, args.max_new_tokens)
-        input_ids = synthetic_prompts(case, vocab_size(model, tokenizer), special_ids(model, tokenizer), args.seed,
-                                      torch.device("cpu"))
+        input_ids = synthetic_prompts(
+            case, vocab_size(model, tokenizer), special_ids(model, tokenizer), args.seed, torch.device("cpu")
+        )
         attention_mask = torch.ones_like(input_ids)
-        say(f"prompts: {args.num_prompts} synthetic prompts of {args.prompt_length} random token ids (seed {args.seed})")
+        say(
+            f"prompts: {args.num_prompts} synthetic prompts of {args.prompt_length} random token ids (seed {args.seed})"
+        )
     rollout = Rollout(model, config)
     # Every process holds every prompt (the same seed, the same files) and generates its contiguous shard.
     shards = shard_bounds(input_ids.shape[0], world)
@@ -107,15 +139,23 @@ def cmd_rollout(args) -> int:
         generate()
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # host sync: the warm-up's time includes its last kernels
-        say(f"warm-up: {time.perf_counter() - start:.1f} s for a first call (--compile compiles in it); the samples "
-            "and times below are the second call's (the same seed gives the same samples)")
+        say(
+            f"warm-up: {time.perf_counter() - start:.1f} s for a first call (--compile compiles in it); the samples "
+            "and times below are the second call's (the same seed gives the same samples)"
+        )
     out = generate()
     profile = rollout.get_last_profile()  # this process's own call (None when its shard was empty)
     kind = "expanded" if args.no_shared_prefill else "shared"
     if rank != 0:
         lo, hi = shards[rank]
-        mine = (f"prompts {lo}..{hi - 1} ({hi - lo} x {n} samples), {profile.generated_tokens} tokens in "
-                f"{profile.total_ms:.1f} ms ({profile.tokens_per_second:.1f} tokens/s)") if hi > lo else "no prompts"
+        mine = (
+            (
+                f"prompts {lo}..{hi - 1} ({hi - lo} x {n} samples), {profile.generated_tokens} tokens in "
+                f"{profile.total_ms:.1f} ms ({profile.tokens_per_second:.1f} tokens/s)"
+            )
+            if hi > lo
+            else "no prompts"
+        )
         print(f"rank {rank}/{world}: {mine}; rank 0 prints the samples")
         return 0
 
@@ -125,28 +165,45 @@ def cmd_rollout(args) -> int:
     for i in range(input_ids.shape[0]):
         prompt_ids = input_ids[i][attention_mask[i].bool()].tolist()
         prompt_text = texts[i] if texts else None
-        print(f"\n=== prompt {i}: " + (repr(prompt_text) if texts else f"{len(prompt_ids)} token ids {_ids(prompt_ids)}"))
+        print(
+            f"\n=== prompt {i}: " + (repr(prompt_text) if texts else f"{len(prompt_ids)} token ids {_ids(prompt_ids)}")
+        )
         for j in range(n):
             row = i * n + j
             ids = responses[row][mask[row].bool()].tolist()
             text = tokenizer.decode(ids, skip_special_tokens=True) if tokenizer is not None else None
             print(f"--- sample {j} ({len(ids)} tokens): " + (repr(text) if text is not None else _ids(ids)))
-            records.append({"prompt_index": i, "sample_index": j, "rank": owner[i], "prompt": prompt_text,
-                            "prompt_token_ids": prompt_ids, "token_ids": ids, "text": text})
+            records.append(
+                {
+                    "prompt_index": i,
+                    "sample_index": j,
+                    "rank": owner[i],
+                    "prompt": prompt_text,
+                    "prompt_token_ids": prompt_ids,
+                    "token_ids": ids,
+                    "text": text,
+                }
+            )
     threads = torch.get_num_threads()
-    stages = (f"prefill {profile.prefill_ms:.1f} ms, kv_expand {profile.kv_expand_ms:.2f} ms, decode "
-              f"{profile.decode_ms:.1f} ms; {kind} prefill"
-              + (f"; {threads} CPU thread{'s' if threads != 1 else ''}" if device.type == "cpu" else ""))
+    stages = (
+        f"prefill {profile.prefill_ms:.1f} ms, kv_expand {profile.kv_expand_ms:.2f} ms, decode "
+        f"{profile.decode_ms:.1f} ms; {kind} prefill"
+        + (f"; {threads} CPU thread{'s' if threads != 1 else ''}" if device.type == "cpu" else "")
+    )
     if world > 1:
         import torch.distributed as dist
 
         lo, hi = shards[0]
-        print(f"\n{input_ids.shape[0]} prompts x {n} samples on {world} processes ({dist.get_backend()}), "
-              f"{int(mask.sum())} tokens; rank 0's {hi - lo} prompt(s): {profile.generated_tokens} tokens in "
-              f"{profile.total_ms:.1f} ms ({profile.tokens_per_second:.1f} tokens/s; {stages})")
+        print(
+            f"\n{input_ids.shape[0]} prompts x {n} samples on {world} processes ({dist.get_backend()}), "
+            f"{int(mask.sum())} tokens; rank 0's {hi - lo} prompt(s): {profile.generated_tokens} tokens in "
+            f"{profile.total_ms:.1f} ms ({profile.tokens_per_second:.1f} tokens/s; {stages})"
+        )
     else:
-        print(f"\n{input_ids.shape[0]} prompts x {n} samples, {profile.generated_tokens} tokens in "
-              f"{profile.total_ms:.1f} ms ({profile.tokens_per_second:.1f} tokens/s; {stages})")
+        print(
+            f"\n{input_ids.shape[0]} prompts x {n} samples, {profile.generated_tokens} tokens in "
+            f"{profile.total_ms:.1f} ms ({profile.tokens_per_second:.1f} tokens/s; {stages})"
+        )
     if args.output:
         from ..atomic_write import write_text_atomic
 

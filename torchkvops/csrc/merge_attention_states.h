@@ -16,10 +16,10 @@
 #include "macros.h"
 
 // Runs __VA_ARGS__ with scalar_t = the C++ type of TYPE, one of the output dtypes we support.
-#define TORCHKVOPS_DISPATCH_MERGE_TYPES(TYPE, NAME, ...)                  \
-  AT_DISPATCH_SWITCH(TYPE, NAME, AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__) \
-                         AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__)          \
-                             AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__))
+#define TORCHKVOPS_DISPATCH_MERGE_TYPES(TYPE, NAME, ...)                                                \
+  AT_DISPATCH_SWITCH(TYPE, NAME,                                                                        \
+                     AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__) AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__) \
+                         AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__))
 
 namespace torchkvops {
 namespace merge {
@@ -31,16 +31,16 @@ inline bool is_supported_out_dtype(c10::ScalarType t) {
 }
 
 inline void check_out(const at::Tensor& out, const char* name) {
-  TORCH_CHECK_VALUE(out.dim() >= 2, kOp, ": ", name,
-                    " must have at least 2 dims [..., heads, head_dim], got shape ", out.sizes());
-  TORCH_CHECK_TYPE(is_supported_out_dtype(out.scalar_type()), kOp, ": ", name, " dtype ",
-                   out.scalar_type(), " is not supported; use float32, float16 or bfloat16");
+  TORCH_CHECK_VALUE(out.dim() >= 2, kOp, ": ", name, " must have at least 2 dims [..., heads, head_dim], got shape ",
+                    out.sizes());
+  TORCH_CHECK_TYPE(is_supported_out_dtype(out.scalar_type()), kOp, ": ", name, " dtype ", out.scalar_type(),
+                   " is not supported; use float32, float16 or bfloat16");
 }
 
 inline void check_lse(const at::Tensor& lse, const at::Tensor& out_a, const char* name) {
   const auto want = out_a.sizes().slice(0, out_a.dim() - 1);
-  TORCH_CHECK_VALUE(lse.sizes() == want, kOp, ": ", name, " must have shape out_a.shape[:-1] = ", want,
-                    ", got ", lse.sizes());
+  TORCH_CHECK_VALUE(lse.sizes() == want, kOp, ": ", name, " must have shape out_a.shape[:-1] = ", want, ", got ",
+                    lse.sizes());
   TORCH_CHECK_TYPE(lse.scalar_type() == c10::ScalarType::Float, kOp, ": ", name,
                    " must be float32 (natural-log log-sum-exp), got ", lse.scalar_type());
 }
@@ -49,8 +49,8 @@ inline void check_args(const at::Tensor& out_a, const at::Tensor& lse_a, const a
                        const at::Tensor& lse_b) {
   check_out(out_a, "out_a");
   check_out(out_b, "out_b");
-  TORCH_CHECK_VALUE(out_b.sizes() == out_a.sizes(), kOp, ": out_b must have out_a's shape ", out_a.sizes(),
-                    ", got ", out_b.sizes());
+  TORCH_CHECK_VALUE(out_b.sizes() == out_a.sizes(), kOp, ": out_b must have out_a's shape ", out_a.sizes(), ", got ",
+                    out_b.sizes());
   check_lse(lse_a, out_a, "lse_a");
   check_lse(lse_b, out_a, "lse_b");
   const auto device = out_a.device();

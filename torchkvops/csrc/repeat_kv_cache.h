@@ -69,15 +69,14 @@ inline bool is_supported_dtype(c10::ScalarType t) {
 
 inline void check_cache(const at::Tensor& cache, const char* op) {
   TORCH_CHECK_VALUE(cache.dim() >= 4, op,
-              ": cache must have at least 4 dims [..., rows, kv_heads, tokens, head_dim], got shape ",
-              cache.sizes());
+                    ": cache must have at least 4 dims [..., rows, kv_heads, tokens, head_dim], got shape ",
+                    cache.sizes());
   TORCH_CHECK_TYPE(is_supported_dtype(cache.scalar_type()), op, ": cache dtype ", cache.scalar_type(),
-              " is not supported; use float32, float16, bfloat16, float64, uint8, int8, "
-              "float8_e4m3fn or float8_e5m2");
+                   " is not supported; use float32, float16, bfloat16, float64, uint8, int8, "
+                   "float8_e4m3fn or float8_e5m2");
 }
 
-inline void check_repeat_args(const at::Tensor& cache, int64_t batch, int64_t repeats,
-                              int64_t num_tokens) {
+inline void check_repeat_args(const at::Tensor& cache, int64_t batch, int64_t repeats, int64_t num_tokens) {
   const char* op = "repeat_kv_cache_";
   check_cache(cache, op);
   const int64_t rows = cache.size(kRowDim);
@@ -85,13 +84,13 @@ inline void check_repeat_args(const at::Tensor& cache, int64_t batch, int64_t re
   TORCH_CHECK_VALUE(batch >= 1, op, ": batch must be >= 1, got ", batch);
   TORCH_CHECK_VALUE(repeats >= 1, op, ": repeats must be >= 1, got ", repeats);
   // batch <= rows / repeats avoids overflowing batch * repeats.
-  TORCH_CHECK_VALUE(batch <= rows / repeats, op, ": batch * repeats must be <= the cache's rows (dim -4 = ",
-              rows, "), got batch=", batch, ", repeats=", repeats);
+  TORCH_CHECK_VALUE(batch <= rows / repeats, op, ": batch * repeats must be <= the cache's rows (dim -4 = ", rows,
+                    "), got batch=", batch, ", repeats=", repeats);
   TORCH_CHECK_VALUE(num_tokens >= 1 && num_tokens <= max_tokens, op,
-              ": num_tokens must be in [1, max_tokens=", max_tokens, "] (dim -2), got ", num_tokens);
+                    ": num_tokens must be in [1, max_tokens=", max_tokens, "] (dim -2), got ", num_tokens);
   TORCH_CHECK_VALUE(at::has_internal_overlap(cache) != at::MemOverlap::Yes, op,
-              ": cache must not have overlapping memory (an expanded or stride-0 tensor), got strides ",
-              cache.strides());
+                    ": cache must not have overlapping memory (an expanded or stride-0 tensor), got strides ",
+                    cache.strides());
 }
 
 inline void check_functional_args(const at::Tensor& cache, int64_t repeats) {
@@ -164,10 +163,9 @@ inline RowCopyPlan make_row_copy_plan(const at::Tensor& src, const at::Tensor& d
       mds.push_back(ds[i]);
     }
   }
-  TORCH_CHECK_VALUE(static_cast<int>(ms.size()) <= kMaxRunDims, op,
-              ": cache layout needs ", ms.size(), " strided dims per row, at most ", kMaxRunDims,
-              " are supported; make head_dim and the leading dims contiguous (strides ",
-              src.strides(), ")");
+  TORCH_CHECK_VALUE(static_cast<int>(ms.size()) <= kMaxRunDims, op, ": cache layout needs ", ms.size(),
+                    " strided dims per row, at most ", kMaxRunDims,
+                    " are supported; make head_dim and the leading dims contiguous (strides ", src.strides(), ")");
   plan.run_bytes = run;
   plan.ndim = static_cast<int>(ms.size());
   plan.runs_per_row = 1;

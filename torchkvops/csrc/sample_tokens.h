@@ -101,14 +101,14 @@ TORCHKVOPS_HOST_DEVICE_INLINE float gumbel(NoiseKey k, uint32_t high) {
   const uint32_t yh = upper ? ~high : high, yl = upper ? ~low : low;
   // v = (y + 1/2) 2^-64 to float32: yh < 2^31 so the product is exact, and the scaling by 2^-64 too.
 #if defined(__CUDA_ARCH__)
-  const float v = __fmul_rn(__fadd_rn(__fmul_rn(__uint2float_rn(yh), 4294967296.0f),
-                                      __fadd_rn(__uint2float_rn(yl), 0.5f)),
-                            5.42101086242752217e-20f);
+  const float v =
+      __fmul_rn(__fadd_rn(__fmul_rn(__uint2float_rn(yh), 4294967296.0f), __fadd_rn(__uint2float_rn(yl), 0.5f)),
+                5.42101086242752217e-20f);
   const float e = upper ? -log1pf(-v) : -logf(v);  // -log(u), in [2^-65, 45.05]
   return -logf(e);
 #else
-  const float v = (static_cast<float>(yh) * 4294967296.0f + (static_cast<float>(yl) + 0.5f)) *
-                  5.42101086242752217e-20f;  // 2^-64
+  const float v =
+      (static_cast<float>(yh) * 4294967296.0f + (static_cast<float>(yl) + 0.5f)) * 5.42101086242752217e-20f;  // 2^-64
   const float e = upper ? -std::log1p(-v) : -std::log(v);
   return -std::log(e);
 #endif
@@ -125,8 +125,8 @@ TORCHKVOPS_HOST_DEVICE_INLINE uint32_t order_key(float v) {
   static_assert(sizeof(float) == sizeof(uint32_t), "float must be 32 bits");
   __builtin_memcpy(&bits, &v, sizeof(bits));
 #endif
-  bits = bits == 0x80000000u ? 0u : bits;                             // -0.0 -> +0.0
-  const uint32_t flip = (bits >> 31) ? 0xFFFFFFFFu : 0x80000000u;     // negative: reverse the order
+  bits = bits == 0x80000000u ? 0u : bits;                          // -0.0 -> +0.0
+  const uint32_t flip = (bits >> 31) ? 0xFFFFFFFFu : 0x80000000u;  // negative: reverse the order
   return v != v ? 0xFFFFFFFFu : bits ^ flip;
 }
 
@@ -141,7 +141,7 @@ constexpr int kNoiseSteps = kMaxNoiseStep + 1;
 
 TORCHKVOPS_HOST_DEVICE_INLINE uint32_t noise_reach_threshold(int d) {
   const double c = -expm1(-exp(-(static_cast<double>(d) - 0.01)));  // the complement a win needs
-  if (c <= 0x1p-65) return 0xFFFFFFFFu;  // below the smallest complement, (0 + 1/2) 2^-64
+  if (c <= 0x1p-65) return 0xFFFFFFFFu;                             // below the smallest complement, (0 + 1/2) 2^-64
   return static_cast<uint32_t>(4294967295.0 - ceil(c * 4294967296.0));
 }
 
@@ -152,7 +152,7 @@ TORCHKVOPS_HOST_DEVICE_INLINE uint32_t noise_reach_threshold(int d) {
 // False whenever l, best or the gap is NaN.
 TORCHKVOPS_HOST_DEVICE_INLINE bool cannot_beat(float l, uint32_t high, float best, const uint32_t* reach) {
   const float gap = (best - l) * 0.99999988079071044921875f;  // 1 - 2^-23, exact
-  if (!(gap >= 0.0f)) return false;  // l > best, or NaN
+  if (!(gap >= 0.0f)) return false;                           // l > best, or NaN
   const int d = gap >= static_cast<float>(kMaxNoiseStep) ? kMaxNoiseStep : static_cast<int>(gap);
   return high <= reach[d];
 }
@@ -235,19 +235,17 @@ inline void check_sample_args(const at::Tensor& logits, const at::Tensor& keys, 
   TORCH_CHECK_TYPE(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16, op,
                    ": logits must be float32, float16 or bfloat16, got ", dtype);
   const int64_t rows = logits.size(0), vocab = logits.size(1);
-  TORCH_CHECK_VALUE(rows == 0 || vocab >= 1, op, ": logits must have vocab >= 1 (dim 1), got shape ",
-                    logits.sizes());
+  TORCH_CHECK_VALUE(rows == 0 || vocab >= 1, op, ": logits must have vocab >= 1 (dim 1), got shape ", logits.sizes());
   TORCH_CHECK_VALUE(vocab <= sampling::kMaxVocab, op, ": logits' vocab (dim 1) must be <= ", sampling::kMaxVocab,
                     ", got ", vocab);
   TORCH_CHECK_TYPE(keys.scalar_type() == at::kLong, op, ": keys must be int64, got ", keys.scalar_type());
-  TORCH_CHECK_VALUE(keys.dim() == 1 && keys.size(0) == rows, op, ": keys must be 1-D with one key per row (",
-                    rows, "), got shape ", keys.sizes());
+  TORCH_CHECK_VALUE(keys.dim() == 1 && keys.size(0) == rows, op, ": keys must be 1-D with one key per row (", rows,
+                    "), got shape ", keys.sizes());
   TORCH_CHECK_VALUE(keys.device() == logits.device(), op, ": keys must be on logits' device ", logits.device(),
                     ", got ", keys.device());
   TORCH_CHECK_TYPE(step.scalar_type() == at::kLong, op, ": step must be a 1-element int64 tensor, got ",
                    step.scalar_type());
-  TORCH_CHECK_VALUE(step.numel() == 1, op, ": step must be a 1-element int64 tensor, got ", step.numel(),
-                    " elements");
+  TORCH_CHECK_VALUE(step.numel() == 1, op, ": step must be a 1-element int64 tensor, got ", step.numel(), " elements");
   TORCH_CHECK_VALUE(step.device() == logits.device(), op, ": step must be on logits' device ", logits.device(),
                     ", got ", step.device());
   TORCH_CHECK_VALUE(std::isfinite(temperature) && temperature >= 0.0, op,

@@ -37,6 +37,7 @@ TORCH_LIBRARY(torchkvops, m) {
   // Functional: sample_tokens' tokens, and each one's log-probability under the distribution it was
   // drawn from (float32 [rows]): log_softmax of logits / temperature over the tokens top_k / top_p keep
   // (greedy: of the raw logits). The same tokens as sample_tokens.
-  m.def("sample_tokens_with_logprobs(Tensor logits, Tensor keys, Tensor step, float temperature, int top_k, "
-        "float top_p) -> (Tensor, Tensor)");
+  m.def(
+      "sample_tokens_with_logprobs(Tensor logits, Tensor keys, Tensor step, float temperature, int top_k, "
+      "float top_p) -> (Tensor, Tensor)");
 }

@@ -55,11 +55,11 @@ inline KVWritePlan check_write_kv_args(const at::Tensor& cache, const at::Tensor
                    ": key and value must have the cache's dtype ", cache.scalar_type(), ", got ", key.scalar_type(),
                    " and ", value.scalar_type());
   TORCH_CHECK_VALUE(key.device() == cache.device() && value.device() == cache.device(), op,
-                    ": key and value must be on the cache's device ", cache.device(), ", got ", key.device(),
-                    " and ", value.device());
+                    ": key and value must be on the cache's device ", cache.device(), ", got ", key.device(), " and ",
+                    value.device());
   TORCH_CHECK_VALUE(start.numel() == 1 && start.scalar_type() == at::kLong && start.device() == cache.device(), op,
-                    ": start must be a 1-element int64 tensor on the cache's device, got ", start.scalar_type(),
-                    " of ", start.numel(), " elements on ", start.device());
+                    ": start must be a 1-element int64 tensor on the cache's device, got ", start.scalar_type(), " of ",
+                    start.numel(), " elements on ", start.device());
   KVWritePlan plan;
   plan.rows = key.size(0);
   plan.heads = key.size(1);

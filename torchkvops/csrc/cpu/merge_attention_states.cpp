@@ -39,9 +39,7 @@ inline float float_of(uint32_t u) {
 
 // All ones when c, else 0. Selecting with masks, not `?:`, because GCC turns a `?:` between two
 // float results into a branch (it won't compute a float op the source did not, under trapping math).
-inline uint32_t select_mask(bool c) {
-  return 0u - static_cast<uint32_t>(c);
-}
+inline uint32_t select_mask(bool c) { return 0u - static_cast<uint32_t>(c); }
 
 // c10::detail::fp16_ieee_to_fp32_value.
 inline float half_to_float(c10::Half h) {
@@ -60,8 +58,8 @@ inline c10::Half float_to_half(float f) {
   // The original's bias >> 1, at least 0x71000000 >> 1.
   int32_t half_bias = static_cast<int32_t>(m & 0x7F800000u);
   half_bias = half_bias < 0x38800000 ? 0x38800000 : half_bias;
-  const float base = float_of(static_cast<uint32_t>(half_bias) + 0x07800000u) +
-                     (std::fabs(f) * 0x1.0p+112f) * 0x1.0p-110f;
+  const float base =
+      float_of(static_cast<uint32_t>(half_bias) + 0x07800000u) + (std::fabs(f) * 0x1.0p+112f) * 0x1.0p-110f;
   const uint32_t bits = bits_of(base);
   const uint32_t nonsign = ((bits >> 13) & 0x7C00u) + (bits & 0x0FFFu);
   const uint32_t nan = select_mask(static_cast<int32_t>(m) > 0x7F800000);  // shl1_w > 0xFF000000
@@ -115,8 +113,7 @@ void merge_cpu(const merge::Inputs& in, at::Tensor& out, at::Tensor& lse) {
       const float ca = w.ca, cb = w.cb;
       switch (w.kind) {
         case merge::kBoth:
-          for (int64_t d = 0; d < head_dim; ++d)
-            oi[d] = from_float<TA>(ca * to_float(ai[d]) + cb * to_float(bi[d]));
+          for (int64_t d = 0; d < head_dim; ++d) oi[d] = from_float<TA>(ca * to_float(ai[d]) + cb * to_float(bi[d]));
           break;
         case merge::kOnlyA:
           std::copy(ai, ai + head_dim, oi);
@@ -149,8 +146,6 @@ std::tuple<at::Tensor, at::Tensor> merge_attention_states_cpu(const at::Tensor& 
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(torchkvops, CPU, m) {
-  m.impl("merge_attention_states", &merge_attention_states_cpu);
-}
+TORCH_LIBRARY_IMPL(torchkvops, CPU, m) { m.impl("merge_attention_states", &merge_attention_states_cpu); }
 
 }  // namespace torchkvops

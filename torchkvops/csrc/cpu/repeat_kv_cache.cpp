@@ -23,8 +23,7 @@ constexpr int64_t kMinBytesPerTask = 256 * 1024;
 constexpr int64_t kTileBytes = 256 * 1024;
 
 // Destination rows [d0, d1) of `dst` receive source row d / repeats of `src`.
-void copy_rows(const RowCopyPlan& plan, const char* src, char* dst, int64_t d0, int64_t d1,
-               int64_t repeats) {
+void copy_rows(const RowCopyPlan& plan, const char* src, char* dst, int64_t d0, int64_t d1, int64_t repeats) {
   const int64_t rows = d1 - d0;
   const int64_t items = rows * plan.runs_per_row;
   if (items <= 0 || plan.run_bytes == 0) return;
@@ -40,8 +39,8 @@ void copy_rows(const RowCopyPlan& plan, const char* src, char* dst, int64_t d0, 
       const int64_t d = d0 + k / runs_in_tile;
       int64_t src_off, dst_off;
       plan.run_offsets(first_run + k % runs_in_tile, &src_off, &dst_off);
-      std::memcpy(dst + d * plan.dst_row_stride + dst_off,
-                  src + (d / repeats) * plan.src_row_stride + src_off, plan.run_bytes);
+      std::memcpy(dst + d * plan.dst_row_stride + dst_off, src + (d / repeats) * plan.src_row_stride + src_off,
+                  plan.run_bytes);
     }
   });
 }
@@ -61,10 +60,9 @@ at::Tensor repeat_kv_cache_cpu(const at::Tensor& cache, int64_t repeats) {
   check_functional_args(cache, repeats);
   TORCH_INTERNAL_ASSERT(cache.device().is_cpu());
   at::Tensor out = empty_repeated(cache, repeats);
-  const RowCopyPlan plan =
-      make_row_copy_plan(cache, out, cache.size(kTokenDim), "repeat_kv_cache");
-  copy_rows(plan, static_cast<const char*>(cache.data_ptr()), static_cast<char*>(out.data_ptr()), 0,
-            out.size(kRowDim), repeats);
+  const RowCopyPlan plan = make_row_copy_plan(cache, out, cache.size(kTokenDim), "repeat_kv_cache");
+  copy_rows(plan, static_cast<const char*>(cache.data_ptr()), static_cast<char*>(out.data_ptr()), 0, out.size(kRowDim),
+            repeats);
   return out;
 }
 

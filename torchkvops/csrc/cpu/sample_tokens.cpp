@@ -38,8 +38,8 @@ struct Candidate {
 
 // Per-thread buffers, reused across the rows of one parallel task.
 struct Scratch {
-  std::vector<float> values;         // the row's l, [vocab]
-  std::vector<Candidate> bucket;     // the candidates that share the digits chosen so far
+  std::vector<float> values;      // the row's l, [vocab]
+  std::vector<Candidate> bucket;  // the candidates that share the digits chosen so far
 };
 
 // Walks the digits from the largest down, adding each bucket's weight to `above` until the
@@ -54,8 +54,8 @@ int walk_digits(const uint64_t* hist, uint64_t target, uint64_t& above) {
 // The largest key t such that the tokens with key >= t (among those with key >= lower) weigh at
 // least target_of(their total weight): the threshold's key, found 8 bits at a time.
 template <typename WeightFn, typename TargetFn>
-uint32_t select_threshold(const float* values, int64_t vocab, uint32_t lower, WeightFn weight,
-                          TargetFn target_of, std::vector<Candidate>& bucket) {
+uint32_t select_threshold(const float* values, int64_t vocab, uint32_t lower, WeightFn weight, TargetFn target_of,
+                          std::vector<Candidate>& bucket) {
   // Four interleaved histograms: most tokens fall in a few bins (sign and exponent), and increments
   // of one bin in consecutive iterations would wait on each other through memory.
   uint64_t hists[4][256] = {};
@@ -253,8 +253,8 @@ RowMax contiguous_row_max(const scalar_t* row, int64_t vocab, typename RawOrder<
   key = best;
   // The value back from its key (an involution on the magnitude, the sign apart).
   using Bits = typename R::Bits;
-  const Bits bits = best < 0 ? static_cast<Bits>(static_cast<Bits>(-best) | (Bits{1} << R::kSignShift))
-                             : static_cast<Bits>(best);
+  const Bits bits =
+      best < 0 ? static_cast<Bits>(static_cast<Bits>(-best) | (Bits{1} << R::kSignShift)) : static_cast<Bits>(best);
   scalar_t v;
   __builtin_memcpy(&v, &bits, sizeof(v));
   return {static_cast<float>(v), has_nan != 0};
@@ -305,7 +305,7 @@ int64_t argmax_row(const scalar_t* row, int64_t col_stride, int64_t vocab) {
 inline float exp_nonpositive(float x) {
   const float xc = x < -87.0f ? -87.0f : x;
   const float n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round(x / ln 2); 1.5 * 2^23
-  const float r = (xc - n * 0.693359375f) - n * -2.12194440e-4f;              // ln 2 in two parts
+  const float r = (xc - n * 0.693359375f) - n * -2.12194440e-4f;            // ln 2 in two parts
   float p = 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
@@ -423,8 +423,8 @@ int64_t sample_row(const scalar_t* row, int64_t col_stride, int64_t vocab, int64
   uint32_t threshold = 0;  // keep the tokens with order_key(l) >= threshold
   if (p.top_k > 0) {
     threshold = select_threshold(
-        values, vocab, 0, [](float) { return uint64_t{1}; },
-        [&](uint64_t) { return static_cast<uint64_t>(p.top_k); }, scratch.bucket);
+        values, vocab, 0, [](float) { return uint64_t{1}; }, [&](uint64_t) { return static_cast<uint64_t>(p.top_k); },
+        scratch.bucket);
   }
   // With an infinite maximum the masses are undefined (the reference's softmax gives NaN and drops
   // nothing): keep what top-k kept.
@@ -469,16 +469,17 @@ void sample_rows(const at::Tensor& logits, const at::Tensor& keys, const at::Ten
   int64_t* out_ptr = out.data_ptr<int64_t>();
   const int64_t row_stride = logits.stride(0), col_stride = logits.stride(1);
   AT_DISPATCH_V2(logits.scalar_type(), "sample_tokens_cpu", AT_WRAP([&] {
-    const scalar_t* base = logits.data_ptr<scalar_t>();
-    const int64_t grain = std::max<int64_t>(1, kMinLogitsPerTask / vocab);
-    at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
-      Scratch scratch;
-      for (int64_t r = begin; r < end; ++r) {
-        out_ptr[r] = sample_row(base + r * row_stride, col_stride, vocab, key_ptr[r * key_stride], step_value,
-                                params, scratch, log_probs ? log_probs + r : nullptr);
-      }
-    });
-  }), at::kFloat, at::kHalf, at::kBFloat16);
+                   const scalar_t* base = logits.data_ptr<scalar_t>();
+                   const int64_t grain = std::max<int64_t>(1, kMinLogitsPerTask / vocab);
+                   at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+                     Scratch scratch;
+                     for (int64_t r = begin; r < end; ++r) {
+                       out_ptr[r] = sample_row(base + r * row_stride, col_stride, vocab, key_ptr[r * key_stride],
+                                               step_value, params, scratch, log_probs ? log_probs + r : nullptr);
+                     }
+                   });
+                 }),
+                 at::kFloat, at::kHalf, at::kBFloat16);
 }
 
 at::Tensor sample_tokens_cpu(const at::Tensor& logits, const at::Tensor& keys, const at::Tensor& step,

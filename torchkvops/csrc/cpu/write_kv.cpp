@@ -43,8 +43,6 @@ void write_kv_cpu_(at::Tensor& cache, const at::Tensor& key, const at::Tensor& v
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(torchkvops, CPU, m) {
-  m.impl("write_kv_", &write_kv_cpu_);
-}
+TORCH_LIBRARY_IMPL(torchkvops, CPU, m) { m.impl("write_kv_", &write_kv_cpu_); }
 
 }  // namespace torchkvops

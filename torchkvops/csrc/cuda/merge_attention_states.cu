@@ -56,8 +56,8 @@ __global__ void merge_kernel(const ItemPlan plan,
 #pragma unroll
         for (int j = 0; j < VEC; ++j)
           // Rounded step by step (no fused multiply-add), as the CPU kernel and the reference round.
-          r.v[j] = static_cast<TA>(__fadd_rn(__fmul_rn(w.ca, static_cast<float>(pa.v[j])),
-                                             __fmul_rn(w.cb, static_cast<float>(pb.v[j]))));
+          r.v[j] = static_cast<TA>(
+              __fadd_rn(__fmul_rn(w.ca, static_cast<float>(pa.v[j])), __fmul_rn(w.cb, static_cast<float>(pb.v[j]))));
       } else if (w.kind == merge::kOnlyA) {
         r = a[v];
       } else if (w.kind == merge::kOnlyB) {
@@ -89,8 +89,7 @@ bool packs_fit(int vec, const merge::Inputs& in, int64_t head_dim) {
   if (reinterpret_cast<uintptr_t>(in.out_a.const_data_ptr()) % (vec * sizeof(TA)) != 0) return false;
   if (reinterpret_cast<uintptr_t>(in.out_b.const_data_ptr()) % (vec * sizeof(TB)) != 0) return false;
   for (int d = 0; d < in.plan.ndim; ++d) {
-    if (in.plan.strides[ItemPlan::kOutA][d] % vec != 0 || in.plan.strides[ItemPlan::kOutB][d] % vec != 0)
-      return false;
+    if (in.plan.strides[ItemPlan::kOutA][d] % vec != 0 || in.plan.strides[ItemPlan::kOutB][d] % vec != 0) return false;
   }
   return true;
 }
@@ -109,8 +108,7 @@ void launch(const merge::Inputs& in, at::Tensor& out, at::Tensor& lse, cudaStrea
   const dim3 grid(static_cast<unsigned>(std::min<int64_t>(wanted, multiprocessor_count() * 32)));
   merge_kernel<TA, TB, VEC><<<grid, block, 0, stream>>>(
       in.plan, in.out_a.const_data_ptr<TA>(), in.lse_a.const_data_ptr<float>(), in.out_b.const_data_ptr<TB>(),
-      in.lse_b.const_data_ptr<float>(), out.mutable_data_ptr<TA>(), lse.mutable_data_ptr<float>(), items,
-      head_dim);
+      in.lse_b.const_data_ptr<float>(), out.mutable_data_ptr<TA>(), lse.mutable_data_ptr<float>(), items, head_dim);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -148,8 +146,6 @@ std::tuple<at::Tensor, at::Tensor> merge_attention_states_cuda(const at::Tensor&
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(torchkvops, CUDA, m) {
-  m.impl("merge_attention_states", &merge_attention_states_cuda);
-}
+TORCH_LIBRARY_IMPL(torchkvops, CUDA, m) { m.impl("merge_attention_states", &merge_attention_states_cuda); }
 
 }  // namespace torchkvops

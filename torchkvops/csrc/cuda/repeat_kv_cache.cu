@@ -28,8 +28,7 @@ template <typename Vec>
 __global__ void copy_rows_kernel(const RowCopyPlan plan,
                                  const char* __restrict__ src,  // row d/repeats, runs per plan
                                  char* __restrict__ dst,        // row d, runs per plan
-                                 int64_t first_dst_row, int64_t num_rows, int64_t num_items,
-                                 int64_t repeats) {
+                                 int64_t first_dst_row, int64_t num_rows, int64_t num_items, int64_t repeats) {
   const int64_t vecs_per_run = plan.run_bytes / static_cast<int64_t>(sizeof(Vec));
   const int64_t item_stride = static_cast<int64_t>(gridDim.x) * blockDim.y;
   for (int64_t item = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y; item < num_items;
@@ -78,16 +77,21 @@ void launch(const RowCopyPlan& plan, const char* src, char* dst, int64_t d0, int
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-void copy_rows(const RowCopyPlan& plan, const char* src, char* dst, int64_t d0, int64_t d1,
-               int64_t repeats, cudaStream_t stream) {
+void copy_rows(const RowCopyPlan& plan, const char* src, char* dst, int64_t d0, int64_t d1, int64_t repeats,
+               cudaStream_t stream) {
   const int64_t items = (d1 - d0) * plan.runs_per_row;
   if (items <= 0 || plan.run_bytes == 0) return;
   switch (vector_width(plan, src, dst)) {
-    case 16: return launch<uint4>(plan, src, dst, d0, d1 - d0, items, repeats, stream);
-    case 8: return launch<uint2>(plan, src, dst, d0, d1 - d0, items, repeats, stream);
-    case 4: return launch<uint32_t>(plan, src, dst, d0, d1 - d0, items, repeats, stream);
-    case 2: return launch<uint16_t>(plan, src, dst, d0, d1 - d0, items, repeats, stream);
-    default: return launch<uint8_t>(plan, src, dst, d0, d1 - d0, items, repeats, stream);
+    case 16:
+      return launch<uint4>(plan, src, dst, d0, d1 - d0, items, repeats, stream);
+    case 8:
+      return launch<uint2>(plan, src, dst, d0, d1 - d0, items, repeats, stream);
+    case 4:
+      return launch<uint32_t>(plan, src, dst, d0, d1 - d0, items, repeats, stream);
+    case 2:
+      return launch<uint16_t>(plan, src, dst, d0, d1 - d0, items, repeats, stream);
+    default:
+      return launch<uint8_t>(plan, src, dst, d0, d1 - d0, items, repeats, stream);
   }
 }
 
@@ -108,10 +112,9 @@ at::Tensor repeat_kv_cache_cuda(const at::Tensor& cache, int64_t repeats) {
   TORCH_INTERNAL_ASSERT(cache.device().is_cuda());
   const c10::cuda::OptionalCUDAGuard guard(cache.device());
   at::Tensor out = empty_repeated(cache, repeats);
-  const RowCopyPlan plan =
-      make_row_copy_plan(cache, out, cache.size(kTokenDim), "repeat_kv_cache");
-  copy_rows(plan, static_cast<const char*>(cache.data_ptr()), static_cast<char*>(out.data_ptr()), 0,
-            out.size(kRowDim), repeats, c10::cuda::getCurrentCUDAStream());
+  const RowCopyPlan plan = make_row_copy_plan(cache, out, cache.size(kTokenDim), "repeat_kv_cache");
+  copy_rows(plan, static_cast<const char*>(cache.data_ptr()), static_cast<char*>(out.data_ptr()), 0, out.size(kRowDim),
+            repeats, c10::cuda::getCurrentCUDAStream());
   return out;
 }
 

@@ -243,8 +243,8 @@ __global__ void __launch_bounds__(kThreads) sample_tokens_kernel(
   uint32_t threshold = 0;  // keep the tokens with order_key(l) >= threshold
   if (p.top_k > 0) {
     const unsigned long long k = static_cast<unsigned long long>(p.top_k);
-    threshold = select_threshold(
-        reader, smem, scaled, 0u, [](float) { return 1ull; }, [k](unsigned long long) { return k; });
+    threshold =
+        select_threshold(reader, smem, scaled, 0u, [](float) { return 1ull; }, [k](unsigned long long) { return k; });
   }
   // With an infinite maximum the masses are undefined (the reference's softmax gives NaN and drops
   // nothing): keep what top-k kept.
@@ -289,12 +289,13 @@ void launch(const at::Tensor& logits, const at::Tensor& keys, const at::Tensor& 
   if (rows == 0) return;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   AT_DISPATCH_V2(logits.scalar_type(), "sample_tokens_cuda", AT_WRAP([&] {
-    sample_tokens_kernel<scalar_t, kLogProb><<<static_cast<unsigned int>(rows), kThreads, 0, stream>>>(
-        logits.data_ptr<scalar_t>(), logits.stride(0), logits.stride(1), static_cast<int>(vocab),
-        keys.data_ptr<int64_t>(), keys.stride(0), step.data_ptr<int64_t>(), out.data_ptr<int64_t>(), log_probs,
-        params);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  }), at::kFloat, at::kHalf, at::kBFloat16);
+                   sample_tokens_kernel<scalar_t, kLogProb><<<static_cast<unsigned int>(rows), kThreads, 0, stream>>>(
+                       logits.data_ptr<scalar_t>(), logits.stride(0), logits.stride(1), static_cast<int>(vocab),
+                       keys.data_ptr<int64_t>(), keys.stride(0), step.data_ptr<int64_t>(), out.data_ptr<int64_t>(),
+                       log_probs, params);
+                   C10_CUDA_KERNEL_LAUNCH_CHECK();
+                 }),
+                 at::kFloat, at::kHalf, at::kBFloat16);
 }
 
 void check_rows(const at::Tensor& logits, const char* op) {

@@ -24,12 +24,13 @@ constexpr int kThreadsPerBlock = 256;
 // element, head_dim is contiguous on both sides and `vecs_per_run` Vecs make a run; otherwise Vec is
 // one element and the strides at dim 3 are used.
 template <typename Vec>
-__global__ void write_kv_kernel(const KVWritePlan p,
-                                const char* __restrict__ key,    // [rows, heads, tokens, head_dim]
-                                const char* __restrict__ value,  // same shape as key
-                                char* __restrict__ layer_cache,  // cache[layer]: [2, rows', heads, max_tokens, head_dim]
-                                const int64_t* __restrict__ start,  // [1]
-                                int64_t elem, int64_t vecs_per_run, int64_t items) {
+__global__ void write_kv_kernel(
+    const KVWritePlan p,
+    const char* __restrict__ key,       // [rows, heads, tokens, head_dim]
+    const char* __restrict__ value,     // same shape as key
+    char* __restrict__ layer_cache,     // cache[layer]: [2, rows', heads, max_tokens, head_dim]
+    const int64_t* __restrict__ start,  // [1]
+    int64_t elem, int64_t vecs_per_run, int64_t items) {
   const int64_t first = *start;
   const bool in_range = first >= 0 && first <= p.max_tokens - p.tokens;
   CUDA_KERNEL_ASSERT(in_range && "write_kv_: start + tokens must fit the cache's max_tokens");
@@ -83,18 +84,21 @@ void write_kv_cuda_(at::Tensor& cache, const at::Tensor& key, const at::Tensor& 
   const int64_t elem = static_cast<int64_t>(cache.element_size());
   char* layer_cache = static_cast<char*>(cache.data_ptr()) + layer * cache.stride(0) * elem;
   switch (vector_bytes(p, key.data_ptr(), value.data_ptr(), layer_cache, elem)) {
-    case 16: return launch<uint4>(p, key, value, layer_cache, start, elem);
-    case 8: return launch<uint2>(p, key, value, layer_cache, start, elem);
-    case 4: return launch<uint32_t>(p, key, value, layer_cache, start, elem);
-    case 2: return launch<uint16_t>(p, key, value, layer_cache, start, elem);
-    default: return launch<uint8_t>(p, key, value, layer_cache, start, elem);
+    case 16:
+      return launch<uint4>(p, key, value, layer_cache, start, elem);
+    case 8:
+      return launch<uint2>(p, key, value, layer_cache, start, elem);
+    case 4:
+      return launch<uint32_t>(p, key, value, layer_cache, start, elem);
+    case 2:
+      return launch<uint16_t>(p, key, value, layer_cache, start, elem);
+    default:
+      return launch<uint8_t>(p, key, value, layer_cache, start, elem);
   }
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(torchkvops, CUDA, m) {
-  m.impl("write_kv_", &write_kv_cuda_);
-}
+TORCH_LIBRARY_IMPL(torchkvops, CUDA, m) { m.impl("write_kv_", &write_kv_cuda_); }
 
 }  // namespace torchkvops
