@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Sets up .venv (torch, transformers, test tools, trl, peft) and builds torchkvops._C into it. Idempotent and
+# Sets up .venv (torch, transformers, test tools, trl, peft, ruff, clang-format) and builds torchkvops._C into it. Idempotent and
 # cheap when nothing changed (about 2 s, the final import check): it installs only what is missing and
 # rebuilds only when a C++/CUDA source, setup.py, pyproject.toml or the torch version changed.
 set -euo pipefail
@@ -20,13 +20,17 @@ base_check="import torch, transformers, ninja, pytest, expecttest, hypothesis"
 # peft (LoRA adapters) for the tests that use one: in the `test` extra.
 trl_reqs=("trl>=1.16" "peft>=0.13" "torch>=2.11,<=2.14.1")
 trl_check="import trl, accelerate, datasets, peft; from trl import GRPOTrainer"
+# The formatter and linters that scripts/lint.sh (and .ci/run, before the tests) runs, pinned: another
+# version may format otherwise.
+lint_reqs=("ruff==0.17.6" "clang-format==23.1.5")
+lint_check="import ruff, clang_format"
 
 # The installs are skipped without importing anything when the venv holds the same distributions as
 # after the last run that ended well (importing trl alone takes 13 s on a small machine). The key: the
 # requirements above and the venv's *.dist-info folder names (one per installed distribution and version).
 deps_stamp=.venv/.torchkvops-deps
 deps_key() {
-  { printf '%s\n' "${base_reqs[@]}" "$base_check" "${trl_reqs[@]}" "$trl_check"
+  { printf '%s\n' "${base_reqs[@]}" "$base_check" "${trl_reqs[@]}" "$trl_check" "${lint_reqs[@]}" "$lint_check"
     ls -d .venv/lib/python3*/site-packages/*.dist-info 2>/dev/null; } | sha1sum
 }
 if [ ! -f "$deps_stamp" ] || [ "$(cat "$deps_stamp")" != "$(deps_key)" ]; then
@@ -37,6 +41,10 @@ if [ ! -f "$deps_stamp" ] || [ "$(cat "$deps_stamp")" != "$(deps_key)" ]; then
   if ! "$py" -c "$trl_check" >/dev/null 2>&1; then
     echo "setup.sh: installing trl and peft into .venv"
     pip_install "${trl_reqs[@]}"
+  fi
+  if ! "$py" -c "$lint_check" >/dev/null 2>&1 || ! .venv/bin/ruff --version | grep -q "^ruff 0.17.6$"; then
+    echo "setup.sh: installing ruff and clang-format into .venv"
+    pip_install "${lint_reqs[@]}"
   fi
 fi
 
