@@ -1,7 +1,7 @@
-"""Issue #15: torchkvops.generate / patch_generate keep Hugging Face generate's contract. Where a call is
+"""torchkvops.generate / patch_generate keep Hugging Face generate's contract. Where a call is
 served its output is HF's (HF's own generate, unpatched, is the oracle); anything else goes to HF's
 generate with a warning naming the cause, never an exception HF would not raise, never a silent
-difference. One test (or parametrized family) per item of the issue."""
+difference."""
 
 import copy
 import gc
@@ -55,9 +55,9 @@ def quiet(fn, *args, **kwargs):
 GREEDY = dict(max_new_tokens=5, do_sample=False)
 
 
-# --- 1. no attention_mask on left-padded ids: HF infers it from the pad id ---------------------------
+# --- no attention_mask on left-padded ids: HF infers it from the pad id ---------------------------
 @pytest.mark.parametrize("pad_id", [0, 2], ids=["pad_not_eos", "pad_is_eos"])
-def test_1_missing_mask_is_inferred_from_pad_tokens_as_hf_does(llama, served, pad_id):
+def test_missing_mask_is_inferred_from_pad_tokens_as_hf_does(llama, served, pad_id):
     """pad 0 != eos 2: HF masks the pads (the rollout must too); pad == eos: HF cannot tell pads from
     EOS and attends to everything."""
     ids, _ = prompts(3, 8, seed=1, pad_id=pad_id, left_pad=[0, 2, 4])
@@ -66,9 +66,9 @@ def test_1_missing_mask_is_inferred_from_pad_tokens_as_hf_does(llama, served, pa
     assert served and same_tokens(out, hf_generate(llama, ids, **kwargs))
 
 
-# --- 2. default length: HF 5.x generates 20 new tokens, capped by the model's positions -------------
+# --- default length: HF 5.x generates 20 new tokens, capped by the model's positions -------------
 @pytest.mark.parametrize("prompt_length,new_tokens", [(8, 20), (120, 8)])  # max_position_embeddings=128
-def test_2_default_length_is_hfs(llama, served, prompt_length, new_tokens):
+def test_default_length_is_hfs(llama, served, prompt_length, new_tokens):
     ids, mask = prompts(2, prompt_length, seed=2)
     kwargs = dict(attention_mask=mask, do_sample=False, eos_token_id=None, pad_token_id=0)
     out = quiet(torchkvops.generate, llama, ids, **kwargs)  # HF warns that the default length is used
@@ -76,13 +76,13 @@ def test_2_default_length_is_hfs(llama, served, prompt_length, new_tokens):
     assert same_tokens(out, quiet(hf_generate, llama, ids, **kwargs))
 
 
-# --- 3. settings equal to 0 are settings; invalid ones get HF's own error --------------------------
+# --- settings equal to 0 are settings; invalid ones get HF's own error --------------------------
 @pytest.mark.parametrize(
     "setting",
     [dict(forced_eos_token_id=0), dict(forced_bos_token_id=0), dict(guidance_scale=0), dict(max_time=0.0)],
     ids=lambda s: next(iter(s)),
 )
-def test_3_zero_valued_settings_fall_back(llama, served, setting):
+def test_zero_valued_settings_fall_back(llama, served, setting):
     ids, mask = prompts(2, 6, seed=3)
     kwargs = dict(GREEDY, attention_mask=mask, eos_token_id=None, pad_token_id=0, **setting)
     with pytest.warns(UserWarning, match=f"torchkvops.generate: generation_config.{next(iter(setting))}="):
@@ -109,7 +109,7 @@ def test_3_zero_valued_settings_fall_back(llama, served, setting):
         "greedy_num_return_sequences",
     ],
 )
-def test_3_settings_hf_rejects_raise_hfs_error(llama, served, setting):
+def test_settings_hf_rejects_raise_hfs_error(llama, served, setting):
     ids, mask = prompts(2, 6, seed=3)
     kwargs = dict(attention_mask=mask, max_new_tokens=3, **setting)
     with pytest.raises(Exception) as expected:
@@ -119,10 +119,10 @@ def test_3_settings_hf_rejects_raise_hfs_error(llama, served, setting):
     assert not served
 
 
-# --- 4. state kept across calls follows the model ---------------------------------------------------
+# --- state kept across calls follows the model ---------------------------------------------------
 @pytest.mark.parametrize("change", ["eager", "float64", "half", "resize"])
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
-def test_4_cached_state_is_rebuilt_when_the_model_changes(served, family, change):
+def test_cached_state_is_rebuilt_when_the_model_changes(served, family, change):
     model = FAMILIES[family]()
     ids, mask = prompts(3, 8, seed=4, left_pad=[0, 2, 5])
     kwargs = dict(GREEDY, attention_mask=mask, eos_token_id=None, pad_token_id=0)
@@ -146,10 +146,10 @@ def test_4_cached_state_is_rebuilt_when_the_model_changes(served, family, change
     assert served and same_tokens(out, hf_generate(model, ids, **kwargs))
 
 
-# --- 5. del model frees the model, its rollouts and their KV buffers --------------------------------
+# --- del model frees the model, its rollouts and their KV buffers --------------------------------
 @pytest.mark.parametrize("how", ["generate", "patch", "patch_then_undo"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_5_a_model_used_through_torchkvops_is_freed(monkeypatch, device, how):
+def test_a_model_used_through_torchkvops_is_freed(monkeypatch, device, how):
     """On CUDA the decode graphs (captured from the second call of a shape on) go with the rollout."""
     kv_buffers = []
     original = torchkvops.Rollout._generate
@@ -181,9 +181,9 @@ def test_5_a_model_used_through_torchkvops_is_freed(monkeypatch, device, how):
         handle.release()
 
 
-# --- 6. copies of a patched model work, and are unpatched -------------------------------------------
+# --- copies of a patched model work, and are unpatched -------------------------------------------
 @pytest.mark.parametrize("how", ["deepcopy", "pickle", "torch.save"])
-def test_6_a_patched_model_copies_unpatched(served, how):
+def test_a_patched_model_copies_unpatched(served, how):
     model = FAMILIES["llama"]()
     ids, mask = prompts(2, 6, seed=6)
     kwargs = dict(GREEDY, attention_mask=mask)
@@ -204,8 +204,8 @@ def test_6_a_patched_model_copies_unpatched(served, how):
     assert same_tokens(torchkvops.patch_generate(twin).session.original_generate(ids, **kwargs), expected)
 
 
-# --- 7. undo in any order; refusals say what to do ---------------------------------------------------
-def test_7_undo_in_either_order_restores_hfs_generate(llama, served):
+# --- undo in any order; refusals say what to do ---------------------------------------------------
+def test_undo_in_either_order_restores_hfs_generate(llama, served):
     ids, mask = prompts(2, 6, seed=7)
     kwargs = dict(GREEDY, attention_mask=mask)
     expected = hf_generate(llama, ids, **kwargs)
@@ -224,7 +224,7 @@ def test_7_undo_in_either_order_restores_hfs_generate(llama, served):
         vars(llama).pop("generate", None)
 
 
-def test_7_refusals_say_what_to_do(llama):
+def test_refusals_say_what_to_do(llama):
     with pytest.raises(
         TypeError, match="LlamaModel has no generate method .*use the causal LM that wraps it, e.g. LlamaForCausalLM"
     ):
@@ -234,7 +234,7 @@ def test_7_refusals_say_what_to_do(llama):
             torchkvops.patch_generate(llama)
 
 
-# --- 8. models the rollout cannot run fall back, from patch time ------------------------------------
+# --- models the rollout cannot run fall back, from patch time ------------------------------------
 def _tiny(cls, config_cls, **fields):
     torch.manual_seed(0)
     return cls(config_cls(**COMMON, **fields)).eval()
@@ -326,7 +326,7 @@ UNSERVABLE = {
 
 
 @pytest.mark.parametrize("name", list(UNSERVABLE))
-def test_8_models_the_rollout_cannot_run_fall_back_with_a_warning(monkeypatch, name):
+def test_models_the_rollout_cannot_run_fall_back_with_a_warning(monkeypatch, name):
     attempts = []
     original = torchkvops.Rollout._generate
     monkeypatch.setattr(
@@ -350,7 +350,7 @@ def test_8_models_the_rollout_cannot_run_fall_back_with_a_warning(monkeypatch, n
     handle.undo()
 
 
-# --- 9. inputs and settings HF accepts fall back instead of raising ---------------------------------
+# --- inputs and settings HF accepts fall back instead of raising ---------------------------------
 MASKS = {
     "right_padded": [[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]],
     "hole": [[1, 1, 1, 1, 1, 1], [0, 1, 0, 1, 1, 1]],
@@ -368,7 +368,7 @@ PROMPT_LENGTHS = {"beyond_positions": 100, "beyond_sliding_window": 40}  # + 30 
 
 
 @pytest.mark.parametrize("case", list(MASKS) + ["tril"] + list(SETTINGS))
-def test_9_what_hf_accepts_falls_back_with_hfs_output(served, case):
+def test_what_hf_accepts_falls_back_with_hfs_output(served, case):
     model = FAMILIES["mistral" if case == "beyond_sliding_window" else "llama"]()  # window 64, 128 positions
     ids, mask = prompts(2, PROMPT_LENGTHS.get(case, 6), seed=9)
     if case in MASKS:
@@ -384,14 +384,14 @@ def test_9_what_hf_accepts_falls_back_with_hfs_output(served, case):
     assert not served and same_tokens(out, quiet(hf_generate, model, ids, **kwargs))
 
 
-def test_9_eos_as_a_tensor_is_served(llama, served):
+def test_eos_as_a_tensor_is_served(llama, served):
     ids, mask = prompts(2, 6, seed=9)
     free = hf_generate(llama, ids, attention_mask=mask, **GREEDY, eos_token_id=None, pad_token_id=0)
     kwargs = dict(GREEDY, attention_mask=mask, eos_token_id=torch.tensor(int(free[0, 8])), pad_token_id=0)
     assert same_tokens(torchkvops.generate(llama, ids, **kwargs), hf_generate(llama, ids, **kwargs)) and served
 
 
-# --- 10. arguments that change nothing do not cost the speed-up -------------------------------------
+# --- arguments that change nothing do not cost the speed-up -------------------------------------
 @pytest.mark.parametrize(
     "extra",
     [
@@ -402,7 +402,7 @@ def test_9_eos_as_a_tensor_is_served(llama, served):
     ],
     ids=["synced_gpus_False", "tokenizer_None", "static_cache_compile_config", "return_dict"],
 )
-def test_10_harmless_arguments_are_served(llama, served, extra):
+def test_harmless_arguments_are_served(llama, served, extra):
     ids, mask = prompts(2, 6, seed=10)
     kwargs = dict(GREEDY, attention_mask=mask, **extra)
     with warnings.catch_warnings():

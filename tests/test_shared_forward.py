@@ -4,17 +4,17 @@ and unpadded batches, groups adjacent, interleaved and in split halves, groups o
 completions of different lengths, with gradient checkpointing (reentrant or not) and under bf16
 autocast; the work is really saved (FLOPs); every fallback says why and gives the plain result; undo,
 the context manager and the refusal of a second patch. The attention alone and the grouping have their
-own tests below. TRL's GRPOTrainer is in tests/test_trl.py."""
+own tests (tests/test_prefix_attention.py, test_prefix_groups.py); TRL's GRPOTrainer is in
+tests/test_trl.py, PEFT in tests/test_peft.py."""
 
 import copy
 import io
 import pickle
 import warnings
 
-import numpy as np
 import pytest
 import torch
-from devices import DEVICES, per_device
+from devices import per_device
 from models import FAMILIES, VOCAB, prompts
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import AttentionInterface, GPT2Config, GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForCausalLM
@@ -22,8 +22,6 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 import torchkvops
 from torchkvops import shared_forward
-from torchkvops.prefix_attention import shared_prefix_attention
-from torchkvops.prefix_groups import PrefixGroup, find_prefix_groups, row_keys
 from torchkvops.shared_forward import disable_dropout
 
 
@@ -527,122 +525,6 @@ def test_a_deep_copy_is_patched_on_its_own_weights(family_models):
     assert getattr(twin.model, "_torchkvops_shared_forward").stats.shared_calls == 1
     real = mask.bool()
     torch.testing.assert_close(shared[real], expected[real], rtol=1e-3, atol=1e-5)
-
-
-# --- the attention alone -------------------------------------------------------------------------
-def dense_causal_attention(q, k, v, allowed):
-    """Reference in float64: q [R, H, L, D], k, v [R, Hkv, L, D], allowed [R, L] key mask."""
-    per_kv = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(per_kv, 1).double(), v.repeat_interleave(per_kv, 1).double()
-    length = q.shape[2]
-    visible = torch.ones(length, length, dtype=torch.bool).tril() & allowed[:, None, None, :]
-    scores = (q.double() @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
-    return torch.nan_to_num(scores.masked_fill(~visible, float("-inf")).softmax(-1)) @ v
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(
-    "groups,rows,prefix,suffix,heads,kv_heads",
-    [(2, 3, 5, 4, 4, 2), (1, 8, 7, 3, 4, 1), (3, 2, 4, 0, 2, 2), (2, 1, 6, 5, 6, 3), (1, 2, 1, 9, 2, 2)],
-)
-def test_shared_prefix_attention_matches_dense_attention(groups, rows, prefix, suffix, heads, kv_heads, dtype, device):
-    """Forward and backward (the merged-lse backward) against dense masked attention in float64, with
-    left padding in the prefix and right padding in some suffixes."""
-    g = torch.Generator().manual_seed(0)
-    length, dim, total = prefix + suffix, 8, groups * rows
-
-    def rand(h):
-        t = torch.randn(groups, rows, h, length, dim, generator=g, dtype=torch.float64)
-        t[:, 1:, :, :prefix] = t[:, :1, :, :prefix]  # the rows of a group share their prefix
-        return t.view(total, h, length, dim)
-
-    q, k, v = rand(heads), rand(kv_heads), rand(kv_heads)
-    allowed = torch.ones(total, length, dtype=torch.bool)
-    allowed[:, : min(2, prefix - 1)] = False
-    if suffix > 1:
-        allowed[::2, -1] = False
-    leaf = lambda t: t.to(device, dtype).requires_grad_()  # noqa: E731
-    first = slice(0, total, rows)  # each group's first row holds the shared prefix
-    q_pre, k_pre, v_pre = (leaf(t[first, :, :prefix]) for t in (q, k, v))
-    q_suf, k_suf, v_suf = (leaf(t[:, :, prefix:]) for t in (q, k, v))
-    masked = torch.finfo(dtype).min
-    bias_pre = torch.zeros(groups, 1, 1, prefix, dtype=dtype).masked_fill(~allowed[first, None, None, :prefix], masked)
-    bias_suf = torch.zeros(total, 1, 1, suffix, dtype=dtype).masked_fill(~allowed[:, None, None, prefix:], masked)
-    out_pre, out_suf = shared_prefix_attention(
-        q_pre, k_pre, v_pre, q_suf, k_suf, v_suf, bias_pre.to(device), bias_suf.to(device)
-    )
-    out = torch.cat([out_pre.repeat_interleave(rows, 0), out_suf], dim=2).cpu()
-
-    reference_inputs = [t.clone().requires_grad_() for t in (q, k, v)]
-    reference = dense_causal_attention(*reference_inputs, allowed)
-    real = allowed[:, None, :, None]  # queries at padding positions are not compared (nor given a gradient)
-    grad = torch.randn(reference.shape, generator=g, dtype=torch.float64) * real
-    tol = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else dict(rtol=0.05, atol=0.05)
-    torch.testing.assert_close((out.double() * real), reference * real, **tol)
-    out.backward(grad.to(dtype))  # (through .cpu(): the gradients land on the device)
-    dq, dk, dv = torch.autograd.grad(reference, reference_inputs, grad)
-
-    def shared_part(t):  # the prefix's gradient is the sum over the group's rows
-        return t.view(groups, rows, *t.shape[1:])[:, :, :, :prefix].sum(1)
-
-    for got, want in (
-        (q_pre.grad, shared_part(dq)),
-        (k_pre.grad, shared_part(dk)),
-        (v_pre.grad, shared_part(dv)),
-        (q_suf.grad, dq[:, :, prefix:]),
-        (k_suf.grad, dk[:, :, prefix:]),
-        (v_suf.grad, dv[:, :, prefix:]),
-    ):
-        torch.testing.assert_close(got.cpu().double(), want, **tol)
-
-
-# --- the grouping --------------------------------------------------------------------------------
-def keys(rows):
-    return np.array(rows, dtype=">u4")
-
-
-@pytest.mark.parametrize("order", ["adjacent", "interleaved", "halves"])
-def test_groups_are_found_wherever_their_rows_are(order):
-    prompts = [[5, 6, 7, 8], [9, 9, 9, 9], [4, 3, 2, 1]]
-    completion = {0: [10, 11], 1: [12, 13]}
-    rows = [(p, s) for p in range(3) for s in range(2)]
-    if order != "adjacent":
-        rows = sorted(rows, key=lambda r: (r[1], r[0]))  # interleaved: p0 p1 p2 p0 p1 p2; halves: the same
-    groups = find_prefix_groups(keys([prompts[p] + completion[s] for p, s in rows]), min_shared=2)
-    expected = {tuple(sorted(i for i, (p, _) in enumerate(rows) if p == q)) for q in range(3)}
-    assert {g.rows for g in groups} == expected
-    assert all(g.prefix == 4 for g in groups)
-
-
-def test_the_longest_prefix_runs_past_the_prompt_and_identical_rows_share_everything():
-    groups = find_prefix_groups(
-        keys([[1, 2, 3, 7, 7, 1], [1, 2, 3, 7, 7, 2], [4, 4, 4, 4, 4, 4], [4, 4, 4, 4, 4, 4]]), min_shared=1
-    )
-    assert groups == [PrefixGroup((0, 1), 5), PrefixGroup((2, 3), 6)]
-
-
-def test_a_deeper_pair_keeps_its_prefix_while_the_rest_of_the_group_shares_the_shorter_one():
-    rows = [[1, 2, 3, 4, 5, 6, 7], [1, 2, 3, 4, 5, 6, 8], [1, 2, 9, 9, 9, 9, 9], [1, 2, 8, 8, 8, 8, 8]]
-    assert find_prefix_groups(keys(rows), min_shared=1) == [PrefixGroup((0, 1), 6), PrefixGroup((2, 3), 2)]
-
-
-def test_groups_need_min_shared_columns():
-    rows = keys([[1, 2, 3], [1, 2, 4], [5, 5, 5]])
-    assert find_prefix_groups(rows, min_shared=2) == [PrefixGroup((0, 1), 2), PrefixGroup((2,), 3)]
-    assert find_prefix_groups(rows, min_shared=3) == [PrefixGroup((0,), 3), PrefixGroup((1,), 3), PrefixGroup((2,), 3)]
-
-
-def test_padding_ids_count_and_so_do_position_ids():
-    """A padding position's own output (the logit that predicts a row's first real token) is computed
-    from its id: rows share a padding column only when its ids agree; a real column with a padding one
-    never."""
-    ids = torch.tensor([[0, 5, 6, 7], [3, 5, 6, 8], [0, 5, 6, 9], [0, 5, 6, 10]])
-    mask = torch.tensor([[0, 1, 1, 1], [0, 1, 1, 1], [1, 1, 1, 1], [0, 1, 1, 1]])
-    groups = find_prefix_groups(row_keys(ids, mask, None), 1)
-    assert PrefixGroup((0, 3), 3) in groups and all(1 not in g.rows or len(g.rows) == 1 for g in groups)
-    positions = torch.tensor([[0, 0, 1, 2], [0, 0, 5, 6], [0, 1, 2, 3], [0, 0, 5, 6]])
-    assert PrefixGroup((0, 3), 2) in find_prefix_groups(row_keys(ids, mask, positions), 1)
 
 
 # --- padding collators, eager attention, pickling, empty batches ------------------------------------

@@ -1,0 +1,76 @@
+"""torchkvops.prefix_attention alone: the shared-prefix attention (prefix causally, suffixes against the
+prefix and themselves, merged by log-sum-exp), forward and backward, against dense masked attention in
+float64. Through a model: tests/test_shared_forward.py."""
+
+import pytest
+import torch
+from devices import DEVICES
+
+from torchkvops.prefix_attention import shared_prefix_attention
+
+
+def dense_causal_attention(q, k, v, allowed):
+    """Reference in float64: q [R, H, L, D], k, v [R, Hkv, L, D], allowed [R, L] key mask."""
+    per_kv = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(per_kv, 1).double(), v.repeat_interleave(per_kv, 1).double()
+    length = q.shape[2]
+    visible = torch.ones(length, length, dtype=torch.bool).tril() & allowed[:, None, None, :]
+    scores = (q.double() @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    return torch.nan_to_num(scores.masked_fill(~visible, float("-inf")).softmax(-1)) @ v
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "groups,rows,prefix,suffix,heads,kv_heads",
+    [(2, 3, 5, 4, 4, 2), (1, 8, 7, 3, 4, 1), (3, 2, 4, 0, 2, 2), (2, 1, 6, 5, 6, 3), (1, 2, 1, 9, 2, 2)],
+)
+def test_shared_prefix_attention_matches_dense_attention(groups, rows, prefix, suffix, heads, kv_heads, dtype, device):
+    """Forward and backward (the merged-lse backward) against dense masked attention in float64, with
+    left padding in the prefix and right padding in some suffixes."""
+    g = torch.Generator().manual_seed(0)
+    length, dim, total = prefix + suffix, 8, groups * rows
+
+    def rand(h):
+        t = torch.randn(groups, rows, h, length, dim, generator=g, dtype=torch.float64)
+        t[:, 1:, :, :prefix] = t[:, :1, :, :prefix]  # the rows of a group share their prefix
+        return t.view(total, h, length, dim)
+
+    q, k, v = rand(heads), rand(kv_heads), rand(kv_heads)
+    allowed = torch.ones(total, length, dtype=torch.bool)
+    allowed[:, : min(2, prefix - 1)] = False
+    if suffix > 1:
+        allowed[::2, -1] = False
+    leaf = lambda t: t.to(device, dtype).requires_grad_()  # noqa: E731
+    first = slice(0, total, rows)  # each group's first row holds the shared prefix
+    q_pre, k_pre, v_pre = (leaf(t[first, :, :prefix]) for t in (q, k, v))
+    q_suf, k_suf, v_suf = (leaf(t[:, :, prefix:]) for t in (q, k, v))
+    masked = torch.finfo(dtype).min
+    bias_pre = torch.zeros(groups, 1, 1, prefix, dtype=dtype).masked_fill(~allowed[first, None, None, :prefix], masked)
+    bias_suf = torch.zeros(total, 1, 1, suffix, dtype=dtype).masked_fill(~allowed[:, None, None, prefix:], masked)
+    out_pre, out_suf = shared_prefix_attention(
+        q_pre, k_pre, v_pre, q_suf, k_suf, v_suf, bias_pre.to(device), bias_suf.to(device)
+    )
+    out = torch.cat([out_pre.repeat_interleave(rows, 0), out_suf], dim=2).cpu()
+
+    reference_inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+    reference = dense_causal_attention(*reference_inputs, allowed)
+    real = allowed[:, None, :, None]  # queries at padding positions are not compared (nor given a gradient)
+    grad = torch.randn(reference.shape, generator=g, dtype=torch.float64) * real
+    tol = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else dict(rtol=0.05, atol=0.05)
+    torch.testing.assert_close((out.double() * real), reference * real, **tol)
+    out.backward(grad.to(dtype))  # (through .cpu(): the gradients land on the device)
+    dq, dk, dv = torch.autograd.grad(reference, reference_inputs, grad)
+
+    def shared_part(t):  # the prefix's gradient is the sum over the group's rows
+        return t.view(groups, rows, *t.shape[1:])[:, :, :, :prefix].sum(1)
+
+    for got, want in (
+        (q_pre.grad, shared_part(dq)),
+        (k_pre.grad, shared_part(dk)),
+        (v_pre.grad, shared_part(dv)),
+        (q_suf.grad, dq[:, :, prefix:]),
+        (k_suf.grad, dk[:, :, prefix:]),
+        (v_suf.grad, dv[:, :, prefix:]),
+    ):
+        torch.testing.assert_close(got.cpu().double(), want, **tol)

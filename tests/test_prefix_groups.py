@@ -1,0 +1,56 @@
+"""torchkvops.prefix_groups alone: which rows share a prefix (wherever they are in the batch), how long a
+prefix each group shares, and what makes two rows' columns match (ids, padding, position ids). Through a
+model: tests/test_shared_forward.py."""
+
+import numpy as np
+import pytest
+import torch
+
+from torchkvops.prefix_groups import PrefixGroup, find_prefix_groups, row_keys
+
+
+def keys(rows):
+    return np.array(rows, dtype=">u4")
+
+
+@pytest.mark.parametrize("order", ["adjacent", "interleaved", "halves"])
+def test_groups_are_found_wherever_their_rows_are(order):
+    prompts = [[5, 6, 7, 8], [9, 9, 9, 9], [4, 3, 2, 1]]
+    completion = {0: [10, 11], 1: [12, 13]}
+    rows = [(p, s) for p in range(3) for s in range(2)]
+    if order != "adjacent":
+        rows = sorted(rows, key=lambda r: (r[1], r[0]))  # interleaved: p0 p1 p2 p0 p1 p2; halves: the same
+    groups = find_prefix_groups(keys([prompts[p] + completion[s] for p, s in rows]), min_shared=2)
+    expected = {tuple(sorted(i for i, (p, _) in enumerate(rows) if p == q)) for q in range(3)}
+    assert {g.rows for g in groups} == expected
+    assert all(g.prefix == 4 for g in groups)
+
+
+def test_the_longest_prefix_runs_past_the_prompt_and_identical_rows_share_everything():
+    groups = find_prefix_groups(
+        keys([[1, 2, 3, 7, 7, 1], [1, 2, 3, 7, 7, 2], [4, 4, 4, 4, 4, 4], [4, 4, 4, 4, 4, 4]]), min_shared=1
+    )
+    assert groups == [PrefixGroup((0, 1), 5), PrefixGroup((2, 3), 6)]
+
+
+def test_a_deeper_pair_keeps_its_prefix_while_the_rest_of_the_group_shares_the_shorter_one():
+    rows = [[1, 2, 3, 4, 5, 6, 7], [1, 2, 3, 4, 5, 6, 8], [1, 2, 9, 9, 9, 9, 9], [1, 2, 8, 8, 8, 8, 8]]
+    assert find_prefix_groups(keys(rows), min_shared=1) == [PrefixGroup((0, 1), 6), PrefixGroup((2, 3), 2)]
+
+
+def test_groups_need_min_shared_columns():
+    rows = keys([[1, 2, 3], [1, 2, 4], [5, 5, 5]])
+    assert find_prefix_groups(rows, min_shared=2) == [PrefixGroup((0, 1), 2), PrefixGroup((2,), 3)]
+    assert find_prefix_groups(rows, min_shared=3) == [PrefixGroup((0,), 3), PrefixGroup((1,), 3), PrefixGroup((2,), 3)]
+
+
+def test_padding_ids_count_and_so_do_position_ids():
+    """A padding position's own output (the logit that predicts a row's first real token) is computed
+    from its id: rows share a padding column only when its ids agree; a real column with a padding one
+    never."""
+    ids = torch.tensor([[0, 5, 6, 7], [3, 5, 6, 8], [0, 5, 6, 9], [0, 5, 6, 10]])
+    mask = torch.tensor([[0, 1, 1, 1], [0, 1, 1, 1], [1, 1, 1, 1], [0, 1, 1, 1]])
+    groups = find_prefix_groups(row_keys(ids, mask, None), 1)
+    assert PrefixGroup((0, 3), 3) in groups and all(1 not in g.rows or len(g.rows) == 1 for g in groups)
+    positions = torch.tensor([[0, 0, 1, 2], [0, 0, 5, 6], [0, 1, 2, 3], [0, 0, 5, 6]])
+    assert PrefixGroup((0, 3), 2) in find_prefix_groups(row_keys(ids, mask, positions), 1)
