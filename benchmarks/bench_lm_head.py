@@ -22,9 +22,9 @@ import statistics
 import torch
 
 from torchkvops import Rollout, RolloutConfig
+from torchkvops.bench.models import MODEL_SHAPES, build_model
 from torchkvops.bench.op import time_methods
-from torchkvops.lm_head import Float32LMHead
-from torchkvops.models import MODEL_SHAPES, build_model
+from torchkvops.rollout.lm_head import Float32LMHead
 
 VARIANTS = {
     "plain": dict(),

@@ -20,9 +20,9 @@ import argparse
 
 import torch
 
-from torchkvops import attention
 from torchkvops.bench import cases, mismatch, report
-from torchkvops.models import MODEL_SHAPES, build_model
+from torchkvops.bench.models import MODEL_SHAPES, build_model
+from torchkvops.rollout import attention
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

@@ -17,8 +17,8 @@ import time
 import torch
 
 from torchkvops import Rollout, RolloutConfig
-from torchkvops.decode import DecodeStep
-from torchkvops.models import build_model
+from torchkvops.bench.models import build_model
+from torchkvops.rollout.decode import DecodeStep
 
 
 def main() -> None:

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 import torchkvops  # noqa: F401  (loads the operators)
 from torchkvops.bench.metrics import saved_tensor_bytes
 from torchkvops.bench.op import time_methods
-from torchkvops.prefix_attention import shared_prefix_attention
+from torchkvops.training.prefix_attention import shared_prefix_attention
 
 
 def main(argv=None) -> None:

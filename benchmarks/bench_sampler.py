@@ -30,7 +30,7 @@ from transformers.generation.logits_process import (
 
 import torchkvops
 from torchkvops import ops, reference
-from torchkvops.sampling import row_keys
+from torchkvops.rollout.sampling import row_keys
 
 MODES = {  # name: (temperature, top_k, top_p)
     "greedy": (0.0, 0, 1.0),

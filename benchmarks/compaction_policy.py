@@ -20,9 +20,10 @@ import statistics
 
 import torch
 
-from torchkvops import Rollout, RolloutConfig, compaction
+from torchkvops import Rollout, RolloutConfig
 from torchkvops.bench import lengths
-from torchkvops.models import build_model
+from torchkvops.bench.models import build_model
+from torchkvops.rollout import compaction
 
 
 def pow2(n: int) -> int:

@@ -15,9 +15,9 @@ import argparse
 
 import torch
 
-from torchkvops.kv_cache import KVShape, RolloutKVCache
-from torchkvops.models import MODEL_SHAPES, model_config
+from torchkvops.bench.models import MODEL_SHAPES, model_config
 from torchkvops.rollout import kv_lengths
+from torchkvops.rollout.kv_cache import KVShape, RolloutKVCache
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 

@@ -62,7 +62,7 @@ def _install_routing() -> None:
     from transformers.generation.utils import GenerationMixin
 
     import torchkvops
-    from torchkvops import generation
+    from torchkvops.hf import generate_patch as generation
 
     original = GenerationMixin.generate
 

@@ -19,12 +19,12 @@ import pytest
 import torch
 from timeouts import TIMEOUT
 
-from torchkvops import atomic_write
 from torchkvops.bench import cases as bench_cases
 from torchkvops.bench import matrix as bench
 from torchkvops.bench import metrics as bench_metrics
 from torchkvops.bench import report as bench_report
 from torchkvops.bench import stats as bench_stats
+from torchkvops.cli import atomic_write
 from torchkvops.cli import bench as cli_bench
 from torchkvops.cli import checks as cli_checks
 from torchkvops.cli import main as cli
@@ -276,7 +276,7 @@ def _table_rows(stdout: str, case: str) -> dict[str, dict[str, str]]:
 
 
 def test_bench_json_tables_trace_and_order(tmp_path):
-    from torchkvops.models import build_model, model_config
+    from torchkvops.bench.models import build_model, model_config
 
     def round_up(n: int, multiple: int) -> int:  # the rollout's rule: prompts to 64 positions, responses to 8
         return -(-n // multiple) * multiple
@@ -526,7 +526,7 @@ def test_modes_run_interleaved_and_a_failed_mode_leaves_the_rounds(monkeypatch):
     """The schedule, with stand-in runners that record their calls: each mode's warm-ups, then rounds of
     every live mode in turn, then the peak-memory calls; a mode that fails is dropped from the rounds
     that follow. Every total_ms is the outer clock's, whatever the runner reports."""
-    from torchkvops.models import build_model
+    from torchkvops.bench.models import build_model
 
     calls = []
     case = bench_cases.Case(1, 2, 4, 3)
@@ -1157,7 +1157,7 @@ def test_import_loads_the_ops_and_defers_the_rollout_engine():
 
 
 def test_names_spelled_out_for_parsing_match_the_library():
-    from torchkvops.models import MODEL_SHAPES
+    from torchkvops.bench.models import MODEL_SHAPES
 
     assert list(cli.MODEL_SHAPE_NAMES) == list(MODEL_SHAPES) and "llama-small" in MODEL_SHAPES
     assert cli.MODE_NAMES == bench_cases.MODES and cli.DEFAULT_MODES == bench_cases.DEFAULT_MODES
@@ -1208,7 +1208,7 @@ def test_readme_lists_every_model_shape():
     """Wherever the README or docs/ spell out the --model-shape names, they are the library's, in order."""
     import re
 
-    from torchkvops.models import MODEL_SHAPES
+    from torchkvops.bench.models import MODEL_SHAPES
 
     lists = re.findall(r"\(`--model-shape ([a-z0-9.| \n-]+)`\)", docs_text())
     assert lists

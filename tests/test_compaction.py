@@ -13,9 +13,10 @@ from models import FAMILIES, prompts
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import torchkvops
-from torchkvops import Rollout, RolloutConfig, compaction
-from torchkvops.decode import DecodeRunner
-from torchkvops.kv_cache import KVShape, RolloutKVCache
+from torchkvops import Rollout, RolloutConfig
+from torchkvops.rollout import compaction
+from torchkvops.rollout.decode import DecodeRunner
+from torchkvops.rollout.kv_cache import KVShape, RolloutKVCache
 
 LAYOUTS = ["copy", "prefix"]
 SAMPLING = {"greedy": dict(), "seeded": dict(temperature=1.0, seed=3)}

@@ -9,7 +9,7 @@ import torch
 from models import FAMILIES, prompts
 
 from torchkvops import Rollout, RolloutConfig
-from torchkvops.decode import Decoder
+from torchkvops.rollout.decode import Decoder
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

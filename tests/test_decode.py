@@ -1,4 +1,4 @@
-"""torchkvops.decode's state declaration: a DecodeState holds exactly the tensors DecodeState.FIELDS
+"""torchkvops.rollout.decode's state declaration: a DecodeState holds exactly the tensors DecodeState.FIELDS
 declares, with the shapes its DecodeShape gives, and compaction (`gather_into`) moves every per-row
 field with its row and every per-prompt field with its prompt, whatever fields are declared. The decode
 loop itself is tested through Rollout (tests/test_rollout.py, test_compaction.py, test_logprobs.py)."""
@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-from torchkvops.decode import DecodeShape, DecodeState
+from torchkvops.rollout.decode import DecodeShape, DecodeState
 
 SHAPES = {
     "copy": DecodeShape(rows=6, mask_len=16, max_new_tokens=5, dtype=torch.bfloat16, logprobs=True),

@@ -11,7 +11,7 @@ import warnings
 import pytest
 import torch
 
-from torchkvops import decode
+from torchkvops.rollout import decode
 
 KEY_A, KEY_B = ("shape A",), ("shape B",)
 

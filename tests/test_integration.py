@@ -1,4 +1,4 @@
-"""torchkvops.integration, what patch_generate and patch_forward share: the LRU, warn-once, the patch
+"""torchkvops.hf.integration, what patch_generate and patch_forward share: the LRU, warn-once, the patch
 handle and the dropout readers (both integrations' end-to-end behaviour is tested in test_generate.py
 and test_shared_forward.py)."""
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from torchkvops import integration
-from torchkvops.integration import LRU, PatchHandle, WarnOnce
+from torchkvops.hf import integration
+from torchkvops.hf.integration import LRU, PatchHandle, WarnOnce
 
 
 def test_lru_drops_the_least_recently_used_and_releases_what_leaves():

@@ -29,7 +29,8 @@ def _parents(name: str) -> list[str]:
 
 def import_graph(root: Path) -> dict[str, set[str]]:
     """Module -> the package's modules it imports (anywhere in its source). Importing a.b.c also
-    imports the packages a and a.b; `from p import x` imports p.x when that is a module, else p."""
+    imports the packages a and a.b; `from p import x` imports p.x when that is a module, else p. A
+    module's own parent packages are left out: Python has imported them before the module runs."""
     modules = module_names(root)
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
@@ -51,7 +52,8 @@ def import_graph(root: Path) -> dict[str, set[str]]:
                 continue
             for target in found:
                 for candidate in [*_parents(target), target]:
-                    if candidate in modules and candidate != name:
+                    # A module's own parent packages are imported before it runs, so they close no cycle.
+                    if candidate in modules and candidate != name and candidate not in _parents(name):
                         targets.add(candidate)
         graph[name] = targets
     return graph
@@ -102,7 +104,8 @@ def test_the_checker_finds_a_cycle_through_a_lazy_import(tmp_path):
     (pkg / "c.py").write_text("import pkg.a\n")
     (pkg / "d.py").write_text("from . import a\n")
     graph = import_graph(pkg)
-    assert graph["pkg.a"] == {"pkg", "pkg.sub", "pkg.sub.b"}
+    assert graph["pkg.a"] == {"pkg.sub", "pkg.sub.b"}
+    assert graph["pkg.sub.b"] == {"pkg.c"}
     assert cycles(graph) == [["pkg.a", "pkg.c", "pkg.sub.b"]]
 
 
@@ -128,15 +131,98 @@ def test_the_library_never_imports_the_command_line_or_the_harness():
     assert wrong == []
 
 
-def test_the_integrations_share_a_leaf_and_the_contract_knows_no_patch():
-    """integration.py (what patch_generate and patch_forward share) imports no module of the package, so
-    that any module may use it; generate_contract.py (HF's generate contract) knows neither patch; and the
-    two integrations do not import each other."""
+def layer_of(name: str) -> str:
+    """The layer a module belongs to, bottom to top: the operators (the package root, ops, reference,
+    fused_attention), the model adapter and the integrations' shared helpers (hf.adapter,
+    hf.integration), the rollout engine, the training forward, the integrations above the engine
+    (generate's contract and patch, distributed), then the harness and the command line."""
+    parts = name.split(".")[1:]
+    if not parts or parts[0] in ("ops", "reference", "fused_attention", "_C"):
+        return "operators"
+    if parts[0] == "__main__":
+        return "cli"
+    if parts[0] == "hf":
+        return "adapter" if parts[1:2] in ([], ["adapter"], ["integration"]) else "integrations"
+    return parts[0]  # rollout, training, bench, cli
+
+
+# What each layer may import (besides itself). The training forward never needs the rollout engine,
+# and nothing below the integrations knows generate's contract or patch.
+ALLOWED_LAYERS = {
+    "operators": set(),
+    "adapter": {"operators"},
+    "rollout": {"operators", "adapter"},
+    "training": {"operators", "adapter"},
+    "integrations": {"operators", "adapter", "rollout", "training"},
+    "bench": {"operators", "adapter", "rollout", "training", "integrations"},
+    "cli": {"operators", "adapter", "rollout", "training", "integrations", "bench"},
+}
+
+
+def test_every_module_is_in_a_subpackage_that_shows_its_layer():
     graph = import_graph(PACKAGE_ROOT)
-    assert graph["torchkvops.integration"] == set()
-    assert {"torchkvops.integration", "torchkvops.rollout"} <= graph["torchkvops.generate_contract"]
-    assert not {"torchkvops.generation", "torchkvops.shared_forward"} & graph["torchkvops.generate_contract"]
-    assert {"torchkvops.integration", "torchkvops.generate_contract"} <= graph["torchkvops.generation"]
-    assert "torchkvops.integration" in graph["torchkvops.shared_forward"]
-    assert "torchkvops.shared_forward" not in graph["torchkvops.generation"]
-    assert "torchkvops.generation" not in graph["torchkvops.shared_forward"]
+    top_level = sorted(path.name for path in PACKAGE_ROOT.glob("*.py"))
+    assert top_level == ["__init__.py", "__main__.py", "fused_attention.py", "ops.py", "reference.py"]
+    assert {layer_of(name) for name in graph} == set(ALLOWED_LAYERS)
+
+
+def test_each_layer_imports_only_the_layers_below_it():
+    graph = import_graph(PACKAGE_ROOT)
+    wrong = sorted(
+        (a, b)
+        for a, targets in graph.items()
+        for b in targets
+        if layer_of(b) != layer_of(a)
+        and layer_of(b) not in ALLOWED_LAYERS[layer_of(a)]
+        and b != "torchkvops"  # the package root: `from .. import ops` passes through it
+    )
+    assert wrong == []
+
+
+def test_the_layer_rule_would_catch_training_importing_the_rollout():
+    assert layer_of("torchkvops.training.shared_forward") == "training"
+    assert layer_of("torchkvops.rollout.engine") not in ALLOWED_LAYERS["training"]
+    assert layer_of("torchkvops.hf.generate_patch") not in ALLOWED_LAYERS["rollout"]
+    assert layer_of("torchkvops.hf.adapter") in ALLOWED_LAYERS["rollout"]
+
+
+def test_the_integrations_share_a_leaf_and_the_contract_knows_no_patch():
+    """hf/integration.py (what patch_generate and patch_forward share) imports no module of the package,
+    so that any module may use it; hf/generate_contract.py (HF's generate contract) knows neither patch;
+    and the two integrations do not import each other."""
+    graph = import_graph(PACKAGE_ROOT)
+    contract, patch = "torchkvops.hf.generate_contract", "torchkvops.hf.generate_patch"
+    shared, training = "torchkvops.hf.integration", "torchkvops.training.shared_forward"
+    assert graph[shared] == set()
+    assert {shared, "torchkvops.rollout.engine"} <= graph[contract]
+    assert not {patch, training} & graph[contract]
+    assert {shared, contract} <= graph[patch]
+    assert shared in graph[training]
+    assert training not in graph[patch]
+    assert patch not in graph[training]
+
+
+def test_the_flat_paths_of_earlier_releases_import_the_moved_modules(tmp_path):
+    """`import torchkvops.<old>` and `from torchkvops.<old> import ...` give the module at its new path
+    (one object, which keeps its own name and spec), in a fresh interpreter where neither was imported."""
+    import subprocess
+    import sys
+
+    import torchkvops
+
+    script = (
+        "import importlib, sys\n"
+        "import torchkvops\n"
+        f"for old, new in {dict(torchkvops._MOVED_MODULES)!r}.items():\n"
+        "    aliased = importlib.import_module('torchkvops.' + old)\n"
+        "    moved = sys.modules['torchkvops.' + new]\n"
+        "    assert aliased is moved and getattr(torchkvops, old) is moved, old\n"
+        "    assert moved.__name__ == moved.__spec__.name == 'torchkvops.' + new, old\n"
+        "from torchkvops.distributed import generate\n"
+        "from torchkvops.hf.distributed import generate as moved\n"
+        "assert generate is moved\n"
+        "print('ok')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert done.stdout.strip() == "ok", done.stderr
+    assert not (PACKAGE_ROOT / "distributed.py").exists()  # the old paths are aliases, not files

@@ -186,7 +186,7 @@ def test_grpo_with_peft_config_serves_every_generate_and_shares_every_pass(tmp_p
     pytest.importorskip("trl")
     import test_trl
 
-    from torchkvops.models import build_model
+    from torchkvops.bench.models import build_model
 
     checkpoint = str(tmp_path / "model")
     build_model("tiny", seed=0).save_pretrained(checkpoint)

@@ -1,4 +1,4 @@
-"""torchkvops.prefix_attention alone: the shared-prefix attention (prefix causally, suffixes against the
+"""torchkvops.training.prefix_attention alone: the shared-prefix attention (prefix causally, suffixes against the
 prefix and themselves, merged by log-sum-exp), forward and backward, against dense masked attention in
 float64. Through a model: tests/test_shared_forward.py."""
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 from devices import DEVICES
 
-from torchkvops.prefix_attention import shared_prefix_attention
+from torchkvops.training.prefix_attention import shared_prefix_attention
 
 
 def dense_causal_attention(q, k, v, allowed):

@@ -1,4 +1,4 @@
-"""torchkvops.prefix_groups alone: which rows share a prefix (wherever they are in the batch), how long a
+"""torchkvops.training.prefix_groups alone: which rows share a prefix (wherever they are in the batch), how long a
 prefix each group shares, and what makes two rows' columns match (ids, padding, position ids). Through a
 model: tests/test_shared_forward.py."""
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from torchkvops.prefix_groups import PrefixGroup, find_prefix_groups, row_keys
+from torchkvops.training.prefix_groups import PrefixGroup, find_prefix_groups, row_keys
 
 
 def keys(rows):

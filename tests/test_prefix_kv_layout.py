@@ -178,7 +178,7 @@ def test_decode_attention_takes_masks_as_narrow_as_the_response_rounding(device,
     kernels (CPU flash; CUDA memory-efficient, which needs each mask row 16-byte aligned) must take it, over
     several rows, and give the reference's attention and log-sum-exp."""
     from torchkvops.fused_attention import attend
-    from torchkvops.rollout import RESPONSE_KV_MULTIPLE
+    from torchkvops.rollout.engine import RESPONSE_KV_MULTIPLE
 
     g = torch.Generator().manual_seed(0)
     rows, heads, queries, head_dim = 6, 2, 3, 32

@@ -24,16 +24,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import torchkvops
 from torchkvops import ops, reference
-from torchkvops.sampling import (
-    LOW_SALT,
-    STEP_SALT,
-    TOKEN_SALT,
-    SamplingParams,
-    _hash32,
-    row_keys,
-    sample,
-    sample_with_logprobs,
-)
+from torchkvops.reference import LOW_SALT, STEP_SALT, TOKEN_SALT, hash32
+from torchkvops.rollout.sampling import SamplingParams, row_keys, sample, sample_with_logprobs
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -203,9 +195,9 @@ def test_greedy_is_argmax_on_ties_and_special_values_anywhere(device, dtype):
 def key_and_step_for_word(token: int, high: int, low: int) -> tuple[int, int]:
     """A (key, step) pair whose noise word for `token` is (high, low): reference.noise_words inverted."""
     row_low = unhash32(low) ^ high
-    row_high = unhash32(high) ^ _hash32((token + TOKEN_SALT) ^ row_low)
-    step = unhash32(row_low) ^ _hash32(row_high + LOW_SALT)
-    return unhash32(row_high) ^ _hash32(step + STEP_SALT), step
+    row_high = unhash32(high) ^ hash32((token + TOKEN_SALT) ^ row_low)
+    step = unhash32(row_low) ^ hash32(row_high + LOW_SALT)
+    return unhash32(row_high) ^ hash32(step + STEP_SALT), step
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -334,7 +326,7 @@ def test_far_tail_is_drawn_at_its_probability(device, p_each, vocab, rows):
 
 
 def unhash32(x: int) -> int:
-    """The inverse of sampling._hash32 on one 32-bit int."""
+    """The inverse of reference.hash32 on one 32-bit int."""
     x ^= x >> 16
     x = (x * pow(0x68E31DA5, -1, 2**32)) & 0xFFFFFFFF
     x ^= (x >> 15) ^ (x >> 30)
@@ -353,7 +345,7 @@ def test_tail_of_1e_10_is_drawn_at_its_probability(device):
     uniform in [0, 64) and a uniform low half (and so a uniform word given ~h < 64). Their count of
     token 1 must be within 3 standard deviations of q = p * 2^32 / 64 = 6.7e-3 per row."""
     for v in (0, 1, 0xDEADBEEF, 0xFFFFFFFF):  # the inverse is right
-        assert unhash32(_hash32(v)) == v
+        assert unhash32(hash32(v)) == v
     c = -math.log(1e-10 / (1 - 1e-10))
     low = float(torch.tensor(-c, dtype=torch.float32))
     p = math.exp(low) / (1 + math.exp(low))
@@ -364,9 +356,9 @@ def test_tail_of_1e_10_is_drawn_at_its_probability(device):
     for row in range(rows):
         # Invert noise_words for token 1: its high word h = 2^32 - 1 - (row % strata), row_low random.
         row_low = rng.getrandbits(32)
-        row_high = unhash32(0xFFFFFFFF - row % strata) ^ _hash32((1 + TOKEN_SALT) ^ row_low)
-        step = unhash32(row_low) ^ _hash32(row_high + LOW_SALT)
-        keys.append(unhash32(row_high) ^ _hash32(step + STEP_SALT))
+        row_high = unhash32(0xFFFFFFFF - row % strata) ^ hash32((1 + TOKEN_SALT) ^ row_low)
+        step = unhash32(row_low) ^ hash32(row_high + LOW_SALT)
+        keys.append(unhash32(row_high) ^ hash32(step + STEP_SALT))
         steps.append(step)
     high, _ = reference.noise_words(torch.tensor(keys[:strata]), torch.tensor([steps[0]]), 2)
     assert high[0, 1] == 0xFFFFFFFF  # the inversion is right

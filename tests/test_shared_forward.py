@@ -21,8 +21,8 @@ from transformers import AttentionInterface, GPT2Config, GPT2LMHeadModel, GPTNeo
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 import torchkvops
-from torchkvops import shared_forward
-from torchkvops.shared_forward import disable_dropout
+from torchkvops.training import shared_forward
+from torchkvops.training.shared_forward import disable_dropout
 
 
 @pytest.fixture(autouse=True)

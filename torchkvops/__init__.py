@@ -16,33 +16,69 @@ _LAZY_NAMES = {
     "RolloutConfig": "rollout",
     "RolloutOutput": "rollout",
     "RolloutProfile": "rollout",
-    "generate": "generation",
-    "patch_generate": "generation",
-    "GeneratePatch": "generation",
-    "patch_forward": "shared_forward",
-    "ForwardPatch": "shared_forward",
-    "SharedForwardConfig": "shared_forward",
-    "SharedForwardStats": "shared_forward",
+    "generate": "hf.generate_patch",
+    "patch_generate": "hf.generate_patch",
+    "GeneratePatch": "hf.generate_patch",
+    "patch_forward": "training.shared_forward",
+    "ForwardPatch": "training.shared_forward",
+    "SharedForwardConfig": "training.shared_forward",
+    "SharedForwardStats": "training.shared_forward",
 }
 _OPS_NAMES = frozenset({"torch", "ops", "repeat_kv_cache", "repeat_kv_cache_", "merge_attention_states"})
-# Submodules reachable as attributes without an import statement (`torchkvops.distributed.generate`).
-_SUBMODULES = frozenset(
-    {
-        "rollout",
-        "hf",
-        "kv_cache",
-        "profiling",
-        "sampling",
-        "attention",
-        "decode",
-        "generation",
-        "distributed",
-        "models",
-        "shared_forward",
-        "prefix_attention",
-        "prefix_groups",
-    }
-)
+# Subpackages reachable as attributes without an import statement (`torchkvops.rollout.Rollout`).
+_SUBMODULES = frozenset({"rollout", "hf", "training", "reference", "fused_attention"})
+# The flat paths the modules had before they were sorted into subpackages, kept as aliases of the
+# same module objects: `import torchkvops.distributed`, `from torchkvops.kv_cache import ...`, the
+# attribute `torchkvops.distributed` and pickles that name the old paths all keep working.
+_MOVED_MODULES = {
+    "distributed": "hf.distributed",
+    "generation": "hf.generate_patch",
+    "generate_contract": "hf.generate_contract",
+    "integration": "hf.integration",
+    "shared_forward": "training.shared_forward",
+    "prefix_groups": "training.prefix_groups",
+    "prefix_attention": "training.prefix_attention",
+    "attention": "rollout.attention",
+    "compaction": "rollout.compaction",
+    "decode": "rollout.decode",
+    "kv_cache": "rollout.kv_cache",
+    "lm_head": "rollout.lm_head",
+    "profiling": "rollout.profiling",
+    "sampling": "rollout.sampling",
+    "models": "bench.models",
+    "atomic_write": "cli.atomic_write",
+}
+
+
+class _MovedModuleFinder:
+    """Resolves `torchkvops.<old name>` to the module now at its new path: a meta path finder whose
+    loader hands back that module itself, so both names are one module object."""
+
+    @staticmethod
+    def find_spec(fullname, path=None, target=None):
+        package, _, name = fullname.rpartition(".")
+        if package != __name__ or name not in _MOVED_MODULES:
+            return None
+        import importlib.util
+
+        return importlib.util.spec_from_loader(fullname, _MovedModuleFinder)
+
+    @staticmethod
+    def create_module(spec):
+        _load_ops()
+        import importlib
+
+        module = importlib.import_module(f"{__name__}.{_MOVED_MODULES[spec.name.rpartition('.')[2]]}")
+        spec.loader_state = module.__spec__  # the import system sets __spec__ to this alias's spec next
+        return module
+
+    @staticmethod
+    def exec_module(module):
+        module.__spec__ = module.__spec__.loader_state  # already executed: keep its own spec
+
+
+if not any(finder is _MovedModuleFinder for finder in _sys.meta_path):
+    _sys.meta_path.append(_MovedModuleFinder)
 _loaded = False
 
 
@@ -121,7 +157,7 @@ def __getattr__(name: str):
     if name in _OPS_NAMES:  # missing only in the `python -m torchkvops` process, before the CLI loads them
         _load_ops()
         return globals()[name]
-    if name in _SUBMODULES:
+    if name in _SUBMODULES or name in _MOVED_MODULES:
         _load_ops()
         import importlib
 
@@ -130,7 +166,7 @@ def __getattr__(name: str):
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY_NAMES) | _OPS_NAMES | _SUBMODULES)
+    return sorted(set(globals()) | set(_LAZY_NAMES) | _OPS_NAMES | _SUBMODULES | set(_MOVED_MODULES))
 
 
 __all__ = [

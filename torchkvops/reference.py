@@ -3,7 +3,24 @@
 import torch
 from torch import Tensor
 
-from .sampling import LOW_SALT, STEP_SALT, TOKEN_SALT, _hash32
+# The sampler's counter-based hash (torchkvops.rollout.sampling.row_keys and the sample_tokens oracle).
+MASK32 = 0xFFFFFFFF
+# The salts of the per-step and per-token hashes; the C++ kernels use the same (csrc/sample_tokens.h).
+STEP_SALT = 0x5BD1E995
+TOKEN_SALT = 0x27D4EB2F
+LOW_SALT = 0x165667B1
+
+
+def hash32(x):
+    """A 32-bit integer mix of a tensor or a Python int (multipliers below 2**31, so int64 products
+    never overflow)."""
+    x = x & MASK32
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x68E31DA5) & MASK32
+    x = x ^ (x >> 16)
+    return x
 
 
 def repeat_kv_cache_(cache: Tensor, batch: int, repeats: int, num_tokens: int) -> None:
@@ -45,11 +62,11 @@ def noise_words(keys: Tensor, step: Tensor, vocab: int) -> tuple[Tensor, Tensor]
     tensor): two [rows, vocab] int64 tensors holding values in [0, 2^32). For one token the map from
     (key, step) (their low 32 bits) to the word is a bijection."""
     step = step.reshape(())
-    row_high = _hash32(keys ^ _hash32(step + STEP_SALT))  # [rows]
-    row_low = _hash32(step ^ _hash32(row_high + LOW_SALT))  # [rows]
+    row_high = hash32(keys ^ hash32(step + STEP_SALT))  # [rows]
+    row_low = hash32(step ^ hash32(row_high + LOW_SALT))  # [rows]
     token = torch.arange(vocab, dtype=torch.long, device=keys.device)
-    high = _hash32(row_high[:, None] ^ _hash32((token + TOKEN_SALT)[None, :] ^ row_low[:, None]))
-    return high, _hash32(row_low[:, None] ^ high)
+    high = hash32(row_high[:, None] ^ hash32((token + TOKEN_SALT)[None, :] ^ row_low[:, None]))
+    return high, hash32(row_low[:, None] ^ high)
 
 
 def gumbel_from_words(high: Tensor, low: Tensor) -> Tensor:

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import Tensor
 
-from ..profiling import RolloutProfile
+from ..rollout.profiling import RolloutProfile
 
 __all__ = [
     "MODES",

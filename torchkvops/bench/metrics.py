@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ..kv_cache import KVShape
+from ..rollout.kv_cache import KVShape
 from .stats import summarize
 
 __all__ = [

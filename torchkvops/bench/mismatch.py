@@ -25,8 +25,8 @@ from torch import Tensor, nn
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from .. import reference
-from ..lm_head import Float32LMHead
-from ..rollout import Rollout
+from ..rollout.engine import Rollout
+from ..rollout.lm_head import Float32LMHead
 from .cases import ROLLOUT_MODES, Case, Settings
 from .runners import hf_sampling, rollout_config
 

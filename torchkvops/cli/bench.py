@@ -22,10 +22,10 @@ def cmd_bench(args) -> int:
     import torch
 
     from .. import __version__
-    from ..atomic_write import write_json_atomic
     from ..bench import cases as bench_cases
     from ..bench import lengths, matrix, metrics, mismatch, report, runners, stats
     from ..bench import world as bench_world
+    from .atomic_write import write_json_atomic
 
     device = start_processes(args.device)
     set_threads(args)

@@ -128,7 +128,7 @@ def run(args: argparse.Namespace, on_row: Callable[[list[dict]], None] | None = 
 
 def execute(args: argparse.Namespace) -> int:
     """`torchkvops bench-op`: run, print the table, write --output (after every size, atomically)."""
-    from ..atomic_write import write_json_atomic
+    from .atomic_write import write_json_atomic
 
     done: list[dict] = []
 

@@ -69,8 +69,8 @@ def check_args(args) -> None:
 def execute(args: argparse.Namespace) -> int:
     import torch
 
-    from ..atomic_write import write_json_atomic
     from ..bench.train import NOTES, cases, format_table, measure_case, train_model
+    from .atomic_write import write_json_atomic
 
     set_threads(args)
     device = resolve_device(args.device)

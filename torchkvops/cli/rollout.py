@@ -48,7 +48,7 @@ def read_prompts(path: str) -> list[str]:
 def cmd_rollout(args) -> int:
     import torch
 
-    from ..rollout import Rollout, RolloutConfig
+    from ..rollout.engine import Rollout, RolloutConfig
 
     texts = list(args.prompt or []) + (read_prompts(args.prompts) if args.prompts else [])
     device = start_processes(args.device)
@@ -205,7 +205,7 @@ def cmd_rollout(args) -> int:
             f"{profile.total_ms:.1f} ms ({profile.tokens_per_second:.1f} tokens/s; {stages})"
         )
     if args.output:
-        from ..atomic_write import write_text_atomic
+        from .atomic_write import write_text_atomic
 
         write_text_atomic(args.output, "".join(json.dumps(rec) + "\n" for rec in records))
         print(f"wrote {len(records)} records to {args.output}")
@@ -215,7 +215,7 @@ def cmd_rollout(args) -> int:
 def _generate_shard(rollout, input_ids, attention_mask, bounds: tuple[int, int]):
     """This process's shard through torchkvops.distributed.generate; every process gets every row, in
     rank order (= prompt order). A failure on any process raises on every process: one line each."""
-    from .. import distributed
+    from ..hf import distributed
 
     lo, hi = bounds
     ids, mask = (input_ids[lo:hi], attention_mask[lo:hi]) if hi > lo else (None, None)

@@ -48,7 +48,7 @@
 namespace torchkvops {
 namespace sampling {
 
-// The hash constants of torchkvops/sampling.py and reference.py.
+// The hash constants of torchkvops/reference.py.
 constexpr uint32_t kStepSalt = 0x5BD1E995u;
 constexpr uint32_t kTokenSalt = 0x27D4EB2Fu;
 constexpr uint32_t kLowSalt = 0x165667B1u;
@@ -63,7 +63,7 @@ constexpr float kMassCutoff = -28.0f;
 // No Gumbel noise reaches 46: the largest is -log(2^-65) = 45.05 (x = 2^64 - 1).
 constexpr int kMaxNoiseStep = 46;
 
-// A 32-bit integer mix (sampling.py's _hash32). A bijection of 32-bit words.
+// A 32-bit integer mix (reference.py's hash32). A bijection of 32-bit words.
 TORCHKVOPS_HOST_DEVICE_INLINE uint32_t hash32(uint32_t x) {
   x ^= x >> 16;
   x *= 0x7FEB352Du;

@@ -47,10 +47,10 @@ from torch import Tensor, nn
 from transformers import GenerationConfig
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from ..rollout.engine import NonFiniteLogitsError, Rollout, RolloutConfig
+from .adapter import ModelAdapter, is_peft_model, model_state, peft_refusal, unwrap_model
 from .generate_contract import SIGNATURE, Call, Plan, Refusal, agree, bind, check, run
-from .hf import ModelAdapter, is_peft_model, model_state, peft_refusal, unwrap_model
 from .integration import LRU, PatchHandle, WarnOnce
-from .rollout import NonFiniteLogitsError, Rollout, RolloutConfig
 
 __all__ = ["generate", "patch_generate", "GeneratePatch", "PATCH_OPTIONS"]
 

@@ -9,9 +9,7 @@ import inspect
 import torch
 from torch import nn
 
-from .kv_cache import KVShape
-
-__all__ = ["ModelAdapter", "model_state", "unwrap_model", "is_peft_model"]
+__all__ = ["ModelAdapter", "KVShape", "model_state", "unwrap_model", "is_peft_model"]
 
 _ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention"}
 # The parameter dtypes the rollout computes in (those its sampling operator takes logits in).
@@ -19,6 +17,23 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Attention implementations that take an arbitrary 4-D mask as we build it: SDPA a boolean one
 # (True = may attend), eager an additive one.
 _MASK_FORMATS = {"sdpa": "bool", "eager": "additive"}
+
+
+class KVShape:
+    """Layers, KV heads and head size of a model's attention, read from its config."""
+
+    def __init__(self, layers: int, kv_heads: int, head_dim: int):
+        self.layers, self.kv_heads, self.head_dim = layers, kv_heads, head_dim
+
+    @classmethod
+    def from_config(cls, config) -> KVShape:
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        return cls(config.num_hidden_layers, kv_heads, head_dim)
+
+    def buffer_shape(self, rows: int, tokens: int) -> tuple[int, ...]:
+        return (self.layers, 2, rows, self.kv_heads, tokens, self.head_dim)
 
 
 def _as_id_list(value) -> list[int]:

@@ -35,9 +35,9 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from ..hf.adapter import ModelAdapter
+from ..hf.integration import LRU
 from . import attention, compaction
-from .hf import ModelAdapter
-from .integration import LRU
 from .kv_cache import RolloutKVCache
 from .sampling import SamplingParams, row_keys, sample, sample_with_logprobs
 

@@ -29,28 +29,12 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import Cache
 
-from .ops import repeat_kv_cache_, write_kv_
+from ..hf.adapter import KVShape
+from ..ops import repeat_kv_cache_, write_kv_
 
 __all__ = ["RolloutKVCache", "KVShape", "KV_LAYOUTS"]
 
 KV_LAYOUTS = ("copy", "prefix")
-
-
-class KVShape:
-    """Layers, KV heads and head size of a model's attention, read from its config."""
-
-    def __init__(self, layers: int, kv_heads: int, head_dim: int):
-        self.layers, self.kv_heads, self.head_dim = layers, kv_heads, head_dim
-
-    @classmethod
-    def from_config(cls, config) -> KVShape:
-        heads = config.num_attention_heads
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        return cls(config.num_hidden_layers, kv_heads, head_dim)
-
-    def buffer_shape(self, rows: int, tokens: int) -> tuple[int, ...]:
-        return (self.layers, 2, rows, self.kv_heads, tokens, self.head_dim)
 
 
 def _gather_rows(src: Tensor, rows: Tensor, dst: Tensor) -> None:

@@ -43,8 +43,8 @@ import dataclasses
 import torch
 from torch import Tensor
 
-from . import ops
-from .fused_attention import attend, attend_backward
+from .. import ops
+from ..fused_attention import attend, attend_backward
 
 __all__ = ["Bucket", "PackedLayout", "packed_attention", "shared_prefix_attention", "SERVED_DEVICES"]
 

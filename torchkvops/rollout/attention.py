@@ -31,8 +31,8 @@ from torch import Tensor, nn
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from . import ops
-from .fused_attention import attend
+from .. import ops
+from ..fused_attention import attend
 
 __all__ = ["NAME", "DecodeAttention", "decode_attention"]
 

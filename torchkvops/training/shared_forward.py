@@ -48,8 +48,8 @@ import torch
 from torch import Tensor, nn
 from transformers import AttentionInterface, PreTrainedConfig
 
-from .hf import sliding_window, unwrap_model
-from .integration import PatchHandle, WarnOnce, active_dropout, autocast_dtype, disable_dropout
+from ..hf.adapter import sliding_window, unwrap_model
+from ..hf.integration import PatchHandle, WarnOnce, active_dropout, autocast_dtype, disable_dropout
 from .prefix_attention import SERVED_DEVICES, PackedLayout, packed_attention
 from .prefix_groups import find_prefix_groups, pack_layout, row_keys
 

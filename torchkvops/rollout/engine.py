@@ -23,9 +23,9 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
+from ..hf.adapter import ModelAdapter
+from ..hf.integration import left_padding_fault
 from .decode import FINISHED_CHECK_INTERVAL, MAX_DECODE_STATES, Decoder, DecodeState, NonFiniteLogitsError  # noqa: F401
-from .hf import ModelAdapter
-from .integration import left_padding_fault
 from .kv_cache import KV_LAYOUTS, RolloutKVCache
 from .lm_head import Float32LMHead
 from .profiling import RolloutProfile, StageTimer

@@ -1,4 +1,4 @@
-"""Hugging Face `generate`'s contract, for `torchkvops.generate` (generation.py): what HF's generate
+"""Hugging Face `generate`'s contract, for `torchkvops.generate` (generate_patch.py): what HF's generate
 would make of a call, decided by HF's own code, as a plan the rollout serves or a `Refusal` (the call
 then runs the model's own generate); and, for a served call, HF's output from the rollout's.
 
@@ -8,7 +8,7 @@ then runs the model's own generate); and, for a served call, HF's output from th
     sequences = run(call, rollout_for)                  # [rows, P + T], HF's layout and length
 
 Nothing here keeps state between calls: the rollouts, the model check and the patch's lifecycle are
-generation.py's.
+generate_patch.py's.
 """
 
 from __future__ import annotations
@@ -38,10 +38,10 @@ from transformers.generation import (
 )
 from transformers.generation.configuration_utils import GenerationMode
 
+from ..rollout.engine import MIN_TEMPERATURE, Rollout, check_prompts
 from . import distributed
-from .hf import ModelAdapter
+from .adapter import ModelAdapter
 from .integration import attention_dropout, forward_autocast_dtype, left_padding_fault
-from .rollout import MIN_TEMPERATURE, Rollout, check_prompts
 
 # HF's generate signature: calls are bound to it as HF binds them (same defaults, same TypeErrors).
 SIGNATURE = inspect.signature(GenerationMixin.generate)

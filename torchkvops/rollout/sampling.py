@@ -8,42 +8,25 @@ argmax(logits / temperature + Gumbel noise) samples from softmax(logits / temper
 `sample` is one call of the `torchkvops::sample_tokens` operator (CPU and CUDA kernels, one pass over
 the logits, thresholds by selection rather than sorting); `torchkvops.reference.sample_tokens` is the
 pure-PyTorch oracle it matches. `sample_with_logprobs` calls `sample_tokens_with_logprobs`, which also
-returns each drawn token's log-probability. The hash lives here, once, for both.
+returns each drawn token's log-probability. The hash is defined once, in torchkvops.reference, for both.
 """
 
 from __future__ import annotations
 
 from torch import Tensor
 
-from . import ops
+from .. import ops
+from ..reference import MASK32, hash32
 
 __all__ = ["SamplingParams", "sample", "sample_with_logprobs", "row_keys"]
-
-_MASK32 = 0xFFFFFFFF
-# The salts of the per-step and per-token hashes; the C++ kernels use the same (csrc/sample_tokens.h).
-STEP_SALT = 0x5BD1E995
-TOKEN_SALT = 0x27D4EB2F
-LOW_SALT = 0x165667B1
-
-
-def _hash32(x):
-    """A 32-bit integer mix of a tensor or a Python int (multipliers below 2**31, so int64 products
-    never overflow)."""
-    x = x & _MASK32
-    x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) & _MASK32
-    x = x ^ (x >> 15)
-    x = (x * 0x68E31DA5) & _MASK32
-    x = x ^ (x >> 16)
-    return x
 
 
 def row_keys(seed: int, row_ids: Tensor) -> Tensor:
     """One 32-bit key per row, from the seed and each row's index (`row_ids`, int64, on the device the
     keys are wanted on): [rows] int64. A row's key depends on its index alone, so a row keeps its
     samples when other rows are added before or after it (another shard, another prompt)."""
-    seed_mix = _hash32(seed & _MASK32) ^ _hash32(((seed >> 32) & _MASK32) + 0x3C6EF372)  # Python ints
-    return _hash32(_hash32(row_ids + 0x1B873593) ^ seed_mix)
+    seed_mix = hash32(seed & MASK32) ^ hash32(((seed >> 32) & MASK32) + 0x3C6EF372)  # Python ints
+    return hash32(hash32(row_ids + 0x1B873593) ^ seed_mix)
 
 
 class SamplingParams:

@@ -1,5 +1,5 @@
-"""What the two trainer integrations share: `patch_generate` (generation.py) and `patch_forward`
-(shared_forward.py) both patch one model instance, fall back with one warning per cause, refuse
+"""What the two trainer integrations share: `patch_generate` (generate_patch.py) and `patch_forward`
+(training/shared_forward.py) both patch one model instance, fall back with one warning per cause, refuse
 dropout they cannot reproduce, read autocast and keep a few cached objects. Each of those is written
 once here, so that the two cannot drift apart. Only torch is imported: any module may use this one.
 """
