@@ -1,6 +1,7 @@
 """The `torchkvops` command line, run as a user runs it: `python -m torchkvops ...` in a subprocess
-(offline), on the tiny random-weight shape with small sizes; plus the benchmark's statistics and
-bookkeeping directly."""
+(offline), on the tiny random-weight shape with small sizes. The modules behind it, called directly, have
+their own test modules: tests/test_bench_stats.py, test_bench_cases.py, test_bench_metrics.py,
+test_atomic_write.py; the README's and docs/'s examples are tests/test_docs.py's."""
 
 from __future__ import annotations
 
@@ -12,16 +13,15 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 import torch
+from cli_helpers import ROOT, _iteration, cli_env, error_lines, run_cli
 from timeouts import TIMEOUT
 
 from torchkvops.bench import cases as bench_cases
 from torchkvops.bench import matrix as bench
-from torchkvops.bench import metrics as bench_metrics
 from torchkvops.bench import report as bench_report
 from torchkvops.bench import stats as bench_stats
 from torchkvops.cli import atomic_write
@@ -30,29 +30,10 @@ from torchkvops.cli import checks as cli_checks
 from torchkvops.cli import main as cli
 from torchkvops.cli import rollout as cli_rollout
 
-ROOT = Path(__file__).absolute().parents[1]
 HAS_GPU = torch.cuda.is_available()
 IS_ROOT = hasattr(os, "geteuid") and os.geteuid() == 0  # root may write read-only files and folders
 TINY = ["--model-shape", "tiny"]
 SMALL_BENCH = ["bench", *TINY, "--device", "cpu", "--warmup", "1", "--iterations", "3", "--no-progress"]
-
-
-def cli_env() -> dict:
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONWARNINGS="ignore")
-    env.pop("TORCHKVOPS_DEBUG", None)
-    return env
-
-
-def run_cli(
-    *args: str, timeout: float = TIMEOUT, code: str | None = None, python_flags: Sequence[str] = ()
-) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, *python_flags] + (["-c", code, *args] if code else ["-m", "torchkvops", *args])
-    return subprocess.run(cmd, cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=timeout)
-
-
-def error_lines(proc: subprocess.CompletedProcess) -> list[str]:
-    """stderr's non-blank lines (the profiler's native start/stop chatter must not be among them)."""
-    return [line for line in proc.stderr.splitlines() if line.strip()]
 
 
 def assert_one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> str:
@@ -66,150 +47,7 @@ def assert_one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> s
     return lines[0]
 
 
-# --- the statistics and bookkeeping, directly ----------------------------------------------------
-def test_summary_math():
-    s = bench_stats.summarize(list(range(1, 21)))
-    assert s == {"mean": 10.5, "p50": 10.5, "p95": 19}
-    assert bench_stats.summarize([3, 1, 2]) == {"mean": 2.0, "p50": 2, "p95": 3}
-    assert bench_stats.summarize([5.0]) == {"mean": 5.0, "p50": 5.0, "p95": 5.0}
-    # nearest rank: the value at rank ceil(0.95 n) of the sorted values
-    values = [float(v) for v in range(100, 0, -1)]
-    assert bench_stats.summarize(values)["p95"] == 95.0
-    assert bench_stats.summarize([None, None]) is None
-    with pytest.raises(ValueError, match="None"):
-        bench_stats.summarize([1.0, None, 2.0])
-    with pytest.raises(ValueError):
-        bench_stats.summarize([])
-    profiles = [{"a": float(i), "b": None, "c": 7} for i in range(1, 21)]
-    assert bench_stats.summarize_profiles(profiles) == {
-        "a": {"mean": 10.5, "p50": 10.5, "p95": 19.0},
-        "b": None,
-        "c": {"mean": 7.0, "p50": 7, "p95": 7},
-    }
-
-
-def test_run_order_is_largest_first_and_stable():
-    cases = bench_cases.plan_cases([1, 8], [4, 16], [32], [8, 16])
-    assert [c.name for c in cases][:3] == ["B1_N4_P32_R8", "B1_N4_P32_R16", "B1_N16_P32_R8"]
-    order = [cases[i] for i in bench_cases.run_order(cases)]
-    assert [c.rows for c in order] == sorted((c.rows for c in cases), reverse=True)
-    assert order[0].name == "B8_N16_P32_R16" and order[1].name == "B8_N16_P32_R8"
-    assert bench_cases.plan_cases([2, 2], [1], [3], [4]) == [bench_cases.Case(2, 1, 3, 4)]  # duplicates dropped
-
-
-def test_token_agreement_rules():
-    same = {"expanded": "h", "shared": "h", "hf-generate": "h"}
-    greedy = bench_stats.token_agreement(same, greedy=True)
-    assert greedy["all_agree"] is True and all(v is True for v in greedy["pairs"].values())
-    sampled = bench_stats.token_agreement({"expanded": "h", "shared": "x", "hf-generate": "y"}, greedy=False)
-    assert sampled["pairs"] == {
-        "expanded vs shared": False,
-        "expanded vs hf-generate": None,
-        "shared vs hf-generate": None,
-    }
-    assert sampled["all_agree"] is False and "not comparable" in sampled["notes"]["expanded vs hf-generate"]
-    assert bench_stats.token_agreement({"shared": "h", "hf-generate": "y"}, greedy=False)["all_agree"] is None
-    assert bench_stats.token_agreement({"shared": "h", "expanded": None}, greedy=True)["pairs"] == {}
-
-
-def test_token_agreement_rules_for_the_prefix_and_static_modes():
-    sampled = bench_stats.token_agreement(
-        {"shared": "h", "prefix": "h", "hf-generate": "y", "hf-static": "y"}, greedy=False
-    )
-    assert sampled["pairs"] == {
-        "shared vs prefix": True,
-        "shared vs hf-generate": None,
-        "shared vs hf-static": None,
-        "prefix vs hf-generate": None,
-        "prefix vs hf-static": None,
-        "hf-generate vs hf-static": None,
-    }
-    assert sampled["all_agree"] is True and "--temperature 0" in sampled["notes"]["hf-generate vs hf-static"]
-    greedy = bench_stats.token_agreement({"prefix": "h", "hf-static": "x"}, greedy=True)
-    assert greedy["pairs"] == {"prefix vs hf-static": False} and greedy["all_agree"] is False
-
-
-def test_weight_bytes_count_each_storage_once_and_kv_bytes_per_step():
-    first, second = torch.nn.Linear(4, 8, bias=False), torch.nn.Linear(4, 8, bias=False)
-    second.weight = torch.nn.Parameter(first.weight.data)  # another Parameter on the same storage: tied
-    model = torch.nn.Sequential(first, second)
-    model.register_buffer("scale", torch.ones(3))
-    assert bench_metrics.model_weight_bytes(model) == 8 * 4 * 4 + 3 * 4
-    t = bench_metrics.Traffic(weight_bytes=100, kv_bytes_per_token=10)
-    # B=2 prompts of P=5, N=3, 3 decode steps attending to P+1, P+2, P+3 keys: on average P+2.
-    assert t.kv_bytes_per_step("shared", 2, 3, 5, 3) == 10 * 6 * (5 + 2)
-    assert t.kv_bytes_per_step("hf-generate", 2, 3, 5, 3) == 10 * 6 * (5 + 2)
-    assert t.kv_bytes_per_step("prefix", 2, 3, 5, 3) == 10 * (2 * 5 + 6 * 2)  # each prompt's keys once
-    assert t.kv_bytes_per_step("shared", 2, 3, 5, 0) is None  # R=1: no decode step
-    p = t.annotate("prefix", dict(decode_steps=3, decode_ms=6.0, batch_size=2, samples_per_prompt=3, prompt_length=5))
-    assert p["decode_ms_per_step"] == 2.0 and p["achieved_gbps"] == (100 + 220) / 2.0 / 1e6
-    assert p["roofline_fraction"] is None
-    with_roofline = bench_metrics.Traffic(100, 10, roofline_gbps=0.0004)
-    p = with_roofline.annotate(
-        "shared", dict(decode_steps=3, decode_ms=6.0, batch_size=2, samples_per_prompt=3, prompt_length=5)
-    )
-    assert p["roofline_fraction"] == pytest.approx((100 + 420) / 2.0 / 1e6 / 0.0004)
-
-
-def test_tokens_hash_is_of_int64_bytes():
-    t = torch.tensor([[1, 2], [3, 4]], dtype=torch.int32)
-    import hashlib
-
-    assert bench_stats.tokens_sha256(t) == hashlib.sha256(t.long().numpy().tobytes()).hexdigest()
-
-
-def test_synthetic_prompts_are_seeded_and_avoid_special_ids():
-    case = bench_cases.Case(3, 2, 50, 4)
-    a = bench_cases.synthetic_prompts(case, 8, {0, 1, 2}, seed=5, device=torch.device("cpu"))
-    b = bench_cases.synthetic_prompts(case, 8, {0, 1, 2}, seed=5, device=torch.device("cpu"))
-    c = bench_cases.synthetic_prompts(case, 8, {0, 1, 2}, seed=6, device=torch.device("cpu"))
-    assert a.shape == (3, 50) and a.dtype == torch.long and torch.equal(a, b) and not torch.equal(a, c)
-    assert int(a.min()) >= 3 and int(a.max()) <= 7
-
-
-def test_cpu_peak_memory_counts_allocations_inside_ops():
-    mib = 1 << 20
-
-    def work():
-        a = torch.ones(mib, dtype=torch.uint8)  # 1 MiB
-        b = torch.ones(2 * mib, dtype=torch.uint8)  # 3 MiB held
-        del a
-        c = torch.ones(4 * mib, dtype=torch.uint8)  # 6 MiB held: the peak
-        del b, c
-        d = torch.ones(mib, dtype=torch.uint8)
-        del d
-
-    peak = bench_metrics.cpu_peak_memory_bytes(work)
-    assert 6 * mib <= peak < 6 * mib + 64 * 1024
-
-
-def test_cpu_peak_memory_drops_the_allocators_unknown_block_warning_only():
-    """Freeing, inside the measured call, a block allocated before it (as a rollout's previous decode
-    state is) makes torch's CPU allocator print a warning in the middle of the bench's progress bar: it
-    is dropped, the call's own stderr is kept. Each in a fresh process (torch prints it once per 1000)."""
-    code = (
-        "import sys, torch\n"
-        "from torch.profiler import ProfilerActivity, profile\n"
-        "from torchkvops.bench import metrics\n"
-        "held = [torch.ones(1 << 16)]\n"
-        "def work():\n"
-        "    held.clear()\n"
-        "    print('the call says this', file=sys.stderr)\n"
-        "if sys.argv[1] == 'raw':\n"
-        "    with profile(activities=[ProfilerActivity.CPU], profile_memory=True):\n"
-        "        work()\n"
-        "else:\n"
-        "    metrics.cpu_peak_memory_bytes(work)\n"
-    )
-    raw = run_cli("raw", code=code)
-    assert raw.returncode == 0, raw.stderr
-    assert bench_metrics.UNKNOWN_BLOCK in raw.stderr  # the control: torch does print it
-    measured = run_cli("measured", code=code)
-    assert measured.returncode == 0, measured.stderr
-    assert bench_metrics.UNKNOWN_BLOCK not in measured.stderr
-    assert error_lines(measured) == ["the call says this"]
-
-
+# --- bench ---------------------------------------------------------------------------------------
 def test_default_command_parses_to_a_short_bench():
     args = cli.build_parser().parse_args(["bench", *cli.DEFAULT_BENCH_ARGS])
     assert args.command == "bench" and args.model_shape in ("tiny", "opt-125m")
@@ -260,7 +98,6 @@ def test_a_failing_case_is_recorded_and_the_run_goes_on(tmp_path, monkeypatch, c
     assert "failed: OutOfMemoryError" in captured.out
 
 
-# --- bench ---------------------------------------------------------------------------------------
 def _table_block(stdout: str, case: str) -> list[str]:
     """The lines of one case's table, its notes and token agreement included."""
     return (f"{case}: B=" + stdout.split(f"{case}: B=")[1].split("\n\n")[0]).splitlines()
@@ -1163,147 +1000,6 @@ def test_names_spelled_out_for_parsing_match_the_library():
     assert cli.MODE_NAMES == bench_cases.MODES and cli.DEFAULT_MODES == bench_cases.DEFAULT_MODES
 
 
-# --- the README's and docs/'s examples ----------------------------------------------------------
-README = ROOT / "README.md"
-DOCS = ROOT / "docs"
-
-
-def doc_files() -> list[Path]:
-    """README.md and the docs/ pages it links to: the examples a user pastes live in all of them."""
-    pages = sorted(DOCS.glob("*.md"))
-    assert len(pages) >= 9, pages
-    return [README, *pages]
-
-
-def docs_text() -> str:
-    return "\n".join(page.read_text() for page in doc_files())
-
-
-def shell_commands(text: str) -> list[list[str]]:
-    """The commands of every ```bash block, continuation lines joined, comments dropped, as words."""
-    import re
-    import shlex
-
-    commands = []
-    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
-        for line in re.sub(r"\\\n", " ", block).splitlines():
-            if words := shlex.split(line, comments=True):
-                commands.append(words)
-    return commands
-
-
-def test_readme_commands_write_their_files_under_the_ignored_out_folder():
-    """A pasted example must not leave files in the repository's root: every --output, --trace and --plot
-    path in the README and docs/ lies in out/, which .gitignore covers and scripts/setup.sh creates."""
-    import re
-
-    paths = re.findall(r"--(?:output|trace|plot) ([^\s`)]+)", docs_text())
-    assert len(paths) >= 5
-    assert [p for p in paths if not p.startswith("out/")] == []
-    assert "/out/" in (ROOT / ".gitignore").read_text().split()
-    assert "mkdir -p out" in (ROOT / "scripts" / "setup.sh").read_text()
-
-
-def test_readme_lists_every_model_shape():
-    """Wherever the README or docs/ spell out the --model-shape names, they are the library's, in order."""
-    import re
-
-    from torchkvops.bench.models import MODEL_SHAPES
-
-    lists = re.findall(r"\(`--model-shape ([a-z0-9.| \n-]+)`\)", docs_text())
-    assert lists
-    for listed in lists:
-        assert [name.strip() for name in listed.split("|")] == list(MODEL_SHAPES)
-
-
-def first_python_block(page: Path, heading: str) -> str:
-    text = page.read_text().split(f"\n{heading}\n")[1]
-    return text.split("```python\n")[1].split("```")[0]
-
-
-@pytest.mark.parametrize(
-    "page, heading",
-    [(README, "### A rollout: N samples per prompt from one KV cache"), (DOCS / "rollout.md", "## The API")],
-    ids=["README", "docs/rollout.md"],
-)
-def test_readme_rollout_snippet_runs_as_written(page, heading):
-    """The README's Rollout quick start and docs/rollout.md's example, pasted as they are (each builds its
-    own model and prompts)."""
-    code = first_python_block(page, heading)
-    scope: dict = {}
-    exec(compile(code, f"{page.name} ({heading})", "exec"), scope)
-    out, rows = scope["out"], scope["input_ids"].shape[0] * 4
-    assert out.responses.shape == (rows, 32) and out.sequences.shape == (rows, scope["input_ids"].shape[1] + 32)
-    assert scope["profile"].prefill_ms > 0
-
-
-def test_readme_holds_the_commands_ci_and_a_new_user_run():
-    """.ci/run runs the README's test command: the README must hold that line exactly, and the main job's."""
-    ci = [line for line in (ROOT / ".ci" / "run").read_text().splitlines() if line.startswith("bash ")]
-    assert ci == ["bash scripts/setup.sh && bash scripts/lint.sh && .venv/bin/python -m pytest -q"]
-    commands = [" ".join(words) for words in shell_commands(README.read_text())]
-    assert ci[0] in commands
-    assert "bash scripts/setup.sh && .venv/bin/python -m torchkvops" in commands
-
-
-def test_readme_torchkvops_commands_parse():
-    """Every `-m torchkvops` command in the README and docs/ passes the command line's parser and its
-    checks as written (placeholders such as /path/ckpt and HOST:PORT aside); --help exits 0."""
-    checked = 0
-    for words in shell_commands(docs_text()):
-        if "torchkvops" not in words or any("/path/" in w or w.startswith("HOST:") for w in words):
-            continue
-        at = words.index("torchkvops")
-        assert words[at - 1] == "-m", words
-        argv = words[at + 1 :] or ["bench", *cli.DEFAULT_BENCH_ARGS]
-        if "--help" in argv:
-            with pytest.raises(SystemExit) as exc:
-                cli.parse_args(argv)
-            assert exc.value.code == 0, words
-        else:
-            cli.parse_args(argv)  # a refused command exits 2
-        checked += 1
-    assert checked >= 15
-
-
-def test_readme_and_docs_name_no_machine_paths():
-    """Commands run from the repository's root: no absolute path of one machine in what a user reads."""
-    import re
-
-    for page in [*doc_files(), ROOT / "CHANGELOG.md"]:
-        found = re.findall(r"(?<![\w.])/(?:work|root|tmp|home|Users|mnt)/[^\s`)]*", page.read_text())
-        assert found == [], f"{page.name}: {found}"
-
-
-def github_anchor(heading: str) -> str:
-    """The id GitHub gives a heading: lower case, punctuation but - and _ dropped, spaces to hyphens."""
-    import re
-
-    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
-
-
-def test_readme_and_docs_links_resolve():
-    """Every relative link of the README, CHANGELOG.md and docs/ names a file that exists, and its #anchor
-    a heading of that file."""
-    import re
-
-    checked = 0
-    for page in [*doc_files(), ROOT / "CHANGELOG.md"]:
-        text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
-        for target in re.findall(r"\]\(([^)\s]+)\)", text):
-            if re.match(r"[a-z]+://", target):
-                continue
-            path, _, anchor = target.partition("#")
-            linked = (page.parent / path).resolve() if path else page
-            assert linked.exists(), f"{page.name}: {target}"
-            if anchor:
-                body = re.sub(r"```.*?```", "", linked.read_text(), flags=re.S)
-                anchors = {github_anchor(h) for h in re.findall(r"^#+ (.+)$", body, re.M)}
-                assert anchor in anchors, f"{page.name}: {target}"
-            checked += 1
-    assert checked >= 30
-
-
 def test_every_option_has_help_and_bench_op_help_shows_defaults_and_methods(capsys, monkeypatch):
     parser = cli.build_parser()
     for name, sub in parser.commands.items():
@@ -1442,25 +1138,6 @@ def test_sizes_the_model_cannot_take_fail_before_it_is_built(capsys, monkeypatch
 
 
 # --- bench: the JSON after every case, atomically ------------------------------------------------
-def test_write_json_atomic_replaces_the_whole_file_or_nothing(tmp_path, monkeypatch):
-    path = tmp_path / "r.json"
-    atomic_write.write_json_atomic(path, {"a": 1})
-    path.chmod(0o640)
-    atomic_write.write_json_atomic(path, {"a": 2})
-    assert json.loads(path.read_text()) == {"a": 2} and path.stat().st_mode & 0o777 == 0o640
-    with pytest.raises(TypeError):  # not serializable: nothing written
-        atomic_write.write_json_atomic(path, {"a": object()})
-
-    def full_disk(fd):
-        raise OSError(28, "No space left on device")
-
-    monkeypatch.setattr(os, "fsync", full_disk)
-    with pytest.raises(OSError, match="No space"):
-        atomic_write.write_json_atomic(path, {"a": 3})
-    assert json.loads(path.read_text()) == {"a": 2}
-    assert [p.name for p in tmp_path.iterdir()] == ["r.json"]  # no temporary file left behind
-
-
 INTERRUPT_BENCH = [
     *SMALL_BENCH,
     "--batch-sizes",
@@ -1565,64 +1242,6 @@ def test_estimate_scales_the_first_call_by_each_cases_work():
 
 
 # --- stage times that add up to the total ------------------------------------------------------
-def _iteration(total, prefill, decode, kv=0.5, expansion=0.25, post=0.125, tokens=8):
-    return {
-        "total_ms": total,
-        "prompt_expansion_ms": expansion,
-        "prefill_ms": prefill,
-        "kv_expand_ms": kv,
-        "decode_ms": decode,
-        "post_processing_ms": post,
-        "generated_tokens": tokens,
-    }
-
-
-def test_stage_breakdown_adds_up_to_the_median_total():
-    # Per-field medians (prefill 35, decode 30) would stack to about 66; the median total is 61.
-    its = [_iteration(61.0, 10.0, 50.0), _iteration(60.5, 40.0, 20.0), _iteration(66.0, 35.0, 30.0)]
-    entry = {"error": None, "iterations": its, "summary": bench_stats.summarize_profiles(its)}
-    split = bench_stats.stage_breakdown(entry)
-    assert split["iterations"] == [0] and split["total_ms"] == entry["summary"]["total_ms"]["p50"] == 61.0
-    assert (split["prefill_ms"], split["decode_ms"]) == (10.0, 50.0)
-    stages = sum(split[f] for f in bench_cases.STAGE_FIELDS)
-    assert split["other_ms"] == pytest.approx(61.0 - stages) and stages + split["other_ms"] == pytest.approx(61.0)
-    assert split["tokens_per_second"] == pytest.approx(8 / 0.061)
-    segments = bench_report.plot_segments(entry)
-    assert [label for label, _ in segments] == [
-        "prompt_expansion",
-        "prefill",
-        "kv_expand",
-        "decode",
-        "post_processing",
-        "other",
-    ]
-    assert sum(v for _, v in segments) == pytest.approx(61.0)
-
-    # An even count: the mean of the two middle iterations, whose mean total is the median.
-    its.append(_iteration(70.0, 1.0, 60.0))
-    entry = {"error": None, "iterations": its, "summary": bench_stats.summarize_profiles(its)}
-    split = bench_stats.stage_breakdown(entry)
-    assert sorted(split["iterations"]) == [0, 2] and split["total_ms"] == entry["summary"]["total_ms"]["p50"] == 63.5
-    assert split["prefill_ms"] == 22.5 and split["decode_ms"] == 40.0
-    assert sum(v for _, v in bench_report.plot_segments(entry)) == pytest.approx(63.5)
-
-    # A mode without stages (hf-generate): its total alone.
-    hf = [
-        dict(
-            _iteration(t, 0, 0),
-            prefill_ms=None,
-            decode_ms=None,
-            kv_expand_ms=None,
-            prompt_expansion_ms=None,
-            post_processing_ms=None,
-        )
-        for t in (80.0, 90.0, 85.0)
-    ]
-    entry = {"error": None, "iterations": hf, "summary": bench_stats.summarize_profiles(hf)}
-    assert bench_report.plot_segments(entry) == [("total (not split)", 85.0)]
-    assert bench_report.plot_segments({"error": "boom", "iterations": [], "median_stages": None}) == []
-
-
 def test_table_stages_add_up_to_its_total_and_say_which_statistic():
     its = [_iteration(61.0, 10.0, 50.0), _iteration(60.5, 40.0, 20.0), _iteration(66.0, 35.0, 30.0)]
     entry = {
