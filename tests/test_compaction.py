@@ -171,8 +171,11 @@ def test_prefix_plan_gives_each_live_row_a_slot_of_its_prompt():
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_kv_compaction_in_place_gathers_the_rows(layout):
-    """The gathered views overlap the ones they are gathered from: every layer must still get its rows."""
+def test_kv_compaction_gathers_the_rows_and_keeps_every_row_at_home(layout):
+    """A compacted batch decodes in its own views; the second compaction gathers in place (the views
+    overlap the ones they are gathered from: every layer must still get its rows); after decode every
+    row's KV, what it had before the compactions and what it wrote after, is in its home row
+    (Rollout.extend reads it there)."""
     cache = RolloutKVCache(KVShape(layers=3, kv_heads=2, head_dim=4), torch.float32, torch.device("cpu"))
     if layout == "copy":
         cache.prepare_copy(12, 10)
@@ -180,13 +183,32 @@ def test_kv_compaction_in_place_gathers_the_rows(layout):
         cache.prepare_prefix(4, 16, 12, 8)
     cache.prompt_kv.copy_(torch.randn(cache.prompt_kv.shape))
     cache.decode_kv.copy_(torch.randn(cache.decode_kv.shape))
-    prompt_kv, decode_kv = cache.prompt_kv.clone(), cache.decode_kv.clone()
+    home_prompt, home_decode = cache.prompt_kv, cache.decode_kv
+    prompt_kv, expected = cache.prompt_kv.clone(), cache.decode_kv.clone()
     rows, groups = torch.tensor([11, 3, 4, 0, 7]), torch.tensor([1, 3])
-    cache.compact(rows, groups if layout == "prefix" else None)
-    assert torch.equal(cache.decode_kv, decode_kv[:, :, rows])
+    cache.compact(rows, groups if layout == "prefix" else None, torch.arange(12))
+    assert torch.equal(cache.decode_kv, expected[:, :, rows])
     if layout == "prefix":
         assert torch.equal(cache.prompt_kv, prompt_kv[:, :, groups])
     assert cache.decode_kv.is_contiguous() and cache.prompt_kv.is_contiguous()
+    assert torch.equal(home_decode, expected)  # the rows that left are still at home
+    # Decode writes a column of the compacted rows, then compacts again to three of them.
+    written = torch.randn(cache.decode_kv[..., 5, :].shape)
+    cache.decode_kv[..., 5, :] = written
+    expected[:, :, rows, :, 5] = written
+    rows2, groups2 = torch.tensor([4, 0, 2]), torch.tensor([0, 1])
+    cache.compact(rows2, groups2 if layout == "prefix" else None, rows)
+    assert torch.equal(cache.decode_kv, expected[:, :, rows[rows2]])
+    if layout == "prefix":
+        assert torch.equal(cache.prompt_kv, prompt_kv[:, :, groups[groups2]])
+    written = torch.randn(cache.decode_kv[..., 6, :].shape)
+    cache.decode_kv[..., 6, :] = written
+    expected[:, :, rows[rows2], :, 6] = written
+    cache.finish_decode(rows[rows2])
+    assert cache.decode_kv is home_decode and cache.prompt_kv is home_prompt
+    assert torch.equal(home_decode, expected)
+    if layout == "prefix":  # (in the copy layout the prompts are the decode buffer's first columns)
+        assert torch.equal(home_prompt, prompt_kv)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

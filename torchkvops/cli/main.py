@@ -3,7 +3,8 @@
   torchkvops rollout   generate N samples per prompt and print them (or write JSONL)
   torchkvops bench     the A/B matrix: the rollout's modes vs HF generate, interleaved (torchkvops.bench.matrix)
   torchkvops bench-op  the repeat_kv_cache_ bandwidth table (torchkvops.bench.op)
-  torchkvops bench-train  shared-prefix vs plain forward + backward (torchkvops.bench.train, issue #17)
+  torchkvops bench-train  shared-prefix vs plain forward + backward (torchkvops.bench.train)
+  torchkvops bench-turns  multi-turn rollouts: KV kept across turns vs re-prefilled (torchkvops.bench.turns)
   torchkvops           with no arguments: a short default `bench` (about a minute on a small CPU)
 
 Without --model the model is built in memory from a named shape with random weights (nothing is
@@ -31,6 +32,7 @@ of its own:
   rollout   the rollout command          bench  the bench command
   bench_op  the bench-op command (its own arguments, checks and run)
   bench_train  the bench-train command (the same)
+  bench_turns  the bench-turns command (the same)
 The measurements themselves are the benchmark harness's (torchkvops/bench/). Nothing that the parser
 imports loads torch or transformers.
 """
@@ -43,7 +45,7 @@ import sys
 from collections.abc import Sequence
 
 from .. import _load_ops
-from . import bench_op, bench_train
+from . import bench_op, bench_train, bench_turns
 from .bench import cmd_bench
 from .checks import (
     CLIError,
@@ -159,6 +161,7 @@ CHECKS = {
     "bench": check_bench_args,
     "bench-op": bench_op.check_args,
     "bench-train": bench_train.check_args,
+    "bench-turns": bench_turns.check_args,
 }
 
 
@@ -168,7 +171,9 @@ def build_parser() -> _Parser:
         description=__doc__.split("\n\n")[0],
         epilog="With no command: a short default `bench` (" + " ".join(DEFAULT_BENCH_ARGS) + ").",
     )
-    sub = parser.add_subparsers(dest="command", metavar="{rollout,bench,bench-op,bench-train}", parser_class=_Parser)
+    sub = parser.add_subparsers(
+        dest="command", metavar="{rollout,bench,bench-op,bench-train,bench-turns}", parser_class=_Parser
+    )
 
     r = sub.add_parser(
         "rollout",
@@ -317,7 +322,15 @@ def build_parser() -> _Parser:
     )
     bench_train.add_arguments(tr)
     tr.set_defaults(func=bench_train.execute)
-    parser.commands = {"rollout": r, "bench": b, "bench-op": o, "bench-train": tr}
+    tu = sub.add_parser(
+        "bench-turns",
+        help="multi-turn rollouts: the KV kept across turns (Rollout.extend) vs re-prefilled",
+        description=bench_turns.DESCRIPTION,
+        epilog=bench_turns.EPILOG,
+    )
+    bench_turns.add_arguments(tu)
+    tu.set_defaults(func=bench_turns.execute)
+    parser.commands = {"rollout": r, "bench": b, "bench-op": o, "bench-train": tr, "bench-turns": tu}
     return parser
 
 
@@ -368,7 +381,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(
                 "torchkvops: no command given; running the short default benchmark:\n"
                 "  torchkvops bench " + " ".join(DEFAULT_BENCH_ARGS) + "\n"
-                "(torchkvops --help lists the commands: rollout, bench, bench-op, bench-train)"
+                "(torchkvops --help lists the commands: rollout, bench, bench-op, bench-train, bench-turns)"
             )
             argv = ["bench", *DEFAULT_BENCH_ARGS]
         parser = build_parser()

@@ -493,9 +493,10 @@ def _tokens_until(length, prompt_length: int) -> int | None:
     return max(0, math.ceil(length - prompt_length))
 
 
-def run(call: Call, rollout_for: Callable[[int], Rollout]) -> Tensor:
+def run(call: Call, rollout_for: Callable[[int], Rollout], served: list | None = None) -> Tensor:
     """HF's output for a served call: `[rows, P + T]`, the prompts as given then the new tokens, as long
-    as HF's would be. `rollout_for(samples)`: the rollout to decode with, `samples` rows per prompt."""
+    as HF's would be. `rollout_for(samples)`: the rollout to decode with, `samples` rows per prompt.
+    `served`, when given, gets (the rollout, its rows that are the call's rows, in output order)."""
     plan, input_ids, attention_mask = call.plan, call.input_ids, call.attention_mask
     device = input_ids.device
     k = plan.num_return_sequences
@@ -511,7 +512,7 @@ def run(call: Call, rollout_for: Callable[[int], Rollout]) -> Tensor:
     first_out_row = torch.cumsum(counts, 0) - counts  # output row of each prompt's slot 0
     row_ids = (first_out_row[:, None] + slot[None, :]).flatten()
     rollout = rollout_for(samples)
-    seed = int(torch.randint(0, 2**62, (1,)).item())  # from torch's global generator, as HF's sampling
+    seed = _call_seed()
     out = rollout._generate(
         input_ids[starts],
         attention_mask[starts],
@@ -522,7 +523,28 @@ def run(call: Call, rollout_for: Callable[[int], Rollout]) -> Tensor:
     )
     responses = out.responses[live.to(out.responses.device)]  # [rows, R], in output order
     responses = _trim_to_hf_length(responses, plan)
+    if served is not None:
+        served.append((rollout, live.nonzero().flatten().tolist()))
     return torch.cat([input_ids.repeat_interleave(k, dim=0), responses.to(device)], dim=1)
+
+
+def run_extension(call: Call, rollout: Rollout, rows: list[int], appended: list[Tensor]) -> Tensor:
+    """HF's output for a served call whose row i extends row `rows[i]` of `rollout`'s last call by
+    `appended[i]` (hf.generate_reuse): one `Rollout.extend` in which the rollout's other rows generate
+    nothing; the call's rows decode on from their kept KV."""
+    plan, input_ids = call.plan, call.input_ids
+    per_row: list[Tensor | None] = [None] * rollout._history.visible.shape[0]
+    for r, tokens in zip(rows, appended):
+        per_row[r] = tokens
+    previous = rollout._history.output
+    _, turn = rollout._call(lambda: rollout._extend(previous, per_row, plan.max_new_tokens, seed=_call_seed()))
+    responses = turn.responses[torch.tensor(rows, device=turn.responses.device)]
+    responses = _trim_to_hf_length(responses, plan)
+    return torch.cat([input_ids, responses.to(input_ids.device)], dim=1)
+
+
+def _call_seed() -> int:
+    return int(torch.randint(0, 2**62, (1,)).item())  # from torch's global generator, as HF's sampling
 
 
 def _trim_to_hf_length(responses: Tensor, plan: Plan) -> Tensor:

@@ -48,14 +48,26 @@ from transformers import GenerationConfig
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from ..rollout.engine import NonFiniteLogitsError, Rollout, RolloutConfig
+from ..rollout.profiling import RolloutProfile
 from .adapter import ModelAdapter, is_peft_model, model_state, peft_refusal, unwrap_model
-from .generate_contract import SIGNATURE, Call, Plan, Refusal, agree, bind, check, run
+from .generate_contract import SIGNATURE, Call, Plan, Refusal, agree, bind, check, run, run_extension
+from .generate_reuse import KeptCall, weights_fingerprint
 from .integration import LRU, PatchHandle, WarnOnce
 
-__all__ = ["generate", "patch_generate", "GeneratePatch", "PATCH_OPTIONS"]
+__all__ = ["generate", "patch_generate", "GeneratePatch", "PATCH_OPTIONS", "ROLLOUT_OPTIONS"]
 
-# RolloutConfig fields that make sense per model (the rest come from each call's generation config).
-PATCH_OPTIONS = ("compile", "cuda_graphs", "kv_sharing", "shared_prefill", "enable_profiling", "compact_finished_rows")
+# RolloutConfig fields that make sense per model (the rest come from each call's generation config), and
+# the patch's own: reuse_kv (keep the last served call's KV for a call that extends its rows,
+# hf.generate_reuse; default True).
+ROLLOUT_OPTIONS = (
+    "compile",
+    "cuda_graphs",
+    "kv_sharing",
+    "shared_prefill",
+    "enable_profiling",
+    "compact_finished_rows",
+)
+PATCH_OPTIONS = (*ROLLOUT_OPTIONS, "reuse_kv")
 _SESSION_ATTRIBUTE = "_torchkvops_generate_session"
 # How many rollouts (one per distinct sampling setup) a model keeps between calls.
 _MAX_ROLLOUTS = 4
@@ -72,7 +84,13 @@ class _Session:
 
     def __init__(self, model: nn.Module, options: dict, original_generate=None):
         self.model_ref = weakref.ref(model)
+        options = dict(options)
+        self.reuse_kv = options.pop("reuse_kv", True)
+        # Served calls' profiles (GeneratePatch.last_profile) unless the caller turned profiling off.
+        options.setdefault("enable_profiling", True)
         self.options = options
+        self.kept: KeptCall | None = None  # the last served call, for a call that extends its rows
+        self.last_profile: RolloutProfile | None = None
         # What calls fall back to: the generate a patch replaced; None: the model class's own.
         self.original_generate = original_generate
         self.rollouts: LRU[tuple, Rollout] = LRU(_MAX_ROLLOUTS, release=lambda rollout: rollout.release())
@@ -139,7 +157,28 @@ class _Session:
 
     def release(self) -> None:
         with self.lock:
+            self.kept = None
             self.rollouts.clear()
+
+    def extension(self, call: Call, fingerprint: tuple) -> tuple[KeptCall, list[int], list[Tensor]] | None:
+        """(the kept call, the rollout rows the call's rows extend, what each appends) when the call can
+        be served from the kept call's KV: same settings, the same weights (`fingerprint`, read now),
+        every row extending a distinct kept row. Else None."""
+        kept = self.kept
+        if kept is None or call.plan.num_return_sequences != 1 or _reuse_settings(call.plan) != kept.settings:
+            return None
+        if not kept.is_current() or kept.rollout.holds_inference_tensors():
+            return None
+        if fingerprint != kept.fingerprint:
+            self.kept = None  # stale: computed by other weights
+            return None
+        match = kept.match(call.input_ids, call.attention_mask)
+        return None if match is None else (kept, match.rows, match.appended)
+
+    def keep(self, call: Call, rollout: Rollout, rows: list[int], fingerprint: tuple | None) -> None:
+        """Remember this served call (its rollout and the rollout rows that are the call's) for the next."""
+        self.last_profile = rollout.get_last_profile()
+        self.kept = None if fingerprint is None else KeptCall(rollout, _reuse_settings(call.plan), rows, fingerprint)
 
     def warn_once(self, reason: str, where: str = "torchkvops.generate", stacklevel: int = 4) -> None:
         """The fallback warning for `reason` (a Refusal's), the first time this model meets it. stacklevel:
@@ -239,15 +278,35 @@ def _serve(session: _Session, model: nn.Module, args: tuple, kwargs: dict, origi
                 refusal = Refusal(f"this model (the rollout failed on it: {type(e).__name__}: {e})", "model")
                 session.failed[call.plan] = call = refusal
     if isinstance(call, Refusal):
+        session.last_profile = None
         session.warn_once(call.reason)
         return original(*args, **kwargs)
     return GenerateDecoderOnlyOutput(sequences=sequences) if call.plan.return_dict else sequences
 
 
 def _run(session: _Session, model: nn.Module, call: Call) -> Tensor:
-    """A served call's output (`generate_contract.run`), decoded by the session's rollout for its plan.
-    (scripts/hf_generate_plugin.py wraps `_serve` and this to count the calls served.)"""
-    return run(call, functools.partial(session.rollout, model, plan=call.plan))
+    """A served call's output: from the kept call's KV when its rows extend that call's
+    (`generate_contract.run_extension`), else decoded by the session's rollout for its plan
+    (`generate_contract.run`). (scripts/hf_generate_plugin.py wraps `_serve` and this to count the
+    calls served.)"""
+    fingerprint = None
+    if session.reuse_kv and not call.synced and not _is_fsdp(model):
+        fingerprint = weights_fingerprint(model, session.adapter.adapter_state())
+    extension = None if fingerprint is None else session.extension(call, fingerprint)
+    if extension is not None:
+        kept, rows, appended = extension
+        sequences = run_extension(call, kept.rollout, rows, appended)
+        session.keep(call, kept.rollout, kept.candidates, fingerprint)
+        return sequences
+    served: list = []
+    sequences = run(call, functools.partial(session.rollout, model, plan=call.plan), served)
+    session.keep(call, *served[0], fingerprint)
+    return sequences
+
+
+def _reuse_settings(plan: Plan) -> tuple:
+    """What a kept call's rollout fixed, which a call served from it must share (max_new_tokens may differ)."""
+    return plan.min_new_tokens, plan.temperature, plan.top_k, plan.top_p, plan.eos, plan.pad
 
 
 def _prepare(session: _Session, model: nn.Module, args: tuple, kwargs: dict) -> tuple[Call | Refusal, bool]:
@@ -337,17 +396,28 @@ class GeneratePatch(PatchHandle):
             del vars(model)[_SESSION_ATTRIBUTE]
 
     def release(self) -> None:
+        """Free the rollout state kept between calls (KV buffers, decode graphs, the last call's KV)."""
         session = self.session
         if session is not None:
             session.release()
+
+    def last_profile(self) -> RolloutProfile | None:
+        """The RolloutProfile of the last call, if it was served (None when it fell back to HF's generate,
+        or with enable_profiling=False): its stage times, and `prefill_tokens` / `reused_tokens`, the
+        positions its prefill computed and those whose KV came from the call before."""
+        session = self.session
+        return None if session is None else session.last_profile
 
 
 def patch_generate(model: nn.Module, **options) -> GeneratePatch:
     """Make `model.generate` run through torchkvops (this instance only). `options` are rollout options
     that make sense per model: compile, cuda_graphs, kv_sharing, shared_prefill, enable_profiling,
-    compact_finished_rows (validated as RolloutConfig validates them). Returns a handle: `handle.undo()` restores the
-    original generate, `with patch_generate(model): ...` does so on leaving the block, and
-    `handle.release()` frees the KV buffers and decode graphs kept between calls.
+    compact_finished_rows (validated as RolloutConfig validates them), and reuse_kv (default True: a
+    call whose rows extend the last served call's, as an agent's next turn does, prefills only what
+    they append; hf.generate_reuse). Returns a handle: `handle.undo()` restores the original generate,
+    `with patch_generate(model): ...` does so on leaving the block, `handle.release()` frees the KV
+    buffers and decode graphs kept between calls, and `handle.last_profile()` is the last served call's
+    RolloutProfile.
 
     A model the rollout cannot run (ALiBi, attention sinks, an attention implementation it does not
     take, ...) is patched all the same, with a warning now: its calls run its own generate."""
@@ -357,7 +427,9 @@ def patch_generate(model: nn.Module, **options) -> GeneratePatch:
             f"patch_generate: unknown option {unknown[0]!r}; the options are {', '.join(PATCH_OPTIONS)} "
             "(the rest comes from each call's generation config)"
         )
-    RolloutConfig(**options)  # the same checks and messages
+    RolloutConfig(**{k: v for k, v in options.items() if k in ROLLOUT_OPTIONS})  # the same checks and messages
+    if not isinstance(options.get("reuse_kv", True), bool):
+        raise ValueError(f"patch_generate: reuse_kv must be a bool, got {options['reuse_kv']!r}")
     _check_generative(model, "patch_generate")
     current = vars(model).get("generate")
     if isinstance(current, _PatchedGenerate) and current.active:

@@ -479,7 +479,6 @@ class Decoder:
         pad_id: int,
         eos: Tensor | None,
         *,
-        max_new_tokens: int,
         min_new_tokens: int,
         logprobs: bool,
         layout: str,
@@ -490,7 +489,7 @@ class Decoder:
         graph_extra: Callable[[], tuple] = tuple,
     ):
         self.adapter, self.cache, self.params, self.pad_id, self.eos = adapter, cache, params, pad_id, eos
-        self.max_new_tokens, self.logprobs, self.layout, self.samples = max_new_tokens, logprobs, layout, samples
+        self.logprobs, self.layout, self.samples = logprobs, layout, samples
         self.compacts = compacts and eos is not None  # compaction happens at the all-ended check
         self.graph_extra = graph_extra
         self.step = DecodeStep(adapter, cache, params, pad_id, eos, min_new_tokens, logprobs=logprobs)
@@ -515,41 +514,53 @@ class Decoder:
 
     # --- a call ----------------------------------------------------------------------------------
     def start(
-        self, prompt_mask: Tensor, seed: int, first_logits: Tensor, row_ids: Tensor, live: Tensor | None
+        self,
+        first_logits: Tensor,
+        seed: int,
+        row_ids: Tensor,
+        live: Tensor | None,
+        *,
+        visible: Tensor,
+        positions: Tensor,
+        write_start: int,
+        max_new_tokens: int,
+        prompt_visible: Tensor | None = None,
     ) -> DecodeState:
-        """Reset the decode state for a call over these prompts (left-padded mask [B, P]) and sample every
-        row's first token from the prefill's logits. The KV cache is prepared for decode first."""
-        cache, n = self.cache, self.samples
-        batch, prompt_len = prompt_mask.shape
+        """Reset the decode state for a call and sample every row's first token from `first_logits`
+        [rows, vocab]. What each row sees: `visible` [rows, C] (bool) over the decode buffer's first C
+        columns, and in the prefix layout `prompt_visible` [prompts, P'] over its prompt's KV; `positions`
+        [rows]: the position of the token each row feeds first; decode writes from column `write_start`
+        on. `live` [rows] (bool, optional): False for rows that have ended before they start (filler
+        rows, rows an extend leaves alone), which only ever hold the pad id."""
+        cache = self.cache
         prefix = self.layout == "prefix"
+        rows = first_logits.shape[0]
         s = self._state(
             DecodeShape(
-                batch * n,
+                rows,
                 cache.decode_kv.shape[4],
-                self.max_new_tokens,
+                max_new_tokens,
                 self.adapter.dtype,
-                batch if prefix else 0,
+                prompt_visible.shape[0] if prefix else 0,
                 cache.prompt_kv.shape[4] if prefix else 0,
                 self.logprobs,
             )
         )
-        row_mask = prompt_mask.repeat_interleave(n, dim=0).bool()
         s.bias.fill_(float("-inf"))
-        if not prefix:  # the decode buffer starts with each row's copy of its prompt
-            s.bias[:, 0, 0, :prompt_len].masked_fill_(row_mask, 0.0)
-        else:  # the rows' own buffers start empty; the prompts are seen through the prefix part
+        s.bias[:, 0, 0, : visible.shape[1]].masked_fill_(visible, 0.0)
+        if prefix:  # the prompts are seen through the prefix part
             s.prompt_bias.fill_(float("-inf"))
-            s.prompt_bias[:, 0, 0, :prompt_len].masked_fill_(prompt_mask.bool(), 0.0)
-        s.position_ids.copy_(row_mask.sum(dim=1, keepdim=True))
+            s.prompt_bias[:, 0, 0, : prompt_visible.shape[1]].masked_fill_(prompt_visible, 0.0)
+        s.position_ids.copy_(positions[:, None])
         s.finished.zero_()
-        if live is not None:  # filler rows have ended before they start: they only ever hold the pad id
+        if live is not None:
             s.finished.copy_(~live.to(s.finished.device, torch.bool))
         s.step.zero_()
         s.nonfinite_step.fill_(-1)
         s.keys.copy_(row_keys(seed, row_ids.to(s.keys.device, torch.long)))
         self.step.bind(s)
         self.step.draw(first_logits)
-        cache.start_decode(0 if prefix else prompt_len)
+        cache.start_decode(write_start)
         return s
 
     def run(self, first: DecodeState, ended_everywhere: Callable[[bool], bool] | None = None) -> tuple[int, int]:
@@ -558,7 +569,7 @@ class Decoder:
         logprobs) then hold every row's tokens. Returns the step count and the row-steps computed (rows
         sampled, summed over the tokens). Raises NonFiniteLogitsError at the first check after a live
         row's logits could not be sampled from."""
-        new_tokens = self.max_new_tokens
+        new_tokens = first.shape.max_new_tokens
         state, steps, row_steps = first, 0, first.rows
         batch = (
             compaction.BatchMap(first.rows, self.samples if self.layout == "prefix" else None)
@@ -591,6 +602,7 @@ class Decoder:
                         self._bind(state)
         if state is not first:
             self._write_back(first, state, batch, steps + 1)
+        self.cache.finish_decode(None if batch is None else batch.original.to(first.tokens.device))
         return steps, row_steps
 
     def check_nonfinite(self, state: DecodeState) -> None:
@@ -618,7 +630,7 @@ class Decoder:
             new.slot_rows.copy_(plan.slot_rows)
             new.row_prompt.copy_(plan.row_slot // plan.slots)
             new.row_sample.copy_(plan.row_slot % plan.slots)
-        self.cache.compact(rows, groups)
+        self.cache.compact(rows, groups, batch.original.to(device))
         if state is not first:
             self._write_back(first, state, batch, tokens)
         # Rows that end here hold the pad id (and log-probability 0) from now on, as in a full batch; the

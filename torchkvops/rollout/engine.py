@@ -30,6 +30,7 @@ from .kv_cache import KV_LAYOUTS, RolloutKVCache
 from .lm_head import Float32LMHead
 from .profiling import RolloutProfile, StageTimer
 from .sampling import SamplingParams
+from .turns import History, check_appended, extend_mask, first_history, history_output, make_turn, record
 
 __all__ = [
     "Rollout",
@@ -201,6 +202,7 @@ class Rollout:
         self._eos = torch.tensor(self.eos_ids, dtype=torch.long, device=self.device) if self.eos_ids else None
         self._params = SamplingParams(float(self.config.temperature), self.config.top_k, float(self.config.top_p))
         self._last_profile: RolloutProfile | None = None
+        self._history: History | None = None  # what the last call left for extend()
         # Buffers made under a caller's torch.inference_mode() are inference tensors, which cannot be
         # written outside it: a later call outside it makes new ones.
         self._buffers_are_inference = False
@@ -216,7 +218,6 @@ class Rollout:
             self._params,
             self.pad_id,
             self._eos,
-            max_new_tokens=cfg.max_new_tokens,
             min_new_tokens=cfg.min_new_tokens,
             logprobs=cfg.return_logprobs,
             layout=cfg.kv_sharing,
@@ -234,6 +235,26 @@ class Rollout:
         answers prompt r // N. Returns ordinary tensors (not inference tensors), on the model's device."""
         return self._generate(input_ids, attention_mask)
 
+    def extend(self, previous: RolloutOutput, appended, max_new_tokens: int | None = None) -> RolloutOutput:
+        """Go on after the last call: append `appended[r]` to row r of `previous` (the RolloutOutput this
+        Rollout's last `generate` or `extend` returned) after its response so far (through its first EOS),
+        and decode up to `max_new_tokens` (default: RolloutConfig.max_new_tokens) more tokens.
+        `appended[r]`: a list or 1-D tensor of token ids (a tool's answer, the chat template's turn
+        tokens; may be empty), or None for a row that has finished and generates nothing more.
+
+        Each row's KV from the earlier calls is reused: only the appended tokens (and each row's last
+        token, which has no KV yet) are computed before decoding goes on (`RolloutProfile.prefill_tokens`,
+        `reused_tokens`). Returns the whole history after the prompt: `sequences` (the prompt as given,
+        then each row's history, right-padded with the pad id), `responses` (the history alone),
+        `response_mask` (1 on generated tokens, through each turn's EOS; 0 on appended tokens and
+        padding), `logprobs` (on generated tokens, 0 elsewhere)."""
+        return self._call(lambda: self._extend(previous, appended, max_new_tokens))[0]
+
+    def holds_inference_tensors(self) -> bool:
+        """Whether the buffers were made under torch.inference_mode() while it is off now: the next call
+        makes new ones (and so keeps no KV from the last)."""
+        return self._buffers_are_inference and not torch.is_inference_mode_enabled()
+
     def get_last_profile(self) -> RolloutProfile | None:
         """The profile of the last `generate()` call, or None when profiling was off."""
         return self._last_profile
@@ -247,6 +268,7 @@ class Rollout:
         """Free the KV buffer, decode state and CUDA graphs; the next `generate()` makes them again."""
         with self._lock:
             self._buffers_are_inference = False
+            self._history = None
             self.cache.release()
             self._decoder.release()
             if self._head32 is not None:
@@ -275,21 +297,16 @@ class Rollout:
         Runs under torch.no_grad(), not inference mode: whatever the model allocates in its forward
         (FSDP's unsharded parameters, a rotary embedding's refreshed buffers) must stay usable by the
         training step that follows, as after HF's generate."""
+        return self._call(lambda: self._run(input_ids, attention_mask, row_ids, live, seed, ended_everywhere))
+
+    def _call(self, run: Callable[[], RolloutOutput]) -> RolloutOutput:
         head32 = self._head32.applied() if self._head32 is not None else contextlib.nullcontext()
         with self._lock, torch.no_grad(), head32:
             inference = torch.is_inference_mode_enabled()
             if self._buffers_are_inference and not inference:  # a caller's inference_mode made them
                 self.release()
             self._buffers_are_inference = inference or self._buffers_are_inference
-            out = self._run(input_ids, attention_mask, row_ids, live, seed, ended_everywhere)
-        # Copies: the decode state's buffers are reused by the next call.
-        return RolloutOutput(
-            out.sequences.clone(),
-            out.responses.clone(),
-            out.response_mask.clone(),
-            out.prompt_length,
-            None if out.logprobs is None else out.logprobs.clone(),
-        )
+            return run()
 
     def _run(
         self,
@@ -337,21 +354,39 @@ class Rollout:
                     self.cache.expand_prompts(batch, n, prompt_len)
                 logits = logits.repeat_interleave(n, dim=0)
 
-        kv_bytes = self.cache.used_bytes  # before compaction makes the views smaller
         with timer.stage("decode"):
-            state = self._decoder.start(attention_mask, seed, logits, row_ids, live)
+            row_mask = attention_mask.repeat_interleave(n, dim=0).bool()
+            state = self._decoder.start(
+                logits,
+                seed,
+                row_ids,
+                live,
+                # copy layout: each row's decode buffer starts with its copy of the prompt; prefix layout:
+                # the rows' own buffers start empty and the prompts are seen through the prefix part
+                visible=row_mask[:, :0] if prefix else row_mask,
+                positions=row_mask.sum(dim=1),
+                write_start=0 if prefix else prompt_len,
+                max_new_tokens=new_tokens,
+                prompt_visible=attention_mask.bool() if prefix else None,
+            )
             steps, row_steps = self._decoder.run(state, ended_everywhere)
             response_len = steps + 1
+        kv_bytes = self.cache.used_bytes
 
         with timer.stage("post_processing"):
             self._decoder.check_nonfinite(state)
             out = self._finish(input_ids, state, response_len)
             generated = int(out.response_mask.sum())
+            self._history = first_history(
+                out, attention_mask, n, 0 if prefix else prompt_len, seed, row_ids, self.pad_id
+            )
 
         self._last_profile = None
         if cfg.enable_profiling:
             ms = timer.elapsed_ms()
             self._last_profile = RolloutProfile(
+                prefill_tokens=prefill_ids.numel(),
+                reused_tokens=0,
                 prompt_expansion_ms=ms["prompt_expansion"],
                 prefill_ms=ms["prefill"],
                 kv_expand_ms=ms["kv_expand"],
@@ -372,6 +407,104 @@ class Rollout:
                 useful_row_steps=generated,
             )
         return out
+
+    def _extend(
+        self, previous: RolloutOutput, appended, max_new_tokens: int | None, seed: int | None = None
+    ) -> tuple[RolloutOutput, RolloutOutput]:
+        """`extend`, and this turn alone: (the whole history's output, this turn's [rows, R] responses,
+        mask and logprobs). seed: this turn's sampling seed (default: derived from the first call's)."""
+        cfg, history, cache = self.config, self._history, self.cache
+        if history is None or previous is not history.output:
+            raise ValueError(
+                "Rollout.extend: previous must be the RolloutOutput that this Rollout's last generate() or "
+                "extend() returned (its rows' KV is kept until the next call or release())"
+                + ("" if history is not None else "; there is none: call generate() first")
+            )
+        if max_new_tokens is None:
+            max_new_tokens = cfg.max_new_tokens
+        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+            raise ValueError(f"Rollout.extend: max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+        rows = history.visible.shape[0]
+        appended = check_appended(appended, rows, self.adapter.input_vocab, self.device)
+        prefix = cfg.kv_sharing == "prefix"
+        n = cfg.samples_per_prompt
+
+        timer = StageTimer(self.device, cfg.enable_profiling)
+        timer.start()
+        with timer.stage("prompt_expansion"):
+            turn = make_turn(history, appended, self.pad_id)
+            live_positions = torch.where(turn.live, history.last_position + turn.real.sum(dim=1), 0)
+            self.adapter.check_length(int(live_positions.max()), max_new_tokens)
+            start = history.frontier  # the chunks' first column; decode goes on after them
+            decode_start = start + turn.width
+            cache.grow(round_up(decode_start + max_new_tokens - 1))
+            prompt_visible = None
+            if prefix:  # every column of a row's prompt KV: the prompt's mask, then the buffer's rounding
+                width = cache.prompt_kv.shape[4]
+                prompt_visible = torch.zeros(history.prompt_mask.shape[0], width, dtype=torch.bool, device=self.device)
+                prompt_visible[:, : history.prompt_mask.shape[1]] = history.prompt_mask.bool()
+            prompt_of_row = torch.arange(rows, device=self.device) // n
+            mask = extend_mask(history, turn, None if prompt_visible is None else prompt_visible[prompt_of_row])
+
+        with timer.stage("prefill"):
+            cache.start_extend(start, prompt_of_row if prefix else None)
+            positions = torch.arange(start, decode_start, device=self.device)
+            logits = self.adapter.last_logits(
+                cache, turn.ids, self.adapter.attention_mask(mask), turn.positions, positions
+            )
+
+        with timer.stage("decode"):
+            visible = torch.cat([history.visible, turn.real], dim=1)
+            state = self._decoder.start(
+                logits,
+                history.turn_seed() if seed is None else seed,
+                history.row_ids,
+                turn.live,
+                visible=visible,
+                positions=live_positions,
+                write_start=decode_start,
+                max_new_tokens=max_new_tokens,
+                prompt_visible=prompt_visible,
+            )
+            steps, row_steps = self._decoder.run(state)
+            response_len = steps + 1
+        kv_bytes = cache.used_bytes
+
+        with timer.stage("post_processing"):
+            self._decoder.check_nonfinite(state)
+            turn_out = self._finish(history.prompts[::n], state, response_len)
+            turn_out.response_mask[~turn.live] = 0
+            generated = int(turn_out.response_mask.sum())
+            reused = int(history.last_position[turn.live].sum())
+            record(history, turn, turn_out, decode_start)
+            out = history.output = history_output(history, self.pad_id, RolloutOutput)
+
+        self._last_profile = None
+        if cfg.enable_profiling:
+            ms = timer.elapsed_ms()
+            self._last_profile = RolloutProfile(
+                prompt_expansion_ms=ms["prompt_expansion"],
+                prefill_ms=ms["prefill"],
+                kv_expand_ms=0.0,
+                decode_ms=ms["decode"],
+                generation_ms=ms["prefill"] + ms["decode"],
+                post_processing_ms=ms["post_processing"],
+                total_ms=ms["total"],
+                generated_tokens=generated,
+                tokens_per_second=generated / (ms["total"] / 1e3) if ms["total"] > 0 else 0.0,
+                decode_steps=steps,
+                batch_size=rows // n,
+                samples_per_prompt=n,
+                prompt_length=history.prompts.shape[1],
+                response_length=response_len,
+                peak_memory_bytes=timer.peak_memory_bytes(),
+                kv_cache_bytes=kv_bytes,
+                computed_row_steps=row_steps,
+                useful_row_steps=generated,
+                prefill_tokens=turn.ids.numel(),
+                reused_tokens=reused,
+            )
+        return out, turn_out
 
     def _prefill(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor) -> Tensor:
         cache_position = torch.arange(input_ids.shape[1], device=input_ids.device)

@@ -31,10 +31,27 @@ from transformers.cache_utils import Cache
 
 from ..hf.adapter import KVShape
 from ..ops import repeat_kv_cache_, write_kv_
+from .compaction import COMPACT_FRACTION
 
 __all__ = ["RolloutKVCache", "KVShape", "KV_LAYOUTS"]
 
 KV_LAYOUTS = ("copy", "prefix")
+
+
+def _carve(
+    storage: Tensor | None, shapes: list[tuple[int, ...]], dtype: torch.dtype, device: torch.device
+) -> tuple[Tensor, list[Tensor]]:
+    """Views of these shapes, one after the other from the start of `storage` (made, or made larger,
+    when it is too small): (the storage, the views)."""
+    sizes = [math.prod(s) for s in shapes]
+    if storage is None or storage.numel() < sum(sizes):
+        storage = None  # free the old allocation before making the new one
+        storage = torch.zeros(sum(sizes), dtype=dtype, device=device)
+    views, offset = [], 0
+    for shape, size in zip(shapes, sizes):
+        views.append(storage[offset : offset + size].view(shape))
+        offset += size
+    return storage, views
 
 
 def _gather_rows(src: Tensor, rows: Tensor, dst: Tensor) -> None:
@@ -50,20 +67,28 @@ class RolloutKVCache(Cache):
     def __init__(self, shape: KVShape, dtype: torch.dtype, device: torch.device):
         super().__init__(layers=[])
         self.shape, self.dtype, self.device = shape, dtype, torch.device(device)
-        self._storage: Tensor | None = None  # flat; the views below are carved out of it
+        self._storage: Tensor | None = None  # flat; the home views are carved out of it
+        self._work: Tensor | None = None  # flat; a compacted batch's views are carved out of it
         self.layout: str | None = None
+        # Home views: every row of the call, where its KV stays after the call (for Rollout.extend).
+        self.home_prompt_kv: Tensor | None = None
+        self.home_decode_kv: Tensor | None = None
         self.prompt_kv: Tensor | None = None  # where prefill writes the prompts
         self.decode_kv: Tensor | None = None  # where decode writes, and what its attention reads
         # Where the next decode step writes; a tensor, so that graphs never re-specialize on it.
         self.write_pos = torch.zeros(1, dtype=torch.long, device=self.device)
         self._prefill_start = torch.zeros(1, dtype=torch.long, device=self.device)
-        self.decoding = False
+        self.phase = "prefill"  # "prefill", "extend" (Rollout.extend's forward over appended tokens), "decode"
+        self._extend_start = 0
+        self._extend_prompt_of_row: Tensor | None = None
+        self.work_used_bytes = 0  # the largest compacted batch's views since the home views were made
 
     # --- buffer management ---------------------------------------------------------------------
     def prepare_copy(self, rows: int, tokens: int) -> None:
         """One [layers, 2, rows, kv_heads, tokens, head_dim] buffer for prefill and decode."""
         (kv,) = self._views([self.shape.buffer_shape(rows, tokens)])
-        self.layout, self.prompt_kv, self.decode_kv = "copy", kv, kv
+        self.layout = "copy"
+        self.home_prompt_kv = self.home_decode_kv = self.prompt_kv = self.decode_kv = kv
 
     def prepare_prefix(self, prompts: int, prompt_tokens: int, rows: int, response_tokens: int) -> None:
         """The prompts' KV once ([..., prompts, ..., prompt_tokens, ...]) and each row's response KV
@@ -71,65 +96,131 @@ class RolloutKVCache(Cache):
         prefix, suffix = self._views(
             [self.shape.buffer_shape(prompts, prompt_tokens), self.shape.buffer_shape(rows, response_tokens)]
         )
-        self.layout, self.prompt_kv, self.decode_kv = "prefix", prefix, suffix
+        self.layout = "prefix"
+        self.home_prompt_kv, self.home_decode_kv = self.prompt_kv, self.decode_kv = prefix, suffix
 
-    def compact(self, rows: Tensor, prompts: Tensor | None = None) -> None:
+    @property
+    def compacted(self) -> bool:
+        return self.decode_kv is not None and self.decode_kv is not self.home_decode_kv
+
+    def compact(self, rows: Tensor, prompts: Tensor | None, original: Tensor) -> None:
         """Decode goes on with the decode buffer's rows `rows` (int64, on the buffer's device) and, in the
-        prefix layout, the prompts `prompts` only (torchkvops.compaction). They are gathered in place into
-        smaller views carved from the start of the same allocation, as `prepare_*` carves them, so that a
-        compacted shape has the same addresses in every call (and its CUDA graph replays). Each layer is
-        gathered into a temporary and copied to its place, layer after layer: a smaller view's layer l
-        ends where the current view's layer l + 1 begins or before, so no layer is overwritten before it
-        is read (and the prompts, which come first, before the response KV)."""
+        prefix layout, the prompts `prompts` only (torchkvops.compaction); `original` [current rows] is
+        each current row's row in the home views.
+
+        Every row's KV is kept for `Rollout.extend`: the compacted batch decodes in a second allocation
+        (the work views), so the rows that leave stay in the home views. The first compaction gathers
+        from home into the work views; a later one first writes the current rows home (the ones leaving
+        would be overwritten), then gathers in place into smaller work views carved from the start of the
+        same allocation: a smaller view's layer l ends where the current view's layer l + 1 begins or
+        before, so no layer is overwritten before it is read (and the prompts, which come first, before
+        the response KV). A compacted shape thus has the same addresses in every call (its CUDA graph
+        replays)."""
+        if self.compacted:
+            self._write_home(original)
+        decode_shape = self.shape.buffer_shape(rows.numel(), self.decode_kv.shape[4])
         if self.layout == "copy":
-            (kv,) = self._views([self.shape.buffer_shape(rows.numel(), self.decode_kv.shape[4])])
+            (kv,) = self._work_views([decode_shape])
             _gather_rows(self.decode_kv, rows, kv)
             self.prompt_kv = self.decode_kv = kv
             return
-        prefix, suffix = self._views(
-            [
-                self.shape.buffer_shape(prompts.numel(), self.prompt_kv.shape[4]),
-                self.shape.buffer_shape(rows.numel(), self.decode_kv.shape[4]),
-            ]
+        prefix, suffix = self._work_views(
+            [self.shape.buffer_shape(prompts.numel(), self.prompt_kv.shape[4]), decode_shape]
         )
         _gather_rows(self.prompt_kv, prompts, prefix)
         _gather_rows(self.decode_kv, rows, suffix)
         self.prompt_kv, self.decode_kv = prefix, suffix
 
+    def finish_decode(self, original: Tensor | None) -> None:
+        """After decode: the rows of a compacted batch (`original`: each one's home row) back home, and the
+        home views current again, so that every row's KV is where `Rollout.extend` looks for it."""
+        if self.compacted:
+            self._write_home(original)
+        self.prompt_kv, self.decode_kv = self.home_prompt_kv, self.home_decode_kv
+
+    def _write_home(self, original: Tensor) -> None:
+        """The current (work) rows' KV into their home rows. The prompts' KV never changes in decode."""
+        home, work = self.home_decode_kv, self.decode_kv
+        for layer in range(home.shape[0]):
+            home[layer].index_copy_(1, original, work[layer])
+
+    def grow(self, decode_tokens: int) -> None:
+        """Home views with room for `decode_tokens` positions per row in the decode buffer (Rollout.extend:
+        a longer history), their KV copied over. Not while compacted."""
+        assert not self.compacted, "grow() runs on the home views"
+        old_prompt, old_decode = self.home_prompt_kv, self.home_decode_kv
+        rows, tokens = old_decode.shape[2], old_decode.shape[4]
+        if decode_tokens <= tokens:
+            return
+        old_storage, self._storage = self._storage, None  # both live until the copy is done
+        if self.layout == "copy":
+            self.prepare_copy(rows, decode_tokens)
+            self.decode_kv[..., :tokens, :].copy_(old_decode)
+        else:
+            self.prepare_prefix(old_prompt.shape[2], old_prompt.shape[4], rows, decode_tokens)
+            self.prompt_kv.copy_(old_prompt)
+            self.decode_kv[..., :tokens, :].copy_(old_decode)
+        del old_storage
+
     def _views(self, shapes: list[tuple[int, ...]]) -> list[Tensor]:
-        sizes = [math.prod(s) for s in shapes]
-        if self._storage is None or self._storage.numel() < sum(sizes):
+        self.work_used_bytes = 0  # new home views: no compacted batch yet
+        if self._storage is None or self._storage.numel() < sum(math.prod(s) for s in shapes):
             self.release()  # free the old allocation before making the new one
-            self._storage = torch.zeros(sum(sizes), dtype=self.dtype, device=self.device)
-        views, offset = [], 0
-        for shape, size in zip(shapes, sizes):
-            views.append(self._storage[offset : offset + size].view(shape))
-            offset += size
+        self._storage, views = _carve(self._storage, shapes, self.dtype, self.device)
+        return views
+
+    def _work_views(self, shapes: list[tuple[int, ...]]) -> list[Tensor]:
+        if self._work is None or self._work.numel() < sum(math.prod(s) for s in shapes):
+            # Made once for the largest compacted batch of these home views (every prompt, and
+            # COMPACT_FRACTION of the rows), so that compacted shapes keep their addresses from call to
+            # call; made only before a call's first compaction, which reads the home views only.
+            rows = int(COMPACT_FRACTION * self.home_decode_kv.shape[2])
+            largest = [self.shape.buffer_shape(rows, self.home_decode_kv.shape[4])]
+            if self.layout == "prefix":
+                largest.insert(0, tuple(self.home_prompt_kv.shape))
+            self._work = None
+            self._work, _ = _carve(None, largest, self.dtype, self.device)
+        views = _carve(self._work, shapes, self.dtype, self.device)[1]
+        self.work_used_bytes = max(self.work_used_bytes, sum(v.numel() * v.element_size() for v in views))
         return views
 
     def release(self) -> None:
         """Free the buffers; the next `prepare_*()` allocates new ones."""
-        self._storage = self.prompt_kv = self.decode_kv = self.layout = None
+        self._storage = self._work = self.layout = None
+        self.prompt_kv = self.decode_kv = self.home_prompt_kv = self.home_decode_kv = None
+        self._extend_prompt_of_row = None
         # Made anew (see Rollout.release: a caller's inference_mode may have made these).
         self.write_pos = torch.zeros(1, dtype=torch.long, device=self.device)
         self._prefill_start = torch.zeros(1, dtype=torch.long, device=self.device)
 
     @property
     def allocated_bytes(self) -> int:
-        return 0 if self._storage is None else self._storage.numel() * self._storage.element_size()
+        return sum(0 if s is None else s.numel() * s.element_size() for s in (self._storage, self._work))
 
     @property
     def used_bytes(self) -> int:
-        """Bytes of KV storage the current layout uses (the allocation may be larger, from an earlier call)."""
-        views = [] if self.layout is None else [self.prompt_kv] + ([self.decode_kv] if self.layout == "prefix" else [])
-        return sum(v.numel() * v.element_size() for v in views)
+        """Bytes of KV storage the home views and the largest compacted batch use (the allocations may
+        be larger, from an earlier call)."""
+        if self.layout is None:
+            return 0
+        views = [self.home_prompt_kv] + ([self.home_decode_kv] if self.layout == "prefix" else [])
+        return sum(v.numel() * v.element_size() for v in views) + self.work_used_bytes
 
     # --- phases --------------------------------------------------------------------------------
     def start_prefill(self) -> None:
-        self.decoding = False
+        self.phase = "prefill"
+
+    def start_extend(self, first_position: int, prompt_of_row: Tensor | None) -> None:
+        """A forward over every row's appended tokens (Rollout.extend): they are written to the decode
+        buffer from `first_position` on, and attend to the whole buffer so far (in the prefix layout, to
+        their prompt's KV too: `prompt_of_row` [rows] says whose)."""
+        self.phase = "extend"
+        self._extend_start = first_position
+        self._prefill_start.fill_(first_position)
+        self._extend_prompt_of_row = prompt_of_row
 
     def start_decode(self, first_position: int) -> None:
-        self.decoding = True
+        self.phase = "decode"
         self.write_pos.fill_(first_position)
 
     def expand_prompts(self, batch: int, repeats: int, num_tokens: int) -> None:
@@ -139,15 +230,23 @@ class RolloutKVCache(Cache):
 
     # --- the transformers Cache interface ------------------------------------------------------
     def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs):
-        if not self.decoding:
-            self._check_layout(key_states, value_states, layer_idx)
+        if self.phase == "decode":
+            # No Python checks here (prefill made them for this model): a step is what a graph replays.
+            kv = self.decode_kv
+            write_kv_(kv, key_states, value_states, layer_idx, self.write_pos)
+            return kv[layer_idx, 0], kv[layer_idx, 1]
+        self._check_layout(key_states, value_states, layer_idx)
+        if self.phase == "prefill":
             # Prefill writes positions [0, P) and attends to exactly those, no padding to the buffer.
             write_kv_(self.prompt_kv, key_states, value_states, layer_idx, self._prefill_start)
             return key_states, value_states
-        # Decode: no Python checks here (prefill made them for this model): a step is what a graph replays.
-        kv = self.decode_kv
-        write_kv_(kv, key_states, value_states, layer_idx, self.write_pos)
-        return kv[layer_idx, 0], kv[layer_idx, 1]
+        kv, end = self.decode_kv, self._extend_start + key_states.shape[2]
+        write_kv_(kv, key_states, value_states, layer_idx, self._prefill_start)
+        keys, values = kv[layer_idx, 0, :, :, :end], kv[layer_idx, 1, :, :, :end]
+        if self.layout == "prefix":  # each row's prompt, then its own positions
+            prompts = self.prompt_kv[layer_idx].index_select(1, self._extend_prompt_of_row)
+            keys, values = torch.cat([prompts[0], keys], dim=2), torch.cat([prompts[1], values], dim=2)
+        return keys, values
 
     def _check_layout(self, key_states: Tensor, value_states: Tensor, layer_idx: int) -> None:
         kv = self.prompt_kv
@@ -160,7 +259,7 @@ class RolloutKVCache(Cache):
             )
 
     def get_seq_length(self, layer_idx: int = 0):
-        return self.write_pos[0] if self.decoding else 0
+        return {"decode": self.write_pos[0], "extend": self._extend_start}.get(self.phase, 0)
 
     def get_mask_sizes(self, query_length, layer_idx: int = 0) -> tuple[int, int]:
         """Asked only when the model builds its own mask, which happens in an unpadded prefill (decode

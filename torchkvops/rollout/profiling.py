@@ -38,12 +38,18 @@ class RolloutProfile:
     prompt_length: int
     response_length: int
     peak_memory_bytes: int | None  # the accelerator's peak during the call; None on CPU
-    kv_cache_bytes: int  # bytes of KV storage the call used (prompt and response KV, either layout)
+    # Bytes of KV storage the call used: prompt and response KV (either layout), and the compacted batch's
+    # (which decodes in its own views, so that every row's KV stays for Rollout.extend).
+    kv_cache_bytes: int
     # Row-steps: one per row and sampled token position. Computed: the rows each token position was sampled
     # for (the batch shrinks with compact_finished_rows); useful: those that produced a token of a response
     # (up to and including its EOS: generated_tokens). useful_fraction = useful / computed.
     computed_row_steps: int = 0
     useful_row_steps: int = 0
+    # Token positions this call's prefill computed (prompts, or with `Rollout.extend` each row's appended
+    # tokens and last token, padding included), and positions whose KV came from an earlier call.
+    prefill_tokens: int = 0
+    reused_tokens: int = 0
 
     @property
     def useful_fraction(self) -> float:
