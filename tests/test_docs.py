@@ -146,3 +146,15 @@ def test_readme_and_docs_links_resolve():
                 assert anchor in anchors, f"{page.name}: {target}"
             checked += 1
     assert checked >= 30
+
+
+def test_rollout_extend_snippet_runs_as_written():
+    """docs/rollout.md's multi-turn example: 4 rows, then 3, 1, none (finished) and 0 appended tokens."""
+    code = first_python_block(DOCS / "rollout.md", "## Multi-turn: `Rollout.extend`")
+    scope: dict = {}
+    exec(compile(code, "rollout.md (Rollout.extend)", "exec"), scope)
+    out = scope["out"]
+    assert out.responses.shape == (4, 8 + 3 + 6)
+    assert out.response_mask[0].tolist() == [1] * 8 + [0] * 3 + [1] * 6
+    assert out.response_mask[2].tolist() == [1] * 8 + [0] * 9  # finished: its first turn only
+    assert out.response_mask.sum(dim=1).tolist() == [14, 14, 8, 14]
