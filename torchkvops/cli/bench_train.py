@@ -33,7 +33,8 @@ EPILOG = (
 )
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """--model-shape, --device and --dtype: a model of a named shape with random weights."""
     p.add_argument(
         "--model-shape", choices=list(MODEL_POSITIONS), default="llama-small", help="a torchkvops.models shape"
     )
@@ -41,6 +42,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--device", type=device_name, default=None, help="cpu, cuda or cuda:N (default: cuda when available, else cpu)"
     )
     p.add_argument("--dtype", choices=list(DTYPE_NAMES), default="fp32", help="the weights' dtype")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_model_arguments(p)
     p.add_argument("--prompts", type=int_in(1), default=1, help="prompts B per step (rows = B x G)")
     p.add_argument("--prompt-lengths", type=int_in(1), nargs="+", default=[1024], metavar="P", help="prompt tokens")
     p.add_argument(

@@ -7,10 +7,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .bench_train import MODEL_POSITIONS
-from .checks import CLIError, check_output_file, device_name, int_in
+from .bench_train import MODEL_POSITIONS, add_model_arguments
+from .checks import CLIError, check_output_file, int_in
 from .launch import add_threads_argument, resolve_device, set_threads
-from .model import DTYPE_NAMES, resolve_dtype
+from .model import resolve_dtype
 
 MODES = ("reuse", "no-reuse", "hf")  # torchkvops.bench.turns.MODES, spelled out so that parsing needs no torch
 DESCRIPTION = (
@@ -28,13 +28,7 @@ EPILOG = (
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--model-shape", choices=list(MODEL_POSITIONS), default="llama-small", help="a torchkvops.models shape"
-    )
-    p.add_argument(
-        "--device", type=device_name, default=None, help="cpu, cuda or cuda:N (default: cuda when available, else cpu)"
-    )
-    p.add_argument("--dtype", choices=list(DTYPE_NAMES), default="fp32", help="the weights' dtype")
+    add_model_arguments(p)
     p.add_argument("--prompts", type=int_in(1), default=1, help="prompts B")
     p.add_argument("--samples-per-prompt", type=int_in(1), default=4, help="samples N per prompt (rows = B x N)")
     p.add_argument("--prompt-length", type=int_in(1), default=512, help="prompt tokens P")

@@ -383,19 +383,9 @@ class Rollout:
 
         self._last_profile = None
         if cfg.enable_profiling:
-            ms = timer.elapsed_ms()
-            self._last_profile = RolloutProfile(
-                prefill_tokens=prefill_ids.numel(),
-                reused_tokens=0,
-                prompt_expansion_ms=ms["prompt_expansion"],
-                prefill_ms=ms["prefill"],
-                kv_expand_ms=ms["kv_expand"],
-                decode_ms=ms["decode"],
-                generation_ms=ms["prefill"] + ms["kv_expand"] + ms["decode"],
-                post_processing_ms=ms["post_processing"],
-                total_ms=ms["total"],
-                generated_tokens=generated,
-                tokens_per_second=generated / (ms["total"] / 1e3) if ms["total"] > 0 else 0.0,
+            self._last_profile = RolloutProfile.from_stages(
+                timer.elapsed_ms(),
+                generated,
                 decode_steps=steps,
                 batch_size=batch,
                 samples_per_prompt=n,
@@ -404,7 +394,8 @@ class Rollout:
                 peak_memory_bytes=timer.peak_memory_bytes(),
                 kv_cache_bytes=kv_bytes,
                 computed_row_steps=row_steps,
-                useful_row_steps=generated,
+                prefill_tokens=prefill_ids.numel(),
+                reused_tokens=0,
             )
         return out
 
@@ -481,17 +472,9 @@ class Rollout:
 
         self._last_profile = None
         if cfg.enable_profiling:
-            ms = timer.elapsed_ms()
-            self._last_profile = RolloutProfile(
-                prompt_expansion_ms=ms["prompt_expansion"],
-                prefill_ms=ms["prefill"],
-                kv_expand_ms=0.0,
-                decode_ms=ms["decode"],
-                generation_ms=ms["prefill"] + ms["decode"],
-                post_processing_ms=ms["post_processing"],
-                total_ms=ms["total"],
-                generated_tokens=generated,
-                tokens_per_second=generated / (ms["total"] / 1e3) if ms["total"] > 0 else 0.0,
+            self._last_profile = RolloutProfile.from_stages(
+                timer.elapsed_ms(),
+                generated,
                 decode_steps=steps,
                 batch_size=rows // n,
                 samples_per_prompt=n,
@@ -500,7 +483,6 @@ class Rollout:
                 peak_memory_bytes=timer.peak_memory_bytes(),
                 kv_cache_bytes=kv_bytes,
                 computed_row_steps=row_steps,
-                useful_row_steps=generated,
                 prefill_tokens=turn.ids.numel(),
                 reused_tokens=reused,
             )

@@ -51,6 +51,25 @@ class RolloutProfile:
     prefill_tokens: int = 0
     reused_tokens: int = 0
 
+    @classmethod
+    def from_stages(cls, ms: dict[str, float], generated: int, **counts) -> RolloutProfile:
+        """A call's profile from its stage times (StageTimer.elapsed_ms; a stage the call did not run
+        counts 0) and counts (generated_tokens, and the other integer fields by name)."""
+        stage = {name: ms.get(name, 0.0) for name in ("prompt_expansion", "prefill", "kv_expand", "decode")}
+        return cls(
+            prompt_expansion_ms=stage["prompt_expansion"],
+            prefill_ms=stage["prefill"],
+            kv_expand_ms=stage["kv_expand"],
+            decode_ms=stage["decode"],
+            generation_ms=stage["prefill"] + stage["kv_expand"] + stage["decode"],
+            post_processing_ms=ms["post_processing"],
+            total_ms=ms["total"],
+            generated_tokens=generated,
+            tokens_per_second=generated / (ms["total"] / 1e3) if ms["total"] > 0 else 0.0,
+            useful_row_steps=generated,
+            **counts,
+        )
+
     @property
     def useful_fraction(self) -> float:
         return self.useful_row_steps / self.computed_row_steps if self.computed_row_steps else 0.0
