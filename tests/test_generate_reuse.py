@@ -62,7 +62,9 @@ def test_tool_turns_are_served_from_the_kept_kv_and_equal_hf(layout):
         assert torch.equal(out, hf(twin, ids, mask)), turn
         profile = handle.last_profile()
         widest = max(len(s) for s in suffixes) + 1  # each row's last token and its tool answer
-        assert profile.prefill_tokens == 6 * widest  # every rollout row's chunk (the others' are padding)
+        # The call's rows' chunks only: the rollout's other rows are left out (batches of up to 8 rows
+        # are compacted to exactly their live rows).
+        assert profile.prefill_tokens == len(rows) * widest
         # Reused: each row's tokens after padding but its last (fed again), whose KV was kept.
         assert profile.reused_tokens == int(mask.sum()) - sum(len(s) for s in suffixes) - len(rows)
 

@@ -491,6 +491,7 @@ class Decoder:
         self.adapter, self.cache, self.params, self.pad_id, self.eos = adapter, cache, params, pad_id, eos
         self.logprobs, self.layout, self.samples = logprobs, layout, samples
         self.compacts = compacts and eos is not None  # compaction happens at the all-ended check
+        self.leaves_out_ended = compacts  # initial_plan needs no EOS ids: the caller knows which rows ended
         self.graph_extra = graph_extra
         self.step = DecodeStep(adapter, cache, params, pad_id, eos, min_new_tokens, logprobs=logprobs)
         self.runner = DecodeRunner(self.step, compile, cuda_graphs, adapter.device)
@@ -563,19 +564,39 @@ class Decoder:
         cache.start_decode(write_start)
         return s
 
-    def run(self, first: DecodeState, ended_everywhere: Callable[[bool], bool] | None = None) -> tuple[int, int]:
+    def initial_plan(self, ended: Tensor) -> compaction.Plan | None:
+        """The compaction that leaves out the rows that have ended before a call's decode starts (host
+        bool [rows]; Rollout.extend's rows that generate nothing), or None when it would not save enough
+        or the decoder does not compact. The caller gathers the KV cache (and computes only those rows'
+        first logits); `run(..., initial_plan=)` gathers the state."""
+        if not self.leaves_out_ended or not bool(ended.any()) or bool(ended.all()):
+            return None
+        return compaction.plan(
+            ended, compaction.BatchMap(ended.numel(), self.samples if self.layout == "prefix" else None)
+        )
+
+    def run(
+        self,
+        first: DecodeState,
+        ended_everywhere: Callable[[bool], bool] | None = None,
+        initial_plan: compaction.Plan | None = None,
+    ) -> tuple[int, int]:
         """Decode steps until every row has max_new_tokens tokens or has ended (on every process, with
         `ended_everywhere`: a collective), compacting the batch as rows end; `first`'s responses (and
         logprobs) then hold every row's tokens. Returns the step count and the row-steps computed (rows
         sampled, summed over the tokens). Raises NonFiniteLogitsError at the first check after a live
-        row's logits could not be sampled from."""
+        row's logits could not be sampled from. `initial_plan` (see `initial_plan()`): decode starts with
+        the batch it keeps, the KV cache already gathered."""
         new_tokens = first.shape.max_new_tokens
         state, steps, row_steps = first, 0, first.rows
         batch = (
             compaction.BatchMap(first.rows, self.samples if self.layout == "prefix" else None)
-            if self.compacts
+            if self.compacts or initial_plan is not None
             else None
         )
+        if initial_plan is not None:  # the KV cache is gathered already (initial_plan)
+            state = self._compact(first, state, batch, initial_plan, 1, cache_gathered=True)
+            row_steps = initial_plan.size  # the rows whose first token was computed
         self._bind(state)
         with attention.decode_attention(self.adapter.model, self.context):
             while steps + 1 < new_tokens:
@@ -617,7 +638,13 @@ class Decoder:
         return self.states.put(shape, self.states.get(shape) or DecodeState(shape, self.adapter.device))
 
     def _compact(
-        self, first: DecodeState, state: DecodeState, batch: compaction.BatchMap, plan: compaction.Plan, tokens: int
+        self,
+        first: DecodeState,
+        state: DecodeState,
+        batch: compaction.BatchMap,
+        plan: compaction.Plan,
+        tokens: int,
+        cache_gathered: bool = False,
     ) -> DecodeState:
         """Go on with the rows of `plan` (torchkvops.compaction) after `tokens` tokens: a state of the
         compacted shape holds them, the KV cache keeps theirs, `first` keeps the others'."""
@@ -630,7 +657,8 @@ class Decoder:
             new.slot_rows.copy_(plan.slot_rows)
             new.row_prompt.copy_(plan.row_slot // plan.slots)
             new.row_sample.copy_(plan.row_slot % plan.slots)
-        self.cache.compact(rows, groups, batch.original.to(device))
+        if not cache_gathered:
+            self.cache.compact(rows, groups, batch.original.to(device))
         if state is not first:
             self._write_back(first, state, batch, tokens)
         # Rows that end here hold the pad id (and log-probability 0) from now on, as in a full batch; the

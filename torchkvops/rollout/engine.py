@@ -436,13 +436,25 @@ class Rollout:
                 prompt_visible[:, : history.prompt_mask.shape[1]] = history.prompt_mask.bool()
             prompt_of_row = torch.arange(rows, device=self.device) // n
             mask = extend_mask(history, turn, None if prompt_visible is None else prompt_visible[prompt_of_row])
+            # Rows that generate nothing this turn are left out of its forward and decode when that saves
+            # enough: the others are gathered as compaction gathers them, before the forward.
+            plan = self._decoder.initial_plan(~turn.live.cpu())
 
         with timer.stage("prefill"):
+            ids, positions, computed = turn.ids, turn.positions, torch.arange(rows, device=self.device)
+            if plan is not None:
+                computed = plan.rows.to(self.device)
+                cache.compact(computed, None if plan.groups is None else plan.groups.to(self.device), computed)
+                ids, positions, mask = ids[computed], positions[computed], mask[computed]
+                if prefix:
+                    prompt_of_row = plan.row_group.to(self.device)
             cache.start_extend(start, prompt_of_row if prefix else None)
-            positions = torch.arange(start, decode_start, device=self.device)
-            logits = self.adapter.last_logits(
-                cache, turn.ids, self.adapter.attention_mask(mask), turn.positions, positions
+            columns = torch.arange(start, decode_start, device=self.device)
+            computed_logits = self.adapter.last_logits(
+                cache, ids, self.adapter.attention_mask(mask), positions, columns
             )
+            logits = computed_logits.new_zeros(rows, computed_logits.shape[-1])  # rows left out have ended
+            logits[computed] = computed_logits
 
         with timer.stage("decode"):
             visible = torch.cat([history.visible, turn.real], dim=1)
@@ -457,7 +469,7 @@ class Rollout:
                 max_new_tokens=max_new_tokens,
                 prompt_visible=prompt_visible,
             )
-            steps, row_steps = self._decoder.run(state)
+            steps, row_steps = self._decoder.run(state, initial_plan=plan)
             response_len = steps + 1
         kv_bytes = cache.used_bytes
 
@@ -483,7 +495,7 @@ class Rollout:
                 peak_memory_bytes=timer.peak_memory_bytes(),
                 kv_cache_bytes=kv_bytes,
                 computed_row_steps=row_steps,
-                prefill_tokens=turn.ids.numel(),
+                prefill_tokens=ids.numel(),
                 reused_tokens=reused,
             )
         return out, turn_out
