@@ -89,11 +89,12 @@ def test_greedy_turns_equal_hf_generate_on_each_full_history(family_models, fami
     run_turns(model, cfg, ids, mask, turns=3, finished_at={1: (3,)})
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("layout", ["copy", "prefix"])
 @pytest.mark.parametrize("compact", [True, False])
-def test_greedy_turns_with_compaction_and_long_appends(layout, compact):
+def test_greedy_turns_with_compaction_and_long_appends(layout, compact, device):
     """Responses long enough for compaction in every turn (rows that left a compacted batch keep their
-    KV), appended lengths from 0 to 100."""
+    KV), appended lengths from 0 to 100; on CUDA every turn's decode replays CUDA graphs."""
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=VOCAB,
@@ -108,13 +109,15 @@ def test_greedy_turns_with_compaction_and_long_appends(layout, compact):
         eos_token_id=2,
         pad_token_id=0,
     )
-    model = LlamaForCausalLM(config).eval()
+    model = LlamaForCausalLM(config).eval().to(device)
     cfg = RolloutConfig(
         samples_per_prompt=3, max_new_tokens=40, kv_sharing=layout, eos_token_id=EOS, compact_finished_rows=compact
     )
     ids, mask = prompts(2, 9, seed=3, left_pad=[0, 4])
-    rollout, _ = run_turns(model, cfg, ids, mask, turns=2, appended_lengths=(0, 100))
-    assert (rollout.decode_counters().compactions > 0) == compact
+    rollout, _ = run_turns(model, cfg, ids, mask, turns=2, appended_lengths=(0, 100), device=device)
+    counters = rollout.decode_counters()
+    assert (counters.compactions > 0) == compact
+    assert (counters.captured_graphs > 0) == (device == "cuda")
 
 
 @pytest.mark.parametrize("device", DEVICES)
