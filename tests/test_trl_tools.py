@@ -246,13 +246,6 @@ def test_tool_turns_are_served_from_the_kept_kv_and_match_the_plain_run(example,
     torch.testing.assert_close(entropies, plain_entropies, rtol=0, atol=1e-5)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=ValueError,
-    reason="torchkvops/rollout/kv_cache.py: RolloutKVCache.start_extend sets _prefill_start to the turn's first "
-    "column and start_prefill does not reset it, so step 2's first (fresh) call on the same rollout writes its "
-    "prompt KV at that column: write_kv_ raises here (and silently leaves stale prompt KV where it fits)",
-)
 def test_a_second_step_prefills_its_prompts_anew_and_reuses_in_its_tool_turns(example, tmp_path):
     """After an optimizer step the kept KV is stale (and step 2's prompts extend no kept row): step 2's
     first call is a fresh prefill on the rollout that step 1's turns extended, and its own turns reuse again."""

@@ -240,3 +240,23 @@ def test_compiled_turns_equal_eager_turns(llama):
         outputs.append(rollout.extend(out, [[11]] * 4))
     assert torch.equal(outputs[0].responses, outputs[1].responses)
     assert torch.equal(outputs[0].response_mask, outputs[1].response_mask)
+
+
+@pytest.mark.parametrize("layout", ["copy", "prefix"])
+def test_a_generate_after_an_extend_starts_afresh(llama, layout):
+    """A new generate on a rollout that has extended: its prompts' KV goes where its decode reads it
+    (an extend's forward had moved where prefill writes)."""
+    cfg = RolloutConfig(samples_per_prompt=2, max_new_tokens=6, eos_token_id=[], kv_sharing=layout)
+    first_ids, first_mask = prompts(2, 9, seed=5)
+    ids, mask = prompts(2, 7, seed=6, left_pad=[0, 2])
+    rollout = Rollout(llama, cfg)
+    out = rollout.generate(first_ids, first_mask)
+    rollout.extend(out, [[5, 6, 7, 8]] * 4)
+    again = rollout.generate(ids, mask)
+    fresh = Rollout(llama, cfg).generate(ids, mask)
+    assert torch.equal(again.responses, fresh.responses)
+    with torch.no_grad():
+        expected = llama.generate(
+            ids, attention_mask=mask, do_sample=False, max_new_tokens=6, eos_token_id=None, pad_token_id=0
+        )
+    assert torch.equal(again.responses, expected[:, 7:].repeat_interleave(2, dim=0))

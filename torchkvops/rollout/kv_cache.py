@@ -209,6 +209,7 @@ class RolloutKVCache(Cache):
     # --- phases --------------------------------------------------------------------------------
     def start_prefill(self) -> None:
         self.phase = "prefill"
+        self._prefill_start.zero_()  # (an extend's forward moved it)
 
     def start_extend(self, first_position: int, prompt_of_row: Tensor | None) -> None:
         """A forward over every row's appended tokens (Rollout.extend): they are written to the decode
