@@ -48,7 +48,5 @@ def test_gather_moves_every_field_with_its_row_or_prompt(layout):
             assert torch.equal(dst, src[rows]), f.name
         elif f.per == "prompt":
             assert torch.equal(dst, src[groups]), f.name
-        elif f.per == "call":
-            assert torch.equal(dst, src), f.name
-    moved = {f.name for f in DecodeState.FIELDS if f.per in ("row", "prompt", "call")}
+    moved = {f.name for f in DecodeState.FIELDS if f.per in ("row", "prompt")}
     assert {"tokens", "position_ids", "bias", "finished", "keys", "nonfinite_step", "responses", "step"} <= moved

@@ -490,10 +490,37 @@ def opcheck_samples(device):
         (strided, keys, step, 0.7, 5, 0.8),
         (logits.half(), keys, step, 1.3, 0, 0.5),
         (empty, keys[:0], step, 1.0, 2, 0.9),
+        (logits, keys, torch.tensor([0, 3, 3, 7, 1], device=device), 0.9, 0, 1.0),  # a step per row
     ]
 
 
 OPS = {"sample_tokens": ops.sample_tokens, "sample_tokens_with_logprobs": ops.sample_tokens_with_logprobs}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("op", OPS)
+def test_a_step_per_row_draws_each_rows_own_steps_noise(device, op):
+    """step [rows]: row r draws what it draws alone at its own step (rows that joined a batch later
+    keep their samples), and the reference agrees."""
+    rows, vocab = 6, 50
+    g = torch.Generator().manual_seed(7)
+    logits = (torch.randn(rows, vocab, generator=g) * 2).to(device)
+    keys = row_keys(4, torch.arange(rows, device=device))
+    steps = torch.tensor([0, 5, 5, 1, 9, 2**40 + 3], device=device)
+    for temperature, top_k, top_p in MODES.values():
+        together = OPS[op](logits, keys, steps, temperature, top_k, top_p)
+        for r in range(rows):
+            alone = OPS[op](logits[r : r + 1], keys[r : r + 1], steps[r : r + 1], temperature, top_k, top_p)
+            for a, b in zip(
+                together if isinstance(together, tuple) else (together,),
+                alone if isinstance(alone, tuple) else (alone,),
+            ):
+                assert torch.equal(a[r : r + 1], b), (temperature, top_k, top_p, r)
+        tokens = together[0] if isinstance(together, tuple) else together
+        assert_matches_reference(tokens, logits, keys, steps, temperature, top_k, top_p)
+        strided = torch.stack([steps, steps], dim=1)[:, 0]  # a step view with stride 2
+        again = OPS[op](logits, keys, strided, temperature, top_k, top_p)
+        assert torch.equal(again[0] if isinstance(again, tuple) else again, tokens)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -568,8 +595,9 @@ def bad_args():
         (lambda a: (a[0], a[1].int(), *a[2:]), TypeError, "keys must be int64"),
         (lambda a: (a[0], a[1][:2], *a[2:]), ValueError, r"keys must be 1-D with one key per row \(3\)"),
         (lambda a: (a[0], a[1][None], *a[2:]), ValueError, "keys must be 1-D"),
-        (lambda a: (*a[:2], torch.tensor([1, 2]), *a[3:]), ValueError, "step must be a 1-element int64"),
-        (lambda a: (*a[:2], torch.tensor([1.0]), *a[3:]), TypeError, "step must be a 1-element int64"),
+        (lambda a: (*a[:2], torch.tensor([1, 2]), *a[3:]), ValueError, r"one step per row \(3\), got shape \[2\]"),
+        (lambda a: (*a[:2], torch.zeros(3, 1, dtype=torch.long), *a[3:]), ValueError, "step must be a 1-element"),
+        (lambda a: (*a[:2], torch.tensor([1.0]), *a[3:]), TypeError, "step must be an int64 tensor"),
         (lambda a: (*a[:3], -0.5, *a[4:]), ValueError, "temperature must be finite and >= 0"),
         (lambda a: (*a[:3], float("nan"), *a[4:]), ValueError, "temperature"),
         (lambda a: (*a[:3], float("inf"), *a[4:]), ValueError, "temperature"),

@@ -166,7 +166,9 @@ def sample_tokens(logits: Tensor, keys: Tensor, step: Tensor, temperature: float
 
     `logits` is `[rows, vocab]` float32, float16 or bfloat16 with any strides (a row-strided view such
     as `hidden[:, -1, :]` is read in place); `keys` is `[rows]` int64 (one 32-bit key per row, see
-    `sampling.row_keys`) and `step` a 1-element int64 tensor, both on logits' device. `temperature ==
+    `sampling.row_keys`) and `step` an int64 tensor, 1 element (every row's step) or `[rows]` (each
+    row's own, so that rows that started at other times draw their own steps' noise), both on logits'
+    device. `temperature ==
     0` is greedy (`logits.argmax(-1)`; keys and step are not used); otherwise the result is
     `argmax(logits / temperature + noise)` over the tokens kept by `top_k` (0 or >= vocab: off; ties
     with the k-th largest value are kept) and then `top_p` (1: off; a token is dropped when the tokens
@@ -208,7 +210,11 @@ def _check_sample_args(
         lambda: f"{op}: keys must be 1-D with one key per row ({logits.shape[0]}), got shape {list(keys.shape)}",
     )
     torch._check_value(
-        step.numel() == 1, lambda: f"{op}: step must be a 1-element int64 tensor, got {step.numel()} elements"
+        step.numel() == 1 or (step.dim() == 1 and step.shape[0] == logits.shape[0]),
+        lambda: (
+            f"{op}: step must be a 1-element int64 tensor or 1-D with one step per row ({logits.shape[0]}), "
+            f"got shape {list(step.shape)}"
+        ),
     )
     torch._check_value(
         math.isfinite(temperature) and temperature >= 0.0,

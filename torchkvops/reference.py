@@ -59,9 +59,9 @@ def merge_attention_states(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: T
 
 def noise_words(keys: Tensor, step: Tensor, vocab: int) -> tuple[Tensor, Tensor]:
     """The high and low 32 bits of each token's 64-bit noise word at decode step `step` (a 1-element
-    tensor): two [rows, vocab] int64 tensors holding values in [0, 2^32). For one token the map from
-    (key, step) (their low 32 bits) to the word is a bijection."""
-    step = step.reshape(())
+    tensor, or [rows]: one step per row): two [rows, vocab] int64 tensors holding values in [0, 2^32).
+    For one token the map from (key, step) (their low 32 bits) to the word is a bijection."""
+    step = step.reshape(()) if step.numel() == 1 else step  # one step for every row, or one per row
     row_high = hash32(keys ^ hash32(step + STEP_SALT))  # [rows]
     row_low = hash32(step ^ hash32(row_high + LOW_SALT))  # [rows]
     token = torch.arange(vocab, dtype=torch.long, device=keys.device)
@@ -82,7 +82,7 @@ def gumbel_from_words(high: Tensor, low: Tensor) -> Tensor:
 
 
 def gumbel_noise(keys: Tensor, step: Tensor, vocab: int) -> Tensor:
-    """The sampler's Gumbel noise [rows, vocab] at decode step `step` (a 1-element tensor), float32."""
+    """The sampler's Gumbel noise [rows, vocab] at decode step `step` (1 element or [rows]), float32."""
     return gumbel_from_words(*noise_words(keys, step, vocab))
 
 

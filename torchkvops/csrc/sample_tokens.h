@@ -228,6 +228,9 @@ inline std::string repr_double(double v) {
   return text;
 }
 
+// Elements between two rows' steps: 0 for one step shared by every row.
+inline int64_t step_stride(const at::Tensor& step) { return step.numel() == 1 ? 0 : step.stride(0); }
+
 inline void check_sample_args(const at::Tensor& logits, const at::Tensor& keys, const at::Tensor& step,
                               double temperature, int64_t top_k, double top_p, const char* op = "sample_tokens") {
   TORCH_CHECK_VALUE(logits.dim() == 2, op, ": logits must be 2-D [rows, vocab], got shape ", logits.sizes());
@@ -243,9 +246,12 @@ inline void check_sample_args(const at::Tensor& logits, const at::Tensor& keys, 
                     "), got shape ", keys.sizes());
   TORCH_CHECK_VALUE(keys.device() == logits.device(), op, ": keys must be on logits' device ", logits.device(),
                     ", got ", keys.device());
-  TORCH_CHECK_TYPE(step.scalar_type() == at::kLong, op, ": step must be a 1-element int64 tensor, got ",
+  TORCH_CHECK_TYPE(step.scalar_type() == at::kLong, op,
+                   ": step must be an int64 tensor (1 element, or 1-D with one step per row), got ",
                    step.scalar_type());
-  TORCH_CHECK_VALUE(step.numel() == 1, op, ": step must be a 1-element int64 tensor, got ", step.numel(), " elements");
+  TORCH_CHECK_VALUE(step.numel() == 1 || (step.dim() == 1 && step.size(0) == rows), op,
+                    ": step must be a 1-element int64 tensor or 1-D with one step per row (", rows, "), got shape ",
+                    step.sizes());
   TORCH_CHECK_VALUE(step.device() == logits.device(), op, ": step must be on logits' device ", logits.device(),
                     ", got ", step.device());
   TORCH_CHECK_VALUE(std::isfinite(temperature) && temperature >= 0.0, op,

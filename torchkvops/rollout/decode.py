@@ -87,7 +87,7 @@ class DecodeShape:
 class _Field:
     """One tensor of a DecodeState. `per`: what its first dim indexes, and so how compaction moves it:
     "row" (gathered with its row), "prompt" (gathered with its prompt group), "slot" (set from the
-    compaction's plan), "call" (copied as it is)."""
+    compaction's plan)."""
 
     name: str
     per: str
@@ -142,7 +142,12 @@ class DecodeState:
         _Field("slot_rows", "slot", lambda s: _if(s.slots > 0, (s.prompts * s.slots,))),
         _Field("row_prompt", "slot", lambda s: _if(s.slots > 0, (s.rows,))),
         _Field("row_sample", "slot", lambda s: _if(s.slots > 0, (s.rows,))),
-        _Field("step", "call", lambda s: (1,), doc="index of the token sampled next"),
+        _Field(
+            "step",
+            "row",
+            lambda s: (s.rows,),
+            doc="each row's index of the token it samples next: its own step, which keys its sampling noise",
+        ),
     )
 
     def __init__(self, shape: DecodeShape, device: torch.device):
@@ -166,9 +171,7 @@ class DecodeState:
             src = getattr(self, f.name)
             if src is None or f.per == "slot":
                 continue
-            if f.per == "call":
-                getattr(new, f.name).copy_(src)
-            elif f.per == "row" or groups is not None:
+            if f.per == "row" or groups is not None:
                 torch.index_select(src, 0, rows if f.per == "row" else groups, out=getattr(new, f.name))
 
 
@@ -224,7 +227,8 @@ class DecodeStep:
         if self.eos_mask is None or self.eos_mask.shape[0] != logits.shape[-1]:
             self.eos_mask = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
             self.eos_mask[self.eos] = True
-        return logits.masked_fill(self.eos_mask & (self.state.step < self.min_new_tokens), float("-inf"))
+        early = (self.state.step < self.min_new_tokens)[:, None]
+        return logits.masked_fill(self.eos_mask & early, float("-inf"))
 
     def watch_nonfinite(self, logits: Tensor) -> None:
         """Record the step at which a live row's logits / temperature first hold a NaN or +inf or are all
@@ -240,9 +244,10 @@ class DecodeStep:
         already ended get the pad id (and 0)."""
         s = self.state
         token = sampled if self.eos is None else torch.where(s.finished, self.pad_id, sampled)
-        s.responses.index_copy_(1, s.step, token[:, None])
+        column = s.step[:, None]
+        s.responses.scatter_(1, column, token[:, None])
         if logprob is not None:
-            s.logprobs.index_copy_(1, s.step, torch.where(s.finished, 0.0, logprob)[:, None])
+            s.logprobs.scatter_(1, column, torch.where(s.finished, 0.0, logprob)[:, None])
         if self.eos is not None:
             # A comparison, not torch.isin: isin sorts (and syncs) when there are many EOS ids.
             s.finished.logical_or_((token[:, None] == self.eos).any(dim=1))

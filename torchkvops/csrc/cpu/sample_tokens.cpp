@@ -463,7 +463,8 @@ void sample_rows(const at::Tensor& logits, const at::Tensor& keys, const at::Ten
                  at::Tensor& out, float* log_probs) {
   const int64_t rows = logits.size(0), vocab = logits.size(1);
   if (rows == 0) return;
-  const int64_t step_value = step.data_ptr<int64_t>()[0];
+  const int64_t* step_ptr = step.data_ptr<int64_t>();
+  const int64_t steps_stride = step_stride(step);
   const int64_t* key_ptr = keys.data_ptr<int64_t>();
   const int64_t key_stride = keys.stride(0);
   int64_t* out_ptr = out.data_ptr<int64_t>();
@@ -474,8 +475,9 @@ void sample_rows(const at::Tensor& logits, const at::Tensor& keys, const at::Ten
                    at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
                      Scratch scratch;
                      for (int64_t r = begin; r < end; ++r) {
-                       out_ptr[r] = sample_row(base + r * row_stride, col_stride, vocab, key_ptr[r * key_stride],
-                                               step_value, params, scratch, log_probs ? log_probs + r : nullptr);
+                       out_ptr[r] =
+                           sample_row(base + r * row_stride, col_stride, vocab, key_ptr[r * key_stride],
+                                      step_ptr[r * steps_stride], params, scratch, log_probs ? log_probs + r : nullptr);
                      }
                    });
                  }),

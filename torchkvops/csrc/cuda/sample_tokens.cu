@@ -184,9 +184,10 @@ __global__ void __launch_bounds__(kThreads) sample_tokens_kernel(
     int64_t row_stride, int64_t col_stride, int vocab,
     const int64_t* __restrict__ keys,  // [rows], stride key_stride
     int64_t key_stride,
-    const int64_t* __restrict__ step,  // [1]
-    int64_t* __restrict__ out,         // [rows]
-    float* __restrict__ log_probs,     // [rows] when kLogProb
+    const int64_t* __restrict__ step,  // [1] (step_stride 0) or [rows]
+    int64_t step_stride,
+    int64_t* __restrict__ out,      // [rows]
+    float* __restrict__ log_probs,  // [rows] when kLogProb
     const SampleParams p) {
   __shared__ SharedStorage smem;
   const int64_t r = blockIdx.x;
@@ -255,7 +256,7 @@ __global__ void __launch_bounds__(kThreads) sample_tokens_kernel(
         [top_p](unsigned long long total) { return static_cast<unsigned long long>(top_p_target(top_p, total)); });
   }
 
-  const NoiseKey nk = noise_key(keys[r * key_stride], step[0]);
+  const NoiseKey nk = noise_key(keys[r * key_stride], step[r * step_stride]);
   float sum = 0.0f;  // of exp(l - m) over the kept tokens, when kLogProb
   reader.for_each([&](int i, float x) {
     const float l = scaled(x);
@@ -291,8 +292,8 @@ void launch(const at::Tensor& logits, const at::Tensor& keys, const at::Tensor& 
   AT_DISPATCH_V2(logits.scalar_type(), "sample_tokens_cuda", AT_WRAP([&] {
                    sample_tokens_kernel<scalar_t, kLogProb><<<static_cast<unsigned int>(rows), kThreads, 0, stream>>>(
                        logits.data_ptr<scalar_t>(), logits.stride(0), logits.stride(1), static_cast<int>(vocab),
-                       keys.data_ptr<int64_t>(), keys.stride(0), step.data_ptr<int64_t>(), out.data_ptr<int64_t>(),
-                       log_probs, params);
+                       keys.data_ptr<int64_t>(), keys.stride(0), step.data_ptr<int64_t>(), step_stride(step),
+                       out.data_ptr<int64_t>(), log_probs, params);
                    C10_CUDA_KERNEL_LAUNCH_CHECK();
                  }),
                  at::kFloat, at::kHalf, at::kBFloat16);
