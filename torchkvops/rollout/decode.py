@@ -122,11 +122,13 @@ class DecodeState:
             doc="the first step at which a live row's logits could not be sampled from (NaN, +inf, or all "
             "-inf: HF's sampling raises there); -1 while none",
         ),
-        _Field("responses", "row", lambda s: (s.rows, s.max_new_tokens)),
+        # One spare column: where a row that has its max_new_tokens tokens writes (the pad id) while others
+        # go on (rows that joined a streaming batch later, torchkvops.rollout.streaming).
+        _Field("responses", "row", lambda s: (s.rows, s.max_new_tokens + 1)),
         _Field(
             "logprobs",
             "row",
-            lambda s: _if(s.logprobs, (s.rows, s.max_new_tokens)),
+            lambda s: _if(s.logprobs, (s.rows, s.max_new_tokens + 1)),
             torch.float32,
             "each sampled token's log-probability (0 once the row has ended), as responses",
         ),
@@ -160,6 +162,12 @@ class DecodeState:
     @property
     def rows(self) -> int:
         return self.shape.rows
+
+    def scatter_rows_from(self, sub: DecodeState, rows: Tensor) -> None:
+        """The "row" fields of `sub` (a state of len(rows) rows) into rows `rows` of this one."""
+        for f in self.FIELDS:
+            if f.per == "row" and getattr(self, f.name) is not None:
+                getattr(self, f.name).index_copy_(0, rows, getattr(sub, f.name))
 
     def tensors(self) -> list[Tensor]:
         return [t for t in (getattr(self, f.name) for f in self.FIELDS) if t is not None]
@@ -206,7 +214,9 @@ class DecodeStep:
         logits = self.adapter.model(input_ids=s.tokens, **self.kwargs).logits[:, -1, :]
         self.draw(logits)
         s.position_ids.add_(1)
-        cache.write_pos.add_(1)
+        # The decode buffer is a ring: a streaming batch's rows start at other columns (each row spans at
+        # most its length, so it never meets its own keys); a call that starts every row at once never wraps.
+        cache.write_pos.add_(1).remainder_(cache.decode_kv.shape[4])
 
     def draw(self, logits: Tensor) -> None:
         """Sample every row's next token from its logits [rows, vocab] (with its log-probability when
@@ -244,13 +254,15 @@ class DecodeStep:
         already ended get the pad id (and 0)."""
         s = self.state
         token = sampled if self.eos is None else torch.where(s.finished, self.pad_id, sampled)
-        column = s.step[:, None]
+        last = s.shape.max_new_tokens - 1  # a row's last token
+        column = s.step.clamp(max=last + 1)[:, None]  # past its last: the spare column
         s.responses.scatter_(1, column, token[:, None])
         if logprob is not None:
             s.logprobs.scatter_(1, column, torch.where(s.finished, 0.0, logprob)[:, None])
         if self.eos is not None:
             # A comparison, not torch.isin: isin sorts (and syncs) when there are many EOS ids.
             s.finished.logical_or_((token[:, None] == self.eos).any(dim=1))
+        s.finished.logical_or_(s.step >= last)  # a row with max_new_tokens tokens has ended
         s.tokens.copy_(token[:, None])
         s.step.add_(1)
 
@@ -636,6 +648,32 @@ class Decoder:
         sample from since the last check. Host sync: one read, once per call."""
         if not self.params.greedy:
             _raise_on_nonfinite(state.nonfinite_step.cpu())
+
+    # --- a streaming batch (torchkvops.rollout.streaming) ------------------------------------------
+    def state_for(self, shape: DecodeShape) -> DecodeState:
+        """The decode state of this shape (kept across calls, as every decode shape's)."""
+        return self._state(shape)
+
+    def bind(self, state: DecodeState) -> None:
+        """Decode `state` from now on (see `_bind`)."""
+        self._bind(state)
+
+    def decoding(self):
+        """The context in which the model's attention is the decode attention (`run` enters it itself)."""
+        return attention.decode_attention(self.adapter.model, self.context)
+
+    def draw_rows(self, rows: Tensor, logits: Tensor) -> None:
+        """Sample the first token of the bound state's rows `rows` (device int64) from `logits`
+        [len(rows), vocab], leaving the other rows as they are: rows that join a running batch."""
+        state = self.step.state
+        sub = DecodeState(dataclasses.replace(state.shape, rows=rows.numel(), prompts=0, slots=0), state.tokens.device)
+        state.gather_into(sub, rows, None)
+        self.step.state = sub
+        try:
+            self.step.draw(logits)
+        finally:
+            self.step.state = state
+        state.scatter_rows_from(sub, rows)
 
     # --- states, compaction, binding ---------------------------------------------------------------
     def _state(self, shape: DecodeShape) -> DecodeState:

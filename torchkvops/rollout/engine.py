@@ -30,6 +30,7 @@ from .kv_cache import KV_LAYOUTS, RolloutKVCache
 from .lm_head import Float32LMHead
 from .profiling import RolloutProfile, StageTimer
 from .sampling import SamplingParams
+from .streaming import stream
 from .turns import History, check_appended, extend_mask, first_history, history_output, make_turn, record
 
 __all__ = [
@@ -89,6 +90,10 @@ class RolloutConfig:
     # As rows end, decode goes on with the live rows only (gathered into a smaller batch at the all-ended
     # check, every few steps): decode cost follows the tokens still being generated. Same tokens either way.
     compact_finished_rows: bool = True
+    # The most sample rows decoded at once (None: every row). With more rows than this the rollout streams:
+    # it decodes max_rows // samples_per_prompt prompts at a time and refills the rows of the prompts whose
+    # samples have all ended with waiting prompts (torchkvops.rollout.streaming). Same tokens either way.
+    max_rows: int | None = None
 
     def __post_init__(self):
         def need(ok: bool, field: str, what: str):
@@ -155,6 +160,17 @@ class RolloutConfig:
             "'prefix' needs shared_prefill=True (the expanded baseline has no shared prompt to keep once)",
         )
         need(
+            self.max_rows is None or (is_int(self.max_rows) and self.max_rows >= 1),
+            "max_rows",
+            "must be None (every row at once) or an int >= 1",
+        )
+        need(
+            self.max_rows is None or self.max_rows >= self.samples_per_prompt,
+            "max_rows",
+            f"must hold at least one prompt's samples_per_prompt={self.samples_per_prompt} rows (a prompt's "
+            "samples decode together)",
+        )
+        need(
             self.lm_head_dtype in (None, torch.float32),
             "lm_head_dtype",
             "must be None (the model's dtype) or torch.float32",
@@ -203,6 +219,8 @@ class Rollout:
         self._params = SamplingParams(float(self.config.temperature), self.config.top_k, float(self.config.top_p))
         self._last_profile: RolloutProfile | None = None
         self._history: History | None = None  # what the last call left for extend()
+        self._scratch: RolloutKVCache | None = None  # max_rows: where admitted prompts are prefilled
+        self._streamed = False  # the last call streamed its rows (max_rows): no KV kept for extend()
         # Buffers made under a caller's torch.inference_mode() are inference tensors, which cannot be
         # written outside it: a later call outside it makes new ones.
         self._buffers_are_inference = False
@@ -269,6 +287,7 @@ class Rollout:
         with self._lock:
             self._buffers_are_inference = False
             self._history = None
+            self._scratch = None
             self.cache.release()
             self._decoder.release()
             if self._head32 is not None:
@@ -328,6 +347,13 @@ class Rollout:
         if row_ids is None:
             row_ids = torch.arange(rows, device=self.device)
         prefix = cfg.kv_sharing == "prefix"
+        if cfg.max_rows is not None and rows > cfg.max_rows:
+            if ended_everywhere is not None:
+                raise ValueError(
+                    "Rollout: RolloutConfig.max_rows cannot stream the rows of a synced generation (every process "
+                    "must run as many forwards as the others, and refills prefill where rows end)"
+                )
+            return self._run_streaming(input_ids, attention_mask, seed, row_ids, live)
 
         timer = StageTimer(self.device, cfg.enable_profiling)
         timer.start()
@@ -380,6 +406,7 @@ class Rollout:
             self._history = first_history(
                 out, attention_mask, n, 0 if prefix else prompt_len, seed, row_ids, self.pad_id
             )
+            self._streamed = False
 
         self._last_profile = None
         if cfg.enable_profiling:
@@ -406,10 +433,13 @@ class Rollout:
         mask and logprobs). seed: this turn's sampling seed (default: derived from the first call's)."""
         cfg, history, cache = self.config, self._history, self.cache
         if history is None or previous is not history.output:
+            if history is None and self._streamed:
+                reason = "; the last call streamed its rows (RolloutConfig.max_rows), which keeps no KV"
+            else:
+                reason = "" if history is not None else "; there is none: call generate() first"
             raise ValueError(
                 "Rollout.extend: previous must be the RolloutOutput that this Rollout's last generate() or "
-                "extend() returned (its rows' KV is kept until the next call or release())"
-                + ("" if history is not None else "; there is none: call generate() first")
+                "extend() returned (its rows' KV is kept until the next call or release())" + reason
             )
         if max_new_tokens is None:
             max_new_tokens = cfg.max_new_tokens
@@ -499,6 +529,52 @@ class Rollout:
                 reused_tokens=reused,
             )
         return out, turn_out
+
+    def _run_streaming(
+        self, input_ids: Tensor, attention_mask: Tensor, seed: int, row_ids: Tensor, live: Tensor | None
+    ) -> RolloutOutput:
+        """More rows than RolloutConfig.max_rows: a batch of max_rows rows, refilled as groups end
+        (torchkvops.rollout.streaming). Its rows' KV is not kept for extend()."""
+        cfg = self.config
+        n = cfg.samples_per_prompt
+        self._history, self._streamed = None, True
+        timer = StageTimer(self.device, cfg.enable_profiling)
+        timer.start()
+        with timer.stage("decode"):  # prefills (once per prompt) happen as rows free up: within decode
+            if self._scratch is None:
+                self._scratch = RolloutKVCache(self.adapter.kv_shape, self.dtype, self.device)
+            lengths = kv_lengths(cfg.kv_sharing, input_ids.shape[1], cfg.max_new_tokens)
+            done = stream(self, input_ids, attention_mask, seed, row_ids, live, lengths, self._scratch)
+        with timer.stage("post_processing"):
+            responses = done.responses
+            if self._eos is None:
+                response_mask = torch.ones_like(responses)
+            else:
+                is_eos = torch.isin(responses, self._eos).long()
+                response_mask = ((is_eos.cumsum(dim=1) - is_eos) == 0).long()
+            prompts = input_ids.repeat_interleave(n, dim=0)
+            out = RolloutOutput(
+                torch.cat([prompts, responses], dim=1), responses, response_mask, input_ids.shape[1], done.logprobs
+            )
+            generated = int(response_mask.sum())
+        self._last_profile = None
+        if cfg.enable_profiling:
+            self._last_profile = RolloutProfile.from_stages(
+                timer.elapsed_ms(),
+                generated,
+                decode_steps=done.steps,
+                batch_size=input_ids.shape[0],
+                samples_per_prompt=n,
+                prompt_length=input_ids.shape[1],
+                response_length=responses.shape[1],
+                peak_memory_bytes=timer.peak_memory_bytes(),
+                kv_cache_bytes=done.kv_bytes,
+                computed_row_steps=done.row_steps,
+                prefill_tokens=input_ids.numel(),
+                reused_tokens=0,
+                refills=done.refills,
+            )
+        return out
 
     def _prefill(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor) -> Tensor:
         cache_position = torch.arange(input_ids.shape[1], device=input_ids.device)

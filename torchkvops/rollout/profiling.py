@@ -50,6 +50,8 @@ class RolloutProfile:
     # tokens and last token, padding included), and positions whose KV came from an earlier call.
     prefill_tokens: int = 0
     reused_tokens: int = 0
+    # RolloutConfig.max_rows: prompts admitted after the start, into rows that others' samples freed.
+    refills: int = 0
 
     @classmethod
     def from_stages(cls, ms: dict[str, float], generated: int, **counts) -> RolloutProfile:

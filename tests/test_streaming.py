@@ -1,0 +1,125 @@
+"""RolloutConfig.max_rows (torchkvops.rollout.streaming): rollouts larger than the row budget, decoded
+max_rows // N prompts at a time with the rows of finished prompts refilled. The oracle is the same
+rollout without a budget: the same tokens, log-probabilities equal to float rounding, the same shapes."""
+
+import pytest
+import torch
+from devices import DEVICES
+from models import FAMILIES, prompts
+
+from torchkvops import Rollout, RolloutConfig
+
+MANY_EOS = list(range(40, 56))  # rows of the random models end at every step, most within a few dozen
+
+
+def budgeted_and_not(model, ids, mask, max_rows, **config):
+    outputs, profiles = [], []
+    for budget in (None, max_rows):
+        rollout = Rollout(model, RolloutConfig(max_rows=budget, enable_profiling=True, **config))
+        outputs.append(rollout.generate(ids, mask))
+        profiles.append(rollout.get_last_profile())
+    return outputs, profiles
+
+
+def assert_same(budgeted, unbudgeted):
+    assert budgeted.responses.shape == unbudgeted.responses.shape
+    assert torch.equal(budgeted.responses, unbudgeted.responses)
+    assert torch.equal(budgeted.sequences, unbudgeted.sequences)
+    assert torch.equal(budgeted.response_mask, unbudgeted.response_mask)
+    if unbudgeted.logprobs is not None:
+        torch.testing.assert_close(budgeted.logprobs, unbudgeted.logprobs, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("layout", ["copy", "prefix"])
+def test_tokens_equal_the_unbudgeted_rollout_for_every_budget(family_models, family, layout):
+    """Budgets from one prompt's group to all rows; prompts of different lengths (left padding) admitted
+    into rows other prompts freed; rows ending at every step, sampling with log-probabilities."""
+    model = family_models[family]
+    ids, mask = prompts(5, 7, seed=1, left_pad=[0, 2, 3, 0, 1])
+    config = dict(
+        samples_per_prompt=3,
+        max_new_tokens=30,
+        kv_sharing=layout,
+        eos_token_id=MANY_EOS,
+        temperature=1.0,
+        seed=11,
+        return_logprobs=True,
+    )
+    for max_rows in (3, 5, 7, 12, 14, 15):
+        (unbudgeted, budgeted), (_, profile) = budgeted_and_not(model, ids, mask, max_rows, **config)
+        assert_same(budgeted, unbudgeted)
+        groups = max_rows // 3
+        assert profile.refills == max(0, 5 - groups), max_rows  # every prompt admitted after the first groups
+
+
+@pytest.mark.parametrize("layout", ["copy", "prefix"])
+def test_greedy_and_lengths_shorter_than_max_new_tokens(llama, layout):
+    """Greedy, every row ending early: the output is as long as the unbudgeted rollout's (which stops at
+    its first all-ended check after the longest response), not max_new_tokens."""
+    ids, mask = prompts(4, 6, seed=2, left_pad=[1, 0, 2, 0])
+    config = dict(samples_per_prompt=2, max_new_tokens=48, kv_sharing=layout, eos_token_id=MANY_EOS + [0, 1, 2])
+    (unbudgeted, budgeted), _ = budgeted_and_not(llama, ids, mask, 2, **config)
+    assert unbudgeted.responses.shape[1] < 48
+    assert_same(budgeted, unbudgeted)
+
+
+def test_no_eos_and_min_new_tokens(llama):
+    ids, mask = prompts(3, 5, seed=4)
+    for config in (dict(eos_token_id=[]), dict(eos_token_id=MANY_EOS, min_new_tokens=6)):
+        (unbudgeted, budgeted), _ = budgeted_and_not(
+            llama, ids, mask, 2, samples_per_prompt=2, max_new_tokens=12, temperature=0.9, seed=3, **config
+        )
+        assert_same(budgeted, unbudgeted)
+
+
+def test_kv_buffers_follow_the_budget(llama):
+    """The decode buffers hold max_rows rows (and the scratch cache one prompt per row group), not B x N."""
+    ids, mask = prompts(8, 16, seed=5)
+    config = dict(samples_per_prompt=4, max_new_tokens=16, eos_token_id=MANY_EOS, temperature=1.0, seed=1)
+    (unbudgeted, budgeted), (full, streamed) = budgeted_and_not(llama, ids, mask, 8, **config)
+    assert_same(budgeted, unbudgeted)
+    rollout = Rollout(llama, RolloutConfig(**config))
+    shape = rollout.cache.shape
+    per_position = shape.layers * 2 * shape.kv_heads * shape.head_dim * 4  # float32
+    positions = 64  # P + R - 1 = 31, rounded up to 64
+    assert streamed.kv_cache_bytes == per_position * (8 * positions + 2 * 16)  # 8 rows; 2 prompts of 16
+    assert streamed.kv_cache_bytes < 0.3 * full.kv_cache_bytes
+    assert streamed.refills == 8 - 2
+
+
+def test_compiled_streaming_equals_eager(llama):
+    ids, mask = prompts(3, 6, seed=6, left_pad=[0, 2, 1])
+    config = dict(samples_per_prompt=2, max_new_tokens=20, eos_token_id=MANY_EOS, temperature=1.0, seed=2, max_rows=2)
+    eager = Rollout(llama, RolloutConfig(**config)).generate(ids, mask)
+    compiled = Rollout(llama, RolloutConfig(compile=True, **config)).generate(ids, mask)
+    assert torch.equal(eager.responses, compiled.responses)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_streaming_on_each_device(device):
+    """On CUDA the one streaming batch is replayed from one CUDA graph across refills."""
+    model = FAMILIES["llama"]().to(device)
+    ids, mask = prompts(4, 6, seed=7, left_pad=[0, 1, 2, 3])
+    config = dict(samples_per_prompt=2, max_new_tokens=24, eos_token_id=MANY_EOS, temperature=1.0, seed=9)
+    unbudgeted = Rollout(model, RolloutConfig(**config)).generate(ids.to(device), mask.to(device))
+    rollout = Rollout(model, RolloutConfig(max_rows=4, **config))
+    assert_same(rollout.generate(ids.to(device), mask.to(device)), unbudgeted)
+    if device == "cuda":
+        assert rollout.decode_counters().captured_graphs == 1
+
+
+def test_a_budget_smaller_than_one_group_is_refused():
+    with pytest.raises(ValueError, match=r"max_rows must hold at least one prompt's samples_per_prompt=4 rows"):
+        RolloutConfig(samples_per_prompt=4, max_rows=3)
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="RolloutConfig.max_rows must be None"):
+            RolloutConfig(max_rows=bad)
+
+
+def test_a_streamed_call_keeps_no_kv_for_extend(llama):
+    ids, mask = prompts(3, 5)
+    rollout = Rollout(llama, RolloutConfig(samples_per_prompt=2, max_new_tokens=4, max_rows=2, eos_token_id=[]))
+    out = rollout.generate(ids, mask)
+    with pytest.raises(ValueError, match=r"streamed its rows \(RolloutConfig.max_rows\), which keeps no KV"):
+        rollout.extend(out, [[5]] * 6)

@@ -1,0 +1,197 @@
+"""Rollouts larger than the row budget (`RolloutConfig.max_rows`): a fixed batch of rows, refilled.
+
+When B x N sample rows exceed max_rows, the rollout decodes S = max_rows // N prompt groups at a time,
+in one batch of S x N rows whose KV buffers are sized for those rows only. At every all-ended check
+(every FINISHED_CHECK_INTERVAL steps, the host sync decode makes anyway) the groups whose rows have all
+ended leave (their tokens copied out to their places in the output) and waiting prompts take their
+rows: each prompt is prefilled once for its N rows, into a small scratch cache, and placed (copy layout:
+each of its rows gets the prompt's KV in the columns that end at the batch's current write column, the
+decode buffer being a ring; prefix layout: the prompt's KV goes into the freed prompt slot); its rows'
+first tokens are drawn and decode goes on with one batch, one decode shape (one CUDA graph).
+
+The same tokens as without a budget: a row samples with its global row's key and its own step (the
+sampler takes a step per row), its attention sees its own prompt and tokens only (the columns of other
+occupants of its row are hidden), and it ends at its own max_new_tokens. The output is as long as the
+unbudgeted rollout's (`unbudgeted_width`), in input order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import Tensor
+
+from .decode import FINISHED_CHECK_INTERVAL, DecodeShape, _raise_on_nonfinite
+from .kv_cache import RolloutKVCache
+from .sampling import row_keys
+
+__all__ = ["Streamed", "stream", "unbudgeted_width"]
+
+
+@dataclasses.dataclass
+class Streamed:
+    responses: Tensor  # [B*N, R'] in input order
+    logprobs: Tensor | None
+    steps: int  # decode steps run
+    row_steps: int  # rows sampled, summed over the steps (the batch's rows at every step)
+    refills: int  # prompts admitted after the start
+    kv_bytes: int  # the batch's KV buffers and the scratch cache prompts are prefilled into
+
+
+def unbudgeted_width(lengths: list[int], max_new_tokens: int, has_eos: bool) -> int:
+    """How many columns an unbudgeted rollout's responses have, given each live row's response length
+    (through its first EOS; max_new_tokens without one): decode stops at the first all-ended check
+    (every FINISHED_CHECK_INTERVAL steps) at which every row has ended, else after max_new_tokens."""
+    if not has_eos or not lengths or max(lengths) >= max_new_tokens:
+        return max_new_tokens
+    interval = FINISHED_CHECK_INTERVAL
+    check = max(interval, -(-(max(lengths) - 1) // interval) * interval)  # the first check after the longest
+    return min(max_new_tokens, check + 1)
+
+
+def stream(
+    rollout,
+    input_ids: Tensor,
+    prompt_mask: Tensor,
+    seed: int,
+    row_ids: Tensor,
+    live: Tensor | None,
+    lengths: tuple[int, ...],
+    scratch: RolloutKVCache,
+) -> Streamed:
+    """Decode every prompt's N rows within `rollout.config.max_rows` rows (module docstring). `lengths`:
+    the KV buffers' positions (engine.kv_lengths); `scratch`: the cache admitted prompts are prefilled into."""
+    cfg, cache, decoder, adapter = rollout.config, rollout.cache, rollout._decoder, rollout.adapter
+    n, new_tokens, device = cfg.samples_per_prompt, cfg.max_new_tokens, rollout.device
+    batch, prompt_len = input_ids.shape
+    prefix = cfg.kv_sharing == "prefix"
+    slots = min(cfg.max_rows // n, batch)
+    rows = slots * n
+    if prefix:
+        cache.prepare_prefix(slots, lengths[0], rows, lengths[1])
+    else:
+        cache.prepare_copy(rows, lengths[0])
+    columns = cache.decode_kv.shape[4]
+    live = torch.ones(batch * n, dtype=torch.bool, device=device) if live is None else live.to(device, torch.bool)
+    padded = (prompt_mask == 0).any(dim=1).tolist()  # host: which prompts need a padding mask
+    state = decoder.state_for(
+        DecodeShape(
+            rows,
+            columns,
+            new_tokens,
+            adapter.dtype,
+            slots if prefix else 0,
+            cache.prompt_kv.shape[4] if prefix else 0,
+            cfg.return_logprobs,
+        )
+    )
+    for t in state.tensors():  # empty rows: ended, seeing nothing
+        t.zero_()
+    state.bias.fill_(float("-inf"))
+    if prefix:
+        state.prompt_bias.fill_(float("-inf"))
+    state.finished.fill_(True)
+    state.nonfinite_step.fill_(-1)
+    write = 0 if prefix else prompt_len  # the column the next step writes, as without a budget
+    cache.start_decode(write)
+    decoder.bind(state)
+
+    responses = torch.full((batch * n, new_tokens), rollout.pad_id, dtype=torch.long, device=device)
+    logprobs = torch.zeros(batch * n, new_tokens, device=device) if cfg.return_logprobs else None
+    occupant: list[int | None] = [None] * slots  # the prompt each slot decodes
+    waiting = list(range(batch))
+    refills = steps = row_steps = 0
+
+    def admit(free: list[int]) -> None:
+        nonlocal refills, row_steps
+        prompts = [waiting.pop(0) for _ in free[: len(waiting)]]
+        free = free[: len(prompts)]
+        refills += 0 if steps == 0 else len(prompts)
+        index = torch.tensor(prompts, device=device)
+        ids, mask = input_ids[index], prompt_mask[index]
+        scratch.prepare_copy(len(prompts), prompt_len)
+        scratch.start_prefill()
+        attn = rollout._prefill_attention_mask(mask) if any(padded[p] for p in prompts) else None
+        logits = adapter.last_logits(
+            scratch, ids, attn, (mask.cumsum(dim=1) - 1).clamp(min=0), torch.arange(prompt_len, device=device)
+        )
+        slot_rows = (torch.tensor(free, device=device)[:, None] * n + torch.arange(n, device=device)).flatten()
+        global_rows = (index[:, None] * n + torch.arange(n, device=device)).flatten()
+        of_row = torch.arange(len(prompts), device=device).repeat_interleave(n)
+        row_mask = mask.bool()[of_row]  # [rows', P]
+        state.bias[slot_rows] = float("-inf")
+        if prefix:  # the prompt's KV once, in its slot; the rows' own buffers start empty
+            slot_index = torch.tensor(free, device=device)
+            cache.prompt_kv[..., :prompt_len, :].index_copy_(2, slot_index, scratch.prompt_kv)
+            bias = torch.full((len(prompts), cache.prompt_kv.shape[4]), float("-inf"), device=device)
+            bias[:, :prompt_len].masked_fill_(mask.bool(), 0.0)
+            state.prompt_bias[slot_index, 0, 0] = bias.to(state.prompt_bias.dtype)
+        else:  # each row's copy of its prompt, in the columns that end where the next step writes
+            ring = (write - prompt_len + torch.arange(prompt_len, device=device)) % columns
+            for layer in range(cache.decode_kv.shape[0]):
+                kv = scratch.prompt_kv[layer][:, of_row]  # [2, rows', heads, P, head_dim]
+                cache.decode_kv[layer][:, slot_rows[:, None], :, ring[None, :]] = kv.permute(1, 3, 0, 2, 4)
+            visible = torch.full((slot_rows.numel(), columns), float("-inf"), device=device)
+            visible[:, ring] = torch.where(row_mask, 0.0, float("-inf"))
+            state.bias[slot_rows, 0, 0] = visible.to(state.bias.dtype)
+        state.position_ids[slot_rows, 0] = row_mask.sum(dim=1)
+        state.finished[slot_rows] = ~live[global_rows]
+        state.keys[slot_rows] = row_keys(seed, row_ids.to(device)[global_rows])
+        state.step[slot_rows] = 0
+        state.nonfinite_step[slot_rows] = -1
+        state.responses[slot_rows] = rollout.pad_id
+        if state.logprobs is not None:
+            state.logprobs[slot_rows] = 0.0
+        decoder.draw_rows(slot_rows, logits[of_row])
+        row_steps += slot_rows.numel()
+        for slot, prompt in zip(free, prompts):
+            occupant[slot] = prompt
+
+    def retire(flags: Tensor) -> list[int]:
+        """Copy out the groups whose rows have all ended; the slots they free."""
+        free = []
+        for slot, prompt in enumerate(occupant):
+            if prompt is None or not bool(flags[slot * n : (slot + 1) * n].all()):
+                if prompt is None:
+                    free.append(slot)
+                continue
+            mine = slice(slot * n, (slot + 1) * n)
+            responses[prompt * n : (prompt + 1) * n] = state.responses[mine, :new_tokens]
+            if logprobs is not None:
+                logprobs[prompt * n : (prompt + 1) * n] = state.logprobs[mine, :new_tokens]
+            occupant[slot] = None
+            free.append(slot)
+        return free
+
+    admit(list(range(slots)))
+    while True:
+        with decoder.decoding():  # (a prefill runs the model's own attention: admissions happen outside)
+            for _ in range(FINISHED_CHECK_INTERVAL):
+                decoder.runner()
+            steps += FINISHED_CHECK_INTERVAL
+            row_steps += rows * FINISHED_CHECK_INTERVAL
+            write = (write + FINISHED_CHECK_INTERVAL) % columns
+        # Host sync: the all-ended check, as without a budget; retiring and refilling add no other.
+        flags = torch.stack([state.finished.long(), state.nonfinite_step]).cpu()
+        _raise_on_nonfinite(flags[1])
+        free = retire(flags[0].bool())
+        if waiting and free:
+            admit(free)
+        elif not waiting and len(free) == slots:
+            break
+    lengths_out = _response_lengths(responses, live, rollout._eos, new_tokens)
+    width = unbudgeted_width(lengths_out, new_tokens, rollout._eos is not None)
+    kv_bytes = cache.used_bytes + scratch.allocated_bytes
+    return Streamed(
+        responses[:, :width], None if logprobs is None else logprobs[:, :width], steps, row_steps, refills, kv_bytes
+    )
+
+
+def _response_lengths(responses: Tensor, live: Tensor, eos: Tensor | None, new_tokens: int) -> list[int]:
+    """Each live row's response length through its first EOS (new_tokens without one)."""
+    if eos is None:
+        return [new_tokens] * int(live.sum())
+    is_eos = torch.isin(responses, eos)
+    first = torch.where(is_eos.any(dim=1), is_eos.int().argmax(dim=1) + 1, new_tokens)
+    return first[live].tolist()
