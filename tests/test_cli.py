@@ -1341,3 +1341,28 @@ def test_a_failed_write_mid_run_is_retried_after_the_next_case(tmp_path, monkeyp
     assert "cannot write --output" in captured.err and "No space left on device" in captured.err
     data = json.loads(out.read_text())
     assert data["status"] == "complete" and len(data["cases"]) == 2
+
+
+def test_rollout_max_rows_streams_the_same_samples(tmp_path):
+    """--max-rows 2 (one prompt's 2 samples at a time, the others admitted as rows end): the same
+    samples as every row at once."""
+    records = []
+    for budget in ([], ["--max-rows", "2"]):
+        out = tmp_path / f"samples{len(budget)}.jsonl"
+        proc = run_cli(
+            "rollout",
+            *TINY,
+            *("--device", "cpu", "--prompt-length", "6", "--num-prompts", "3", "-n", "2", "--max-new-tokens", "8"),
+            *("--temperature", "0.9", "--seed", "4", "--threads", "1", "--output", str(out), *budget),
+        )
+        assert proc.returncode == 0, proc.stderr
+        records.append([json.loads(line)["token_ids"] for line in out.read_text().splitlines()])
+    assert records[0] == records[1] and len(records[0]) == 6
+
+
+def test_max_rows_smaller_than_a_prompts_samples_fails_at_parse_time():
+    for command in (["rollout", "-n", "4"], ["bench", "--samples-per-prompt", "2", "4"]):
+        proc = run_cli(*command, "--max-rows", "3")
+        assert proc.returncode == 2
+        assert error_lines(proc)[-1].startswith("torchkvops: error:")
+        assert "--max-rows 3 is smaller than one prompt's 4 samples" in proc.stderr

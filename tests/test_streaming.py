@@ -123,3 +123,37 @@ def test_a_streamed_call_keeps_no_kv_for_extend(llama):
     out = rollout.generate(ids, mask)
     with pytest.raises(ValueError, match=r"streamed its rows \(RolloutConfig.max_rows\), which keeps no KV"):
         rollout.extend(out, [[5]] * 6)
+
+
+def test_generate_streams_groups_of_different_sizes_and_equals_hf(llama):
+    """torchkvops.generate(max_rows=...): runs of 3, 1, 2 and 1 identical prompts (padded to groups of 3
+    with filler rows), 6 rows at a time; greedy tokens equal HF's generate."""
+    import torchkvops
+
+    ids, mask = prompts(3, 9, seed=1, left_pad=[0, 3, 5])
+    order = [0, 0, 0, 1, 2, 2, 0]
+    ids, mask = ids[order], mask[order]
+    kwargs = dict(max_new_tokens=12, do_sample=False, eos_token_id=MANY_EOS, pad_token_id=0)
+    out = torchkvops.generate(llama, ids, attention_mask=mask, max_rows=6, **kwargs)
+    with torch.no_grad():
+        expected = llama.generate(ids, attention_mask=mask, **kwargs)
+    assert torch.equal(out, expected)
+    with pytest.raises(ValueError, match=r"max_rows=2 is smaller than this call's largest group .*\(3 rows"):
+        torchkvops.generate(llama, ids, attention_mask=mask, max_rows=2, **kwargs)
+
+
+def test_patch_generate_serves_a_batch_larger_than_its_budget(llama):
+    import torchkvops
+
+    ids, mask = prompts(4, 6, seed=3, left_pad=[0, 1, 2, 0])
+    ids, mask = ids.repeat_interleave(4, 0), mask.repeat_interleave(4, 0)  # TRL: each prompt 4 times
+    kwargs = dict(max_new_tokens=16, do_sample=True, temperature=1.0, top_k=0, eos_token_id=MANY_EOS, pad_token_id=0)
+    results = []
+    for budget in (None, 8):
+        handle = torchkvops.patch_generate(llama, max_rows=budget)
+        torch.manual_seed(0)  # the call's sampling seed comes from torch's generator
+        results.append(llama.generate(ids, attention_mask=mask, **kwargs))
+        profile = handle.last_profile()
+        handle.undo()
+        assert profile.refills == (2 if budget else 0)
+    assert torch.equal(results[0], results[1])

@@ -149,6 +149,7 @@ class Settings:
     trace_dir: str | None = None
     roofline_gbps: float | None = None  # copy_roofline's, to report each mode's fraction of (CUDA)
     mismatch: bool = False  # also measure each case's rollout-vs-trainer log-probability mismatch (mismatch.py)
+    max_rows: int | None = None  # the rollout modes' RolloutConfig.max_rows (HF generate: every row at once)
 
     @property
     def greedy(self) -> bool:

@@ -40,6 +40,7 @@ def rollout_config(case: Case, mode: str, s: Settings, eos_token_id: list[int], 
         seed=s.seed,
         eos_token_id=eos_token_id,
         compact_finished_rows=not mode.endswith("-nocompact"),
+        max_rows=s.max_rows,
         **options,
     )
 

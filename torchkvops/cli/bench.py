@@ -65,6 +65,7 @@ def cmd_bench(args) -> int:
         iterations=args.iterations,
         trace_dir=args.trace,
         mismatch=args.mismatch,
+        max_rows=args.max_rows,
         roofline_gbps=roofline["copy_roofline_gbps"] if roofline else None,
     )
     traffic = metrics.Traffic.of(model, settings.roofline_gbps)

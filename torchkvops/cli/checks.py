@@ -223,7 +223,16 @@ def model_source(model: str) -> tuple[str, bool]:
     return model, True  # a hub name: only from the local cache
 
 
+def check_max_rows(args, samples: int) -> None:
+    if args.max_rows is not None and args.max_rows < samples:
+        raise CLIError(
+            f"--max-rows {args.max_rows} is smaller than one prompt's {samples} samples (--samples-per-prompt): "
+            "a prompt's samples decode together"
+        )
+
+
 def check_rollout_args(args) -> None:
+    check_max_rows(args, args.samples_per_prompt)
     if args.model:
         model_source(args.model)
     check_output_file(args.output, "--output")
@@ -244,6 +253,7 @@ def check_rollout_args(args) -> None:
 
 
 def check_bench_args(args) -> None:
+    check_max_rows(args, max(args.samples_per_prompt))
     if args.model:
         model_source(args.model)
     check_output_file(args.output, "--output")

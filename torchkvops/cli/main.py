@@ -151,6 +151,13 @@ def _model_args(p: argparse.ArgumentParser) -> None:
         "--device", type=device_name, default=None, help="cpu, cuda or cuda:N (default: cuda when available, else cpu)"
     )
     g.add_argument("--compile", action="store_true", help="torch.compile the rollout's prefill and decode")
+    g.add_argument(
+        "--max-rows",
+        type=int_in(1),
+        default=None,
+        help="the most sample rows decoded at once (RolloutConfig.max_rows): more are streamed, prompts "
+        "admitted as others' rows end; default: every row at once",
+    )
     g.add_argument("--seed", type=int_in(0, MAX_SEED, " (2**63 - 1)"), default=0, help="sampling and prompt seed")
     add_threads_argument(g)
 

@@ -65,6 +65,7 @@ def cmd_rollout(args) -> int:
         top_k=args.top_k,
         top_p=args.top_p,
         seed=args.seed,
+        max_rows=args.max_rows,
     )
     model_config, source = load_config(args)
     n = args.samples_per_prompt
@@ -81,7 +82,7 @@ def cmd_rollout(args) -> int:
             model_config,
             device,
             dtype,
-            most * n,
+            most * n if args.max_rows is None else min(most * n, args.max_rows),
             args.prompt_length + args.max_new_tokens,
             f"--num-prompts {args.num_prompts} x -n {n}" + (f" over {world} processes" if world > 1 else ""),
             "lower --num-prompts, --samples-per-prompt, --prompt-length or --max-new-tokens",

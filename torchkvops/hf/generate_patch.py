@@ -66,6 +66,7 @@ ROLLOUT_OPTIONS = (
     "shared_prefill",
     "enable_profiling",
     "compact_finished_rows",
+    "max_rows",
 )
 PATCH_OPTIONS = (*ROLLOUT_OPTIONS, "reuse_kv")
 _SESSION_ATTRIBUTE = "_torchkvops_generate_session"
@@ -125,8 +126,30 @@ class _Session:
                 self.refusal = Refusal(f"this model ({str(e).removeprefix('torchkvops: ')})", "model")
         return self.refusal
 
-    def rollout(self, model: nn.Module, samples: int, plan: Plan) -> Rollout:
+    def rollout(
+        self, model: nn.Module, samples: int, plan: Plan, max_rows: int | None = None, synced: bool = False
+    ) -> Rollout:
+        """The rollout for `samples` rows per prompt and the plan's settings; `max_rows`: this call's row
+        budget (torchkvops.generate's), else the patch's; `synced`: the call generates in step with the
+        other processes (which rules out a row budget)."""
+        options = dict(self.options)
+        if max_rows is not None:
+            options["max_rows"] = max_rows
+        if synced:
+            options.pop("max_rows", None)
+        if _is_fsdp(model):
+            # A replayed graph would skip FSDP's hooks, which gather the weights each forward; and synced
+            # generation runs as many forwards on every process, which refills (prefills where rows end) do not.
+            options["cuda_graphs"] = False
+            options.pop("max_rows", None)
+        budget = options.get("max_rows")
+        if budget is not None and budget < samples:
+            raise RowBudgetError(
+                f"torchkvops: max_rows={budget} is smaller than this call's largest group of identical prompts "
+                f"({samples} rows with num_return_sequences): a prompt's samples decode together; raise max_rows"
+            )
         key = (
+            tuple(sorted(options.items())),
             samples,
             plan.max_new_tokens,
             plan.min_new_tokens,
@@ -138,9 +161,6 @@ class _Session:
         )
         rollout = self.rollouts.get(key)
         if rollout is None:
-            options = dict(self.options)
-            if _is_fsdp(model):  # a replayed graph would skip FSDP's hooks, which gather the weights each forward
-                options["cuda_graphs"] = False
             config = RolloutConfig(
                 samples_per_prompt=samples,
                 max_new_tokens=plan.max_new_tokens,
@@ -178,12 +198,17 @@ class _Session:
     def keep(self, call: Call, rollout: Rollout, rows: list[int], fingerprint: tuple | None) -> None:
         """Remember this served call (its rollout and the rollout rows that are the call's) for the next."""
         self.last_profile = rollout.get_last_profile()
-        self.kept = None if fingerprint is None else KeptCall(rollout, _reuse_settings(call.plan), rows, fingerprint)
+        kept = fingerprint is not None and rollout._history is not None  # (a streamed call keeps no KV)
+        self.kept = KeptCall(rollout, _reuse_settings(call.plan), rows, fingerprint) if kept else None
 
     def warn_once(self, reason: str, where: str = "torchkvops.generate", stacklevel: int = 4) -> None:
         """The fallback warning for `reason` (a Refusal's), the first time this model meets it. stacklevel:
         counted from this method (scripts/hf_generate_plugin.py wraps it to count the fallbacks)."""
         self.warnings(reason, stacklevel=stacklevel, where=where)
+
+
+class RowBudgetError(ValueError):
+    """max_rows cannot hold one group of a call: the caller's setting, raised rather than served otherwise."""
 
 
 def _is_fsdp(model: nn.Module) -> bool:
@@ -230,6 +255,8 @@ def generate(
     input_ids: Tensor | None = None,
     attention_mask: Tensor | None = None,
     generation_config: GenerationConfig | None = None,
+    *,
+    max_rows: int | None = None,
     **kwargs,
 ):
     """`model.generate(input_ids, attention_mask=..., generation_config=..., **kwargs)` for a decoder-only
@@ -238,18 +265,20 @@ def generate(
     filled with the pad id), or with `return_dict_in_generate=True` a `GenerateDecoderOnlyOutput` whose
     `.sequences` is set and whose `.cache` is None (the rollout's KV buffers are reused by the next call;
     a call that needs HF's cache must go to `model.generate` unpatched). Calls the rollout cannot serve
-    run the model's own generate (see the module docstring)."""
+    run the model's own generate (see the module docstring). `max_rows`: the most rows decoded at once
+    (RolloutConfig.max_rows): a larger batch is streamed, its prompts admitted as others' rows end."""
     _check_generative(model, "torchkvops.generate")
+    RolloutConfig(max_rows=max_rows)  # the same checks and messages
     args = () if input_ids is None else (input_ids,)
     if attention_mask is not None:
         kwargs["attention_mask"] = attention_mask
     if generation_config is not None:
         kwargs["generation_config"] = generation_config
     session = _session(model)
-    return _serve(session, model, args, kwargs, session.fallback(model))
+    return _serve(session, model, args, kwargs, session.fallback(model), max_rows)
 
 
-def _serve(session: _Session, model: nn.Module, args: tuple, kwargs: dict, original):
+def _serve(session: _Session, model: nn.Module, args: tuple, kwargs: dict, original, max_rows: int | None = None):
     """One call with generate's arguments as the caller passed them: served by a rollout, or passed
     unchanged to `original` (the model's own generate) with a warning naming the cause. A PEFT model
     is served from the model its adapters are injected into (`hf.unwrap_model`)."""
@@ -263,9 +292,9 @@ def _serve(session: _Session, model: nn.Module, args: tuple, kwargs: dict, origi
             call = agree(call)  # every process serves this call, or every process falls back
         if isinstance(call, Call):
             try:
-                sequences = _run(session, target, call)
+                sequences = _run(session, target, call, max_rows)
                 session.proven = True
-            except (torch.OutOfMemoryError, NonFiniteLogitsError):
+            except (torch.OutOfMemoryError, NonFiniteLogitsError, RowBudgetError):
                 raise
             except Exception as e:
                 if session.proven or call.synced:  # (the other processes are in the rollout's collectives)
@@ -284,7 +313,7 @@ def _serve(session: _Session, model: nn.Module, args: tuple, kwargs: dict, origi
     return GenerateDecoderOnlyOutput(sequences=sequences) if call.plan.return_dict else sequences
 
 
-def _run(session: _Session, model: nn.Module, call: Call) -> Tensor:
+def _run(session: _Session, model: nn.Module, call: Call, max_rows: int | None = None) -> Tensor:
     """A served call's output: from the kept call's KV when its rows extend that call's
     (`generate_contract.run_extension`), else decoded by the session's rollout for its plan
     (`generate_contract.run`). (scripts/hf_generate_plugin.py wraps `_serve` and this to count the
@@ -299,7 +328,9 @@ def _run(session: _Session, model: nn.Module, call: Call) -> Tensor:
         session.keep(call, kept.rollout, kept.candidates, fingerprint)
         return sequences
     served: list = []
-    sequences = run(call, functools.partial(session.rollout, model, plan=call.plan), served)
+    sequences = run(
+        call, functools.partial(session.rollout, model, plan=call.plan, max_rows=max_rows, synced=call.synced), served
+    )
     session.keep(call, *served[0], fingerprint)
     return sequences
 
