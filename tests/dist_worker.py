@@ -39,6 +39,10 @@ CONFIGS = {
     "prefix": dict(
         samples_per_prompt=2, max_new_tokens=6, eos_token_id=[], temperature=1.0, seed=3, kv_sharing="prefix"
     ),
+    # Each shard streamed within a budget of one prompt's rows (RolloutConfig.max_rows).
+    "budgeted": dict(
+        samples_per_prompt=2, max_new_tokens=16, eos_token_id=[5, 7, 9, 11], temperature=1.0, seed=4, max_rows=2
+    ),
     # Long enough, with enough EOS ids, that each shard's batch is compacted as its rows end (issue #19).
     "compacted": dict(
         samples_per_prompt=4,
