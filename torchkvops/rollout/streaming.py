@@ -5,9 +5,10 @@ in one batch of S x N rows whose KV buffers are sized for those rows only. At ev
 (every FINISHED_CHECK_INTERVAL steps, the host sync decode makes anyway) the groups whose rows have all
 ended leave (their tokens copied out to their places in the output) and waiting prompts take their
 rows: each prompt is prefilled once for its N rows, into a small scratch cache, and placed (copy layout:
-each of its rows gets the prompt's KV in the columns that end at the batch's current write column, the
-decode buffer being a ring; prefix layout: the prompt's KV goes into the freed prompt slot); its rows'
-first tokens are drawn and decode goes on with one batch, one decode shape (one CUDA graph).
+any N rows freed by ended samples, each getting the prompt's KV in the columns that end at the batch's
+current write column, the decode buffer being a ring; prefix layout: a slot of N rows and a prompt KV
+slot, freed when all its rows have ended); its rows' first tokens are drawn and decode goes on with one
+batch, one decode shape (one CUDA graph).
 
 The same tokens as without a budget: a row samples with its global row's key and its own step (the
 sampler takes a step per row), its attention sees its own prompt and tokens only (the columns of other
@@ -99,14 +100,16 @@ def stream(
 
     responses = torch.full((batch * n, new_tokens), rollout.pad_id, dtype=torch.long, device=device)
     logprobs = torch.zeros(batch * n, new_tokens, device=device) if cfg.return_logprobs else None
-    occupant: list[int | None] = [None] * slots  # the prompt each slot decodes
+    # Each batch row's sample (its global row), None while free. Copy layout: a row is freed as soon as
+    # it ends, and a prompt takes any N free rows. Prefix layout: a prompt takes a slot (a prompt KV slot
+    # and its N rows), freed when all its rows have ended (its rows read the prompt KV of their slot).
+    sample_at: list[int | None] = [None] * rows
     waiting = list(range(batch))
     refills = steps = row_steps = 0
 
-    def admit(free: list[int]) -> None:
+    def admit(prompts: list[int], batch_rows: list[int]) -> None:
+        """Prefill `prompts` once each and start their N rows at `batch_rows` (N per prompt, in order)."""
         nonlocal refills, row_steps
-        prompts = [waiting.pop(0) for _ in free[: len(waiting)]]
-        free = free[: len(prompts)]
         refills += 0 if steps == 0 else len(prompts)
         index = torch.tensor(prompts, device=device)
         ids, mask = input_ids[index], prompt_mask[index]
@@ -116,13 +119,13 @@ def stream(
         logits = adapter.last_logits(
             scratch, ids, attn, (mask.cumsum(dim=1) - 1).clamp(min=0), torch.arange(prompt_len, device=device)
         )
-        slot_rows = (torch.tensor(free, device=device)[:, None] * n + torch.arange(n, device=device)).flatten()
+        new_rows = torch.tensor(batch_rows, device=device)
         global_rows = (index[:, None] * n + torch.arange(n, device=device)).flatten()
         of_row = torch.arange(len(prompts), device=device).repeat_interleave(n)
         row_mask = mask.bool()[of_row]  # [rows', P]
-        state.bias[slot_rows] = float("-inf")
+        state.bias[new_rows] = float("-inf")
         if prefix:  # the prompt's KV once, in its slot; the rows' own buffers start empty
-            slot_index = torch.tensor(free, device=device)
+            slot_index = new_rows[::n] // n
             cache.prompt_kv[..., :prompt_len, :].index_copy_(2, slot_index, scratch.prompt_kv)
             bias = torch.full((len(prompts), cache.prompt_kv.shape[4]), float("-inf"), device=device)
             bias[:, :prompt_len].masked_fill_(mask.bool(), 0.0)
@@ -131,40 +134,53 @@ def stream(
             ring = (write - prompt_len + torch.arange(prompt_len, device=device)) % columns
             for layer in range(cache.decode_kv.shape[0]):
                 kv = scratch.prompt_kv[layer][:, of_row]  # [2, rows', heads, P, head_dim]
-                cache.decode_kv[layer][:, slot_rows[:, None], :, ring[None, :]] = kv.permute(1, 3, 0, 2, 4)
-            visible = torch.full((slot_rows.numel(), columns), float("-inf"), device=device)
+                cache.decode_kv[layer][:, new_rows[:, None], :, ring[None, :]] = kv.permute(1, 3, 0, 2, 4)
+            visible = torch.full((new_rows.numel(), columns), float("-inf"), device=device)
             visible[:, ring] = torch.where(row_mask, 0.0, float("-inf"))
-            state.bias[slot_rows, 0, 0] = visible.to(state.bias.dtype)
-        state.position_ids[slot_rows, 0] = row_mask.sum(dim=1)
-        state.finished[slot_rows] = ~live[global_rows]
-        state.keys[slot_rows] = row_keys(seed, row_ids.to(device)[global_rows])
-        state.step[slot_rows] = 0
-        state.nonfinite_step[slot_rows] = -1
-        state.responses[slot_rows] = rollout.pad_id
+            state.bias[new_rows, 0, 0] = visible.to(state.bias.dtype)
+        state.position_ids[new_rows, 0] = row_mask.sum(dim=1)
+        state.finished[new_rows] = ~live[global_rows]
+        state.keys[new_rows] = row_keys(seed, row_ids.to(device)[global_rows])
+        state.step[new_rows] = 0
+        state.nonfinite_step[new_rows] = -1
+        state.responses[new_rows] = rollout.pad_id
         if state.logprobs is not None:
-            state.logprobs[slot_rows] = 0.0
-        decoder.draw_rows(slot_rows, logits[of_row])
-        row_steps += slot_rows.numel()
-        for slot, prompt in zip(free, prompts):
-            occupant[slot] = prompt
+            state.logprobs[new_rows] = 0.0
+        decoder.draw_rows(new_rows, logits[of_row])
+        row_steps += new_rows.numel()
+        for r, g in zip(batch_rows, global_rows.tolist()):
+            sample_at[r] = g
 
-    def retire(flags: Tensor) -> list[int]:
-        """Copy out the groups whose rows have all ended; the slots they free."""
-        free = []
-        for slot, prompt in enumerate(occupant):
-            if prompt is None or not bool(flags[slot * n : (slot + 1) * n].all()):
-                if prompt is None:
-                    free.append(slot)
-                continue
-            mine = slice(slot * n, (slot + 1) * n)
-            responses[prompt * n : (prompt + 1) * n] = state.responses[mine, :new_tokens]
-            if logprobs is not None:
-                logprobs[prompt * n : (prompt + 1) * n] = state.logprobs[mine, :new_tokens]
-            occupant[slot] = None
-            free.append(slot)
-        return free
+    def copy_out(batch_rows: list[int]) -> None:
+        """The tokens of these (ended) rows to their samples' places in the output; the rows are free."""
+        if not batch_rows:
+            return
+        src = torch.tensor(batch_rows, device=device)
+        dst = torch.tensor([sample_at[r] for r in batch_rows], device=device)
+        responses[dst] = state.responses[src, :new_tokens]
+        if logprobs is not None:
+            logprobs[dst] = state.logprobs[src, :new_tokens]
+        for r in batch_rows:
+            sample_at[r] = None
 
-    admit(list(range(slots)))
+    def refill(ended: list[bool]) -> None:
+        """Free what has ended (copy layout: rows; prefix layout: slots whose rows have all ended), then
+        give waiting prompts the free rows."""
+        if prefix:
+            done = [s for s in range(slots) if sample_at[s * n] is not None and all(ended[s * n : (s + 1) * n])]
+            copy_out([s * n + j for s in done for j in range(n)])
+            free_slots = [s for s in range(slots) if sample_at[s * n] is None]
+            prompts = [waiting.pop(0) for _ in free_slots[: len(waiting)]]
+            batch_rows = [s * n + j for s in free_slots[: len(prompts)] for j in range(n)]
+        else:
+            copy_out([r for r in range(rows) if sample_at[r] is not None and ended[r]])
+            free = [r for r in range(rows) if sample_at[r] is None]
+            prompts = [waiting.pop(0) for _ in range(min(len(waiting), len(free) // n))]
+            batch_rows = free[: len(prompts) * n]
+        if prompts:
+            admit(prompts, batch_rows)
+
+    refill([True] * rows)
     while True:
         with decoder.decoding():  # (a prefill runs the model's own attention: admissions happen outside)
             for _ in range(FINISHED_CHECK_INTERVAL):
@@ -175,10 +191,8 @@ def stream(
         # Host sync: the all-ended check, as without a budget; retiring and refilling add no other.
         flags = torch.stack([state.finished.long(), state.nonfinite_step]).cpu()
         _raise_on_nonfinite(flags[1])
-        free = retire(flags[0].bool())
-        if waiting and free:
-            admit(free)
-        elif not waiting and len(free) == slots:
+        refill(flags[0].bool().tolist())
+        if not waiting and all(s is None for s in sample_at):
             break
     lengths_out = _response_lengths(responses, live, rollout._eos, new_tokens)
     width = unbudgeted_width(lengths_out, new_tokens, rollout._eos is not None)
