@@ -83,7 +83,9 @@ def test_kv_buffers_follow_the_budget(llama):
     shape = rollout.cache.shape
     per_position = shape.layers * 2 * shape.kv_heads * shape.head_dim * 4  # float32
     positions = 64  # P + R - 1 = 31, rounded up to 64
-    assert streamed.kv_cache_bytes == per_position * (8 * positions + 2 * 16)  # 8 rows; 2 prompts of 16
+    # 8 rows; the scratch cache of 2 prompts of 16; at most one prompt of 16 whose samples wait for rows
+    assert per_position * (8 * positions + 2 * 16) <= streamed.kv_cache_bytes
+    assert streamed.kv_cache_bytes <= per_position * (8 * positions + 3 * 16)
     assert streamed.kv_cache_bytes < 0.3 * full.kv_cache_bytes
     assert streamed.refills == 8 - 2
 

@@ -131,6 +131,15 @@ class RolloutKVCache(Cache):
         _gather_rows(self.decode_kv, rows, suffix)
         self.prompt_kv, self.decode_kv = prefix, suffix
 
+    def compact_in_place(self, rows: Tensor) -> None:
+        """Copy layout: decode goes on with rows `rows` only, gathered in place into smaller views carved
+        from the start of the same allocation (see compact()'s in-place case); the rows left behind are
+        not kept (a streaming batch's, which has copied them out)."""
+        assert self.layout == "copy" and not self.compacted
+        (kv,) = self._views([self.shape.buffer_shape(rows.numel(), self.decode_kv.shape[4])])
+        _gather_rows(self.decode_kv, rows, kv)
+        self.home_prompt_kv = self.home_decode_kv = self.prompt_kv = self.decode_kv = kv
+
     def finish_decode(self, original: Tensor | None) -> None:
         """After decode: the rows of a compacted batch (`original`: each one's home row) back home, and the
         home views current again, so that every row's KV is where `Rollout.extend` looks for it."""

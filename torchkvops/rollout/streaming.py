@@ -23,6 +23,7 @@ import dataclasses
 import torch
 from torch import Tensor
 
+from . import compaction
 from .decode import FINISHED_CHECK_INTERVAL, DecodeShape, _raise_on_nonfinite
 from .kv_cache import RolloutKVCache
 from .sampling import row_keys
@@ -37,7 +38,7 @@ class Streamed:
     steps: int  # decode steps run
     row_steps: int  # rows sampled, summed over the steps (the batch's rows at every step)
     refills: int  # prompts admitted after the start
-    kv_bytes: int  # the batch's KV buffers and the scratch cache prompts are prefilled into
+    kv_bytes: int  # the batch's KV buffers, the scratch cache prompts are prefilled into, pending prompts' KV
 
 
 def unbudgeted_width(lengths: list[int], max_new_tokens: int, has_eos: bool) -> int:
@@ -74,6 +75,7 @@ def stream(
     else:
         cache.prepare_copy(rows, lengths[0])
     columns = cache.decode_kv.shape[4]
+    batch_bytes = cache.used_bytes  # (the tail's in-place compaction makes the views smaller)
     live = torch.ones(batch * n, dtype=torch.bool, device=device) if live is None else live.to(device, torch.bool)
     padded = (prompt_mask == 0).any(dim=1).tolist()  # host: which prompts need a padding mask
     state = decoder.state_for(
@@ -107,10 +109,8 @@ def stream(
     waiting = list(range(batch))
     refills = steps = row_steps = 0
 
-    def admit(prompts: list[int], batch_rows: list[int]) -> None:
-        """Prefill `prompts` once each and start their N rows at `batch_rows` (N per prompt, in order)."""
-        nonlocal refills, row_steps
-        refills += 0 if steps == 0 else len(prompts)
+    def prefill(prompts: list[int]) -> tuple[Tensor, Tensor, Tensor]:
+        """Each prompt's KV once ([layers, 2, k, kv_heads, P, head_dim], a copy) and first logits [k, vocab]."""
         index = torch.tensor(prompts, device=device)
         ids, mask = input_ids[index], prompt_mask[index]
         scratch.prepare_copy(len(prompts), prompt_len)
@@ -119,22 +119,27 @@ def stream(
         logits = adapter.last_logits(
             scratch, ids, attn, (mask.cumsum(dim=1) - 1).clamp(min=0), torch.arange(prompt_len, device=device)
         )
+        return scratch.prompt_kv, logits, mask  # (the next prefill overwrites the scratch cache)
+
+    def start(kv: Tensor, logits: Tensor, mask: Tensor, of_row: Tensor, samples: list[int], batch_rows: list[int]):
+        """Start samples `samples` (global rows) at `batch_rows`: row i of them is a sample of prefilled prompt
+        of_row[i] (an index into kv, logits and mask)."""
+        nonlocal row_steps
         new_rows = torch.tensor(batch_rows, device=device)
-        global_rows = (index[:, None] * n + torch.arange(n, device=device)).flatten()
-        of_row = torch.arange(len(prompts), device=device).repeat_interleave(n)
+        global_rows = torch.tensor(samples, device=device)
         row_mask = mask.bool()[of_row]  # [rows', P]
         state.bias[new_rows] = float("-inf")
         if prefix:  # the prompt's KV once, in its slot; the rows' own buffers start empty
             slot_index = new_rows[::n] // n
-            cache.prompt_kv[..., :prompt_len, :].index_copy_(2, slot_index, scratch.prompt_kv)
-            bias = torch.full((len(prompts), cache.prompt_kv.shape[4]), float("-inf"), device=device)
+            cache.prompt_kv[..., :prompt_len, :].index_copy_(2, slot_index, kv)
+            bias = torch.full((slot_index.numel(), cache.prompt_kv.shape[4]), float("-inf"), device=device)
             bias[:, :prompt_len].masked_fill_(mask.bool(), 0.0)
             state.prompt_bias[slot_index, 0, 0] = bias.to(state.prompt_bias.dtype)
         else:  # each row's copy of its prompt, in the columns that end where the next step writes
             ring = (write - prompt_len + torch.arange(prompt_len, device=device)) % columns
             for layer in range(cache.decode_kv.shape[0]):
-                kv = scratch.prompt_kv[layer][:, of_row]  # [2, rows', heads, P, head_dim]
-                cache.decode_kv[layer][:, new_rows[:, None], :, ring[None, :]] = kv.permute(1, 3, 0, 2, 4)
+                rows_kv = kv[layer][:, of_row]  # [2, rows', heads, P, head_dim]
+                cache.decode_kv[layer][:, new_rows[:, None], :, ring[None, :]] = rows_kv.permute(1, 3, 0, 2, 4)
             visible = torch.full((new_rows.numel(), columns), float("-inf"), device=device)
             visible[:, ring] = torch.where(row_mask, 0.0, float("-inf"))
             state.bias[new_rows, 0, 0] = visible.to(state.bias.dtype)
@@ -148,8 +153,13 @@ def stream(
             state.logprobs[new_rows] = 0.0
         decoder.draw_rows(new_rows, logits[of_row])
         row_steps += new_rows.numel()
-        for r, g in zip(batch_rows, global_rows.tolist()):
+        for r, g in zip(batch_rows, samples):
             sample_at[r] = g
+
+    # Copy layout: prompts prefilled whose samples have not all started (rows free up one by one): their
+    # KV, first logits and mask, and the samples still to start.
+    pending: list[tuple[Tensor, Tensor, Tensor, list[int]]] = []
+    peak_pending = [0]  # bytes of the pending prompts' KV, at most
 
     def copy_out(batch_rows: list[int]) -> None:
         """The tokens of these (ended) rows to their samples' places in the output; the rows are free."""
@@ -165,20 +175,67 @@ def stream(
 
     def refill(ended: list[bool]) -> None:
         """Free what has ended (copy layout: rows; prefix layout: slots whose rows have all ended), then
-        give waiting prompts the free rows."""
+        give the free rows to waiting samples: copy layout, any free row to the next sample of a prompt
+        prefilled already, else of the next waiting prompt (prefilled once, its other samples started as
+        rows free up); prefix layout, a free slot to the next waiting prompt's N samples."""
+        nonlocal refills
+        admitted_late = steps > 0
         if prefix:
             done = [s for s in range(slots) if sample_at[s * n] is not None and all(ended[s * n : (s + 1) * n])]
             copy_out([s * n + j for s in done for j in range(n)])
             free_slots = [s for s in range(slots) if sample_at[s * n] is None]
             prompts = [waiting.pop(0) for _ in free_slots[: len(waiting)]]
-            batch_rows = [s * n + j for s in free_slots[: len(prompts)] for j in range(n)]
-        else:
-            copy_out([r for r in range(rows) if sample_at[r] is not None and ended[r]])
-            free = [r for r in range(rows) if sample_at[r] is None]
-            prompts = [waiting.pop(0) for _ in range(min(len(waiting), len(free) // n))]
-            batch_rows = free[: len(prompts) * n]
+            if prompts:
+                refills += len(prompts) if admitted_late else 0
+                kv, logits, mask = prefill(prompts)
+                of_row = torch.arange(len(prompts), device=device).repeat_interleave(n)
+                samples = [p * n + j for p in prompts for j in range(n)]
+                start(
+                    kv, logits, mask, of_row, samples, [s * n + j for s in free_slots[: len(prompts)] for j in range(n)]
+                )
+            return
+        copy_out([r for r, s in enumerate(sample_at) if s is not None and ended[r]])
+        free = [r for r, s in enumerate(sample_at) if s is None]
+        unstarted = sum(len(rest) for *_, rest in pending)
+        prompts = [waiting.pop(0) for _ in range(min(len(waiting), -(-max(0, len(free) - unstarted) // n)))]
         if prompts:
-            admit(prompts, batch_rows)
+            refills += len(prompts) if admitted_late else 0
+            kv, logits, mask = prefill(prompts)
+            for i, prompt in enumerate(prompts):
+                pending.append(
+                    (kv[:, :, i : i + 1], logits[i : i + 1], mask[i : i + 1], [prompt * n + j for j in range(n)])
+                )
+        while free and pending:
+            kv, logits, mask, rest = pending[0]
+            take = rest[: len(free)]
+            start(kv, logits, mask, torch.zeros(len(take), dtype=torch.long, device=device), take, free[: len(take)])
+            free, rest[:] = free[len(take) :], rest[len(take) :]
+            if not rest:
+                pending.pop(0)
+        # What still waits for rows keeps its prompt's KV apart from the scratch cache.
+        scratch_storage = scratch.prompt_kv.untyped_storage().data_ptr() if scratch.prompt_kv is not None else None
+        for i, (kv, logits, mask, rest) in enumerate(pending):
+            if kv.untyped_storage().data_ptr() == scratch_storage:
+                pending[i] = (kv.clone(), logits, mask, rest)
+        held = sum(kv.numel() * kv.element_size() for kv, *_ in pending)
+        peak_pending[0] = max(peak_pending[0], held)
+
+    def compact_tail() -> None:
+        """Copy layout, once no prompt waits: the rows still decoding gathered into a smaller batch, as
+        compaction gathers them (its sizes and rule), so that the last prompts' ended rows stop costing."""
+        nonlocal state
+        occupied = [r for r, s in enumerate(sample_at) if s is not None]
+        size = max(compaction.bucket(len(occupied)), min(2, len(sample_at)))
+        if size >= len(sample_at) or size > compaction.COMPACT_FRACTION * len(sample_at):
+            return
+        keep = occupied + [r for r, s in enumerate(sample_at) if s is None][: size - len(occupied)]
+        keep_rows = torch.tensor(keep, device=device)
+        smaller = decoder.state_for(dataclasses.replace(state.shape, rows=size))
+        state.gather_into(smaller, keep_rows, None)
+        cache.compact_in_place(keep_rows)  # (nothing is kept for extend after a streamed call)
+        sample_at[:] = [sample_at[r] for r in keep]
+        state = smaller
+        decoder.bind(state)
 
     refill([True] * rows)
     while True:
@@ -186,17 +243,19 @@ def stream(
             for _ in range(FINISHED_CHECK_INTERVAL):
                 decoder.runner()
             steps += FINISHED_CHECK_INTERVAL
-            row_steps += rows * FINISHED_CHECK_INTERVAL
+            row_steps += state.rows * FINISHED_CHECK_INTERVAL
             write = (write + FINISHED_CHECK_INTERVAL) % columns
         # Host sync: the all-ended check, as without a budget; retiring and refilling add no other.
         flags = torch.stack([state.finished.long(), state.nonfinite_step]).cpu()
         _raise_on_nonfinite(flags[1])
         refill(flags[0].bool().tolist())
-        if not waiting and all(s is None for s in sample_at):
+        if not waiting and not pending and all(s is None for s in sample_at):
             break
+        if not prefix and not waiting and not pending and cfg.compact_finished_rows:
+            compact_tail()
     lengths_out = _response_lengths(responses, live, rollout._eos, new_tokens)
     width = unbudgeted_width(lengths_out, new_tokens, rollout._eos is not None)
-    kv_bytes = cache.used_bytes + scratch.allocated_bytes
+    kv_bytes = batch_bytes + scratch.allocated_bytes + peak_pending[0]
     return Streamed(
         responses[:, :width], None if logprobs is None else logprobs[:, :width], steps, row_steps, refills, kv_bytes
     )
