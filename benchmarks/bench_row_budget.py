@@ -38,6 +38,7 @@ def main() -> None:
     p.add_argument("--prompt-length", type=int, default=128)
     p.add_argument("--response-length", type=int, default=256, help="R, the most tokens per row")
     p.add_argument("--max-rows", type=int, default=16)
+    p.add_argument("--kv-sharing", choices=["copy", "prefix"], default="copy", help="the rollout's KV layout")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
@@ -59,6 +60,7 @@ def main() -> None:
         eos_token_id=[eos],
         pad_token_id=0,
         enable_profiling=True,
+        kv_sharing=args.kv_sharing,
     )
     unbudgeted = Rollout(model, RolloutConfig(**config))
     budgeted = Rollout(model, RolloutConfig(max_rows=args.max_rows, **config))
