@@ -131,14 +131,21 @@ class RolloutKVCache(Cache):
         _gather_rows(self.decode_kv, rows, suffix)
         self.prompt_kv, self.decode_kv = prefix, suffix
 
-    def compact_in_place(self, rows: Tensor) -> None:
-        """Copy layout: decode goes on with rows `rows` only, gathered in place into smaller views carved
-        from the start of the same allocation (see compact()'s in-place case); the rows left behind are
-        not kept (a streaming batch's, which has copied them out)."""
-        assert self.layout == "copy" and not self.compacted
-        (kv,) = self._views([self.shape.buffer_shape(rows.numel(), self.decode_kv.shape[4])])
-        _gather_rows(self.decode_kv, rows, kv)
-        self.home_prompt_kv = self.home_decode_kv = self.prompt_kv = self.decode_kv = kv
+    def compact_in_place(self, rows: Tensor, prompts: Tensor | None = None) -> None:
+        """Decode goes on with rows `rows` only (and in the prefix layout the prompts `prompts`), gathered
+        in place into smaller views carved from the start of the same allocation (see compact()'s in-place
+        case); what is left behind is not kept (a streaming batch's rows, copied out already)."""
+        assert not self.compacted
+        decode_shape = self.shape.buffer_shape(rows.numel(), self.decode_kv.shape[4])
+        if self.layout == "copy":
+            (kv,) = self._views([decode_shape])
+            _gather_rows(self.decode_kv, rows, kv)
+            self.home_prompt_kv = self.home_decode_kv = self.prompt_kv = self.decode_kv = kv
+            return
+        prefix, suffix = self._views([self.shape.buffer_shape(prompts.numel(), self.prompt_kv.shape[4]), decode_shape])
+        _gather_rows(self.prompt_kv, prompts, prefix)
+        _gather_rows(self.decode_kv, rows, suffix)
+        self.home_prompt_kv, self.home_decode_kv = self.prompt_kv, self.decode_kv = prefix, suffix
 
     def finish_decode(self, original: Tensor | None) -> None:
         """After decode: the rows of a compacted batch (`original`: each one's home row) back home, and the

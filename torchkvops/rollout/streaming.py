@@ -1,14 +1,16 @@
 """Rollouts larger than the row budget (`RolloutConfig.max_rows`): a fixed batch of rows, refilled.
 
-When B x N sample rows exceed max_rows, the rollout decodes S = max_rows // N prompt groups at a time,
-in one batch of S x N rows whose KV buffers are sized for those rows only. At every all-ended check
-(every FINISHED_CHECK_INTERVAL steps, the host sync decode makes anyway) the groups whose rows have all
-ended leave (their tokens copied out to their places in the output) and waiting prompts take their
-rows: each prompt is prefilled once for its N rows, into a small scratch cache, and placed (copy layout:
-any N rows freed by ended samples, each getting the prompt's KV in the columns that end at the batch's
-current write column, the decode buffer being a ring; prefix layout: a slot of N rows and a prompt KV
-slot, freed when all its rows have ended); its rows' first tokens are drawn and decode goes on with one
-batch, one decode shape (one CUDA graph).
+When B x N sample rows exceed max_rows, the rollout decodes in one batch of max_rows rows (rounded down
+to whole prompts' samples) whose KV buffers are sized for those rows only. At every all-ended check
+(every FINISHED_CHECK_INTERVAL steps, the host sync decode makes anyway) the rows whose samples have
+ended are copied out to their places in the output, and waiting samples take them: a prompt is
+prefilled once for its N samples, into a small scratch cache, and its samples start as rows free up, in
+any free rows (copy layout: each row gets the prompt's KV in the columns that end at the batch's current
+write column, the decode buffer being a ring, and the KV of a prompt whose samples still wait for rows is
+kept apart; prefix layout: the prompt's KV goes into a free prompt slot, held until all its samples have
+ended, and its samples' rows read it through the compacted prefix layout's query slots). Decode goes on
+with one batch, one decode shape (one CUDA graph). Once no prompt waits, the rows still decoding are
+compacted in place as compaction compacts them.
 
 The same tokens as without a budget: a row samples with its global row's key and its own step (the
 sampler takes a step per row), its attention sees its own prompt and tokens only (the columns of other
@@ -70,8 +72,11 @@ def stream(
     prefix = cfg.kv_sharing == "prefix"
     slots = min(cfg.max_rows // n, batch)
     rows = slots * n
+    # Prefix layout: prompt KV slots, each held until all of its prompt's samples have ended (twice the
+    # prompts the rows hold at once, so that prompts whose last samples linger do not keep rows idle).
+    prompt_slots = min(batch, 2 * slots)
     if prefix:
-        cache.prepare_prefix(slots, lengths[0], rows, lengths[1])
+        cache.prepare_prefix(prompt_slots, lengths[0], rows, lengths[1])
     else:
         cache.prepare_copy(rows, lengths[0])
     columns = cache.decode_kv.shape[4]
@@ -84,9 +89,10 @@ def stream(
             columns,
             new_tokens,
             adapter.dtype,
-            slots if prefix else 0,
+            prompt_slots if prefix else 0,
             cache.prompt_kv.shape[4] if prefix else 0,
             cfg.return_logprobs,
+            n if prefix else 0,  # prefix: each prompt slot's N query slots, its samples' rows anywhere
         )
     )
     for t in state.tensors():  # empty rows: ended, seeing nothing
@@ -121,6 +127,23 @@ def stream(
         )
         return scratch.prompt_kv, logits, mask  # (the next prefill overwrites the scratch cache)
 
+    # Prefix layout: the prompt in each prompt slot, and how many of its samples have not ended yet.
+    slot_prompt: list[int | None] = [None] * prompt_slots
+    slot_left = [0] * prompt_slots
+    slot_of_row = [0] * rows  # (host) each row's prompt slot
+
+    def place_prompts(prompts: list[int], kv: Tensor, mask: Tensor) -> list[int]:
+        """Prefix layout: each prompt's KV into a free prompt slot; the slots."""
+        free = [g for g in range(prompt_slots) if slot_prompt[g] is None][: len(prompts)]
+        index = torch.tensor(free, device=device)
+        cache.prompt_kv[..., :prompt_len, :].index_copy_(2, index, kv)
+        bias = torch.full((len(prompts), cache.prompt_kv.shape[4]), float("-inf"), device=device)
+        bias[:, :prompt_len].masked_fill_(mask.bool(), 0.0)
+        state.prompt_bias[index, 0, 0] = bias.to(state.prompt_bias.dtype)
+        for g, prompt in zip(free, prompts):
+            slot_prompt[g], slot_left[g] = prompt, n
+        return free
+
     def start(kv: Tensor, logits: Tensor, mask: Tensor, of_row: Tensor, samples: list[int], batch_rows: list[int]):
         """Start samples `samples` (global rows) at `batch_rows`: row i of them is a sample of prefilled prompt
         of_row[i] (an index into kv, logits and mask)."""
@@ -129,12 +152,13 @@ def stream(
         global_rows = torch.tensor(samples, device=device)
         row_mask = mask.bool()[of_row]  # [rows', P]
         state.bias[new_rows] = float("-inf")
-        if prefix:  # the prompt's KV once, in its slot; the rows' own buffers start empty
-            slot_index = new_rows[::n] // n
-            cache.prompt_kv[..., :prompt_len, :].index_copy_(2, slot_index, kv)
-            bias = torch.full((slot_index.numel(), cache.prompt_kv.shape[4]), float("-inf"), device=device)
-            bias[:, :prompt_len].masked_fill_(mask.bool(), 0.0)
-            state.prompt_bias[slot_index, 0, 0] = bias.to(state.prompt_bias.dtype)
+        if prefix:  # the rows' own buffers start empty; their prompt's KV is in its slot (`kv`: the slot)
+            sample = global_rows % n
+            state.slot_rows[kv * n + sample] = new_rows
+            state.row_prompt[new_rows] = kv
+            state.row_sample[new_rows] = sample
+            for r in batch_rows:
+                slot_of_row[r] = kv
         else:  # each row's copy of its prompt, in the columns that end where the next step writes
             ring = (write - prompt_len + torch.arange(prompt_len, device=device)) % columns
             for layer in range(cache.decode_kv.shape[0]):
@@ -174,37 +198,31 @@ def stream(
             sample_at[r] = None
 
     def refill(ended: list[bool]) -> None:
-        """Free what has ended (copy layout: rows; prefix layout: slots whose rows have all ended), then
-        give the free rows to waiting samples: copy layout, any free row to the next sample of a prompt
-        prefilled already, else of the next waiting prompt (prefilled once, its other samples started as
-        rows free up); prefix layout, a free slot to the next waiting prompt's N samples."""
+        """Free the rows whose samples have ended (copied out), then give them to waiting samples: the
+        next sample of a prompt prefilled already, else of the next waiting prompt, prefilled once (its
+        other samples start as rows free up; prefix layout: while a prompt KV slot is free)."""
         nonlocal refills
-        admitted_late = steps > 0
+        done = [r for r, s in enumerate(sample_at) if s is not None and ended[r]]
         if prefix:
-            done = [s for s in range(slots) if sample_at[s * n] is not None and all(ended[s * n : (s + 1) * n])]
-            copy_out([s * n + j for s in done for j in range(n)])
-            free_slots = [s for s in range(slots) if sample_at[s * n] is None]
-            prompts = [waiting.pop(0) for _ in free_slots[: len(waiting)]]
-            if prompts:
-                refills += len(prompts) if admitted_late else 0
-                kv, logits, mask = prefill(prompts)
-                of_row = torch.arange(len(prompts), device=device).repeat_interleave(n)
-                samples = [p * n + j for p in prompts for j in range(n)]
-                start(
-                    kv, logits, mask, of_row, samples, [s * n + j for s in free_slots[: len(prompts)] for j in range(n)]
-                )
-            return
-        copy_out([r for r, s in enumerate(sample_at) if s is not None and ended[r]])
+            for r in done:
+                g = slot_of_row[r]
+                slot_left[g] -= 1
+                if slot_left[g] == 0:
+                    slot_prompt[g] = None
+        copy_out(done)
         free = [r for r, s in enumerate(sample_at) if s is None]
         unstarted = sum(len(rest) for *_, rest in pending)
-        prompts = [waiting.pop(0) for _ in range(min(len(waiting), -(-max(0, len(free) - unstarted) // n)))]
+        wanted = -(-max(0, len(free) - unstarted) // n)
+        if prefix:
+            wanted = min(wanted, sum(1 for g in slot_prompt if g is None))
+        prompts = [waiting.pop(0) for _ in range(min(len(waiting), wanted))]
         if prompts:
-            refills += len(prompts) if admitted_late else 0
+            refills += len(prompts) if steps > 0 else 0
             kv, logits, mask = prefill(prompts)
+            where = place_prompts(prompts, kv, mask) if prefix else None
             for i, prompt in enumerate(prompts):
-                pending.append(
-                    (kv[:, :, i : i + 1], logits[i : i + 1], mask[i : i + 1], [prompt * n + j for j in range(n)])
-                )
+                home = where[i] if prefix else kv[:, :, i : i + 1]
+                pending.append((home, logits[i : i + 1], mask[i : i + 1], [prompt * n + j for j in range(n)]))
         while free and pending:
             kv, logits, mask, rest = pending[0]
             take = rest[: len(free)]
@@ -212,6 +230,8 @@ def stream(
             free, rest[:] = free[len(take) :], rest[len(take) :]
             if not rest:
                 pending.pop(0)
+        if prefix:
+            return
         # What still waits for rows keeps its prompt's KV apart from the scratch cache.
         scratch_storage = scratch.prompt_kv.untyped_storage().data_ptr() if scratch.prompt_kv is not None else None
         for i, (kv, logits, mask, rest) in enumerate(pending):
@@ -221,19 +241,32 @@ def stream(
         peak_pending[0] = max(peak_pending[0], held)
 
     def compact_tail() -> None:
-        """Copy layout, once no prompt waits: the rows still decoding gathered into a smaller batch, as
-        compaction gathers them (its sizes and rule), so that the last prompts' ended rows stop costing."""
+        """Once no prompt waits: the rows still decoding gathered into a smaller batch, as compaction
+        gathers them (its plan, sizes and rule; the prefix layout keeps the prompt slots that still have
+        a sample, with their query slots), so that the last prompts' ended rows stop costing."""
         nonlocal state
-        occupied = [r for r, s in enumerate(sample_at) if s is not None]
-        size = max(compaction.bucket(len(occupied)), min(2, len(sample_at)))
-        if size >= len(sample_at) or size > compaction.COMPACT_FRACTION * len(sample_at):
+        batch_map = compaction.BatchMap(len(sample_at))
+        if prefix:
+            batch_map.group, batch_map.groups = torch.tensor(slot_of_row), len(slot_prompt)
+        plan = compaction.plan(torch.tensor([s is None for s in sample_at]), batch_map)
+        if plan is None:
             return
-        keep = occupied + [r for r, s in enumerate(sample_at) if s is None][: size - len(occupied)]
-        keep_rows = torch.tensor(keep, device=device)
-        smaller = decoder.state_for(dataclasses.replace(state.shape, rows=size))
-        state.gather_into(smaller, keep_rows, None)
-        cache.compact_in_place(keep_rows)  # (nothing is kept for extend after a streamed call)
-        sample_at[:] = [sample_at[r] for r in keep]
+        keep = plan.rows.to(device)
+        groups = None if plan.groups is None else plan.groups.to(device)
+        smaller = decoder.state_for(
+            dataclasses.replace(state.shape, rows=plan.size, prompts=plan.prompts, slots=plan.slots)
+        )
+        state.gather_into(smaller, keep, groups)
+        if prefix:
+            smaller.slot_rows.copy_(plan.slot_rows)
+            smaller.row_prompt.copy_(plan.row_slot // plan.slots)
+            smaller.row_sample.copy_(plan.row_slot % plan.slots)
+            kept_slots = plan.groups.tolist()
+            slot_prompt[:] = [slot_prompt[g] for g in kept_slots]
+            slot_left[:] = [slot_left[g] for g in kept_slots]
+            slot_of_row[:] = plan.row_group.tolist()
+        cache.compact_in_place(keep, groups)  # (nothing is kept for extend after a streamed call)
+        sample_at[:] = [sample_at[r] for r in plan.rows.tolist()]
         state = smaller
         decoder.bind(state)
 
@@ -251,7 +284,7 @@ def stream(
         refill(flags[0].bool().tolist())
         if not waiting and not pending and all(s is None for s in sample_at):
             break
-        if not prefix and not waiting and not pending and cfg.compact_finished_rows:
+        if not waiting and not pending and cfg.compact_finished_rows:
             compact_tail()
     lengths_out = _response_lengths(responses, live, rollout._eos, new_tokens)
     width = unbudgeted_width(lengths_out, new_tokens, rollout._eos is not None)
