@@ -7,6 +7,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 import pytest  # noqa: E402
+import torch  # noqa: E402
 from models import FAMILIES  # noqa: E402
 
 
@@ -19,3 +20,14 @@ def family_models():
 @pytest.fixture(scope="module")
 def llama(family_models):
     return family_models["llama"]
+
+
+@pytest.fixture
+def one_thread():
+    """A GRPO step on a tiny model is hundreds of small ops; two OpenMP threads on a busy 2-core
+    machine stall each of them by milliseconds (the example scripts' --threads default to 1 for the same
+    reason). Used by the TRL tests (`pytestmark = pytest.mark.usefixtures("one_thread")`)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -27,14 +27,8 @@ EXAMPLE = ROOT / "examples" / "grpo_trl.py"
 PROMPTS, NUM_GENERATIONS, MAX_NEW = 2, 4, 8
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """A GRPO step on a tiny model is hundreds of small ops; two OpenMP threads on a busy 2-core
-    machine stall each of them by milliseconds (the script's --threads defaults to 1 for the same reason)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# (conftest.one_thread: one OpenMP thread for the GRPO steps' hundreds of small ops)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def load_example():

@@ -38,14 +38,8 @@ ANSWER_TEXT = "\n<|im_start|>user\n<tool_response>\n12\n</tool_response><|im_end
 MULTIPLY_CALL = {"type": "function", "function": {"name": "multiply", "arguments": {"a": 3, "b": 4}}}
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """A GRPO step on a tiny model is hundreds of small ops; two OpenMP threads on a busy 2-core
-    machine stall each of them by milliseconds (the script's --threads defaults to 1 for the same reason)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# (conftest.one_thread: one OpenMP thread for the GRPO steps' hundreds of small ops)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-import time
 
 import torch
 from torch import Tensor, nn
-from torch.nn.utils.rnn import pad_sequence
 
 from ..rollout import Rollout, RolloutConfig
+from ..rollout.turns import left_pad
+from .metrics import Clock
 
 __all__ = ["TurnsCase", "MODES", "measure", "format_table", "NOTES"]
 
@@ -56,28 +56,20 @@ class TurnsCase:
         return self.prompts * self.samples
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 class _ForwardTimes:
-    """Wall time of each forward of a model (a pre- and post-hook), for HF generate's prefill/decode split."""
+    """Each forward of a model timed by the harness's Clock (pre- and post-hooks), for HF generate's
+    prefill/decode split; read `times()` after the call."""
 
-    def __init__(self, model: nn.Module, device: torch.device):
-        self.device, self.times, self._start = device, [], 0.0
+    def __init__(self, model: nn.Module, clock: Clock):
+        self.clock, self.marks = clock, []
         self._hooks = [
-            model.register_forward_pre_hook(lambda *_: self._begin()),
-            model.register_forward_hook(lambda *_: self._end()),
+            model.register_forward_pre_hook(lambda *_: self.marks.append(clock.mark())),
+            model.register_forward_hook(lambda *_: self.marks.append(clock.mark())),
         ]
 
-    def _begin(self) -> None:
-        _sync(self.device)
-        self._start = time.perf_counter()
-
-    def _end(self) -> None:
-        _sync(self.device)
-        self.times.append((time.perf_counter() - self._start) * 1e3)
+    def times(self) -> list[float]:
+        self.clock.wait()
+        return [self.clock.ms(a, b) for a, b in zip(self.marks[::2], self.marks[1::2])]
 
     def remove(self) -> None:
         for h in self._hooks:
@@ -94,9 +86,8 @@ def appended_tokens(case: TurnsCase, vocab: int, seed: int) -> list[list[Tensor]
 
 
 def _left_pad(rows: list[Tensor], pad_id: int) -> tuple[Tensor, Tensor]:
-    ids = pad_sequence([r.flip(0) for r in rows], batch_first=True, padding_value=-1).flip(1)
-    mask = (ids >= 0).long()
-    return ids.clamp(min=0).masked_fill(mask == 0, pad_id), mask
+    ids, real = left_pad(rows, pad_id)
+    return ids, real.long()
 
 
 def _config(case: TurnsCase, samples: int, temperature: float, seed: int) -> RolloutConfig:
@@ -123,11 +114,13 @@ def _profile_record(rollout: Rollout, total_ms: float) -> dict:
 
 
 def _timed(device: torch.device, fn):
-    _sync(device)
-    start = time.perf_counter()
+    """(fn(), its wall time in ms by the harness's Clock)."""
+    clock = Clock(device)
+    start = clock.mark()
     out = fn()
-    _sync(device)
-    return out, (time.perf_counter() - start) * 1e3
+    end = clock.mark()
+    clock.wait()
+    return out, clock.ms(start, end)
 
 
 def run_reuse(model, case: TurnsCase, prompts: Tensor, appended, temperature: float, seed: int) -> list[dict]:
@@ -170,13 +163,13 @@ def run_hf(model, case: TurnsCase, prompts: Tensor, appended, temperature: float
         if turn:
             rows = [torch.cat([h, a.to(h.device)]) for h, a in zip(histories, appended[turn - 1])]
             ids, mask = _left_pad(rows, 0)
-        forwards = _ForwardTimes(model, prompts.device)
+        forwards = _ForwardTimes(model, Clock(prompts.device))
         try:
             with torch.no_grad():
                 out, ms = _timed(prompts.device, lambda: model.generate(ids, attention_mask=mask, **kwargs))
         finally:
             forwards.remove()
-        prefill = forwards.times[0]
+        prefill = forwards.times()[0]
         records.append(
             {
                 "prefill_tokens": ids.numel(),

@@ -44,6 +44,23 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=list(DTYPE_NAMES), default="fp32", help="the weights' dtype")
 
 
+def run_header(args: argparse.Namespace, device, notes: dict, **more) -> dict:
+    """The JSON header of a run of a model-shape benchmark (add_model_arguments, --warmup, --iterations)."""
+    import torch
+
+    return {
+        "model_shape": args.model_shape,
+        "device": str(device),
+        "dtype": args.dtype,
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "warmup": args.warmup,
+        "iterations": args.iterations,
+        **more,
+        "notes": notes,
+    }
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p)
     p.add_argument("--prompts", type=int_in(1), default=1, help="prompts B per step (rows = B x G)")
@@ -81,16 +98,7 @@ def execute(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
     _, dtype = resolve_dtype(args.dtype, device)
     model = train_model(args.model_shape, device, dtype, args.seed)
-    header = {
-        "model_shape": args.model_shape,
-        "device": str(device),
-        "dtype": args.dtype,
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-        "warmup": args.warmup,
-        "iterations": args.iterations,
-        "notes": NOTES,
-    }
+    header = run_header(args, device, NOTES)
     results = []
     for case in cases(args.prompts, args.prompt_lengths, args.completion_lengths, args.group_sizes):
         print(

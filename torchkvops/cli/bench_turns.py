@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .bench_train import MODEL_POSITIONS, add_model_arguments
+from .bench_train import MODEL_POSITIONS, add_model_arguments, run_header
 from .checks import CLIError, check_output_file, int_in
 from .launch import add_threads_argument, resolve_device, set_threads
 from .model import resolve_dtype
@@ -84,17 +84,7 @@ def execute(args: argparse.Namespace) -> int:
         flush=True,
     )
     result = measure(model, case, args.modes, args.iterations, args.warmup, args.temperature, args.seed)
-    header = {
-        "model_shape": args.model_shape,
-        "device": str(device),
-        "dtype": args.dtype,
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-        "warmup": args.warmup,
-        "iterations": args.iterations,
-        "temperature": args.temperature,
-        "notes": NOTES,
-    }
+    header = run_header(args, device, NOTES, temperature=args.temperature)
     print(
         f"bench-turns: {args.model_shape} {args.dtype} on {device}, torch {torch.__version__}, "
         f"{torch.get_num_threads()} threads, median of {args.iterations} rounds after {args.warmup} warm-up"

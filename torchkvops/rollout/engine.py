@@ -30,7 +30,7 @@ from .kv_cache import KV_LAYOUTS, RolloutKVCache
 from .lm_head import Float32LMHead
 from .profiling import RolloutProfile, StageTimer
 from .sampling import SamplingParams
-from .streaming import stream
+from .streaming import stream, unbudgeted_width
 from .turns import History, check_appended, extend_mask, first_history, history_output, make_turn, record
 
 __all__ = [
@@ -403,9 +403,7 @@ class Rollout:
             self._decoder.check_nonfinite(state)
             out = self._finish(input_ids, state, response_len)
             generated = int(out.response_mask.sum())
-            self._history = first_history(
-                out, attention_mask, n, 0 if prefix else prompt_len, seed, row_ids, self.pad_id
-            )
+            self._history = first_history(out, attention_mask, n, 0 if prefix else prompt_len, seed, row_ids)
             self._streamed = False
 
         self._last_profile = None
@@ -546,17 +544,13 @@ class Rollout:
             lengths = kv_lengths(cfg.kv_sharing, input_ids.shape[1], cfg.max_new_tokens)
             done = stream(self, input_ids, attention_mask, seed, row_ids, live, lengths, self._scratch)
         with timer.stage("post_processing"):
-            responses = done.responses
-            if self._eos is None:
-                response_mask = torch.ones_like(responses)
-            else:
-                is_eos = torch.isin(responses, self._eos).long()
-                response_mask = ((is_eos.cumsum(dim=1) - is_eos) == 0).long()
-            prompts = input_ids.repeat_interleave(n, dim=0)
-            out = RolloutOutput(
-                torch.cat([prompts, responses], dim=1), responses, response_mask, input_ids.shape[1], done.logprobs
-            )
-            generated = int(response_mask.sum())
+            # As long as the unbudgeted rollout's output: it would stop at its first all-ended check.
+            lengths = self._response_mask(done.responses).sum(dim=1)
+            lengths = (lengths if live is None else lengths[live.to(lengths.device, torch.bool)]).tolist()
+            width = unbudgeted_width(lengths, cfg.max_new_tokens, self._eos is not None)
+            logprobs = None if done.logprobs is None else done.logprobs[:, :width]
+            out = self._output(input_ids, done.responses[:, :width], logprobs)
+            generated = int(out.response_mask.sum())
         self._last_profile = None
         if cfg.enable_profiling:
             self._last_profile = RolloutProfile.from_stages(
@@ -566,7 +560,7 @@ class Rollout:
                 batch_size=input_ids.shape[0],
                 samples_per_prompt=n,
                 prompt_length=input_ids.shape[1],
-                response_length=responses.shape[1],
+                response_length=width,
                 peak_memory_bytes=timer.peak_memory_bytes(),
                 kv_cache_bytes=done.kv_bytes,
                 computed_row_steps=done.row_steps,
@@ -581,18 +575,26 @@ class Rollout:
         return self.adapter.last_logits(self.cache, input_ids, attention_mask, position_ids, cache_position)
 
     def _finish(self, input_ids: Tensor, state: DecodeState, response_len: int) -> RolloutOutput:
-        n = self.config.samples_per_prompt
-        responses = state.responses[:, :response_len].clone()
-        if self._eos is None:
-            response_mask = torch.ones_like(responses)
-        else:
-            is_eos = torch.isin(responses, self._eos).long()
-            response_mask = ((is_eos.cumsum(dim=1) - is_eos) == 0).long()  # up to and including the first EOS
-        prompts = input_ids.repeat_interleave(n, dim=0)
         logprobs = None if state.logprobs is None else state.logprobs[:, :response_len].clone()
+        return self._output(input_ids, state.responses[:, :response_len].clone(), logprobs)
+
+    def _output(self, input_ids: Tensor, responses: Tensor, logprobs: Tensor | None) -> RolloutOutput:
+        """The RolloutOutput of the prompts `input_ids` [B, P] and their rows' responses [B*N, R]."""
+        prompts = input_ids.repeat_interleave(self.config.samples_per_prompt, dim=0)
         return RolloutOutput(
-            torch.cat([prompts, responses], dim=1), responses, response_mask, input_ids.shape[1], logprobs
+            torch.cat([prompts, responses], dim=1),
+            responses,
+            self._response_mask(responses),
+            input_ids.shape[1],
+            logprobs,
         )
+
+    def _response_mask(self, responses: Tensor) -> Tensor:
+        """1 on each row's tokens up to and including its first EOS (every token without EOS ids)."""
+        if self._eos is None:
+            return torch.ones_like(responses)
+        is_eos = torch.isin(responses, self._eos).long()
+        return ((is_eos.cumsum(dim=1) - is_eos) == 0).long()
 
     # --- inputs --------------------------------------------------------------------------------
     def _prefill_attention_mask(self, prompt_mask: Tensor) -> Tensor | None:

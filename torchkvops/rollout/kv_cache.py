@@ -42,10 +42,10 @@ def _carve(
     storage: Tensor | None, shapes: list[tuple[int, ...]], dtype: torch.dtype, device: torch.device
 ) -> tuple[Tensor, list[Tensor]]:
     """Views of these shapes, one after the other from the start of `storage` (made, or made larger,
-    when it is too small): (the storage, the views)."""
+    when it is too small; callers drop their reference to a storage that is too small first, so that it
+    is freed before the new one is made): (the storage, the views)."""
     sizes = [math.prod(s) for s in shapes]
     if storage is None or storage.numel() < sum(sizes):
-        storage = None  # free the old allocation before making the new one
         storage = torch.zeros(sum(sizes), dtype=dtype, device=device)
     views, offset = [], 0
     for shape, size in zip(shapes, sizes):

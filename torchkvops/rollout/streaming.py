@@ -14,8 +14,8 @@ compacted in place as compaction compacts them.
 
 The same tokens as without a budget: a row samples with its global row's key and its own step (the
 sampler takes a step per row), its attention sees its own prompt and tokens only (the columns of other
-occupants of its row are hidden), and it ends at its own max_new_tokens. The output is as long as the
-unbudgeted rollout's (`unbudgeted_width`), in input order.
+occupants of its row are hidden), and it ends at its own max_new_tokens. The caller cuts the output to the
+unbudgeted rollout's length (`unbudgeted_width`).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ __all__ = ["Streamed", "stream", "unbudgeted_width"]
 
 @dataclasses.dataclass
 class Streamed:
-    responses: Tensor  # [B*N, R'] in input order
+    responses: Tensor  # [B*N, max_new_tokens] in input order (the pad id after each row's end)
     logprobs: Tensor | None
     steps: int  # decode steps run
     row_steps: int  # rows sampled, summed over the steps (the batch's rows at every step)
@@ -286,18 +286,5 @@ def stream(
             break
         if not waiting and not pending and cfg.compact_finished_rows:
             compact_tail()
-    lengths_out = _response_lengths(responses, live, rollout._eos, new_tokens)
-    width = unbudgeted_width(lengths_out, new_tokens, rollout._eos is not None)
     kv_bytes = batch_bytes + scratch.allocated_bytes + peak_pending[0]
-    return Streamed(
-        responses[:, :width], None if logprobs is None else logprobs[:, :width], steps, row_steps, refills, kv_bytes
-    )
-
-
-def _response_lengths(responses: Tensor, live: Tensor, eos: Tensor | None, new_tokens: int) -> list[int]:
-    """Each live row's response length through its first EOS (new_tokens without one)."""
-    if eos is None:
-        return [new_tokens] * int(live.sum())
-    is_eos = torch.isin(responses, eos)
-    first = torch.where(is_eos.any(dim=1), is_eos.int().argmax(dim=1) + 1, new_tokens)
-    return first[live].tolist()
+    return Streamed(responses, logprobs, steps, row_steps, refills, kv_bytes)

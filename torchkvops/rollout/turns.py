@@ -51,9 +51,7 @@ class History:
         return (self.seed + self.turns * _SEED_STEP) & _SEED_MASK
 
 
-def first_history(
-    output, prompt_mask: Tensor, samples: int, first_column: int, seed: int, row_ids: Tensor, pad_id: int
-) -> History:
+def first_history(output, prompt_mask: Tensor, samples: int, first_column: int, seed: int, row_ids: Tensor) -> History:
     """The history after `generate`: each row's response through its first EOS. Its KV sits in the
     decode buffer from `first_column` on (the copy layout: after the prompt, whose columns are visible
     where the prompt has a token; the prefix layout: from column 0, the prompt's KV shared by its group)."""
@@ -116,10 +114,28 @@ def check_appended(appended, rows: int, vocab: int | None, device: torch.device)
             if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
                 raise TypeError(f"{where}: appended[{r}] must hold int token ids, got {values[:8]!r}")
             ids = torch.tensor(values, dtype=torch.long, device=device)
-        if ids.numel() and (int(ids.min()) < 0 or (vocab is not None and int(ids.max()) >= vocab)):
-            raise ValueError(f"{where}: appended[{r}] must hold token ids in [0, {vocab}) (the model's vocabulary)")
         out.append(ids)
+    given = [(r, a) for r, a in enumerate(out) if a is not None and a.numel()]
+    if given:  # one host sync for every row's range
+        ids = torch.cat([a for _, a in given])
+        outside = (ids < 0) | (ids >= vocab) if vocab is not None else ids < 0
+        if bool(outside.any()):
+            offset = int(outside.int().argmax())  # the first id outside, in the rows' order
+            for r, a in given:
+                if offset < a.numel():
+                    raise ValueError(
+                        f"{where}: appended[{r}] must hold token ids in [0, {vocab}) (the model's vocabulary)"
+                    )
+                offset -= a.numel()
     return out
+
+
+def left_pad(rows: list[Tensor], pad_id: int) -> tuple[Tensor, Tensor]:
+    """1-D token id tensors (on one device) as one left-padded batch: (ids [rows, longest] with pad_id
+    before each row, where [rows, longest] bool: True on the rows' tokens)."""
+    ids = pad_sequence([r.flip(0) for r in rows], batch_first=True, padding_value=-1).flip(1)
+    real = ids >= 0
+    return ids.clamp(min=0).masked_fill(~real, pad_id), real
 
 
 def make_turn(history: History, appended: list[Tensor | None], pad_id: int) -> Turn:
@@ -127,16 +143,13 @@ def make_turn(history: History, appended: list[Tensor | None], pad_id: int) -> T
     live = torch.tensor([a is not None for a in appended], device=device)
     last = history.last_tokens()
     chunks = [torch.cat([last[r : r + 1], a]) if a is not None else last.new_zeros(0) for r, a in enumerate(appended)]
-    width = max(c.numel() for c in chunks)
     # Left-padded: every chunk's last token is in the last column, whose logits are the first sample's.
-    flipped = pad_sequence([c.flip(0) for c in chunks], batch_first=True, padding_value=-1)
-    flipped = torch.nn.functional.pad(flipped, (0, width - flipped.shape[1]), value=-1)
-    ids = flipped.flip(1)
-    real = ids >= 0
+    ids, real = left_pad(chunks, pad_id)
+    width = ids.shape[1]
     lengths = real.sum(dim=1)
     offsets = torch.arange(width, device=device) - (width - lengths[:, None])  # 0 at each chunk's first token
     positions = torch.where(real, history.last_position[:, None] + offsets, history.last_position[:, None])
-    return Turn(live, appended, ids.clamp(min=0).masked_fill(~real, pad_id), real, positions)
+    return Turn(live, appended, ids, real, positions)
 
 
 def extend_mask(history: History, turn: Turn, prompt_visible: Tensor | None) -> Tensor:
