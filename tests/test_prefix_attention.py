@@ -1,12 +1,21 @@
 """torchkvops.training.prefix_attention alone: the shared-prefix attention (prefix causally, suffixes against the
 prefix and themselves, merged by log-sum-exp), forward and backward, against dense masked attention in
-float64. Through a model: tests/test_shared_forward.py."""
+float64, on the CPU, on the CUDA branch against the emulated memory-efficient kernels
+(tests/mem_eff_emulator.py) and on a GPU. Through a model: tests/test_shared_forward.py."""
+
+import contextlib
+
 
 import pytest
 import torch
-from devices import DEVICES
+from devices import CUDA
+from mem_eff_emulator import emulated_cuda_branch
 
+from torchkvops.fused_attention import MASKED_KEY_BIAS
 from torchkvops.training.prefix_attention import shared_prefix_attention
+
+# "emulated": CPU tensors through fused_attention's CUDA branch, against the emulated kernels.
+DEVICES = ["cpu", "emulated", CUDA]
 
 
 def dense_causal_attention(q, k, v, allowed):
@@ -41,16 +50,19 @@ def test_shared_prefix_attention_matches_dense_attention(groups, rows, prefix, s
     allowed[:, : min(2, prefix - 1)] = False
     if suffix > 1:
         allowed[::2, -1] = False
+    context = emulated_cuda_branch if device == "emulated" else contextlib.nullcontext
+    device = "cpu" if device == "emulated" else device
     leaf = lambda t: t.to(device, dtype).requires_grad_()  # noqa: E731
     first = slice(0, total, rows)  # each group's first row holds the shared prefix
     q_pre, k_pre, v_pre = (leaf(t[first, :, :prefix]) for t in (q, k, v))
     q_suf, k_suf, v_suf = (leaf(t[:, :, prefix:]) for t in (q, k, v))
-    masked = torch.finfo(dtype).min
+    masked = MASKED_KEY_BIAS
     bias_pre = torch.zeros(groups, 1, 1, prefix, dtype=dtype).masked_fill(~allowed[first, None, None, :prefix], masked)
     bias_suf = torch.zeros(total, 1, 1, suffix, dtype=dtype).masked_fill(~allowed[:, None, None, prefix:], masked)
-    out_pre, out_suf = shared_prefix_attention(
-        q_pre, k_pre, v_pre, q_suf, k_suf, v_suf, bias_pre.to(device), bias_suf.to(device)
-    )
+    with context():
+        out_pre, out_suf = shared_prefix_attention(
+            q_pre, k_pre, v_pre, q_suf, k_suf, v_suf, bias_pre.to(device), bias_suf.to(device)
+        )
     out = torch.cat([out_pre.repeat_interleave(rows, 0), out_suf], dim=2).cpu()
 
     reference_inputs = [t.clone().requires_grad_() for t in (q, k, v)]
@@ -59,7 +71,8 @@ def test_shared_prefix_attention_matches_dense_attention(groups, rows, prefix, s
     grad = torch.randn(reference.shape, generator=g, dtype=torch.float64) * real
     tol = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else dict(rtol=0.05, atol=0.05)
     torch.testing.assert_close((out.double() * real), reference * real, **tol)
-    out.backward(grad.to(dtype))  # (through .cpu(): the gradients land on the device)
+    with context():
+        out.backward(grad.to(dtype))  # (through .cpu(): the gradients land on the device)
     dq, dk, dv = torch.autograd.grad(reference, reference_inputs, grad)
 
     def shared_part(t):  # the prefix's gradient is the sum over the group's rows

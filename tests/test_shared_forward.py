@@ -14,6 +14,7 @@ import warnings
 
 import pytest
 import torch
+from mem_eff_emulator import emulated_cuda_branch
 from devices import per_device
 from models import FAMILIES, VOCAB, prompts
 from torch.utils.flop_counter import FlopCounterMode
@@ -172,6 +173,34 @@ def test_on_cuda(family_models, device, case):
     real = mask.bool()
     torch.testing.assert_close(out_s.logits[real].float(), out_p.logits[real].float(), rtol=0.05, atol=0.1)
     for name in grads_p:
+        scale = grads_p[name].float().norm()
+        assert (grads_s[name].float() - grads_p[name].float()).norm() <= 0.05 * scale + 1e-6, name
+
+
+@pytest.mark.parametrize("masked_rows", ["nan", "zero"])
+@pytest.mark.parametrize("family,dtype", [("llama", torch.float32), ("gpt2", torch.float32), ("qwen3", torch.bfloat16)])
+def test_the_cuda_branch_on_the_emulated_kernels_gives_the_plain_outputs_and_gradients(
+    family_models, family, dtype, masked_rows
+):
+    """patch_forward's attention through fused_attention's CUDA branch, against the emulated memory-efficient
+    kernels (tests/mem_eff_emulator.py), on left- and right-padded groups: the layout of `out` the backward
+    assumes, the log-sum-exp's padding, and a left-padding query that sees no key, which must stay finite
+    (a mask of float32's minimum overflows in the kernels' float32 scores: NaN gradients)."""
+    model = copy.deepcopy(no_dropout_train(family_models[family])).to(dtype)
+    ids, mask, labels = batch([8, 2, 1], "interleaved")
+    plain = run(model, ids, mask, labels)
+    with emulated_cuda_branch(masked_rows) as emulator, torchkvops.patch_forward(model, min_shared_tokens=4) as handle:
+        shared = run(model, ids, mask, labels)
+    assert handle.stats.shared_calls == 1
+    assert {call for call, _ in emulator.calls} == {"forward", "backward"}
+    if dtype == torch.float32:
+        assert_same(shared, plain, mask)
+        return
+    (out_s, grads_s), (out_p, grads_p) = shared, plain
+    real = mask.bool()
+    torch.testing.assert_close(out_s.logits[real].float(), out_p.logits[real].float(), rtol=0.05, atol=0.1)
+    for name in grads_p:
+        assert torch.isfinite(grads_s[name]).all(), name
         scale = grads_p[name].float().norm()
         assert (grads_s[name].float() - grads_p[name].float()).norm() <= 0.05 * scale + 1e-6, name
 

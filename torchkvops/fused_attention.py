@@ -3,27 +3,92 @@ one place that dispatches them, for the rollout's decode attention (`torchkvops.
 training forward's shared-prefix attention (`torchkvops.prefix_attention`).
 
 - CPU: `_scaled_dot_product_flash_attention_for_cpu` and its backward (grouped-query heads natively).
-- CUDA: `_scaled_dot_product_efficient_attention` and its backward, K/V heads repeated when the query
-  has more heads. Called directly (torch's SDPA would pad the mask itself), it has an alignment rule:
-  the additive bias's rows must start at 16-byte boundaries. A bias whose row stride breaks it is
-  copied into a padded buffer here, next to the call; the rollout sizes its decode buffers so that its
-  biases never need the copy (`rollout.KV_LENGTH_MULTIPLE`, `RESPONSE_KV_MULTIPLE`). Its log-sum-exp
-  comes padded to a multiple of 32 queries; `attend` returns it unpadded, `attend_backward` pads it back.
+- CUDA: torch's memory-efficient kernels (`_scaled_dot_product_efficient_attention` and its backward),
+  K/V heads repeated when the query has more heads. Called directly (torch's SDPA would pad the mask
+  itself), their contract is ours to keep (read in `aten/src/ATen/native/transformers/cuda/
+  mem_eff_attention/kernel_forward.h`, `kernel_backward.h` and `attention_backward.cu`):
+  - the additive bias's start and its row stride are 16-byte aligned (the bias is read with 128-bit
+    loads): a bias that breaks either is copied into a padded buffer here (`_cuda_bias`); the rollout
+    sizes its decode buffers so that its biases never need the copy (`rollout.KV_LENGTH_MULTIPLE`,
+    `RESPONSE_KV_MULTIPLE`);
+  - the forward's log-sum-exp comes padded to a multiple of 32 queries with +inf, and the backward
+    reads it unguarded up to that multiple (a padded row then has P = exp(s - inf) = 0): `attend`
+    returns it unpadded, `attend_backward` pads it back with +inf;
+  - the backward takes `out`'s batch and head strides from the tensor but assumes its query stride is
+    heads * head_dim, the forward's [X, M, H, D] memory layout (fp16/bf16 kernels compute
+    rowsum(dO * O) from it): `attend_backward` hands over `out` in that layout;
+  - scores are computed in float32 as (q.k * scale + bias) * log2(e): a bias below about -2.4e38
+    overflows to -inf, and a query whose every key is -inf gets a non-finite log-sum-exp, whose
+    backward is NaN. Masks use `MASKED_KEY_BIAS`, which keeps such a query finite.
+  The branch calls the kernels through `MemoryEfficientKernels`, which tests replace with a CPU
+  emulator of this contract (tests/mem_eff_emulator.py: `memory_efficient_kernels`), so that the
+  branch's argument preparation, layouts and masking run in the CPU suite.
 - Elsewhere: matmul + softmax in float32 (forward only).
 
-Shapes: q [X, H, M, D], k and v [X, Hkv, L, D] (H a multiple of Hkv), bias [X, 1, 1, L] additive (0 or a
-large negative value), causal top-left aligned (M == L). The log-sum-exp is float32, natural log.
+Shapes: q [X, H, M, D], k and v [X, Hkv, L, D] (H a multiple of Hkv), bias [X, 1, 1, L] additive (0 or
+`MASKED_KEY_BIAS`), causal top-left aligned (M == L). The log-sum-exp is float32, natural log.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterator
+
 import torch
 from torch import Tensor
 
-__all__ = ["attend", "attend_backward"]
+__all__ = [
+    "attend",
+    "attend_backward",
+    "MASKED_KEY_BIAS",
+    "MemoryEfficientKernels",
+    "TORCH_MEMORY_EFFICIENT",
+    "memory_efficient_kernels",
+]
 
-_CUDA_BIAS_ALIGNMENT_BYTES = 16  # the memory-efficient kernel's rule for the bias's row starts
-_CUDA_LSE_MULTIPLE = 32  # the memory-efficient kernel pads its log-sum-exp's last dim to this
+_CUDA_BIAS_ALIGNMENT_BYTES = 16  # the memory-efficient kernels read the bias with 128-bit loads
+_CUDA_LSE_MULTIPLE = 32  # the memory-efficient kernels pad their log-sum-exp's last dim to this
+# The bias of a masked key: float16's most negative finite value, in every dtype (bfloat16 rounds it to
+# -65536). Far enough below any real score that exp() of the difference is exactly 0, and small enough
+# that float32 resolves it to 2^-7: a query whose every key is masked (a left-padding position) gets
+# scores and a log-sum-exp that agree to ~0.01, so the backward's exp(s - lse) stays near 1. (At -1e30
+# they would agree only to float32's step there, 7.6e22: exp(s - lse) is 0 or inf. At float32's minimum
+# the CUDA kernels' (q.k * scale + bias) * log2(e) overflows to -inf: NaN output and gradients.)
+MASKED_KEY_BIAS = -65504.0
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryEfficientKernels:
+    """The two entry points the memory-efficient branch calls, with the signatures of
+    `aten._scaled_dot_product_efficient_attention` and `aten._scaled_dot_product_efficient_attention_backward`."""
+
+    forward: Callable
+    backward: Callable
+
+
+TORCH_MEMORY_EFFICIENT = MemoryEfficientKernels(
+    torch.ops.aten._scaled_dot_product_efficient_attention,
+    torch.ops.aten._scaled_dot_product_efficient_attention_backward,
+)
+# Device type -> the kernels its tensors go through the memory-efficient branch with.
+_memory_efficient: dict[str, MemoryEfficientKernels] = {"cuda": TORCH_MEMORY_EFFICIENT}
+
+
+@contextlib.contextmanager
+def memory_efficient_kernels(kernels: MemoryEfficientKernels, device_type: str = "cuda") -> Iterator[None]:
+    """Within the block, tensors on `device_type` take the memory-efficient branch with `kernels`:
+    the CPU suite routes CPU tensors through the CUDA branch to an emulator of the kernels' contract.
+    Not thread-safe (a test tool)."""
+    previous = _memory_efficient.get(device_type)
+    _memory_efficient[device_type] = kernels
+    try:
+        yield
+    finally:
+        if previous is None:
+            del _memory_efficient[device_type]
+        else:
+            _memory_efficient[device_type] = previous
 
 
 def attend(
@@ -37,14 +102,10 @@ def attend(
     with_lse: bool = True,
 ) -> tuple[Tensor, Tensor | None]:
     """Attention of q over k, v with an additive key bias: (out [X, H, M, D], lse [X, H, M] or None)."""
-    if q.device.type == "cpu":
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, causal, attn_mask=bias, scale=scale
-        )
-        return out, lse if with_lse else None
-    if q.device.type == "cuda":
+    kernels = _memory_efficient.get(q.device.type)
+    if kernels is not None:
         heads, m = q.shape[1], q.shape[2]
-        out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
+        out, lse, _, _ = kernels.forward(
             q,
             _repeat_heads(k, heads),
             _repeat_heads(v, heads),
@@ -55,6 +116,11 @@ def attend(
             scale=scale,
         )
         return out, lse[..., :m] if with_lse else None
+    if q.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, causal, attn_mask=bias, scale=scale
+        )
+        return out, lse if with_lse else None
     if causal:
         raise NotImplementedError(f"torchkvops: causal fused attention on {q.device.type} (served: cpu, cuda)")
     k, v = _repeat_heads(k, q.shape[1]), _repeat_heads(v, q.shape[1])
@@ -80,24 +146,26 @@ def attend_backward(
     """dq, dk, dv of `attend` given an output and log-sum-exp ([X, H, M], float32), which may be those of a
     larger attention this one is a part of (the merged output and log-sum-exp of a split attention:
     see torchkvops.prefix_attention)."""
-    if q.device.type == "cpu":
+    kernels = _memory_efficient.get(q.device.type)
+    if kernels is None:
+        if q.device.type != "cpu":
+            raise NotImplementedError(f"torchkvops: fused attention backward on {q.device.type} (served: cpu, cuda)")
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             grad, q, k, v, out, lse, 0.0, causal, attn_mask=bias, scale=scale
         )
-    if q.device.type != "cuda":
-        raise NotImplementedError(f"torchkvops: fused attention backward on {q.device.type} (served: cpu, cuda)")
     heads, m = q.shape[1], q.shape[2]
     kv_heads = k.shape[1]
-    padded_lse = lse.new_zeros(*lse.shape[:-1], _round_up(max(m, 1), _CUDA_LSE_MULTIPLE))
+    # +inf past the last query, as the forward pads it: the kernel reads the whole 32-row tile.
+    padded_lse = lse.new_full((*lse.shape[:-1], _round_up(max(m, 1), _CUDA_LSE_MULTIPLE)), float("inf"))
     padded_lse[..., :m] = lse
     seed_offset = torch.zeros(2, dtype=torch.int64, device=q.device)  # unused: no dropout
-    dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+    dq, dk, dv, _ = kernels.backward(
         grad.contiguous(),
         q,
         _repeat_heads(k, heads),
         _repeat_heads(v, heads),
         _cuda_bias(bias, heads, m),
-        out.contiguous(),
+        _in_forward_layout(out),
         padded_lse,
         seed_offset[0],
         seed_offset[1],
@@ -113,11 +181,25 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
+def _in_forward_layout(out: Tensor) -> Tensor:
+    """`out` [X, H, M, D] laid out in memory as [X, M, H, D] (the forward's own output is): the backward
+    kernel assumes that query stride. A copy only when `out` is laid out otherwise."""
+    heads, dim = out.shape[1], out.shape[3]
+    if out.shape[2] <= 1 or (out.stride(2) == heads * dim and out.stride(3) == 1):
+        return out
+    return out.transpose(1, 2).contiguous().transpose(1, 2)
+
+
 def _cuda_bias(bias: Tensor, heads: int, queries: int) -> Tensor:
-    """[X, 1, 1, L] -> [X, heads, queries, L] as the memory-efficient kernel takes it: a broadcast view,
-    of `bias` itself when its rows start at 16-byte boundaries, else of a padded copy."""
+    """[X, 1, 1, L] -> [X, heads, queries, L] as the memory-efficient kernels take it: a broadcast view,
+    of `bias` itself when it starts at a 16-byte boundary and so does each of its rows, else of a padded
+    copy. The start is judged by the storage offset (torch's allocators align every storage's base to
+    at least 64 bytes), which a compiled decode step can read where it cannot read an address."""
     x, length = bias.shape[0], bias.shape[-1]
-    if (bias.stride(0) * bias.element_size()) % _CUDA_BIAS_ALIGNMENT_BYTES or bias.stride(-1) != 1:
+    misaligned = ((bias.storage_offset() * bias.element_size()) % _CUDA_BIAS_ALIGNMENT_BYTES) or (
+        x > 1 and (bias.stride(0) * bias.element_size()) % _CUDA_BIAS_ALIGNMENT_BYTES
+    )
+    if misaligned or bias.stride(-1) != 1:
         per_row = _CUDA_BIAS_ALIGNMENT_BYTES // bias.element_size()
         padded = bias.new_zeros(x, 1, 1, _round_up(max(length, 1), per_row))
         padded[..., :length] = bias

@@ -20,10 +20,12 @@ MERGED output and the MERGED log-sum-exp (the backward needs the output only thr
 rowsum(dO * O) and the probabilities only through exp(s - lse), both global quantities). So each part's
 backward is torch's own fused kernel, and no gradient flows through the merge or a log-sum-exp.
 
-Masking: keys whose attention-mask bit is 0 get an additive bias of the dtype's most negative finite
-value, not -inf. A real query then gives them exactly zero weight (exp underflows to 0) as the plain
-forward does. A query whose every key is padding (a left-padded row's first columns: "blind") gets a
-finite kernel output instead of NaN, which `packed_attention` then sets to 0: what torch's SDPA
+Masking: keys whose attention-mask bit is 0 get the additive bias `fused_attention.MASKED_KEY_BIAS`
+(-65504), not -inf or the dtype's minimum. A real query then gives them exactly zero weight (exp
+underflows to 0) as the plain forward does. A query whose every key is padding (a left-padded row's
+first columns: "blind") gets a finite kernel output and log-sum-exp on every kernel, forward and
+backward, instead of NaN (the CUDA kernels' float32 scores overflow to -inf at the dtype's minimum:
+see fused_attention), which `packed_attention` then sets to 0: what torch's SDPA
 (safe softmax) and flash-attention (unpadded) give such a row in the plain forward, so the outputs at
 padding positions are the plain forward's too (the logit at a row's last padding column predicts its
 first real token, and a padding collator's labels include it). Plain eager attention gives them a
@@ -44,7 +46,7 @@ import torch
 from torch import Tensor
 
 from .. import ops
-from ..fused_attention import attend, attend_backward
+from ..fused_attention import MASKED_KEY_BIAS, attend, attend_backward
 
 __all__ = ["Bucket", "PackedLayout", "packed_attention", "shared_prefix_attention", "SERVED_DEVICES"]
 
@@ -96,10 +98,10 @@ class PackedLayout:
         if key not in self._biases:
             b = self.buckets[index]
             start, mid = b.offset, b.offset + b.groups * b.prefix
-            masked = torch.finfo(dtype).min
 
             def bias(allowed: Tensor, batch: int) -> Tensor:
-                values = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, masked)
+                values = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+                values = values.masked_fill(~allowed, MASKED_KEY_BIAS)
                 return values.view(batch, 1, 1, -1)
 
             self._biases[key] = (
@@ -218,7 +220,7 @@ def shared_prefix_attention(
 
     q_pre [G, H, p, D], k_pre/v_pre [G, Hkv, p, D]: each group's prefix; q_suf [G*n, H, S, D],
     k_suf/v_suf [G*n, Hkv, S, D]: its rows' suffixes (group by group); bias_pre [G, 1, 1, p] and
-    bias_suf [G*n, 1, 1, S]: additive key biases (0 or a large negative finite value) in q's dtype.
+    bias_suf [G*n, 1, 1, S]: additive key biases (0 or MASKED_KEY_BIAS) in q's dtype.
     Returns (out_pre [G, H, p, D], out_suf [G*n, H, S, D]): what causal attention over each row
     [prefix, suffix] gives at those positions. S may be 0 (rows identical to the end)."""
     return _SharedPrefixAttention.apply(q_pre, k_pre, v_pre, q_suf, k_suf, v_suf, bias_pre, bias_suf, scale)
