@@ -540,3 +540,43 @@ def test_decode_graph_key_is_stable_across_calls_and_follows_the_weights(kv_shar
         model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.clone())  # new storage
     r.generate(*prompts(2, 9, seed=1))
     assert r.decode_counters().graph_key != key
+
+
+@pytest.mark.parametrize("masked_rows", ["nan", "zero"])
+@pytest.mark.parametrize("kv_sharing", ["copy", "prefix"])
+def test_decode_on_the_emulated_cuda_attention_gives_the_cpu_tokens(llama, kv_sharing, masked_rows):
+    """The decode attention through fused_attention's CUDA branch against the emulated memory-efficient
+    kernels (tests/mem_eff_emulator.py: layouts, alignment checks, masked rows as torch before and after
+    its fix): the same samples as the CPU kernels, with compaction, and no bias ever copied for alignment
+    (the rollout sizes its buffers for the kernels)."""
+    from mem_eff_emulator import emulated_cuda_branch
+
+    from torchkvops import fused_attention
+
+    config = RolloutConfig(
+        samples_per_prompt=3,
+        max_new_tokens=24,
+        kv_sharing=kv_sharing,
+        temperature=1.0,
+        seed=0,
+        eos_token_id=[41, 60, 90],
+        return_logprobs=True,
+    )
+    ids, mask = prompts(3, 9, seed=2, left_pad=[0, 2, 5])
+    expected = Rollout(llama, config).generate(ids, mask)
+    rollout = Rollout(llama, config)
+    copied = []
+    cuda_bias = fused_attention._cuda_bias
+
+    def spy(bias, heads, queries):
+        view = cuda_bias(bias, heads, queries)
+        copied.append(view.data_ptr() != bias.data_ptr())
+        return view
+
+    with emulated_cuda_branch(masked_rows) as emulator, pytest.MonkeyPatch.context() as patch:
+        patch.setattr(fused_attention, "_cuda_bias", spy)
+        got = rollout.generate(ids, mask)
+    assert emulator.calls and rollout.decode_counters().compactions > 0
+    assert copied and not any(copied)
+    assert torch.equal(got.responses, expected.responses)
+    torch.testing.assert_close(got.logprobs, expected.logprobs, rtol=1e-4, atol=1e-4)

@@ -14,8 +14,8 @@ import warnings
 
 import pytest
 import torch
-from mem_eff_emulator import emulated_cuda_branch
 from devices import per_device
+from mem_eff_emulator import emulated_cuda_branch
 from models import FAMILIES, VOCAB, prompts
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import AttentionInterface, GPT2Config, GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForCausalLM

@@ -265,13 +265,16 @@ class ModelAdapter:
 
     def adapter_state(self) -> tuple:
         """Which PEFT adapters the model's tuner layers run now (`set_adapter`, `disable_adapter()`,
-        merging): a CUDA graph replays the kernels of the adapters active when it was captured, so a change
-        means re-capture. Adapter weights updated in place need none: the graph reads them. Cheap."""
+        merging) and at which scale (LoRA's `scaling`, a Python float that `set_scale`, `scale_layer` and
+        `rescale_adapter_scale` change): a CUDA graph replays the kernels and constants of the adapters
+        active when it was captured, so a change means re-capture. Adapter weights updated in place need
+        none: the graph reads them. Cheap."""
         return tuple(
             (
                 tuple(getattr(m, "active_adapters", ())),
                 bool(getattr(m, "disable_adapters", False)),
                 tuple(getattr(m, "merged_adapters", ())),
+                tuple(sorted((getattr(m, "scaling", None) or {}).items())),
             )
             for m in self._tuner_layers
         )

@@ -18,9 +18,13 @@ for the whole rollout (`DecodeState`, the KV buffers, the model's parameters) an
 host, so on CUDA it is captured once per decode shape and replayed (`DecodeRunner`).
 
 Graph keys. A captured graph replays kernels on fixed addresses: it is keyed by the decode shape and
-by the address of every tensor it reads, the model's parameters and buffers included, so that a
-parameter replaced by a new tensor (FSDP/ZeRO-3 gathering weights into new storage,
-`load_state_dict(assign=True)`, `model.to(...)`) re-captures instead of replaying on stale memory.
+by the address of every tensor it reads that may be made anew while the graph is kept (the state, the
+KV views, the cache's position tensors, the model's parameters and buffers), so that a tensor replaced
+by a new one (the KV buffers grown by a larger call or an extend, FSDP/ZeRO-3 gathering weights into
+new storage, `load_state_dict(assign=True)`, `model.to(...)`) re-captures instead of replaying on freed
+memory; what the key leaves out lives as long as the rollout (the EOS ids, the sampling constants).
+Python values the step bakes into a graph are keyed too (the adapters' state and scales).
+tests/test_graph_keys.py records every address a step reads and checks this.
 Parameters updated in place (an optimizer step) keep their addresses, and the graph reads the new
 values.
 """
@@ -734,7 +738,7 @@ class Decoder:
         for t, dims in dynamic:
             merged.setdefault(id(t), (t, set()))[1].update(dims)
         dynamic = [(t, tuple(sorted(dims))) for t, dims in merged.values()]
-        addresses = tuple(t.data_ptr() for t, _ in dynamic)
+        addresses = tuple(t.data_ptr() for t, _ in dynamic) + cache.position_addresses()
         key = (
             state.shape,
             self.layout,

@@ -209,6 +209,12 @@ class RolloutKVCache(Cache):
         self.write_pos = torch.zeros(1, dtype=torch.long, device=self.device)
         self._prefill_start = torch.zeros(1, dtype=torch.long, device=self.device)
 
+    def position_addresses(self) -> tuple[int, int]:
+        """Where the position tensors a decode step reads by address live (`write_pos`, and
+        `_prefill_start`): part of a decode graph's key, since `release()` (also run when the buffers
+        must grow) makes them anew."""
+        return self.write_pos.data_ptr(), self._prefill_start.data_ptr()
+
     @property
     def allocated_bytes(self) -> int:
         return sum(0 if s is None else s.numel() * s.element_size() for s in (self._storage, self._work))
