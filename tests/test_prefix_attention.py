@@ -5,7 +5,6 @@ float64, on the CPU, on the CUDA branch against the emulated memory-efficient ke
 
 import contextlib
 
-
 import pytest
 import torch
 from devices import CUDA
