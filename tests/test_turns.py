@@ -260,3 +260,18 @@ def test_a_generate_after_an_extend_starts_afresh(llama, layout):
             ids, attention_mask=mask, do_sample=False, max_new_tokens=6, eos_token_id=None, pad_token_id=0
         )
     assert torch.equal(again.responses, expected[:, 7:].repeat_interleave(2, dim=0))
+
+
+@pytest.mark.parametrize("layout", ["copy", "prefix"])
+def test_an_extend_in_which_every_row_has_finished_returns_the_history_unchanged(llama, layout):
+    """appended all None (every row finished, which extend allows): nothing to compute; the history is
+    returned as it is and the next turn goes on from it as if that call had not been made."""
+    config = RolloutConfig(samples_per_prompt=2, max_new_tokens=6, kv_sharing=layout, eos_token_id=[], seed=3)
+    ids, mask = prompts(2, 5, seed=1, left_pad=[0, 2])
+    rollout, twin = Rollout(llama, config), Rollout(llama, config)
+    out = rollout.generate(ids, mask)
+    assert rollout.extend(out, [None] * 4) is out
+    appended = [[5], None, [6, 7], []]
+    got = rollout.extend(out, appended)
+    want = twin.extend(twin.generate(ids, mask), appended)
+    assert torch.equal(got.sequences, want.sequences) and torch.equal(got.response_mask, want.response_mask)

@@ -51,7 +51,7 @@ from ..rollout.engine import NonFiniteLogitsError, Rollout, RolloutConfig
 from ..rollout.profiling import RolloutProfile
 from .adapter import ModelAdapter, is_peft_model, model_state, peft_refusal, unwrap_model
 from .generate_contract import SIGNATURE, Call, Plan, Refusal, agree, bind, check, run, run_extension
-from .generate_reuse import KeptCall, weights_fingerprint
+from .generate_reuse import KeptCall, kv_fingerprint
 from .integration import LRU, PatchHandle, WarnOnce
 
 __all__ = ["generate", "patch_generate", "GeneratePatch", "PATCH_OPTIONS", "ROLLOUT_OPTIONS"]
@@ -234,6 +234,16 @@ def _session(model: nn.Module) -> _Session:
         return session
 
 
+def _compiled_module(model: nn.Module) -> nn.Module:
+    """The module `torch.compile(model)` compiled, for its OptimizedModule (whose `generate` is that
+    module's: OptimizedModule forwards attributes to it); any other model as it is. The rollout decodes
+    the module itself (its own `compile=True` compiles decode); HF's generate, where a call falls back,
+    runs the module's uncompiled forward, as `compiled.generate` does unpatched."""
+    if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+        return model._orig_mod
+    return model
+
+
 def _check_generative(model, where: str) -> None:
     """A bare backbone (LlamaModel) has no generate to serve or fall back to: the caller's mistake."""
     if not callable(getattr(type(model), "generate", None)):
@@ -267,6 +277,7 @@ def generate(
     a call that needs HF's cache must go to `model.generate` unpatched). Calls the rollout cannot serve
     run the model's own generate (see the module docstring). `max_rows`: the most rows decoded at once
     (RolloutConfig.max_rows): a larger batch is streamed, its prompts admitted as others' rows end."""
+    model = _compiled_module(model)
     _check_generative(model, "torchkvops.generate")
     RolloutConfig(max_rows=max_rows)  # the same checks and messages
     args = () if input_ids is None else (input_ids,)
@@ -320,7 +331,7 @@ def _run(session: _Session, model: nn.Module, call: Call, max_rows: int | None =
     calls served.)"""
     fingerprint = None
     if session.reuse_kv and not call.synced and not _is_fsdp(model):
-        fingerprint = weights_fingerprint(model, session.adapter.adapter_state())
+        fingerprint = kv_fingerprint(model, session.adapter.adapter_state())
     extension = None if fingerprint is None else session.extension(call, fingerprint)
     if extension is not None:
         kept, rows, appended = extension
@@ -451,7 +462,9 @@ def patch_generate(model: nn.Module, **options) -> GeneratePatch:
     RolloutProfile.
 
     A model the rollout cannot run (ALiBi, attention sinks, an attention implementation it does not
-    take, ...) is patched all the same, with a warning now: its calls run its own generate."""
+    take, ...) is patched all the same, with a warning now: its calls run its own generate. For
+    `torch.compile(model)` the compiled module is patched, so that `compiled.generate` and
+    `model.generate` are both served (decode compiles with `compile=True`)."""
     unknown = sorted(set(options) - set(PATCH_OPTIONS))
     if unknown:
         raise TypeError(
@@ -461,6 +474,7 @@ def patch_generate(model: nn.Module, **options) -> GeneratePatch:
     RolloutConfig(**{k: v for k, v in options.items() if k in ROLLOUT_OPTIONS})  # the same checks and messages
     if not isinstance(options.get("reuse_kv", True), bool):
         raise ValueError(f"patch_generate: reuse_kv must be a bool, got {options['reuse_kv']!r}")
+    model = _compiled_module(model)
     _check_generative(model, "patch_generate")
     current = vars(model).get("generate")
     if isinstance(current, _PatchedGenerate) and current.active:

@@ -265,7 +265,8 @@ class Rollout:
         `reused_tokens`). Returns the whole history after the prompt: `sequences` (the prompt as given,
         then each row's history, right-padded with the pad id), `responses` (the history alone),
         `response_mask` (1 on generated tokens, through each turn's EOS; 0 on appended tokens and
-        padding), `logprobs` (on generated tokens, 0 elsewhere)."""
+        padding), `logprobs` (on generated tokens, 0 elsewhere). When every row is None there is nothing
+        to do: `previous` itself is returned (and extends as before), and get_last_profile() is None."""
         return self._call(lambda: self._extend(previous, appended, max_new_tokens))[0]
 
     def holds_inference_tensors(self) -> bool:
@@ -428,7 +429,8 @@ class Rollout:
         self, previous: RolloutOutput, appended, max_new_tokens: int | None, seed: int | None = None
     ) -> tuple[RolloutOutput, RolloutOutput]:
         """`extend`, and this turn alone: (the whole history's output, this turn's [rows, R] responses,
-        mask and logprobs). seed: this turn's sampling seed (default: derived from the first call's)."""
+        mask and logprobs; None when every row is None). seed: this turn's sampling seed (default:
+        derived from the first call's)."""
         cfg, history, cache = self.config, self._history, self.cache
         if history is None or previous is not history.output:
             if history is None and self._streamed:
@@ -445,6 +447,9 @@ class Rollout:
             raise ValueError(f"Rollout.extend: max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
         rows = history.visible.shape[0]
         appended = check_appended(appended, rows, self.adapter.input_vocab, self.device)
+        if all(a is None for a in appended):  # every row has finished: nothing to compute
+            self._last_profile = None
+            return previous, None
         prefix = cfg.kv_sharing == "prefix"
         n = cfg.samples_per_prompt
 
