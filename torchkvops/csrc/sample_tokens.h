@@ -1,6 +1,9 @@
 // Shared by the CPU and CUDA kernels of sample_tokens: argument checks, the counter-based hash and the
-// Gumbel noise, the order-preserving key of a float, and the fixed-point probability mass used by
-// the top-p selection. Everything here must stay bit-identical to torchkvops/reference.py.
+// Gumbel noise, the order-preserving key of a float, the fixed-point probability mass used by the
+// top-p selection, the radix selection's digit rule, the draw of one token (prune, noise, compare) and
+// the log-probability's finish. Everything here must stay bit-identical to torchkvops/reference.py.
+// The CUDA kernel's whole row (its loops, reductions and scans) is sample_tokens_row.h, which the CPU
+// op _sample_tokens_cuda_emulated also runs; the CPU kernel keeps its own loops and calls these.
 //
 // What one row computes (l = logits / temperature in float32, g = Gumbel noise of (key, step, token)):
 //   greedy (temperature 0): argmax of the raw logits, the first index on ties, NaN counting as the
@@ -43,6 +46,7 @@
 #include <cstdint>
 #include <string>
 
+#include "device_math.h"
 #include "macros.h"
 
 namespace torchkvops {
@@ -100,31 +104,19 @@ TORCHKVOPS_HOST_DEVICE_INLINE float gumbel(NoiseKey k, uint32_t high) {
   const bool upper = (high >> 31) != 0;  // u > 1/2: take the complement 1 - u
   const uint32_t yh = upper ? ~high : high, yl = upper ? ~low : low;
   // v = (y + 1/2) 2^-64 to float32: yh < 2^31 so the product is exact, and the scaling by 2^-64 too.
-#if defined(__CUDA_ARCH__)
-  const float v =
-      __fmul_rn(__fadd_rn(__fmul_rn(__uint2float_rn(yh), 4294967296.0f), __fadd_rn(__uint2float_rn(yl), 0.5f)),
-                5.42101086242752217e-20f);
-  const float e = upper ? -log1pf(-v) : -logf(v);  // -log(u), in [2^-65, 45.05]
-  return -logf(e);
-#else
-  const float v =
-      (static_cast<float>(yh) * 4294967296.0f + (static_cast<float>(yl) + 0.5f)) * 5.42101086242752217e-20f;  // 2^-64
-  const float e = upper ? -std::log1p(-v) : -std::log(v);
-  return -std::log(e);
-#endif
+  // Each product and sum rounded on its own (mul_rn / add_rn: no fused multiply-add), as the reference.
+  const float v = dmath::mul_rn(dmath::add_rn(dmath::mul_rn(dmath::u32_to_float(yh), 4294967296.0f),
+                                              dmath::add_rn(dmath::u32_to_float(yl), 0.5f)),
+                                5.42101086242752217e-20f);         // 2^-64
+  const float e = upper ? -dmath::log1p_f(-v) : -dmath::log_f(v);  // -log(u), in [2^-65, 45.05]
+  return -dmath::log_f(e);
 }
 
 // An unsigned key with the order of the float values: k(a) < k(b) iff a < b, for all non-NaN values.
 // -0.0 and +0.0 get the same key (they compare equal); every NaN gets the largest key. Branch-free,
 // so that the CPU loops over a row vectorize.
 TORCHKVOPS_HOST_DEVICE_INLINE uint32_t order_key(float v) {
-  uint32_t bits;
-#if defined(__CUDA_ARCH__)
-  bits = __float_as_uint(v);
-#else
-  static_assert(sizeof(float) == sizeof(uint32_t), "float must be 32 bits");
-  __builtin_memcpy(&bits, &v, sizeof(bits));
-#endif
+  uint32_t bits = dmath::float_bits(v);
   bits = bits == 0x80000000u ? 0u : bits;                          // -0.0 -> +0.0
   const uint32_t flip = (bits >> 31) ? 0xFFFFFFFFu : 0x80000000u;  // negative: reverse the order
   return v != v ? 0xFFFFFFFFu : bits ^ flip;
@@ -165,23 +157,14 @@ TORCHKVOPS_HOST_DEVICE_INLINE bool cannot_beat(float l, uint32_t high, float bes
 // looser than noise_reach_threshold's (by < 1.4) but needs no table.
 TORCHKVOPS_HOST_DEVICE_INLINE float noise_bound(uint32_t high) {
   const float f = static_cast<float>(static_cast<int32_t>(~high >> 1));
-#if defined(__CUDA_ARCH__)
-  const int32_t bits = __float_as_int(f);
-#else
-  int32_t bits;
-  __builtin_memcpy(&bits, &f, sizeof(bits));
-#endif
-  return 0.6931471805599453f * static_cast<float>(32 - ((bits >> 23) - 127)) + 0.01f;
+  const int32_t exponent = static_cast<int32_t>(dmath::float_bits(f) >> 23) - 127;  // f >= 0: no sign bit
+  return dmath::add_rn(dmath::mul_rn(0.6931471805599453f, static_cast<float>(32 - exponent)), 0.01f);
 }
 
 // The fixed-point mass of a token d = l - max below the row's maximum (d <= 0).
 TORCHKVOPS_HOST_DEVICE_INLINE uint64_t fixed_mass(float d) {
   if (!(d >= kMassCutoff)) return 0;  // also NaN
-#if defined(__CUDA_ARCH__)
-  const float m = expf(d);
-#else
-  const float m = std::exp(d);
-#endif
+  const float m = dmath::exp_f(d);
   // m * 2^40 is exact in float; the conversion truncates. m > 1 only with NaN or inf logits.
   return m <= 1.0f ? static_cast<uint64_t>(m * 1099511627776.0f) : (uint64_t{1} << kMassFracBits);
 }
@@ -202,6 +185,58 @@ TORCHKVOPS_HOST_DEVICE_INLINE bool beats(float a, int64_t ia, float b, int64_t i
   if (a != a) return b == b || ia < ib;
   if (b != b) return false;
   return a > b || (a == b && ia < ib);
+}
+
+// The best (score, token) of a draw so far, under torch.argmax's rules. A token index fits an int
+// (vocab <= kMaxVocab = 2^23).
+struct ArgBest {
+  float score;
+  int token;
+};
+
+// The winner of two partial draws (an associative, commutative choice: the result does not depend on
+// the order in which partial draws are combined).
+TORCHKVOPS_HOST_DEVICE_INLINE ArgBest better(const ArgBest& a, const ArgBest& b) {
+  return beats(b.score, b.token, a.score, a.token) ? b : a;
+}
+
+// The draw of one kept token (scaled logit l, its word's high half): pruned when it cannot beat the
+// best so far (cannot_beat, from the high word alone), else scored l + g (gumbel; one rounding, no
+// fused add) and compared (beats). `best` must hold tokens of lower index only (a kernel offers its
+// tokens in increasing order; partial draws are then combined with `better`).
+TORCHKVOPS_HOST_DEVICE_INLINE void offer_token(ArgBest& best, NoiseKey k, const uint32_t* reach, int token, float l,
+                                               uint32_t high) {
+  if (cannot_beat(l, high, best.score, reach)) return;
+  const float score = dmath::add_rn(l, gumbel(k, high));
+  if (beats(score, token, best.score, best.token)) best = {score, token};
+}
+
+// Radix selection's rule for the digit that holds a threshold. `above`: the weight of the candidates
+// whose higher digits rank above the prefix chosen so far; at_or_above = S[d] and strictly_above =
+// S[d + 1], with S[d] the weight of the candidates that share the prefix and have a digit >= d. Digit d
+// holds the threshold when above + S[d] >= target > above + S[d + 1]: S falls as d grows, so at most
+// one digit qualifies, and exactly one when target <= above + S[0] (exact integer sums).
+TORCHKVOPS_HOST_DEVICE_INLINE bool digit_qualifies(uint64_t above, uint64_t at_or_above, uint64_t strictly_above,
+                                                   uint64_t target) {
+  return above + at_or_above >= target && above + strictly_above < target;
+}
+
+// The log-probability of a drawn token with scaled logit l: log_softmax over the kept tokens, l - max -
+// log(sum of exp(l' - max) over the kept l'). `Sum` is the type the kernel summed in (double on the
+// CPU, float on CUDA); the result is rounded to float32 once. NaN when the kept values hold a NaN or
+// their maximum is infinite (+inf, or -inf: nothing finite is kept), as torch's log_softmax gives.
+template <typename Sum>
+TORCHKVOPS_HOST_DEVICE_INLINE float sampled_log_prob(float l, float max, Sum sum, bool has_nan) {
+  if (has_nan || !dmath::is_finite(max)) return dmath::nan_f();
+  return static_cast<float>(static_cast<Sum>(l - max) - dmath::log_f(sum));
+}
+
+// Greedy's: log_softmax(raw logits)[argmax] = 0 - log(sum of exp(x - max)), `max` the argmax's value
+// (NaN when the row holds one: NaN wins the argmax). NaN unless max is finite.
+template <typename Sum>
+TORCHKVOPS_HOST_DEVICE_INLINE float greedy_log_prob(float max, Sum sum) {
+  if (!dmath::is_finite(max)) return dmath::nan_f();
+  return static_cast<float>(static_cast<Sum>(0) - dmath::log_f(sum));
 }
 
 }  // namespace sampling

@@ -42,13 +42,22 @@ struct Scratch {
   std::vector<Candidate> bucket;  // the candidates that share the digits chosen so far
 };
 
-// Walks the digits from the largest down, adding each bucket's weight to `above` until the
-// candidates at or above the bucket reach `target`; returns that bucket. `above` ends as the
-// weight of the buckets above it.
+// Walks the digits from the largest down, summing the buckets' weights, to the digit that
+// digit_qualifies (the CUDA kernel's rule, tested there for all 256 digits at once); returns it, and
+// adds to `above` the weight of the buckets above it. Digit 0 when none qualifies (the target exceeds
+// every weight left: see sample_tokens_row.h's select_threshold).
 int walk_digits(const uint64_t* hist, uint64_t target, uint64_t& above) {
-  int d = 255;
-  while (d > 0 && above + hist[d] < target) above += hist[d--];
-  return d;
+  uint64_t strictly_above = 0;  // S[d + 1]: the weight of the buckets above d
+  for (int d = 255; d > 0; --d) {
+    const uint64_t at_or_above = strictly_above + hist[d];
+    if (digit_qualifies(above, at_or_above, strictly_above, target)) {
+      above += strictly_above;
+      return d;
+    }
+    strictly_above = at_or_above;
+  }
+  above += strictly_above;
+  return 0;
 }
 
 // The largest key t such that the tokens with key >= t (among those with key >= lower) weigh at
@@ -132,7 +141,7 @@ class Draw {
     }
     uint32_t high[kDrawBlock];
     uint8_t candidate[kDrawBlock + 8] = {};  // read 8 at a time, past n as zeros
-    const float best = best_;
+    const float best = best_.score;
     for (int j = 0; j < n; ++j) {
       const uint32_t h = noise_high(key_, first_token + static_cast<uint32_t>(j));
       high[j] = h;
@@ -151,23 +160,17 @@ class Draw {
     }
   }
 
-  int64_t token() const { return best_token_; }
+  int64_t token() const { return best_.token; }
 
  private:
   C10_ALWAYS_INLINE void offer(int64_t token, float l, uint32_t high) {
-    if (cannot_beat(l, high, best_, reach_)) return;
-    const float score = l + gumbel(key_, high);
-    if (beats(score, token, best_, best_token_)) {
-      best_ = score;
-      best_token_ = token;
-    }
+    offer_token(best_, key_, reach_, static_cast<int>(token), l, high);
   }
 
   NoiseKey key_;
   const uint32_t* reach_;
   // Every token scores at least -inf, so (-inf, 0) is what argmax returns when nothing beats it.
-  float best_ = -kInf;
-  int64_t best_token_ = 0;
+  ArgBest best_{-kInf, 0};
 };
 
 // Greedy works on the logits' raw bits, in their own width (no conversion to float, which float16
@@ -347,12 +350,12 @@ class ExpSum {
 
   void add(float l) { sum_ += exp_nonpositive(l - max_); }
 
-  // log_softmax of a kept token: l - max - log(sum); NaN when the maximum is not finite (+inf, or -inf:
-  // nothing kept is finite) or `has_nan`, as torch's log_softmax gives.
-  float log_prob(float l, bool has_nan) const {
-    if (has_nan || !std::isfinite(max_)) return std::numeric_limits<float>::quiet_NaN();
-    return static_cast<float>(static_cast<double>(l - max_) - std::log(sum_));
-  }
+  // log_softmax of a kept token: l - max - log(sum), NaN rules and all, by the CUDA kernel's finish
+  // (sample_tokens.h), from a double sum.
+  float log_prob(float l, bool has_nan) const { return sampled_log_prob(l, max_, sum_, has_nan); }
+
+  // Greedy's, max being the argmax's value: -log(sum).
+  float greedy_log_prob() const { return sampling::greedy_log_prob(max_, sum_); }
 
  private:
   float max_;
@@ -374,7 +377,7 @@ int64_t greedy_row(const scalar_t* row, int64_t col_stride, int64_t vocab, float
     for (int j = 0; j < n; ++j) x[j] = static_cast<float>(row[(first + j) * col_stride]);
     sum.add_block<false>(x, nullptr, n);
   }
-  *log_prob = sum.log_prob(top, top != top);
+  *log_prob = sum.greedy_log_prob();
   return token;
 }
 
