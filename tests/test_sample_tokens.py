@@ -432,6 +432,12 @@ def assert_logprobs_match_reference(logits, keys, step, temperature, top_k, top_
     the row and the uncertainty of the top-p cut (top_p_uncertainty); NaN where the reference has NaN."""
     tokens, logprobs = ops.sample_tokens_with_logprobs(logits, keys, step, temperature, top_k, top_p)
     assert torch.equal(tokens, ops.sample_tokens(logits, keys, step, temperature, top_k, top_p))
+    assert_logprobs_close(tokens, logprobs, logits, temperature, top_k, top_p)
+
+
+def assert_logprobs_close(tokens, logprobs, logits, temperature, top_k, top_p):
+    """The comparison of assert_logprobs_match_reference, for log-probabilities of `tokens` that a
+    sampler computed from `logits` with these settings."""
     assert logprobs.dtype == torch.float32 and logprobs.shape == tokens.shape and logprobs.device == logits.device
     expected = reference.processed_logprobs(logits, tokens, temperature, top_k, top_p)
     assert torch.equal(logprobs.isnan(), expected.isnan())

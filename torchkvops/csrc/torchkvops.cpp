@@ -40,4 +40,12 @@ TORCH_LIBRARY(torchkvops, m) {
   m.def(
       "sample_tokens_with_logprobs(Tensor logits, Tensor keys, Tensor step, float temperature, int top_k, "
       "float top_p) -> (Tensor, Tensor)");
+  // Private, CPU only, for the tests: the CUDA kernel's row body (sample_tokens_row.h) run over an
+  // emulated 512-thread block (cpu/sample_tokens_emulated.cpp), temperature applied as CUDA applies it
+  // (times its float32 reciprocal). Returns (tokens int64 [rows], log-probabilities float32: [rows] when
+  // with_logprobs, else [0]). No fake kernel or Python wrapper: tests call it eagerly through
+  // torch.ops.torchkvops._sample_tokens_cuda_emulated, never under torch.compile.
+  m.def(
+      "_sample_tokens_cuda_emulated(Tensor logits, Tensor keys, Tensor step, float temperature, int top_k, "
+      "float top_p, bool with_logprobs) -> (Tensor, Tensor)");
 }
