@@ -21,6 +21,20 @@
 // kept of exp(l - max)), in float32 (the sum in double on the CPU; in float on CUDA, per thread,
 // then across the block). NaN when the kept values hold a NaN or their maximum is infinite (+inf, or
 // -inf: nothing finite is kept), as torch's log_softmax gives.
+//
+// What is the same on every device, exactly (rollout/sampling.py says it to users):
+//   - the noise words (integer hashes) and the greedy token (argmax of the raw logits);
+//   - not always l: each kernel rounds logits / temperature as torch does on its device (the
+//     reference's `logits.float() / temperature`, and HF's temperature warper): the CPU kernel
+//     divides by the float32 temperature, the CUDA kernel multiplies by its float32 reciprocal
+//     (SampleParams). They agree at power-of-two temperatures, and differ for some logits otherwise;
+//   - not always g: the noise's logs are glibc's on the CPU and CUDA's logf / log1pf on the GPU
+//     (device_math.h), which may differ in the last bit;
+//   - not the log-probability's last bits: the CPU sums in double with its own exp, CUDA in float
+//     with expf.
+// So CPU and CUDA draw the same token except at float32 near-ties of the perturbed scores and at
+// tokens within rounding of the top-k / top-p cut. tests/test_sample_tokens_cuda_emulated.py shows
+// the temperature's rounding on both sides.
 // Both thresholds are found by radix selection on the keys (4 passes of 8-bit digits), never by
 // sorting the row. Masses are summed as 64-bit fixed-point integers, so every sum is exact and the
 // result does not depend on the order of the additions (or on the number of threads).

@@ -1,9 +1,24 @@
 """Token sampling without host syncs: greedy, temperature, top-k and top-p.
 
 Randomness comes from a counter-based hash of (seed, row, step, token id) rather than a generator's
-state, so that each row's draws are its own, reproducible from the seed, identical on every device
-and under CUDA graphs, and independent of how the prefill was batched. A draw is Gumbel-max:
+state, so that each row's draws are its own, reproducible from the seed on a given device, the same
+under CUDA graphs, and independent of how the prefill was batched. A draw is Gumbel-max:
 argmax(logits / temperature + Gumbel noise) samples from softmax(logits / temperature).
+
+Across devices, exactly what holds:
+- The noise's 64-bit words are integers, the same on every device. Greedy draws (argmax of the raw
+  logits) are the same on every device.
+- `logits / temperature` is rounded as torch rounds it on each device, as HF's temperature warper
+  (`scores / temperature`) does: the CPU divides in float32, CUDA multiplies by the float32
+  reciprocal of the temperature. The two round differently for some logits unless the temperature is
+  a power of two (1.0 included).
+- The Gumbel noise takes logs in float32: the C library's on the CPU, CUDA's `logf` / `log1pf` on the
+  GPU, which may differ in the last bit.
+So a sampled token can differ between CPU and CUDA where two tokens' perturbed scores are within
+float32 rounding of each other, or where a token sits within rounding of the top-k / top-p cut (a tie
+there keeps it on one device and not the other); elsewhere it is the same. Log-probabilities agree to
+float32 rounding of a sum over the row (the CPU kernel sums in double, CUDA in float), not bit for bit.
+tests/test_sample_tokens_cuda_emulated.py shows the rounding difference on a pair of logits.
 
 `sample` is one call of the `torchkvops::sample_tokens` operator (CPU and CUDA kernels, one pass over
 the logits, thresholds by selection rather than sorting); `torchkvops.reference.sample_tokens` is the
