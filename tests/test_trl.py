@@ -199,20 +199,29 @@ def test_example_script_prints_the_step_split_of_both_settings(tmp_path):
     assert "NOTE:" not in result.stdout  # nothing fell back to HF's generate or the plain forward
 
 
-def grpo_weights(example, checkpoint, output_dir, patch: str | None):
-    """Two GRPO steps (beta > 0: the reference pass runs; num_iterations = 2: the old-logprob pass runs; TRL's
-    default gradient checkpointing) from the checkpoint, with patch_forward on the policy (before or after
-    TRL patches its forward) and on the reference model, or without. Returns the final weights and the
-    policy's and reference's patch stats."""
+CHECKPOINTING = {
+    "trl": {},  # TRL's default: on, non-reentrant
+    "off": {"gradient_checkpointing": False},
+    "reentrant": {"gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"use_reentrant": True}},
+}
+
+
+def grpo_weights(example, checkpoint, output_dir, patch: str | None, checkpointing="trl", beta=0.04, iterations=2):
+    """Two GRPO steps (beta > 0: the reference pass runs; num_iterations = 2: the old-logprob pass runs;
+    gradient checkpointing as `checkpointing` says) from the checkpoint, with patch_forward on the policy
+    (before or after TRL patches its forward) and on the reference model, or without. Returns the final
+    weights and the policy's and reference's patch stats."""
     model = AutoModelForCausalLM.from_pretrained(checkpoint)
     handles = []
     if patch == "before":
         handles.append(torchkvops.patch_forward(model, min_shared_tokens=4))
-    trainer = grpo_trainer(example, model, output_dir, steps=2, beta=0.04, num_iterations=2)
-    assert trainer.args.gradient_checkpointing
+    trainer = grpo_trainer(
+        example, model, output_dir, steps=2, beta=beta, num_iterations=iterations, **CHECKPOINTING[checkpointing]
+    )
+    assert trainer.args.gradient_checkpointing == (checkpointing != "off")
     if patch == "after":
         handles.append(torchkvops.patch_forward(trainer.model, min_shared_tokens=4))
-    if patch:
+    if patch and trainer.ref_model is not None:
         handles.append(torchkvops.patch_forward(trainer.ref_model, min_shared_tokens=4))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", UserWarning)
@@ -221,20 +230,82 @@ def grpo_weights(example, checkpoint, output_dir, patch: str | None):
     return {name: p.detach().clone() for name, p in trainer.model.named_parameters()}, [h.stats for h in handles]
 
 
-@pytest.mark.parametrize("when", ["before", "after"])
-def test_grpo_with_patch_forward_ends_with_the_same_weights(example, tmp_path, when):
+@pytest.mark.parametrize(
+    "when,checkpointing,beta,iterations",
+    [
+        ("before", "trl", 0.04, 2),
+        ("after", "trl", 0.04, 2),
+        ("after", "off", 0.0, 1),
+        ("after", "reentrant", 0.04, 1),
+    ],
+)
+def test_grpo_with_patch_forward_ends_with_the_same_weights(example, tmp_path, when, checkpointing, beta, iterations):
     """TRL's fused LM head calls the backbone, where the patch lives; the old-logprob, reference and loss
-    passes are served by the shared path, and training ends where the plain forward's does."""
+    passes are served by the shared path at full group size (every pass sees its 2 groups of 4 rows), and
+    training ends where the plain forward's does, with gradient checkpointing off, non-reentrant (TRL's
+    default) or reentrant, with and without the old-policy and reference passes."""
     checkpoint = str(tmp_path / "model")
     build_model("tiny", seed=0).save_pretrained(checkpoint)  # TRL loads its reference model from the path
     initial = AutoModelForCausalLM.from_pretrained(checkpoint).state_dict()
-    plain, _ = grpo_weights(example, checkpoint, tmp_path / "plain", None)
-    shared, (policy, reference) = grpo_weights(example, checkpoint, tmp_path / when, when)
-    # One generation batch, scored once by the old policy and once by the reference model; two loss passes.
-    assert (policy.shared_calls, policy.fallback_calls) == (3, 0)
-    assert (reference.shared_calls, reference.fallback_calls) == (1, 0)
+    runs = dict(checkpointing=checkpointing, beta=beta, iterations=iterations)
+    plain, _ = grpo_weights(example, checkpoint, tmp_path / "plain", None, **runs)
+    shared, stats = grpo_weights(example, checkpoint, tmp_path / when, when, **runs)
+    policy = stats[0]
+    # A generation batch every num_iterations steps, scored once by the old policy (num_iterations > 1)
+    # and once by the reference model (beta > 0); a loss pass per step.
+    generations = 2 // iterations
+    passes = 2 + (iterations > 1) * generations
+    assert (policy.shared_calls, policy.fallback_calls) == (passes, 0)
+    assert policy.group_sizes == {NUM_GENERATIONS: PROMPTS * passes}
+    if beta > 0:
+        assert (stats[1].shared_calls, stats[1].fallback_calls) == (generations, 0)
+        assert stats[1].group_sizes == {NUM_GENERATIONS: PROMPTS * generations}
     assert policy.computed_tokens < policy.row_tokens
     update = max((plain[name] - initial[name]).abs().max().item() for name in plain)
     assert update > 1e-4  # training moved the weights ...
     for name in plain:  # ... and both runs moved them alike (Adam turns rounding noise into at most this much)
         torch.testing.assert_close(shared[name], plain[name], rtol=0, atol=0.02 * update, msg=name)
+
+
+def test_patch_forward_makes_trls_fused_head_score_only_the_kept_positions_on_the_cpu(monkeypatch):
+    """On a CPU TRL's fused LM head projects every position (it keeps only the labelled ones where Triton
+    runs); a patched model's calls project only the positions whose label is kept, with the same
+    log-probabilities and entropies, and TRL's own device test is back in place after each call."""
+    from trl.trainer import utils as trl_utils
+
+    model = build_model("tiny", seed=0)
+    trl_utils.add_fused_lm_head(model, outputs=("log_probs", "entropy"))
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, model.config.vocab_size, (6, 20), generator=g)
+    ids[3:, :12] = ids[0, :12]  # two groups of three rows that share 12 tokens
+    ids[1:3, :12] = ids[0, :12]
+    mask = torch.ones_like(ids)
+    mask[3:, :2] = 0  # left padding
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[:, :12] = -100  # only the completions are scored, as in GRPO
+    projected = []
+    function = trl_utils._ChunkedLogProbFunction
+
+    class Spy:
+        @staticmethod
+        def apply(hidden, *args):
+            projected.append(hidden.shape[0])
+            return function.apply(hidden, *args)
+
+    monkeypatch.setattr(trl_utils, "_ChunkedLogProbFunction", Spy)
+    device_test = trl_utils._use_triton
+
+    def scored():
+        with torch.no_grad():
+            return model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
+
+    plain = scored()
+    with torchkvops.patch_forward(model, min_shared_tokens=4) as handle:
+        shared = scored()
+    assert handle.stats.shared_calls == 1
+    assert projected == [6 * 19, int((labels[:, 1:] != -100).sum())]  # every position, then the kept ones
+    assert trl_utils._use_triton is device_test
+    kept = labels[:, 1:] != -100
+    torch.testing.assert_close(shared.log_probs[kept], plain.log_probs[kept], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(shared.entropy[kept], plain.entropy[kept], rtol=1e-5, atol=1e-5)
+    assert not shared.log_probs[~kept].any() and not plain.log_probs[~kept].any()
