@@ -206,7 +206,17 @@ CHECKPOINTING = {
 }
 
 
-def grpo_weights(example, checkpoint, output_dir, patch: str | None, checkpointing="trl", beta=0.04, iterations=2):
+def grpo_weights(
+    example,
+    checkpoint,
+    output_dir,
+    patch: str | None,
+    checkpointing="trl",
+    beta=0.04,
+    iterations=2,
+    micro_batch=None,
+    **overrides,
+):
     """Two GRPO steps (beta > 0: the reference pass runs; num_iterations = 2: the old-logprob pass runs;
     gradient checkpointing as `checkpointing` says) from the checkpoint, with patch_forward on the policy
     (before or after TRL patches its forward) and on the reference model, or without. Returns the final
@@ -215,8 +225,20 @@ def grpo_weights(example, checkpoint, output_dir, patch: str | None, checkpointi
     handles = []
     if patch == "before":
         handles.append(torchkvops.patch_forward(model, min_shared_tokens=4))
+    split = {}
+    if micro_batch is not None:  # micro-batches of the generation batch: TRL shuffles rows across them
+        generation = PROMPTS * NUM_GENERATIONS
+        split = dict(per_device_train_batch_size=micro_batch, steps_per_generation=generation // micro_batch)
     trainer = grpo_trainer(
-        example, model, output_dir, steps=2, beta=beta, num_iterations=iterations, **CHECKPOINTING[checkpointing]
+        example,
+        model,
+        output_dir,
+        steps=2,
+        beta=beta,
+        num_iterations=iterations,
+        **CHECKPOINTING[checkpointing],
+        **split,
+        **overrides,
     )
     assert trainer.args.gradient_checkpointing == (checkpointing != "off")
     if patch == "after":
@@ -228,6 +250,29 @@ def grpo_weights(example, checkpoint, output_dir, patch: str | None, checkpointi
         trainer.train()
     assert not [str(w.message) for w in caught if "torchkvops" in str(w.message)]
     return {name: p.detach().clone() for name, p in trainer.model.named_parameters()}, [h.stats for h in handles]
+
+
+def test_micro_batches_that_split_groups_end_with_the_same_weights(example, tmp_path):
+    """per_device_train_batch_size below the generation batch: TRL scores the old-policy and reference
+    passes in chunks of that size (whole groups here) and shuffles rows across the loss's micro-batches,
+    so each micro-batch holds parts of groups, which share among their own rows; training still ends where
+    the plain forward's does. SGD: Adam would turn the passes' rounding noise into updates of the
+    learning rate's size wherever a gradient is near 0, and shuffled micro-batches leave many there."""
+    checkpoint = str(tmp_path / "model")
+    build_model("tiny", seed=0).save_pretrained(checkpoint)
+    initial = AutoModelForCausalLM.from_pretrained(checkpoint).state_dict()
+    runs = dict(micro_batch=NUM_GENERATIONS, optim="sgd", learning_rate=0.05)
+    plain, _ = grpo_weights(example, checkpoint, tmp_path / "plain", None, **runs)
+    shared, (policy, reference) = grpo_weights(example, checkpoint, tmp_path / "shared", "after", **runs)
+    assert policy.fallback_calls == 0 and reference.fallback_calls == 0
+    assert reference.group_sizes == {NUM_GENERATIONS: PROMPTS}  # chunks of whole groups
+    # Every pass saw one micro-batch of NUM_GENERATIONS rows; the loss passes' shuffled ones split groups.
+    assert sum(size * n for size, n in policy.group_sizes.items()) == policy.shared_calls * NUM_GENERATIONS
+    assert min(policy.group_sizes) < NUM_GENERATIONS
+    update = max((plain[name] - initial[name]).abs().max().item() for name in plain)
+    assert update > 1e-4
+    for name in plain:  # float rounding of the passes, no more
+        torch.testing.assert_close(shared[name], plain[name], rtol=0, atol=1e-4 * update, msg=name)
 
 
 @pytest.mark.parametrize(
