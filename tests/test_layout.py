@@ -226,3 +226,18 @@ def test_the_flat_paths_of_earlier_releases_import_the_moved_modules(tmp_path):
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert done.stdout.strip() == "ok", done.stderr
     assert not (PACKAGE_ROOT / "distributed.py").exists()  # the old paths are aliases, not files
+
+
+def test_the_distribution_holds_every_package_of_the_tree():
+    """`pip install .` and a wheel ship the packages pyproject.toml's find rule selects: every folder under
+    torchkvops/ with an __init__.py (a list written by hand once left rollout/, hf/ and training/ out, and
+    `import torchkvops` failed outside an editable install)."""
+    import tomllib
+    from setuptools import find_packages
+
+    config = tomllib.loads((PACKAGE_ROOT.parent / "pyproject.toml").read_text())["tool"]["setuptools"]
+    packages = config["packages"]
+    assert isinstance(packages, dict), "a hand-written package list: use [tool.setuptools.packages.find]"
+    shipped = set(find_packages(str(PACKAGE_ROOT.parent), **packages["find"]))
+    tree = {".".join(path.parent.relative_to(PACKAGE_ROOT.parent).parts) for path in PACKAGE_ROOT.rglob("__init__.py")}
+    assert shipped == tree and {"torchkvops.rollout", "torchkvops.hf", "torchkvops.training"} <= shipped
