@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from torchkvops.training.prefix_groups import PrefixGroup, find_prefix_groups, row_keys
+from torchkvops.training.prefix_groups import PrefixGroup, find_prefix_groups, grouping_keys
 
 
 def keys(rows):
@@ -50,7 +50,7 @@ def test_padding_ids_count_and_so_do_position_ids():
     never."""
     ids = torch.tensor([[0, 5, 6, 7], [3, 5, 6, 8], [0, 5, 6, 9], [0, 5, 6, 10]])
     mask = torch.tensor([[0, 1, 1, 1], [0, 1, 1, 1], [1, 1, 1, 1], [0, 1, 1, 1]])
-    groups = find_prefix_groups(row_keys(ids, mask, None), 1)
+    groups = find_prefix_groups(grouping_keys(ids, mask, None), 1)
     assert PrefixGroup((0, 3), 3) in groups and all(1 not in g.rows or len(g.rows) == 1 for g in groups)
     positions = torch.tensor([[0, 0, 1, 2], [0, 0, 5, 6], [0, 1, 2, 3], [0, 0, 5, 6]])
-    assert PrefixGroup((0, 3), 2) in find_prefix_groups(row_keys(ids, mask, positions), 1)
+    assert PrefixGroup((0, 3), 2) in find_prefix_groups(grouping_keys(ids, mask, positions), 1)

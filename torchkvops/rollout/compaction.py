@@ -7,9 +7,9 @@ on with it. Nothing else syncs: the plan is made on the host from the `finished`
 
 What moves with a row: its KV (the rows of the decode buffer; in the prefix layout its response KV, and
 the prompts that still have a live row), its position, attention bias, last token, finished flag and
-sampling key, and the tokens (and log-probabilities) it has produced. The step counter is global, and a
-row's sampling key is a hash of its row id, so every row draws the same noise at the same step as it
-would have in the full batch: its tokens do not change (its logits may differ in the last bits, by the
+sampling key, its step (each row counts its own tokens), and the tokens (and log-probabilities) it has
+produced. A row's sampling key is a hash of its row id and its noise is keyed by its own step, so every
+row draws the same noise at the same step as it would have in the full batch: its tokens do not change (its logits may differ in the last bits, by the
 GEMM's blocking at another batch size; the sampled tokens only where two logits tie to that precision).
 
 Sizes. A compacted batch has `bucket(live rows)` rows: every size up to 8, then four per octave (10, 12,

@@ -7,9 +7,9 @@ stores a step's K and V. Two layouts (`RolloutConfig.kv_sharing`):
 
 - "copy": one buffer of B*N rows x (P + R - 1) positions. Prefill writes the B prompts into rows
   [0, B), `repeat_kv_cache_` copies each prompt to its N rows, decode appends at column P + step.
-- "prefix": the B prompts' KV stays where prefill wrote it, once per prompt (`prefix_kv`, B rows x P
-  positions), and each of the B*N rows owns only its response KV (`suffix_kv`, R - 1 positions). The
-  decode attention (`torchkvops.attention`) reads both and merges them; nothing is copied.
+- "prefix": the B prompts' KV stays where prefill wrote it, once per prompt (`prompt_kv`, B rows x P
+  positions), and each of the B*N rows owns only its response KV (`decode_kv`, R - 1 positions). The
+  decode attention (`torchkvops.rollout.attention`) reads both and merges them; nothing is copied.
 
 Two phases, chosen by the caller:
 - prefill: the prompt's K/V (positions [0, P)) go into the prompt rows, and attention uses those K/V

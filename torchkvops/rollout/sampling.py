@@ -54,8 +54,8 @@ class SamplingParams:
 
 
 def sample(logits: Tensor, params: SamplingParams, keys: Tensor, step: Tensor) -> Tensor:
-    """Next token per row: logits [rows, vocab] -> [rows] int64 (keys [rows] int64, step a 1-element
-    int64 tensor, both on logits' device)."""
+    """Next token per row: logits [rows, vocab] -> [rows] int64 (keys [rows] int64; step int64, 1 element
+    for every row or [rows], each row's own; both on logits' device)."""
     return ops.sample_tokens(logits, keys, step, params.temperature, params.top_k, params.top_p)
 
 

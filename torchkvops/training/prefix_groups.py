@@ -29,7 +29,7 @@ from torch import Tensor
 
 from .prefix_attention import Bucket, PackedLayout
 
-__all__ = ["PrefixGroup", "row_keys", "find_prefix_groups", "pack_layout"]
+__all__ = ["PrefixGroup", "grouping_keys", "find_prefix_groups", "pack_layout"]
 
 _PADDING_FLAG = 2**31  # token ids are below 2**31: padding and real columns never share a key
 
@@ -43,7 +43,7 @@ class PrefixGroup:
     prefix: int
 
 
-def row_keys(input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor | None) -> np.ndarray:
+def grouping_keys(input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor | None) -> np.ndarray:
     """[rows, length] (or [rows, length, 2] with position ids) uint32 keys, big-endian, on the host:
     id + 1 at real columns, id + 1 + 2**31 at padding ones (and the position at real columns, offset to
     be non-negative). Host sync: the grouping is decided on the host, once per forward."""

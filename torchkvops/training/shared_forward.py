@@ -56,7 +56,7 @@ from transformers import AttentionInterface, PreTrainedConfig
 from ..hf.adapter import sliding_window, unwrap_model
 from ..hf.integration import PatchHandle, WarnOnce, active_dropout, autocast_dtype, disable_dropout
 from .prefix_attention import SERVED_DEVICES, PackedLayout, packed_attention
-from .prefix_groups import find_prefix_groups, pack_layout, row_keys
+from .prefix_groups import find_prefix_groups, grouping_keys, pack_layout
 from .trl_head import compact_fused_head, uses_trl_fused_head
 
 __all__ = ["patch_forward", "ForwardPatch", "SharedForwardConfig", "SharedForwardStats", "disable_dropout", "NAME"]
@@ -254,7 +254,7 @@ def _plan(backbone: nn.Module, state: _PatchState, args: tuple, kwargs: dict):
         mask = arguments.get("attention_mask")
         mask = torch.ones_like(input_ids, dtype=torch.bool) if mask is None else mask.bool()
         given = arguments.get("position_ids")
-        groups = find_prefix_groups(row_keys(input_ids, mask, given), state.config.min_shared_tokens)
+        groups = find_prefix_groups(grouping_keys(input_ids, mask, given), state.config.min_shared_tokens)
         if all(len(g.rows) == 1 for g in groups):
             reason = (
                 f"no rows that share a prefix of at least min_shared_tokens={state.config.min_shared_tokens} columns"
