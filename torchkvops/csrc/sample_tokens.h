@@ -55,6 +55,7 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 
+#include <array>
 #include <charconv>
 #include <cmath>
 #include <cstdint>
@@ -149,6 +150,17 @@ TORCHKVOPS_HOST_DEVICE_INLINE uint32_t noise_reach_threshold(int d) {
   const double c = -expm1(-exp(-(static_cast<double>(d) - 0.01)));  // the complement a win needs
   if (c <= 0x1p-65) return 0xFFFFFFFFu;                             // below the smallest complement, (0 + 1/2) 2^-64
   return static_cast<uint32_t>(4294967295.0 - ceil(c * 4294967296.0));
+}
+
+// noise_reach_threshold(0 .. kMaxNoiseStep), computed once: the table the CPU kernels read (the CUDA
+// kernel fills one in shared memory per block).
+inline const uint32_t* host_noise_reach() {
+  static const auto table = [] {
+    std::array<uint32_t, kNoiseSteps> t{};
+    for (int d = 0; d < kNoiseSteps; ++d) t[d] = noise_reach_threshold(d);
+    return t;
+  }();
+  return table.data();
 }
 
 // True when a kept token (scaled logit l, high word `high`) certainly does not beat `best`, the score

@@ -104,16 +104,6 @@ uint32_t select_threshold(const float* values, int64_t vocab, uint32_t lower, We
   return prefix;
 }
 
-// noise_reach_threshold(0..46), computed once.
-const uint32_t* noise_reach() {
-  static const auto table = [] {
-    std::array<uint32_t, kNoiseSteps> t{};
-    for (int d = 0; d < kNoiseSteps; ++d) t[d] = noise_reach_threshold(d);
-    return t;
-  }();
-  return table.data();
-}
-
 // Tokens are drawn in blocks: the scaled logits, high words and candidate flags of a whole block are
 // computed by loops the compiler vectorizes, and only the candidates go through the exact test.
 constexpr int kDrawBlock = 256;
@@ -121,7 +111,7 @@ constexpr int kDrawBlock = 256;
 // The running Gumbel-max draw of one row. Blocks must be offered in increasing token order.
 class Draw {
  public:
-  explicit Draw(NoiseKey key) : key_(key), reach_(noise_reach()) {}
+  explicit Draw(NoiseKey key) : key_(key), reach_(host_noise_reach()) {}
 
   // Offers tokens first .. first + n - 1 (n <= kDrawBlock) with scaled logits l[0 .. n). With
   // kMasked, kept[j] says whether top-k / top-p kept token first + j (num_kept of them): a dropped

@@ -94,14 +94,7 @@ struct EmulatedBlock {
     return chosen;
   }
 
-  const uint32_t* noise_reach() {
-    static const auto table = [] {
-      std::array<uint32_t, kNoiseSteps> t{};
-      for (int d = 0; d < kNoiseSteps; ++d) t[d] = noise_reach_threshold(d);
-      return t;
-    }();
-    return table.data();
-  }
+  const uint32_t* noise_reach() { return host_noise_reach(); }
 
  private:
   // cub::BlockReduce's order (BLOCK_REDUCE_WARP_REDUCTIONS, cub/block/specializations/
