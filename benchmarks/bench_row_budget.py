@@ -66,11 +66,11 @@ def main() -> None:
     budgeted = Rollout(model, RolloutConfig(max_rows=args.max_rows, **config))
 
     def run_all(seed):
-        out = unbudgeted._generate(ids, None, seed=seed)
+        out = unbudgeted.generate_rows(ids, None, seed=seed)
         return out, [unbudgeted.get_last_profile()]
 
     def run_budget(seed):
-        out = budgeted._generate(ids, None, seed=seed)
+        out = budgeted.generate_rows(ids, None, seed=seed)
         return out, [budgeted.get_last_profile()]
 
     def run_chunks(seed):
@@ -78,7 +78,7 @@ def main() -> None:
         for start in range(0, args.prompts, per_chunk):
             chunk = ids[start : start + per_chunk]
             row_ids = torch.arange(start * n, (start + chunk.shape[0]) * n)  # each row keeps its global key
-            outs.append(unbudgeted._generate(chunk, None, row_ids=row_ids, seed=seed))
+            outs.append(unbudgeted.generate_rows(chunk, None, row_ids=row_ids, seed=seed))
             profiles.append(unbudgeted.get_last_profile())
         return outs, profiles
 

@@ -97,8 +97,8 @@ def main() -> None:
     elif scenario == "mismatch":
         ids, mask = shard("uneven", rank)
         generated = []  # every local generation: a mismatch must be caught before any
-        real_generate = Rollout._generate
-        Rollout._generate = lambda self, *a, **k: generated.append(1) or real_generate(self, *a, **k)
+        real_generate = Rollout.generate_rows
+        Rollout.generate_rows = lambda self, *a, **k: generated.append(1) or real_generate(self, *a, **k)
         settings = {
             "samples_per_prompt": ({"samples_per_prompt": 2}, {"samples_per_prompt": 3}),
             "temperature": ({"temperature": 1.0, "seed": 1}, {"temperature": 0.7, "seed": 1}),

@@ -41,8 +41,8 @@ def main() -> None:
     warnings.simplefilter("ignore")
     model = sharded_llama()
     rollouts = []
-    original = torchkvops.Rollout._generate
-    torchkvops.Rollout._generate = lambda self, *a, **k: rollouts.append(1) or original(self, *a, **k)
+    original = torchkvops.Rollout.generate_rows
+    torchkvops.Rollout.generate_rows = lambda self, *a, **k: rollouts.append(1) or original(self, *a, **k)
     hf = type(model).generate
     result = {"rank": rank}
     # Different prompts per rank (rank 1's longer and more of them), so their rows end at different steps.

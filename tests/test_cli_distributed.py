@@ -186,12 +186,12 @@ def test_bench_under_torchrun_reports_once_for_every_process(tmp_path):
 FAIL_ON_RANK_1 = (
     "import os, sys, torch\n"
     "from torchkvops.rollout import Rollout\n"
-    "real = Rollout._generate\n"
+    "real = Rollout.generate_rows\n"
     "def generate(self, *args, **kwargs):\n"
     "    if os.environ['RANK'] == '1':\n"
     "        raise torch.OutOfMemoryError('simulated: out of memory on rank 1')\n"
     "    return real(self, *args, **kwargs)\n"
-    "Rollout._generate = generate\n"
+    "Rollout.generate_rows = generate\n"
     "from torchkvops.cli.main import main\n"
     "sys.exit(main(sys.argv[1:]))\n"
 )

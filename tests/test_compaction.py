@@ -15,8 +15,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import torchkvops
 from torchkvops import Rollout, RolloutConfig
 from torchkvops.rollout import compaction
-from torchkvops.rollout.decode import DecodeRunner
+from torchkvops.rollout.graphs import DecodeRunner
 from torchkvops.rollout.kv_cache import KVShape, RolloutKVCache
+from torchkvops.rollout.layouts import CopyLayout, PrefixLayout
 
 LAYOUTS = ["copy", "prefix"]
 SAMPLING = {"greedy": dict(), "seeded": dict(temperature=1.0, seed=3)}
@@ -178,9 +179,9 @@ def test_kv_compaction_gathers_the_rows_and_keeps_every_row_at_home(layout):
     (Rollout.extend reads it there)."""
     cache = RolloutKVCache(KVShape(layers=3, kv_heads=2, head_dim=4), torch.float32, torch.device("cpu"))
     if layout == "copy":
-        cache.prepare_copy(12, 10)
+        cache.prepare(CopyLayout(3), 4, 12, (10,))
     else:
-        cache.prepare_prefix(4, 16, 12, 8)
+        cache.prepare(PrefixLayout(3), 4, 12, (16, 8))
     cache.prompt_kv.copy_(torch.randn(cache.prompt_kv.shape))
     cache.decode_kv.copy_(torch.randn(cache.decode_kv.shape))
     home_prompt, home_decode = cache.prompt_kv, cache.decode_kv
@@ -229,7 +230,7 @@ def test_decode_shapes_stay_bounded_over_many_calls(layout, monkeypatch):
     )
     ids, mask = prompts(4, 9, seed=0, left_pad=[0, 2, 0, 1])
     for seed in range(12):
-        r._generate(ids, mask, seed=seed)
+        r.generate_rows(ids, mask, seed=seed)
     shapes = {key[0] for key in keys}
     assert {s.rows for s in shapes} <= set(compaction.bucket_sizes(16)) and len({s.rows for s in shapes}) > 2
     counters = r.decode_counters()

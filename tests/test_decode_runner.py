@@ -11,7 +11,7 @@ import warnings
 import pytest
 import torch
 
-from torchkvops.rollout import decode
+from torchkvops.rollout import graphs
 
 KEY_A, KEY_B = ("shape A",), ("shape B",)
 
@@ -91,7 +91,7 @@ class FakeCuda:
             torch._C, "_cuda_releasePool", lambda d, p: fake.pool_calls.append(("release", d, p)), raising=False
         )
         monkeypatch.setattr(
-            decode,
+            graphs,
             "_end_generator_capture",
             lambda stream, device: setattr(fake, "generator_resets", fake.generator_resets + 1),
         )
@@ -125,7 +125,7 @@ def fake(monkeypatch):
 
 
 def runner_for(step):
-    return decode.DecodeRunner(step, compile=False, cuda_graphs=True, device=torch.device("cuda", 0))
+    return graphs.DecodeRunner(step, compile=False, cuda_graphs=True, device=torch.device("cuda", 0))
 
 
 def steps(runner, key, count):

@@ -39,13 +39,13 @@ def test_greedy_equals_hf_generate_on_runs_singletons_and_repeats(family_models,
 def test_each_run_is_prefilled_once(llama, monkeypatch):
     """The rollout sees one prompt per run of identical adjacent rows: here 4 (A, B, C, A again)."""
     seen = []
-    original = torchkvops.Rollout._generate
+    original = torchkvops.Rollout.generate_rows
 
     def spy(self, input_ids, *args, **kwargs):
         seen.append((input_ids.shape[0], self.config.samples_per_prompt))
         return original(self, input_ids, *args, **kwargs)
 
-    monkeypatch.setattr(torchkvops.Rollout, "_generate", spy)
+    monkeypatch.setattr(torchkvops.Rollout, "generate_rows", spy)
     ids, mask = batch_with_runs()
     torchkvops.generate(llama, ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
     assert seen == [(4, 3)]  # 4 runs, padded to the longest (3 rows)
@@ -167,13 +167,13 @@ def test_patch_swaps_undoes_and_is_a_context_manager(llama):
     handle = torchkvops.patch_generate(llama)
     assert llama.generate is not original and "generate" in vars(llama)
     calls = []
-    spy = torchkvops.Rollout._generate
+    spy = torchkvops.Rollout.generate_rows
     try:
-        torchkvops.Rollout._generate = lambda self, *a, **k: calls.append(1) or spy(self, *a, **k)
+        torchkvops.Rollout.generate_rows = lambda self, *a, **k: calls.append(1) or spy(self, *a, **k)
         assert torch.equal(llama.generate(input_ids=ids, attention_mask=mask, **kwargs), expected)
         assert calls  # it went through the rollout
     finally:
-        torchkvops.Rollout._generate = spy
+        torchkvops.Rollout.generate_rows = spy
     handle.undo()
     assert "generate" not in vars(llama) and llama.generate == original
     with torchkvops.patch_generate(llama, kv_sharing="prefix") as handle:
@@ -323,9 +323,9 @@ def test_autocast_to_another_dtype_than_the_weights_falls_back(llama, monkeypatc
     rollout's cache holds one dtype, so the call goes to HF's generate (a Trainer with bf16=True wraps
     forward in such an autocast). Weights already in the autocast dtype run through the rollout."""
     calls = []
-    original = torchkvops.Rollout._generate
+    original = torchkvops.Rollout.generate_rows
     monkeypatch.setattr(
-        torchkvops.Rollout, "_generate", lambda self, *a, **k: calls.append(1) or original(self, *a, **k)
+        torchkvops.Rollout, "generate_rows", lambda self, *a, **k: calls.append(1) or original(self, *a, **k)
     )
     ids, mask = batch_with_runs(seed=13)
     kwargs = dict(max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=0)

@@ -30,14 +30,14 @@ def hf_generate(model, *args, **kwargs):
 def served(monkeypatch):
     """How many rollouts ran (calls the rollout served rather than HF's generate)."""
     calls = []
-    original = torchkvops.Rollout._generate
+    original = torchkvops.Rollout.generate_rows
 
     def spy(self, *args, **kwargs):
         out = original(self, *args, **kwargs)
         calls.append(1)  # after it returned: a rollout that raised served nothing
         return out
 
-    monkeypatch.setattr(torchkvops.Rollout, "_generate", spy)
+    monkeypatch.setattr(torchkvops.Rollout, "generate_rows", spy)
     return calls
 
 
@@ -152,14 +152,14 @@ def test_cached_state_is_rebuilt_when_the_model_changes(served, family, change):
 def test_a_model_used_through_torchkvops_is_freed(monkeypatch, device, how):
     """On CUDA the decode graphs (captured from the second call of a shape on) go with the rollout."""
     kv_buffers = []
-    original = torchkvops.Rollout._generate
+    original = torchkvops.Rollout.generate_rows
 
     def spy(self, *args, **kwargs):
         out = original(self, *args, **kwargs)
         kv_buffers.append(weakref.ref(self.cache._storage))
         return out
 
-    monkeypatch.setattr(torchkvops.Rollout, "_generate", spy)
+    monkeypatch.setattr(torchkvops.Rollout, "generate_rows", spy)
     model = FAMILIES["llama"]().to(device)
     ids, mask = (t.to(device) for t in prompts(2, 6, seed=5))
     handle = None
@@ -240,6 +240,13 @@ def _tiny(cls, config_cls, **fields):
     return cls(config_cls(**COMMON, **fields)).eval()
 
 
+def _with_config(model, **fields):
+    """`model` with config fields changed after its layers were built from the old ones."""
+    for name, value in fields.items():
+        setattr(model.config, name, value)
+    return model
+
+
 UNSERVABLE = {
     "bloom": (
         lambda: _tiny(transformers.BloomForCausalLM, transformers.BloomConfig, hidden_size=32, n_layer=2, n_head=4),
@@ -309,16 +316,20 @@ UNSERVABLE = {
         ),
         "attention sinks",
     ),
-    # Multi-query Falcon: nothing in its config says the rollout cannot run it; its first call shows it.
-    "falcon_multi_query": (
-        lambda: _tiny(
-            transformers.FalconForCausalLM,
-            transformers.FalconConfig,
-            hidden_size=32,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            multi_query=True,
-            new_decoder_architecture=False,
+    # Layers whose KV has other heads than the config says (as multi-query Falcon's had before
+    # transformers 5.2x): nothing in the config says the rollout cannot run it; its first call shows it.
+    "kv_heads_unlike_config": (
+        lambda: _with_config(
+            _tiny(
+                transformers.LlamaForCausalLM,
+                transformers.LlamaConfig,
+                hidden_size=32,
+                intermediate_size=32,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+            ),
+            num_key_value_heads=1,
         ),
         None,
     ),
@@ -328,9 +339,9 @@ UNSERVABLE = {
 @pytest.mark.parametrize("name", list(UNSERVABLE))
 def test_models_the_rollout_cannot_run_fall_back_with_a_warning(monkeypatch, name):
     attempts = []
-    original = torchkvops.Rollout._generate
+    original = torchkvops.Rollout.generate_rows
     monkeypatch.setattr(
-        torchkvops.Rollout, "_generate", lambda self, *a, **k: attempts.append(1) or original(self, *a, **k)
+        torchkvops.Rollout, "generate_rows", lambda self, *a, **k: attempts.append(1) or original(self, *a, **k)
     )
     build, cause = UNSERVABLE[name]
     model = build()
@@ -446,14 +457,14 @@ def test_a_call_that_fails_in_the_rollout_does_not_disable_calls_with_other_sett
     """A rollout failure before anything was served falls back for that call and for later calls with the
     same settings (not retried), never for calls with other settings."""
     model = FAMILIES["llama"]()
-    original = torchkvops.Rollout._run
+    original = torchkvops.Rollout.generate_rows
 
     def fails_at_three(self, *args, **kwargs):
         if self.config.max_new_tokens == 3:
             raise RuntimeError("a failure only this setting meets")
         return original(self, *args, **kwargs)
 
-    monkeypatch.setattr(torchkvops.Rollout, "_run", fails_at_three)
+    monkeypatch.setattr(torchkvops.Rollout, "generate_rows", fails_at_three)
     ids, mask = prompts(2, 6, seed=22)
     kwargs = dict(attention_mask=mask, do_sample=False, eos_token_id=None, pad_token_id=0)
     with torchkvops.patch_generate(model):

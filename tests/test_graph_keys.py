@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from torchkvops import Rollout, RolloutConfig
-from torchkvops.rollout.decode import DecodeRunner
+from torchkvops.rollout.graphs import DecodeRunner
 
 LAYOUTS = ["copy", "prefix"]
 # Ops whose tensor input is a constant made on the spot (torch.tensor(...) in the step): not a read.

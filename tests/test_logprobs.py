@@ -101,7 +101,7 @@ def test_filler_rows_hold_zeros(llama):
         ),
     )
     live = torch.tensor([True, False, True, True])
-    out = rollout._generate(ids, mask, live=live)
+    out = rollout.generate_rows(ids, mask, live=live)
     assert bool((out.logprobs[1] == 0).all()) and bool((out.logprobs[live] < 0).all())
 
 

@@ -67,9 +67,9 @@ def test_patch_forward_on_a_peft_model_shares_and_gives_the_plain_lora_gradients
 def test_patch_generate_on_a_peft_model_is_served_and_follows_the_adapters(targets, monkeypatch):
     model = lora(FAMILIES["llama"](), TARGETS[targets], "CAUSAL_LM")
     served = []
-    original = torchkvops.Rollout._generate
+    original = torchkvops.Rollout.generate_rows
     monkeypatch.setattr(
-        torchkvops.Rollout, "_generate", lambda self, *a, **k: served.append(1) or original(self, *a, **k)
+        torchkvops.Rollout, "generate_rows", lambda self, *a, **k: served.append(1) or original(self, *a, **k)
     )
     ids, mask = prompts(4, 8, seed=4, left_pad=[0, 1, 2, 0])
     kwargs = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
@@ -165,9 +165,9 @@ def grpo_lora_run(checkpoint, output_dir, patch_forward: bool, monkeypatch):
     )
     assert isinstance(trainer.model, peft.PeftModel)
     rollouts, fallbacks = [], []
-    original = torchkvops.Rollout._generate
+    original = torchkvops.Rollout.generate_rows
     monkeypatch.setattr(
-        torchkvops.Rollout, "_generate", lambda self, *a, **k: rollouts.append(a[0].shape[0]) or original(self, *a, **k)
+        torchkvops.Rollout, "generate_rows", lambda self, *a, **k: rollouts.append(a[0].shape[0]) or original(self, *a, **k)
     )
     generate = torchkvops.patch_generate(trainer.model)
     fallback = generate.session.original_generate

@@ -80,13 +80,13 @@ def spy_on(model, handle, monkeypatch):
     """Record what TRL passed to and got from model.generate, each rollout's (prompts, samples), and
     every call that reached HF's own generate."""
     calls = {"generate": [], "rollout": [], "hf": []}
-    original_rollout = torchkvops.Rollout._generate
+    original_rollout = torchkvops.Rollout.generate_rows
 
     def rollout_spy(self, input_ids, *args, **kwargs):
         calls["rollout"].append((input_ids.shape[0], self.config.samples_per_prompt))
         return original_rollout(self, input_ids, *args, **kwargs)
 
-    monkeypatch.setattr(torchkvops.Rollout, "_generate", rollout_spy)
+    monkeypatch.setattr(torchkvops.Rollout, "generate_rows", rollout_spy)
     original_hf = handle.session.original_generate
     handle.session.original_generate = lambda *a, **k: calls["hf"].append(1) or original_hf(*a, **k)
     patched = model.generate

@@ -1,6 +1,6 @@
 """One fused attention call, forward (with its log-sum-exp) and backward, on torch's own kernels: the
-one place that dispatches them, for the rollout's decode attention (`torchkvops.attention`) and the
-training forward's shared-prefix attention (`torchkvops.prefix_attention`).
+one place that dispatches them, for the rollout's decode attention (`torchkvops.rollout.attention`) and the
+training forward's shared-prefix attention (`torchkvops.training.prefix_attention`).
 
 - CPU: `_scaled_dot_product_flash_attention_for_cpu` and its backward (grouped-query heads natively).
 - CUDA: torch's memory-efficient kernels (`_scaled_dot_product_efficient_attention` and its backward),
@@ -145,7 +145,7 @@ def attend_backward(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """dq, dk, dv of `attend` given an output and log-sum-exp ([X, H, M], float32), which may be those of a
     larger attention this one is a part of (the merged output and log-sum-exp of a split attention:
-    see torchkvops.prefix_attention)."""
+    see torchkvops.training.prefix_attention)."""
     kernels = _memory_efficient.get(q.device.type)
     if kernels is None:
         if q.device.type != "cpu":

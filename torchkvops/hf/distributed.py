@@ -87,7 +87,7 @@ def generate(
     try:
         if batches[rank]:
             rows = torch.arange(first_row, first_row + batches[rank] * n, device=rollout.device)
-            out = rollout._generate(input_ids, attention_mask, row_ids=rows, seed=seed)
+            out = rollout.generate_rows(input_ids, attention_mask, row_ids=rows, seed=seed)
     except Exception as e:  # noqa: BLE001
         exchange.fail(e)
     status = None if exchange.error else (0 if out is None else out.responses.shape[1], 0, 0)

@@ -513,7 +513,7 @@ def run(call: Call, rollout_for: Callable[[int], Rollout], served: list | None =
     row_ids = (first_out_row[:, None] + slot[None, :]).flatten()
     rollout = rollout_for(samples)
     seed = _call_seed()
-    out = rollout._generate(
+    out = rollout.generate_rows(
         input_ids[starts],
         attention_mask[starts],
         row_ids=row_ids,
@@ -533,11 +533,11 @@ def run_extension(call: Call, rollout: Rollout, rows: list[int], appended: list[
     `appended[i]` (hf.generate_reuse): one `Rollout.extend` in which the rollout's other rows generate
     nothing; the call's rows decode on from their kept KV."""
     plan, input_ids = call.plan, call.input_ids
-    per_row: list[Tensor | None] = [None] * rollout._history.visible.shape[0]
+    per_row: list[Tensor | None] = [None] * rollout.history.visible.shape[0]
     for r, tokens in zip(rows, appended):
         per_row[r] = tokens
-    previous = rollout._history.output
-    _, turn = rollout._call(lambda: rollout._extend(previous, per_row, plan.max_new_tokens, seed=_call_seed()))
+    previous = rollout.history.output
+    _, turn = rollout.extend_turn(previous, per_row, plan.max_new_tokens, seed=_call_seed())
     responses = turn.responses[torch.tensor(rows, device=turn.responses.device)]
     responses = _trim_to_hf_length(responses, plan)
     return torch.cat([input_ids, responses.to(input_ids.device)], dim=1)

@@ -198,7 +198,7 @@ class _Session:
     def keep(self, call: Call, rollout: Rollout, rows: list[int], fingerprint: tuple | None) -> None:
         """Remember this served call (its rollout and the rollout rows that are the call's) for the next."""
         self.last_profile = rollout.get_last_profile()
-        kept = fingerprint is not None and rollout._history is not None  # (a streamed call keeps no KV)
+        kept = fingerprint is not None and rollout.history is not None  # (a streamed call keeps no KV)
         self.kept = KeptCall(rollout, _reuse_settings(call.plan), rows, fingerprint) if kept else None
 
     def warn_once(self, reason: str, where: str = "torchkvops.generate", stacklevel: int = 4) -> None:

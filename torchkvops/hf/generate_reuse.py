@@ -136,7 +136,7 @@ class KeptCall:
     def __init__(self, rollout: Rollout, settings: tuple, candidates: list[int], fingerprint: tuple):
         self.rollout, self.settings, self.fingerprint = rollout, settings, fingerprint
         self.candidates = candidates  # the rollout's rows that are rows of a call (not filler rows)
-        history = rollout._history
+        history = rollout.history
         self.output = history.output
         # tokens -> the rows that hold them (rows with equal histories hold equal KV: any one serves)
         self.rows: dict[tuple[int, ...], list[int]] = {}
@@ -147,7 +147,7 @@ class KeptCall:
 
     def is_current(self) -> bool:
         """Whether the rollout still holds this call's KV (no other call, no release since)."""
-        history = self.rollout._history
+        history = self.rollout.history
         return history is not None and history.output is self.output
 
     def match(self, input_ids: Tensor, attention_mask: Tensor) -> Match | None:

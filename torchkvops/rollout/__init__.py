@@ -1,25 +1,20 @@
 """The rollout engine: prefill each unique prompt once, decode its N samples from one KV cache.
 
-engine.py holds `Rollout` and its stages (prefill, expand, decode, collect); decode.py the decode loop
-and its state (`Decoder`, `DecodeState`, CUDA graphs); kv_cache.py the static KV buffers in both layouts;
-attention.py the attention the model runs during decode; compaction.py which rows to keep; sampling.py,
-lm_head.py and profiling.py the sampler, the float32 LM head and the per-stage timings. It builds on
+engine.py holds `Rollout` and its stages (prefill, expand, decode, collect), config.py `RolloutConfig`;
+decode.py the decode step and the one decode loop (`Decoder`), batch.py the batch whose rows join and
+leave (`DecodeBatch`), state.py the per-row decode state, graphs.py the CUDA-graph runner; layouts.py the
+two KV layouts as objects, kv_cache.py the static KV buffers; attention.py the attention the model runs
+during decode; compaction.py which rows to keep, streaming.py the refill policy of a row budget, turns.py
+what extend goes on with; sampling.py, lm_head.py and profiling.py the sampler, the float32 LM head and
+the per-stage timings. docs/architecture.md draws how a call flows through them. It builds on
 the operators (torchkvops.ops, torchkvops.fused_attention) and the model adapter (torchkvops.hf.adapter),
 never on the generate or training integrations.
 """
 
-from .engine import (
-    KV_LENGTH_MULTIPLE,
-    MIN_TEMPERATURE,
-    RESPONSE_KV_MULTIPLE,
-    NonFiniteLogitsError,
-    Rollout,
-    RolloutConfig,
-    RolloutOutput,
-    check_prompts,
-    kv_lengths,
-    round_up,
-)
+from .config import MIN_TEMPERATURE, RolloutConfig, RolloutOutput
+from .decode import NonFiniteLogitsError
+from .engine import Rollout, check_prompts, kv_lengths
+from .layouts import KV_LENGTH_MULTIPLE, RESPONSE_KV_MULTIPLE, round_up
 from .profiling import RolloutProfile
 
 __all__ = [

@@ -12,7 +12,7 @@ see `decode_attention`), so every attention layer of any supported decoder-only 
   are stacked into one [prompts, kv_heads, N * group, head_dim] matrix against it (Hydragen's trick),
   each row attends to its own response KV separately, and the two partial attentions are merged with
   their log-sum-exps (`merge_attention_states`). Once the batch is compacted as rows end
-  (`torchkvops.compaction`), the rows of a prompt are no longer N consecutive ones: the queries are
+  (`torchkvops.rollout.compaction`), the rows of a prompt are no longer N consecutive ones: the queries are
   gathered into S slots per prompt (`slot_rows`), and each row reads its slot's prefix attention back.
 
 The kernel is torch's own fused attention that also returns the log-sum-exp (`torchkvops.fused_attention`:
@@ -43,11 +43,11 @@ NAME = "torchkvops"
 class DecodeAttention:
     """What the attention layers need during one rollout's decode, besides the K/V of this step."""
 
-    layout: str  # "copy" or "prefix"
-    # Prefix layout: rows [i*N, (i+1)*N) answer prompt i, whose KV is prompt_kv[:, :, i].
+    # Prefix layout (None in the copy layout, where each row holds its prompt's KV): rows [i*N, (i+1)*N)
+    # answer prompt i, whose KV is prompt_kv[:, :, i].
     prompt_kv: Tensor | None = None  # [layers, 2, B, kv_heads, P, head_dim]
     prompt_bias: Tensor | None = None  # [B, 1, 1, P]: 0 where prompt i has a token, -inf elsewhere
-    # Prefix layout of a compacted batch (torchkvops.compaction): rows need not come N per prompt; the
+    # Prefix layout of a compacted batch (torchkvops.rollout.compaction): rows need not come N per prompt; the
     # queries of prompt i are the rows slot_rows[i*S : (i+1)*S] ([B * S]), and row r reads its prefix
     # attention from sample row_sample[r] of prompt row_prompt[r] ([rows] each).
     slot_rows: Tensor | None = None
@@ -55,7 +55,7 @@ class DecodeAttention:
     row_sample: Tensor | None = None
 
     def load(self, state, prompt_kv: Tensor | None) -> None:
-        """Take every field from the decode state being decoded (`torchkvops.decode.DecodeState`) and the KV
+        """Take every field from the decode state being decoded (`torchkvops.rollout.state.DecodeState`) and the KV
         cache's prompt view (prefix layout; None in the copy layout), in one place: the decoder calls this
         whenever it starts decoding a state, so the context never holds a mix of two states. The object
         itself stays the same (a compiled decode step reads it through a global)."""
@@ -127,7 +127,7 @@ def torchkvops_attention(
             f"kv_heads, got query {tuple(query.shape)} and keys {tuple(key.shape)}"
         )
     q = query.reshape(rows, kv_heads, group, head_dim)  # the heads of one KV head, as query length
-    if context.layout == "copy":
+    if context.prompt_kv is None:  # the copy layout: each row's decode buffer holds its prompt too
         out, _ = attend(q, key, value, attention_mask, scale=scaling, with_lse=False)
         return out.reshape(rows, 1, heads, head_dim), None
 

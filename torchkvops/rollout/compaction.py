@@ -21,7 +21,7 @@ it has (with four sizes per octave: whenever the bucket drops) and a check inter
 
 The prefix layout stacks the queries of a prompt's rows against that prompt's KV. Compacted rows no
 longer come in equal groups per prompt, so a compacted batch's shared-prefix attention takes index maps
-instead (`torchkvops.attention`): `slot_rows` [G * S] (the row whose query fills each of S slots of each
+instead (`torchkvops.rollout.attention`): `slot_rows` [G * S] (the row whose query fills each of S slots of each
 of G prompts; padding slots repeat a row) and, per row, the (prompt, slot) its prefix attention is read
 from. Only the attention's prefix part sees the padding (extra queries against KV it reads anyway); the
 model's projections, MLPs and LM head run on the compacted rows alone. Prompts without a live row are
@@ -89,18 +89,26 @@ class Plan:
 
 
 class BatchMap:
-    """Host-side bookkeeping of a compacting rollout: which original row each row of the current batch
-    is, and (prefix layout) which prompt group of the current prompt KV it reads."""
+    """Host-side bookkeeping of a batch (`torchkvops.rollout.batch.DecodeBatch` keeps it): which output row
+    each row of the current batch is (-1: a free row of a streaming batch), and (prefix layout) which
+    prompt group of the current prompt KV each row reads; in a streaming batch also the prompt in each
+    group and how many of its samples have not ended (`group_prompt`, `group_left`)."""
 
     def __init__(self, rows: int, samples: int | None = None):
         self.original = torch.arange(rows)
         self.group = None if samples is None else torch.arange(rows) // samples
         self.groups = 0 if samples is None else rows // samples
+        self.group_prompt: list[int | None] | None = None
+        self.group_left: list[int] | None = None
 
     def apply(self, p: Plan) -> None:
         self.original = self.original[p.rows]
         if p.groups is not None:
             self.group, self.groups = p.row_group, p.groups.numel()
+            if self.group_prompt is not None:
+                kept = p.groups.tolist()
+                self.group_prompt = [self.group_prompt[g] for g in kept]
+                self.group_left = [self.group_left[g] for g in kept]
 
 
 def plan(finished: Tensor, batch: BatchMap, min_rows: int = 2) -> Plan | None:

@@ -1,21 +1,18 @@
-"""The decode loop: one statically shaped step, run eagerly, compiled, or replayed from a CUDA graph, and
-the `Decoder` that owns a rollout's decode.
+"""The decode loop: `Decoder` runs statically shaped steps over a `DecodeBatch` until its policy says stop.
 
-`Decoder` holds everything decode keeps: the decode states (one per `DecodeShape`, kept across calls so
-that a shape that comes back finds the addresses its graph was captured on), the step, the runner and
-the attention context, which it builds from the state it decodes (`DecodeAttention.load`). `start()`
-resets a state and samples every row's first token; `run()` is the loop: steps, the all-ended check
-every FINISHED_CHECK_INTERVAL steps, compaction (`torchkvops.compaction` plans it; the decoder applies
-it: state, KV cache, attention context, write-back of the rows left behind).
-
-Per-row state is declared once (`DecodeState.FIELDS`): what each tensor holds, its shape, and how it
-moves when the batch is compacted, so that a new field cannot be forgotten by the code that moves rows.
+One loop serves every call: steps (eager, compiled or replayed from CUDA graphs, `graphs.DecodeRunner`),
+and every FINISHED_CHECK_INTERVAL steps the all-ended check, the one host sync of decode, which hands the
+rows' `finished` flags to a policy:
+- `UntilEnded` (generate, extend): stop when every row has ended (on every process, with a collective),
+  else compact the batch when enough rows have ended (`torchkvops.rollout.compaction`);
+- the streaming batch's refill (`torchkvops.rollout.streaming`): retire ended rows, admit waiting samples
+  into them, compact the tail once nothing waits.
 
 A step feeds every row's last token, writes its K/V at `write_pos`, samples the next token with the
 `sample_tokens` operator (`sample_tokens_with_logprobs` when log-probabilities are asked for) and
-records it; it reads and updates only tensors that keep their addresses
-for the whole rollout (`DecodeState`, the KV buffers, the model's parameters) and never syncs with the
-host, so on CUDA it is captured once per decode shape and replayed (`DecodeRunner`).
+records it; it reads and updates only tensors that keep their addresses for the whole rollout (the
+decode state, the KV buffers, the model's parameters) and never syncs with the host, so on CUDA it is
+captured once per decode shape and replayed.
 
 Graph keys. A captured graph replays kernels on fixed addresses: it is keyed by the decode shape and
 by the address of every tensor it reads that may be made anew while the graph is kept (the state, the
@@ -32,7 +29,6 @@ values.
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from collections import OrderedDict  # (the bounded record of graph keys)
 from collections.abc import Callable
 
@@ -42,16 +38,17 @@ from torch import Tensor
 from ..hf.adapter import ModelAdapter
 from ..hf.integration import LRU
 from . import attention, compaction
+from .batch import DecodeBatch, visible_bias
+from .graphs import DecodeRunner
 from .kv_cache import RolloutKVCache
 from .sampling import SamplingParams, row_keys, sample, sample_with_logprobs
+from .state import DecodeShape, DecodeState
 
 __all__ = [
-    "DecodeShape",
-    "DecodeState",
     "DecodeStep",
-    "DecodeRunner",
     "Decoder",
     "DecodeCounters",
+    "UntilEnded",
     "NonFiniteLogitsError",
     "FINISHED_CHECK_INTERVAL",
     "MAX_DECODE_STATES",
@@ -60,131 +57,8 @@ __all__ = [
 # The all-rows-ended check syncs with the host, so decode makes it only every this many steps.
 FINISHED_CHECK_INTERVAL = 8
 # Decode states (and so decode graphs) kept for this many distinct decode shapes: with compaction, a
-# rollout configuration of R rows has up to 8 + 4 log2(R / 8) of them (torchkvops.compaction).
+# rollout configuration of R rows has up to 8 + 4 log2(R / 8) of them (torchkvops.rollout.compaction).
 MAX_DECODE_STATES = 48
-
-# How many captured graphs a rollout keeps (least recently used dropped first); they share one memory
-# pool, in which a step's temporaries (all freed by the step's end) reuse the same blocks. Compaction
-# (torchkvops.compaction) adds the shapes of the compacted batches: a few per rollout configuration.
-MAX_CUDA_GRAPHS = 48
-_RecompileLimitHit = getattr(torch._dynamo.exc, "FailOnRecompileLimitHit", RuntimeError)
-
-
-@dataclasses.dataclass(frozen=True)
-class DecodeShape:
-    """What fixes a decode step's tensors (and so its graph): rows, the decode buffer's key length, the
-    response length, the model's dtype; in the prefix layout the prompts and their key length, and for a
-    compacted prefix-layout batch its query slots per prompt (torchkvops.compaction); whether
-    log-probabilities are recorded."""
-
-    rows: int
-    mask_len: int
-    max_new_tokens: int
-    dtype: torch.dtype
-    prompts: int = 0
-    prompt_len: int = 0
-    logprobs: bool = False
-    slots: int = 0
-
-
-@dataclasses.dataclass(frozen=True)
-class _Field:
-    """One tensor of a DecodeState. `per`: what its first dim indexes, and so how compaction moves it:
-    "row" (gathered with its row), "prompt" (gathered with its prompt group), "slot" (set from the
-    compaction's plan)."""
-
-    name: str
-    per: str
-    dims: Callable[[DecodeShape], tuple[int, ...] | None]  # its shape, or None when the shape has none
-    dtype: torch.dtype | None = torch.long  # None: the model's dtype
-    doc: str = ""
-
-
-def _if(condition: bool, dims: tuple[int, ...]) -> tuple[int, ...] | None:
-    return dims if condition else None
-
-
-class DecodeState:
-    """Statically shaped tensors that the decode step reads and updates in place, one set per DecodeShape."""
-
-    FIELDS = (
-        _Field("tokens", "row", lambda s: (s.rows, 1), doc="the token fed next"),
-        _Field("position_ids", "row", lambda s: (s.rows, 1)),
-        _Field(
-            "bias",
-            "row",
-            lambda s: (s.rows, 1, 1, s.mask_len),
-            None,
-            "additive bias over the decode buffer's keys: 0 where a row may attend, -inf elsewhere",
-        ),
-        _Field("finished", "row", lambda s: (s.rows,), torch.bool),
-        _Field("keys", "row", lambda s: (s.rows,), doc="per-row sampling keys"),
-        _Field(
-            "nonfinite_step",
-            "row",
-            lambda s: (s.rows,),
-            doc="the first step at which a live row's logits could not be sampled from (NaN, +inf, or all "
-            "-inf: HF's sampling raises there); -1 while none",
-        ),
-        # One spare column: where a row that has its max_new_tokens tokens writes (the pad id) while others
-        # go on (rows that joined a streaming batch later, torchkvops.rollout.streaming).
-        _Field("responses", "row", lambda s: (s.rows, s.max_new_tokens + 1)),
-        _Field(
-            "logprobs",
-            "row",
-            lambda s: _if(s.logprobs, (s.rows, s.max_new_tokens + 1)),
-            torch.float32,
-            "each sampled token's log-probability (0 once the row has ended), as responses",
-        ),
-        _Field(
-            "prompt_bias",
-            "prompt",
-            lambda s: _if(s.prompts > 0, (s.prompts, 1, 1, s.prompt_len)),
-            None,
-            "prefix layout: the bias over each prompt's shared KV",
-        ),
-        # A compacted prefix-layout batch (slots > 0): the shared-prefix attention's query slots, S per
-        # prompt: the row at each slot, and each row's slot as (prompt, sample).
-        _Field("slot_rows", "slot", lambda s: _if(s.slots > 0, (s.prompts * s.slots,))),
-        _Field("row_prompt", "slot", lambda s: _if(s.slots > 0, (s.rows,))),
-        _Field("row_sample", "slot", lambda s: _if(s.slots > 0, (s.rows,))),
-        _Field(
-            "step",
-            "row",
-            lambda s: (s.rows,),
-            doc="each row's index of the token it samples next: its own step, which keys its sampling noise",
-        ),
-    )
-
-    def __init__(self, shape: DecodeShape, device: torch.device):
-        self.shape = shape
-        for f in self.FIELDS:
-            dims = f.dims(shape)
-            value = None if dims is None else torch.zeros(dims, dtype=f.dtype or shape.dtype, device=device)
-            setattr(self, f.name, value)
-
-    @property
-    def rows(self) -> int:
-        return self.shape.rows
-
-    def scatter_rows_from(self, sub: DecodeState, rows: Tensor) -> None:
-        """The "row" fields of `sub` (a state of len(rows) rows) into rows `rows` of this one."""
-        for f in self.FIELDS:
-            if f.per == "row" and getattr(self, f.name) is not None:
-                getattr(self, f.name).index_copy_(0, rows, getattr(sub, f.name))
-
-    def tensors(self) -> list[Tensor]:
-        return [t for t in (getattr(self, f.name) for f in self.FIELDS) if t is not None]
-
-    def gather_into(self, new: DecodeState, rows: Tensor, groups: Tensor | None) -> None:
-        """Move the rows `rows` (device int64) into `new`, and (prefix layout) the prompt groups `groups`:
-        every field as its declaration says; "slot" fields are the caller's (they come from a plan)."""
-        for f in self.FIELDS:
-            src = getattr(self, f.name)
-            if src is None or f.per == "slot":
-                continue
-            if f.per == "row" or groups is not None:
-                torch.index_select(src, 0, rows if f.per == "row" else groups, out=getattr(new, f.name))
 
 
 class DecodeStep:
@@ -271,198 +145,6 @@ class DecodeStep:
         s.step.add_(1)
 
 
-class DecodeRunner:
-    """Runs `DecodeStep`s eagerly, compiled (torch.compile, fullgraph, with the row and key-length dims
-    dynamic so that new batch sizes and lengths reuse the graph) and, on CUDA, from captured graphs."""
-
-    def __init__(self, step: DecodeStep, compile: bool, cuda_graphs: bool, device: torch.device):
-        self.step = step
-        self.fn: Callable[[], None] = torch.compile(step.__call__, fullgraph=True) if compile else step.__call__
-        self.compiled = compile
-        self.use_graphs = cuda_graphs and device.type == "cuda"
-        self.device = device
-        self.graphs: LRU[tuple, torch.cuda.CUDAGraph] = LRU(MAX_CUDA_GRAPHS)
-        self.warmed: set[tuple] = set()
-        self.eager_keys: set[tuple] = set()  # shapes whose compile or capture failed: run eagerly
-        self._pool = None
-        self._stream = None
-        self._failed_graphs: list[torch.cuda.CUDAGraph] = []  # see _recover_from_failed_capture
-        self.key: tuple | None = None
-
-    def start(self, dynamic_tensors: list[tuple[Tensor, tuple[int, ...]]], graph_key: tuple) -> None:
-        """Before a rollout's first step: mark the dims that vary between rollouts as dynamic for the
-        compiler, and pick the graph key (shape and addresses) of this rollout."""
-        if self.compiled:
-            for t, dims in dynamic_tensors:
-                for d in dims:
-                    torch._dynamo.maybe_mark_dynamic(t, d)
-        self.key = graph_key
-
-    def __call__(self) -> None:
-        key = self.key
-        if key in self.eager_keys:
-            return self.step()
-        if not self.use_graphs:
-            return self._run_compiled_or_eager(key)
-        graph = self.graphs.get(key)
-        if graph is not None:
-            return graph.replay()
-        if key not in self.warmed:  # the first step of a new key runs for real, on the capture stream
-            self._warm_up(key)
-            self.warmed.add(key)
-            return None
-        graph = self._capture(key)
-        if graph is None:
-            return self.step()
-        graph.replay()  # capturing recorded the step without running it
-        return None
-
-    def _run_compiled_or_eager(self, key) -> None:
-        if not self.compiled:
-            return self.step()
-        try:
-            return self.fn()
-        except _RecompileLimitHit as e:
-            # Dynamo refuses to compile this shape again (its recompile limit, counted over every
-            # rollout compiled in this process): never fail a rollout for it; run it eagerly.
-            warnings.warn(
-                f"torchkvops: compiled decode hit torch._dynamo's recompile limit ({e}); this decode "
-                "shape runs eagerly. Raise torch._dynamo.config.recompile_limit to compile it.",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-            self.eager_keys.add(key)
-            return self.step()
-
-    def _warm_up(self, key) -> None:
-        """Run the first step of a new key for real on the capture stream. Eager steps are watched for
-        host syncs (the model's own, e.g. data-dependent routing): a step that syncs cannot be captured,
-        and a failed capture leaves torch's CUDA state half torn down, so such a model runs without
-        graphs and no capture is tried. (Compiled steps are not watched: compiling copies constants to
-        the device once, and a model that syncs does not compile with fullgraph=True anyway.)"""
-
-        def run() -> None:
-            self._on_side_stream(lambda: self._run_compiled_or_eager(key))
-
-        if self.compiled:
-            return run()
-        sync = _first_host_sync(run)
-        if sync is not None:
-            self._give_up_graphs(key, f"the decode step syncs with the host ({sync})")
-
-    def _side_stream(self) -> torch.cuda.Stream:
-        """The stream that warm-up and capture run on, on the model's device (not the current one)."""
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(device=self.device)
-        return self._stream
-
-    def _on_side_stream(self, fn: Callable[[], None]) -> None:
-        current = torch.cuda.current_stream(self.device)
-        self._side_stream().wait_stream(current)
-        with torch.cuda.stream(self._side_stream()):  # also makes the stream's device current
-            fn()
-        current.wait_stream(self._side_stream())
-
-    def _capture(self, key) -> torch.cuda.CUDAGraph | None:
-        """Capture one step on the side stream (torch.cuda.graph's steps, written out so that a failed
-        capture still restores the caller's stream; torch 2.11's graph context skips that when
-        capture_end raises)."""
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        torch.cuda.synchronize(self.device)
-        error: BaseException | None = None
-        with torch.cuda.stream(self._side_stream()):
-            # thread_local: unsafe CUDA calls of other threads (a data loader's pinned-memory thread)
-            # do not invalidate this capture.
-            graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
-            try:
-                self._run_compiled_or_eager(key)
-            except Exception as e:  # noqa: BLE001 - reported below, after the capture is ended
-                error = e
-            try:
-                graph.capture_end()
-            except Exception as e:  # noqa: BLE001 - an invalidated capture; the first error is the cause
-                error = error or e
-        if error is not None:
-            self._recover_from_failed_capture(graph)
-            self._give_up_graphs(
-                key, f"its CUDA-graph capture failed ({type(error).__name__}: {' '.join(str(error).split())[:300]})"
-            )
-            return None
-        return self.graphs.put(key, graph)
-
-    def _recover_from_failed_capture(self, graph: torch.cuda.CUDAGraph) -> None:
-        """Undo what a failed capture leaves behind (torch 2.11's capture_end raises before its own
-        clean-up): the caching allocator still routes this capture's allocations to the pool and holds
-        a filter that points at `graph` (kept alive here, so that it never dangles), and the default
-        CUDA generator stays in capture mode, so that every later eager random op (dropout, HF's
-        sampling) would raise "Offset increment outside graph capture". The allocator calls are the
-        ones torch.cuda.use_mem_pool makes on leaving; a capture that succeeds resets the generator."""
-        self._failed_graphs.append(graph)
-        device = self.device.index if self.device.index is not None else torch.cuda.current_device()
-        try:
-            torch._C._cuda_endAllocateToPool(device, self._pool)  # a no-op where torch already did it
-            if not self.graphs:
-                # The failed capture's hold on the pool, released only when no captured graph shares
-                # the pool: a torch that released it itself must never see it released twice while
-                # live graphs use it (this leaks the pool's memory then, rather than freeing it early).
-                torch._C._cuda_releasePool(device, self._pool)
-        except Exception:  # noqa: BLE001 - best effort: a torch that cleaned up itself may refuse these
-            pass
-        self._pool = None  # the graphs captured so far keep theirs alive; new captures use a new one
-        _end_generator_capture(self._side_stream(), self.device)
-
-    def _give_up_graphs(self, key, reason: str) -> None:
-        warnings.warn(
-            f"torchkvops: decode runs without CUDA graphs for this rollout, because {reason}",
-            RuntimeWarning,
-            stacklevel=4,
-        )
-        self.use_graphs = False
-        self.eager_keys.add(key)
-        self.graphs.clear()  # never replayed again: free their memory
-
-    def reset(self) -> None:
-        """Forget every captured graph (their pool memory is freed once no graph uses it)."""
-        self.graphs.clear()
-        self.warmed.clear()
-        self._pool = None
-
-
-def _end_generator_capture(stream: torch.cuda.Stream, device: torch.device) -> None:
-    """Take the default CUDA generator out of capture mode after a failed capture: a capture that
-    succeeds ends with it out of capture mode."""
-    probe, scratch = torch.cuda.CUDAGraph(), torch.zeros(1, device=device)
-    torch.cuda.synchronize(device)
-    with torch.cuda.stream(stream):
-        probe.capture_begin(capture_error_mode="thread_local")
-        scratch.add_(1)
-        probe.capture_end()
-    torch.cuda.synchronize(device)
-
-
-def _first_host_sync(fn: Callable[[], None]) -> str | None:
-    """Run `fn` with torch's CUDA sync debug mode on; the first host sync it made (torch's warning), or
-    None. Other warnings `fn` raises are passed on. A caller's own sync debug mode is left alone (and
-    nothing is watched then: "error" raises at the sync anyway)."""
-    if torch.cuda.get_sync_debug_mode() != 0:
-        fn()
-        return None
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            fn()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    syncs = [w for w in caught if "synchronizing CUDA operation" in str(w.message)]
-    for w in caught:
-        if w not in syncs:
-            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-    return str(syncs[0].message).splitlines()[0] if syncs else None
-
-
 class NonFiniteLogitsError(RuntimeError):
     """Sampling met logits holding NaN or +inf (or only -inf) on a live row, where Hugging Face's sampling
     raises "probability tensor contains either inf, nan or element < 0". Greedy decoding takes the
@@ -486,38 +168,57 @@ class DecodeCounters:
 _KEYS_KEPT = 4096  # DecodeCounters.graph_keys counts among the last this many keys (a bounded record)
 
 
-class Decoder:
-    """A rollout's decode: its states, step, runner and attention context, and the loop (module docstring).
+class UntilEnded:
+    """The policy of a call (generate, extend): decode until every row has max_new_tokens tokens or has
+    ended (on every process, with `ended_everywhere`: a collective), compacting the batch as rows end
+    (`compacts`) while a check interval of steps is left."""
 
-    `layout`: the KV layout ("copy" or "prefix"); `samples`: rows per prompt; `compacts`: compact the
-    batch as rows end (needs EOS ids); `graph_extra`: more addresses a step reads (a float32 LM head's)."""
+    def __init__(self, max_new_tokens: int, compacts: bool, ended_everywhere: Callable[[bool], bool] | None = None):
+        self.max_steps = max_new_tokens - 1  # the first token is sampled from prefill's logits
+        self.compacts, self.ended_everywhere = compacts, ended_everywhere
+
+    def on_check(self, batch: DecodeBatch, finished: Tensor, steps: int) -> bool:
+        ended = bool(finished.all())
+        if self.ended_everywhere is not None:
+            ended = self.ended_everywhere(ended)
+        if ended:
+            return True
+        if self.compacts and self.max_steps - steps >= FINISHED_CHECK_INTERVAL:
+            plan = batch.plan(finished)
+            if plan is not None:
+                batch.compact(plan, steps + 1)
+        return False
+
+
+class Decoder:
+    """A rollout's decode: its states (one per decode shape, kept across calls), step, runner and attention
+    context, and the loop (module docstring).
+
+    `layout`: the KV layout (torchkvops.rollout.layouts); `compacts`: compact the batch as rows end;
+    `graph_extra`: more addresses a step reads (a float32 LM head's)."""
 
     def __init__(
         self,
         adapter: ModelAdapter,
         cache: RolloutKVCache,
-        params: SamplingParams,
-        pad_id: int,
-        eos: Tensor | None,
+        step: DecodeStep,
+        layout,
         *,
-        min_new_tokens: int,
-        logprobs: bool,
-        layout: str,
-        samples: int,
         compile: bool,
         cuda_graphs: bool,
         compacts: bool,
         graph_extra: Callable[[], tuple] = tuple,
     ):
-        self.adapter, self.cache, self.params, self.pad_id, self.eos = adapter, cache, params, pad_id, eos
-        self.logprobs, self.layout, self.samples = logprobs, layout, samples
-        self.compacts = compacts and eos is not None  # compaction happens at the all-ended check
+        self.adapter, self.cache, self.step, self.layout = adapter, cache, step, layout
+        self.pad_id = step.pad_id
+        self.compacts = compacts and step.eos is not None  # compaction happens at the all-ended check
         self.leaves_out_ended = compacts  # initial_plan needs no EOS ids: the caller knows which rows ended
         self.graph_extra = graph_extra
-        self.step = DecodeStep(adapter, cache, params, pad_id, eos, min_new_tokens, logprobs=logprobs)
-        self.runner = DecodeRunner(self.step, compile, cuda_graphs, adapter.device)
-        self.context = attention.DecodeAttention(layout)
+        self.runner = DecodeRunner(step, compile, cuda_graphs, adapter.device)
+        self.context = attention.DecodeAttention()
         self.states: LRU[DecodeShape, DecodeState] = LRU(MAX_DECODE_STATES)
+        self._bound: DecodeState | None = None  # what the step, context and graph key point at
+        self._bound_views: tuple[int, int] | None = None
         self._graph_keys: OrderedDict[int, None] = OrderedDict()  # hashes of the last _KEYS_KEPT keys met
         self._compactions = 0
 
@@ -532,7 +233,12 @@ class Decoder:
         self.states.clear()
         self.runner.reset()
         self.step.state, self.step.kwargs = None, {}
-        self.context = attention.DecodeAttention(self.layout)
+        self._bound = None
+        self.context = attention.DecodeAttention()
+
+    def state_for(self, shape: DecodeShape) -> DecodeState:
+        """The decode state of this shape, kept (least recently used dropped past MAX_DECODE_STATES)."""
+        return self.states.put(shape, self.states.get(shape) or DecodeState(shape, self.adapter.device))
 
     # --- a call ----------------------------------------------------------------------------------
     def start(
@@ -547,43 +253,32 @@ class Decoder:
         write_start: int,
         max_new_tokens: int,
         prompt_visible: Tensor | None = None,
-    ) -> DecodeState:
-        """Reset the decode state for a call and sample every row's first token from `first_logits`
-        [rows, vocab]. What each row sees: `visible` [rows, C] (bool) over the decode buffer's first C
-        columns, and in the prefix layout `prompt_visible` [prompts, P'] over its prompt's KV; `positions`
-        [rows]: the position of the token each row feeds first; decode writes from column `write_start`
-        on. `live` [rows] (bool, optional): False for rows that have ended before they start (filler
-        rows, rows an extend leaves alone), which only ever hold the pad id."""
-        cache = self.cache
-        prefix = self.layout == "prefix"
+    ) -> DecodeBatch:
+        """A batch of every row of a call, each row's first token sampled from `first_logits` [rows,
+        vocab]. What each row sees: `visible` [rows, C] (bool) over the decode buffer's first C columns,
+        and in the prefix layout `prompt_visible` [prompts, P'] over its prompt's KV; `positions` [rows]:
+        the position of the token each row feeds first; decode writes from column `write_start` on.
+        `live` [rows] (bool, optional): False for rows that have ended before they start."""
         rows = first_logits.shape[0]
-        s = self._state(
-            DecodeShape(
-                rows,
-                cache.decode_kv.shape[4],
-                max_new_tokens,
-                self.adapter.dtype,
-                prompt_visible.shape[0] if prefix else 0,
-                cache.prompt_kv.shape[4] if prefix else 0,
-                self.logprobs,
-            )
+        prompts = 0 if prompt_visible is None else prompt_visible.shape[0]
+        shape = self.layout.decode_shape(
+            self.cache, rows, prompts, max_new_tokens, self.adapter.dtype, self.step.logprobs
         )
-        s.bias.fill_(float("-inf"))
-        s.bias[:, 0, 0, : visible.shape[1]].masked_fill_(visible, 0.0)
-        if prefix:  # the prompts are seen through the prefix part
-            s.prompt_bias.fill_(float("-inf"))
-            s.prompt_bias[:, 0, 0, : prompt_visible.shape[1]].masked_fill_(prompt_visible, 0.0)
-        s.position_ids.copy_(positions[:, None])
-        s.finished.zero_()
-        if live is not None:
-            s.finished.copy_(~live.to(s.finished.device, torch.bool))
-        s.step.zero_()
-        s.nonfinite_step.fill_(-1)
-        s.keys.copy_(row_keys(seed, row_ids.to(s.keys.device, torch.long)))
-        self.step.bind(s)
-        self.step.draw(first_logits)
-        cache.start_decode(write_start)
-        return s
+        batch = DecodeBatch(self, self.state_for(shape), self.layout.batch_map(rows))
+        if prompt_visible is not None:
+            batch.show_prompts(None, prompt_visible)
+        self.step.bind(batch.state)
+        batch.admit(
+            None,
+            torch.arange(rows),
+            first_logits,
+            keys=row_keys(seed, row_ids.to(batch.state.keys.device, torch.long)),
+            positions=positions,
+            bias=visible_bias(visible, shape.mask_len),
+            live=live,
+        )
+        self.cache.start_decode(write_start)
+        return batch
 
     def initial_plan(self, ended: Tensor) -> compaction.Plan | None:
         """The compaction that leaves out the rows that have ended before a call's decode starts (host
@@ -592,147 +287,75 @@ class Decoder:
         first logits); `run(..., initial_plan=)` gathers the state."""
         if not self.leaves_out_ended or not bool(ended.any()) or bool(ended.all()):
             return None
-        return compaction.plan(
-            ended, compaction.BatchMap(ended.numel(), self.samples if self.layout == "prefix" else None)
-        )
+        return compaction.plan(ended, self.layout.batch_map(ended.numel()))
 
-    def run(
+    def run_call(
         self,
-        first: DecodeState,
+        batch: DecodeBatch,
         ended_everywhere: Callable[[bool], bool] | None = None,
         initial_plan: compaction.Plan | None = None,
-    ) -> tuple[int, int]:
-        """Decode steps until every row has max_new_tokens tokens or has ended (on every process, with
-        `ended_everywhere`: a collective), compacting the batch as rows end; `first`'s responses (and
-        logprobs) then hold every row's tokens. Returns the step count and the row-steps computed (rows
-        sampled, summed over the tokens). Raises NonFiniteLogitsError at the first check after a live
-        row's logits could not be sampled from. `initial_plan` (see `initial_plan()`): decode starts with
-        the batch it keeps, the KV cache already gathered."""
-        new_tokens = first.shape.max_new_tokens
-        state, steps, row_steps = first, 0, first.rows
-        batch = (
-            compaction.BatchMap(first.rows, self.samples if self.layout == "prefix" else None)
-            if self.compacts or initial_plan is not None
-            else None
-        )
-        if initial_plan is not None:  # the KV cache is gathered already (initial_plan)
-            state = self._compact(first, state, batch, initial_plan, 1, cache_gathered=True)
-            row_steps = initial_plan.size  # the rows whose first token was computed
-        self._bind(state)
-        with attention.decode_attention(self.adapter.model, self.context):
-            while steps + 1 < new_tokens:
-                self.runner()
-                steps += 1
-                row_steps += state.rows
-                if self.eos is None or steps % FINISHED_CHECK_INTERVAL:
-                    continue
-                # Host sync: reads `finished` (and the non-finite record) every few steps to stop early and
-                # to compact; not made without EOS ids. Compaction (planned on the host from these flags)
-                # adds no other sync.
-                flags = torch.stack([state.finished.long(), state.nonfinite_step]).cpu()
-                finished = flags[0].bool()
-                _raise_on_nonfinite(flags[1])
-                ended = bool(finished.all())
-                if ended_everywhere is not None:
-                    ended = ended_everywhere(ended)
-                if ended:
-                    break
-                if batch is not None and new_tokens - 1 - steps >= FINISHED_CHECK_INTERVAL:
-                    plan = compaction.plan(finished, batch)
-                    if plan is not None:
-                        state = self._compact(first, state, batch, plan, steps + 1)
-                        self._bind(state)
-        if state is not first:
-            self._write_back(first, state, batch, steps + 1)
-        self.cache.finish_decode(None if batch is None else batch.original.to(first.tokens.device))
-        return steps, row_steps
+    ) -> int:
+        """Decode a call's batch (`UntilEnded`); `initial_plan` (see `initial_plan()`): decode starts with
+        the rows it keeps, the KV cache already gathered. Returns the step count; the batch's output then
+        holds every row's tokens."""
+        if initial_plan is not None:
+            batch.compact(initial_plan, 1, cache_gathered=True)
+            batch.row_steps = initial_plan.size  # only the kept rows' first token was computed
+        policy = UntilEnded(batch.first.shape.max_new_tokens, self.compacts, ended_everywhere)
+        steps = self.run(batch, policy, checks=self.step.eos is not None)
+        batch.finish(steps + 1)
+        return steps
 
-    def check_nonfinite(self, state: DecodeState) -> None:
-        """After `run`, in sampling: raise NonFiniteLogitsError if any live row met logits it could not
-        sample from since the last check. Host sync: one read, once per call."""
-        if not self.params.greedy:
-            _raise_on_nonfinite(state.nonfinite_step.cpu())
-
-    # --- a streaming batch (torchkvops.rollout.streaming) ------------------------------------------
-    def state_for(self, shape: DecodeShape) -> DecodeState:
-        """The decode state of this shape (kept across calls, as every decode shape's)."""
-        return self._state(shape)
-
-    def bind(self, state: DecodeState) -> None:
-        """Decode `state` from now on (see `_bind`)."""
-        self._bind(state)
-
-    def decoding(self):
-        """The context in which the model's attention is the decode attention (`run` enters it itself)."""
-        return attention.decode_attention(self.adapter.model, self.context)
-
-    def draw_rows(self, rows: Tensor, logits: Tensor) -> None:
-        """Sample the first token of the bound state's rows `rows` (device int64) from `logits`
-        [len(rows), vocab], leaving the other rows as they are: rows that join a running batch."""
-        state = self.step.state
-        sub = DecodeState(dataclasses.replace(state.shape, rows=rows.numel(), prompts=0, slots=0), state.tokens.device)
-        state.gather_into(sub, rows, None)
-        self.step.state = sub
+    # --- the loop --------------------------------------------------------------------------------
+    def run(self, batch: DecodeBatch, policy, checks: bool = True) -> int:
+        """Decode steps over `batch` until `policy.max_steps` steps (None: no bound) or until the policy's
+        `on_check(batch, finished, steps)` says stop at an all-ended check (every FINISHED_CHECK_INTERVAL
+        steps, when `checks`). Returns the step count. Raises NonFiniteLogitsError at the first check after
+        a live row's logits could not be sampled from."""
+        steps, limit = 0, policy.max_steps
+        self._bound = None  # bound anew for every call: the weights or the cache's positions may be new
+        self._bind(batch.state)
         try:
-            self.step.draw(logits)
+            while limit is None or steps < limit:
+                self._bind(batch.state)  # (again after a compaction)
+                stretch = FINISHED_CHECK_INTERVAL - steps % FINISHED_CHECK_INTERVAL if checks else limit - steps
+                stretch = stretch if limit is None else min(stretch, limit - steps)
+                with attention.decode_attention(self.adapter.model, self.context):
+                    for _ in range(stretch):
+                        self.runner()
+                steps += stretch
+                batch.row_steps += stretch * batch.rows
+                if not checks or steps % FINISHED_CHECK_INTERVAL:
+                    continue
+                # Host sync: reads `finished` (and the non-finite record) every few steps to stop early,
+                # to compact and to refill; the policy adds no other.
+                flags = torch.stack([batch.state.finished.long(), batch.state.nonfinite_step]).cpu()
+                _raise_on_nonfinite(flags[1])
+                if policy.on_check(batch, flags[0].bool(), steps):
+                    break
         finally:
-            self.step.state = state
-        state.scatter_rows_from(sub, rows)
+            self._compactions += batch.compactions
+            batch.compactions = 0
+        return steps
 
-    # --- states, compaction, binding ---------------------------------------------------------------
-    def _state(self, shape: DecodeShape) -> DecodeState:
-        """The decode state of this shape, kept (least recently used dropped past MAX_DECODE_STATES)."""
-        return self.states.put(shape, self.states.get(shape) or DecodeState(shape, self.adapter.device))
-
-    def _compact(
-        self,
-        first: DecodeState,
-        state: DecodeState,
-        batch: compaction.BatchMap,
-        plan: compaction.Plan,
-        tokens: int,
-        cache_gathered: bool = False,
-    ) -> DecodeState:
-        """Go on with the rows of `plan` (torchkvops.compaction) after `tokens` tokens: a state of the
-        compacted shape holds them, the KV cache keeps theirs, `first` keeps the others'."""
-        device = state.tokens.device
-        rows = plan.rows.to(device)
-        groups = None if plan.groups is None else plan.groups.to(device)
-        new = self._state(dataclasses.replace(state.shape, rows=plan.size, prompts=plan.prompts, slots=plan.slots))
-        state.gather_into(new, rows, groups)
-        if plan.slot_rows is not None:
-            new.slot_rows.copy_(plan.slot_rows)
-            new.row_prompt.copy_(plan.row_slot // plan.slots)
-            new.row_sample.copy_(plan.row_slot % plan.slots)
-        if not cache_gathered:
-            self.cache.compact(rows, groups, batch.original.to(device))
-        if state is not first:
-            self._write_back(first, state, batch, tokens)
-        # Rows that end here hold the pad id (and log-probability 0) from now on, as in a full batch; the
-        # others are written back again later.
-        first.responses[:, tokens:].fill_(self.pad_id)
-        if first.logprobs is not None:
-            first.logprobs[:, tokens:].zero_()
-        batch.apply(plan)
-        self._compactions += 1
-        return new
-
-    def _write_back(self, first: DecodeState, state: DecodeState, batch: compaction.BatchMap, tokens: int) -> None:
-        """The first `tokens` tokens (and logprobs) of the compacted batch's rows, into their original rows."""
-        original = batch.original.to(first.responses.device)
-        first.responses[:, :tokens].index_copy_(0, original, state.responses[:, :tokens])
-        if first.logprobs is not None:
-            first.logprobs[:, :tokens].index_copy_(0, original, state.logprobs[:, :tokens])
+    def check_nonfinite(self, batch: DecodeBatch) -> None:
+        """After a call, in sampling: raise NonFiniteLogitsError if any live row met logits it could not
+        sample from since the last check. Host sync: one read, once per call."""
+        if not self.step.params.greedy:
+            _raise_on_nonfinite(batch.state.nonfinite_step.cpu())
 
     def _bind(self, state: DecodeState) -> None:
         """Point the step, the attention context and the runner's graph key at `state` and the KV cache's
-        current views."""
-        self.step.bind(state)
+        current views (again only when the state or the views changed)."""
         cache = self.cache
-        self.context.load(state, cache.prompt_kv if self.layout == "prefix" else None)
+        views = (id(cache.decode_kv), id(cache.prompt_kv))
+        if self._bound is state and self._bound_views == views:
+            return
+        self._bound, self._bound_views = state, views
+        self.step.bind(state)
+        self.layout.load_context(self.context, state, cache)
         dynamic = [(t, (0,)) for t in state.tensors()] + [(state.bias, (0, 3)), (cache.decode_kv, (2, 4))]
-        if self.layout == "prefix":
-            dynamic += [(cache.prompt_kv, (2, 4)), (state.prompt_bias, (0, 3))]
+        dynamic += self.layout.dynamic_tensors(state, cache)
         # Once per tensor, with every dim it was listed with (rows, and for some the key length).
         merged: dict[int, tuple[Tensor, set[int]]] = {}
         for t, dims in dynamic:
@@ -741,7 +364,7 @@ class Decoder:
         addresses = tuple(t.data_ptr() for t, _ in dynamic) + cache.position_addresses()
         key = (
             state.shape,
-            self.layout,
+            self.layout.name,
             addresses,
             self.adapter.weight_addresses() + self.graph_extra(),
             self.adapter.adapter_state(),

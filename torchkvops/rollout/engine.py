@@ -3,19 +3,20 @@
     rollout = Rollout(model, RolloutConfig(samples_per_prompt=4, max_new_tokens=32))
     out = rollout.generate(input_ids, attention_mask=None)   # input_ids: LongTensor [B, P]
 
-Stages: prompt expansion (the expanded baseline repeats prompts N times; shared prefill does not),
-prefill (one forward over the prompts, last-position logits only), kv_expand (with kv_sharing="copy",
-one repeat_kv_cache_ call over the whole KV buffer), decode (statically shaped steps over B*N rows,
-`torchkvops.decode`) and post-processing. With `compile=True` prefill and decode are compiled
-separately: prefill with dynamic shapes, decode with fullgraph=True and dynamic row and key-length
-dims. On CUDA, decode steps are replayed from CUDA graphs, compiled or not (`cuda_graphs=True`).
+A call runs as stages (`torchkvops.rollout.profiling`): prompt expansion (the expanded baseline repeats
+prompts N times; shared prefill does not), prefill (one forward over the prompts, last-position logits
+only), kv_expand (the copy layout: one repeat_kv_cache_ call over the whole KV buffer), decode (the
+decoder's loop over a batch of B*N rows, `torchkvops.rollout.decode`) and post-processing. `extend` goes
+on after a call with appended tokens (`torchkvops.rollout.turns`), and with more rows than
+RolloutConfig.max_rows a call streams them (`torchkvops.rollout.streaming`). With `compile=True` prefill
+and decode are compiled separately: prefill with dynamic shapes, decode with fullgraph=True and dynamic
+row and key-length dims. On CUDA, decode steps are replayed from CUDA graphs (`cuda_graphs=True`).
+docs/architecture.md draws the call flow.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import math
 import threading
 import weakref
 from collections.abc import Callable
@@ -25,8 +26,10 @@ from torch import Tensor, nn
 
 from ..hf.adapter import ModelAdapter
 from ..hf.integration import left_padding_fault
-from .decode import FINISHED_CHECK_INTERVAL, MAX_DECODE_STATES, Decoder, DecodeState, NonFiniteLogitsError  # noqa: F401
-from .kv_cache import KV_LAYOUTS, RolloutKVCache
+from .config import MIN_TEMPERATURE, RolloutConfig, RolloutOutput  # noqa: F401
+from .decode import FINISHED_CHECK_INTERVAL, MAX_DECODE_STATES, Decoder, DecodeStep, NonFiniteLogitsError  # noqa: F401
+from .kv_cache import RolloutKVCache
+from .layouts import KV_LENGTH_MULTIPLE, RESPONSE_KV_MULTIPLE, CopyLayout, layout_for, round_up  # noqa: F401
 from .lm_head import Float32LMHead
 from .profiling import RolloutProfile, StageTimer
 from .sampling import SamplingParams
@@ -41,152 +44,13 @@ __all__ = [
     "NonFiniteLogitsError",
     "FINISHED_CHECK_INTERVAL",
     "MAX_DECODE_STATES",
-]  # (the last three live in torchkvops.decode)
-
-# Decode buffers are rounded up to a multiple of this many positions: nearby prompt lengths then share
-# one decode shape (graph), and the attention kernels get aligned mask widths.
-KV_LENGTH_MULTIPLE = 64
-# The prefix layout's response KV (R - 1 positions) is rounded less: its length is fixed per config, so
-# it adds no decode shape, and a multiple of 8 keeps every decode bias's rows on 16-byte boundaries, so
-# that `fused_attention`'s CUDA alignment rule never copies a bias in a decode step. With R=8 a row holds
-# 8 response positions, not 64.
-RESPONSE_KV_MULTIPLE = 8
-# A positive temperature below this would overflow logits / temperature in float32 (1e-44 did): use 0.
-MIN_TEMPERATURE = 1e-6
-_INT64_MAX = 2**63 - 1
-
-
-def round_up(n: int, multiple: int = KV_LENGTH_MULTIPLE) -> int:
-    return max(1, -(-n // multiple)) * multiple
+    "kv_lengths",
+]
 
 
 def kv_lengths(kv_sharing: str, prompt_len: int, new_tokens: int) -> tuple[int, ...]:
-    """The positions the KV buffers hold: ("copy") each row's prompt and response, or ("prefix") the
-    prompts' and the rows' responses. The last sampled token is never fed back: decode writes
-    new_tokens - 1 positions."""
-    if kv_sharing == "prefix":
-        return round_up(prompt_len), round_up(new_tokens - 1, RESPONSE_KV_MULTIPLE)
-    return (round_up(prompt_len + new_tokens - 1),)
-
-
-@dataclasses.dataclass
-class RolloutConfig:
-    samples_per_prompt: int = 1
-    max_new_tokens: int = 32
-    min_new_tokens: int = 0  # EOS ids cannot be sampled before this many new tokens
-    shared_prefill: bool = True
-    enable_profiling: bool = False
-    compile: bool = False
-    cuda_graphs: bool = True  # on CUDA, replay decode steps from CUDA graphs (eager or compiled)
-    temperature: float = 0.0  # 0 means greedy
-    top_k: int = 0  # 0 means off
-    top_p: float = 1.0
-    seed: int | None = None
-    eos_token_id: int | list[int] | None = None  # None: the model's generation config; []: none
-    pad_token_id: int | None = None  # None: the model's generation config; 0 is a valid id
-    kv_sharing: str = "copy"  # "copy": each row holds its prompt's KV; "prefix": one copy per prompt
-    return_logprobs: bool = False  # RolloutOutput.logprobs: each token's log-probability as sampled
-    lm_head_dtype: torch.dtype | None = None  # torch.float32: run a half-precision model's LM head in float32
-    # As rows end, decode goes on with the live rows only (gathered into a smaller batch at the all-ended
-    # check, every few steps): decode cost follows the tokens still being generated. Same tokens either way.
-    compact_finished_rows: bool = True
-    # The most sample rows decoded at once (None: every row). With more rows than this the rollout streams:
-    # it decodes max_rows // samples_per_prompt prompts at a time and refills the rows of the prompts whose
-    # samples have all ended with waiting prompts (torchkvops.rollout.streaming). Same tokens either way.
-    max_rows: int | None = None
-
-    def __post_init__(self):
-        def need(ok: bool, field: str, what: str):
-            if not ok:
-                raise ValueError(f"RolloutConfig.{field} {what}, got {getattr(self, field)!r}")
-
-        def is_int(v):
-            return isinstance(v, int) and not isinstance(v, bool)
-
-        def is_id(v):
-            return is_int(v) and 0 <= v <= _INT64_MAX
-
-        need(
-            is_int(self.samples_per_prompt) and self.samples_per_prompt >= 1,
-            "samples_per_prompt",
-            "must be an int >= 1",
-        )
-        need(is_int(self.max_new_tokens) and self.max_new_tokens >= 1, "max_new_tokens", "must be an int >= 1")
-        need(
-            is_int(self.min_new_tokens) and 0 <= self.min_new_tokens <= self.max_new_tokens,
-            "min_new_tokens",
-            f"must be an int in [0, max_new_tokens={self.max_new_tokens}]",
-        )
-        for flag in (
-            "shared_prefill",
-            "enable_profiling",
-            "compile",
-            "cuda_graphs",
-            "return_logprobs",
-            "compact_finished_rows",
-        ):
-            need(isinstance(getattr(self, flag), bool), flag, "must be a bool")
-        t = self.temperature
-        need(
-            isinstance(t, (int, float))
-            and not isinstance(t, bool)
-            and math.isfinite(t)
-            and (t == 0 or t >= MIN_TEMPERATURE),
-            "temperature",
-            f"must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE:g} (smaller ones overflow the scaled logits)",
-        )
-        need(is_int(self.top_k) and self.top_k >= 0, "top_k", "must be an int >= 0")
-        need(
-            isinstance(self.top_p, (int, float)) and not isinstance(self.top_p, bool) and 0.0 < self.top_p <= 1.0,
-            "top_p",
-            "must be in (0, 1]",
-        )
-        need(self.seed is None or is_id(self.seed), "seed", "must be None or an int in [0, 2**63)")
-        eos = self.eos_token_id
-        need(
-            eos is None or is_id(eos) or (isinstance(eos, (list, tuple)) and all(is_id(e) for e in eos)),
-            "eos_token_id",
-            "must be None, a token id (an int in [0, 2**63)) or a list of them (empty: never stop early)",
-        )
-        need(
-            self.pad_token_id is None or is_id(self.pad_token_id),
-            "pad_token_id",
-            "must be None or a token id (an int in [0, 2**63))",
-        )
-        need(self.kv_sharing in KV_LAYOUTS, "kv_sharing", f"must be one of {', '.join(map(repr, KV_LAYOUTS))}")
-        need(
-            self.kv_sharing == "copy" or self.shared_prefill,
-            "kv_sharing",
-            "'prefix' needs shared_prefill=True (the expanded baseline has no shared prompt to keep once)",
-        )
-        need(
-            self.max_rows is None or (is_int(self.max_rows) and self.max_rows >= 1),
-            "max_rows",
-            "must be None (every row at once) or an int >= 1",
-        )
-        need(
-            self.max_rows is None or self.max_rows >= self.samples_per_prompt,
-            "max_rows",
-            f"must hold at least one prompt's samples_per_prompt={self.samples_per_prompt} rows (a prompt's "
-            "samples decode together)",
-        )
-        need(
-            self.lm_head_dtype in (None, torch.float32),
-            "lm_head_dtype",
-            "must be None (the model's dtype) or torch.float32",
-        )
-
-
-@dataclasses.dataclass
-class RolloutOutput:
-    sequences: Tensor  # [B*N, P+R]: each prompt (as given, padding included) followed by its response
-    responses: Tensor  # [B*N, R]
-    response_mask: Tensor  # [B*N, R]: 1 for generated tokens up to and including the first EOS
-    prompt_length: int  # P
-    # [B*N, R] float32 with return_logprobs, else None: each generated token's log-probability under the
-    # distribution it was sampled from (logits / temperature over what top-k / top-p keep, renormalized;
-    # greedy: log_softmax of the logits); 0 where response_mask is 0.
-    logprobs: Tensor | None = None
+    """The positions the KV buffers of layout `kv_sharing` hold (layouts.CopyLayout.kv_lengths)."""
+    return layout_for(kv_sharing, 1).kv_lengths(prompt_len, new_tokens)
 
 
 # A rollout switches its model's attention implementation while it decodes: one rollout per model at a
@@ -230,16 +94,15 @@ class Rollout:
         wants_float32 = self.config.lm_head_dtype == torch.float32 and getattr(head, "weight", None) is not None
         self._head32 = Float32LMHead(model) if wants_float32 and head.weight.dtype != torch.float32 else None
         cfg = self.config
+        self.layout = layout_for(cfg.kv_sharing, cfg.samples_per_prompt)
+        step = DecodeStep(
+            self.adapter, self.cache, self._params, self.pad_id, self._eos, cfg.min_new_tokens, cfg.return_logprobs
+        )
         self._decoder = Decoder(
             self.adapter,
             self.cache,
-            self._params,
-            self.pad_id,
-            self._eos,
-            min_new_tokens=cfg.min_new_tokens,
-            logprobs=cfg.return_logprobs,
-            layout=cfg.kv_sharing,
-            samples=cfg.samples_per_prompt,
+            step,
+            self.layout,
             compile=cfg.compile,
             cuda_graphs=cfg.cuda_graphs,
             compacts=cfg.compact_finished_rows,
@@ -251,7 +114,7 @@ class Rollout:
     def generate(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> RolloutOutput:
         """N samples for each of the B left-padded prompts `input_ids` [B, P]: row r of the output
         answers prompt r // N. Returns ordinary tensors (not inference tensors), on the model's device."""
-        return self._generate(input_ids, attention_mask)
+        return self.generate_rows(input_ids, attention_mask)
 
     def extend(self, previous: RolloutOutput, appended, max_new_tokens: int | None = None) -> RolloutOutput:
         """Go on after the last call: append `appended[r]` to row r of `previous` (the RolloutOutput this
@@ -267,7 +130,7 @@ class Rollout:
         `response_mask` (1 on generated tokens, through each turn's EOS; 0 on appended tokens and
         padding), `logprobs` (on generated tokens, 0 elsewhere). When every row is None there is nothing
         to do: `previous` itself is returned (and extends as before), and get_last_profile() is None."""
-        return self._call(lambda: self._extend(previous, appended, max_new_tokens))[0]
+        return self.extend_turn(previous, appended, max_new_tokens)[0]
 
     def holds_inference_tensors(self) -> bool:
         """Whether the buffers were made under torch.inference_mode() while it is off now: the next call
@@ -279,7 +142,7 @@ class Rollout:
         return self._last_profile
 
     def decode_counters(self):
-        """What this rollout's decode has built and done (`torchkvops.decode.DecodeCounters`): decode
+        """What this rollout's decode has built and done (`torchkvops.rollout.decode.DecodeCounters`): decode
         shapes kept, graph keys met, CUDA graphs captured, compactions, the last graph key."""
         return self._decoder.counters
 
@@ -294,8 +157,8 @@ class Rollout:
             if self._head32 is not None:
                 self._head32.release()
 
-    # --- the stages ----------------------------------------------------------------------------
-    def _generate(
+    # --- entry points for the integrations (generate's contract, data-parallel rollouts) ----------
+    def generate_rows(
         self,
         input_ids: Tensor,
         attention_mask: Tensor | None,
@@ -317,9 +180,24 @@ class Rollout:
         Runs under torch.no_grad(), not inference mode: whatever the model allocates in its forward
         (FSDP's unsharded parameters, a rotary embedding's refreshed buffers) must stay usable by the
         training step that follows, as after HF's generate."""
-        return self._call(lambda: self._run(input_ids, attention_mask, row_ids, live, seed, ended_everywhere))
+        return self._call(lambda: self._generate(input_ids, attention_mask, row_ids, live, seed, ended_everywhere))
 
-    def _call(self, run: Callable[[], RolloutOutput]) -> RolloutOutput:
+    def extend_turn(
+        self, previous: RolloutOutput, appended, max_new_tokens: int | None = None, *, seed: int | None = None
+    ) -> tuple[RolloutOutput, RolloutOutput | None]:
+        """`extend`, returning this turn alone too: (the whole history's output, this turn's [rows, R]
+        responses, mask and logprobs; None when every row is None). seed: this turn's sampling seed
+        (default: derived from the first call's)."""
+        return self._call(lambda: self._extend(previous, appended, max_new_tokens, seed))
+
+    @property
+    def history(self) -> History | None:
+        """What the last call left for `extend` (its output, each row's tokens, KV columns and positions;
+        torchkvops.rollout.turns.History), or None (no call yet, a streamed call, release())."""
+        return self._history
+
+    # --- a call ---------------------------------------------------------------------------------
+    def _call(self, run: Callable[[], object]):
         head32 = self._head32.applied() if self._head32 is not None else contextlib.nullcontext()
         with self._lock, torch.no_grad(), head32:
             inference = torch.is_inference_mode_enabled()
@@ -328,7 +206,20 @@ class Rollout:
             self._buffers_are_inference = inference or self._buffers_are_inference
             return run()
 
-    def _run(
+    def _profiled(self, stages: Callable[[StageTimer], tuple[object, dict]]):
+        """Run a call's stages with one StageTimer; its profile (RolloutProfile: the stage times, and the
+        counts `stages` returns with its result) becomes get_last_profile() when profiling is on."""
+        timer = StageTimer(self.device, self.config.enable_profiling)
+        timer.start()
+        result, counts = stages(timer)
+        self._last_profile = None
+        if self.config.enable_profiling and counts is not None:
+            self._last_profile = RolloutProfile.from_stages(
+                timer.elapsed_ms(), peak_memory_bytes=timer.peak_memory_bytes(), **counts
+            )
+        return result
+
+    def _generate(
         self,
         input_ids: Tensor,
         attention_mask: Tensor | None,
@@ -347,17 +238,24 @@ class Rollout:
             seed = cfg.seed if cfg.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
         if row_ids is None:
             row_ids = torch.arange(rows, device=self.device)
-        prefix = cfg.kv_sharing == "prefix"
         if cfg.max_rows is not None and rows > cfg.max_rows:
             if ended_everywhere is not None:
                 raise ValueError(
                     "Rollout: RolloutConfig.max_rows cannot stream the rows of a synced generation (every process "
                     "must run as many forwards as the others, and refills prefill where rows end)"
                 )
-            return self._run_streaming(input_ids, attention_mask, seed, row_ids, live)
+            return self._profiled(lambda timer: self._stream(timer, input_ids, attention_mask, seed, row_ids, live))
+        return self._profiled(
+            lambda timer: self._prefill_and_decode(
+                timer, input_ids, attention_mask, seed, row_ids, live, ended_everywhere
+            )
+        )
 
-        timer = StageTimer(self.device, cfg.enable_profiling)
-        timer.start()
+    def _prefill_and_decode(self, timer, input_ids, attention_mask, seed, row_ids, live, ended_everywhere):
+        cfg, layout, cache = self.config, self.layout, self.cache
+        batch, prompt_len = input_ids.shape
+        n, new_tokens = cfg.samples_per_prompt, cfg.max_new_tokens
+        rows = batch * n
         with timer.stage("prompt_expansion"):
             prefill_ids, prefill_mask = input_ids, attention_mask
             if not cfg.shared_prefill and n > 1:
@@ -367,71 +265,55 @@ class Rollout:
             prefill_attn = self._prefill_attention_mask(prefill_mask)
 
         with timer.stage("prefill"):
-            lengths = kv_lengths(cfg.kv_sharing, prompt_len, new_tokens)
-            if prefix:
-                self.cache.prepare_prefix(batch, lengths[0], rows, lengths[1])
-            else:
-                self.cache.prepare_copy(rows, *lengths)
-            self.cache.start_prefill()
+            cache.prepare(layout, batch, rows, layout.kv_lengths(prompt_len, new_tokens))
+            cache.start_prefill()
             logits = self._prefill_fn(prefill_ids, prefill_attn, prefill_positions)
 
         with timer.stage("kv_expand"):
             if cfg.shared_prefill and n > 1:
-                if not prefix:
-                    self.cache.expand_prompts(batch, n, prompt_len)
+                layout.expand_prompts(cache, batch, prompt_len)
                 logits = logits.repeat_interleave(n, dim=0)
 
         with timer.stage("decode"):
             row_mask = attention_mask.repeat_interleave(n, dim=0).bool()
-            state = self._decoder.start(
+            decoding = self._decoder.start(
                 logits,
                 seed,
                 row_ids,
                 live,
-                # copy layout: each row's decode buffer starts with its copy of the prompt; prefix layout:
-                # the rows' own buffers start empty and the prompts are seen through the prefix part
-                visible=row_mask[:, :0] if prefix else row_mask,
+                visible=layout.decode_visible(row_mask),
                 positions=row_mask.sum(dim=1),
-                write_start=0 if prefix else prompt_len,
+                write_start=layout.first_column(prompt_len),
                 max_new_tokens=new_tokens,
-                prompt_visible=attention_mask.bool() if prefix else None,
+                prompt_visible=layout.prompt_visible(attention_mask, cache),
             )
-            steps, row_steps = self._decoder.run(state, ended_everywhere)
-            response_len = steps + 1
-        kv_bytes = self.cache.used_bytes
+            steps = self._decoder.run_call(decoding, ended_everywhere)
+        kv_bytes = cache.used_bytes
 
         with timer.stage("post_processing"):
-            self._decoder.check_nonfinite(state)
-            out = self._finish(input_ids, state, response_len)
+            self._decoder.check_nonfinite(decoding)
+            out = self._finish(input_ids, decoding.first, steps + 1)
             generated = int(out.response_mask.sum())
-            self._history = first_history(out, attention_mask, n, 0 if prefix else prompt_len, seed, row_ids)
+            self._history = first_history(out, attention_mask, n, layout.first_column(prompt_len), seed, row_ids)
             self._streamed = False
-
-        self._last_profile = None
-        if cfg.enable_profiling:
-            self._last_profile = RolloutProfile.from_stages(
-                timer.elapsed_ms(),
-                generated,
-                decode_steps=steps,
-                batch_size=batch,
-                samples_per_prompt=n,
-                prompt_length=prompt_len,
-                response_length=response_len,
-                peak_memory_bytes=timer.peak_memory_bytes(),
-                kv_cache_bytes=kv_bytes,
-                computed_row_steps=row_steps,
-                prefill_tokens=prefill_ids.numel(),
-                reused_tokens=0,
-            )
-        return out
+        counts = dict(
+            generated=generated,
+            decode_steps=steps,
+            batch_size=batch,
+            samples_per_prompt=n,
+            prompt_length=prompt_len,
+            response_length=steps + 1,
+            kv_cache_bytes=kv_bytes,
+            computed_row_steps=decoding.row_steps,
+            prefill_tokens=prefill_ids.numel(),
+            reused_tokens=0,
+        )
+        return out, counts
 
     def _extend(
         self, previous: RolloutOutput, appended, max_new_tokens: int | None, seed: int | None = None
-    ) -> tuple[RolloutOutput, RolloutOutput]:
-        """`extend`, and this turn alone: (the whole history's output, this turn's [rows, R] responses,
-        mask and logprobs; None when every row is None). seed: this turn's sampling seed (default:
-        derived from the first call's)."""
-        cfg, history, cache = self.config, self._history, self.cache
+    ) -> tuple[RolloutOutput, RolloutOutput | None]:
+        cfg, history = self.config, self._history
         if history is None or previous is not history.output:
             if history is None and self._streamed:
                 reason = "; the last call streamed its rows (RolloutConfig.max_rows), which keeps no KV"
@@ -450,11 +332,11 @@ class Rollout:
         if all(a is None for a in appended):  # every row has finished: nothing to compute
             self._last_profile = None
             return previous, None
-        prefix = cfg.kv_sharing == "prefix"
-        n = cfg.samples_per_prompt
+        return self._profiled(lambda timer: self._extend_stages(timer, history, appended, max_new_tokens, seed))
 
-        timer = StageTimer(self.device, cfg.enable_profiling)
-        timer.start()
+    def _extend_stages(self, timer, history: History, appended, max_new_tokens: int, seed: int | None):
+        cfg, layout, cache = self.config, self.layout, self.cache
+        n, rows = cfg.samples_per_prompt, history.visible.shape[0]
         with timer.stage("prompt_expansion"):
             turn = make_turn(history, appended, self.pad_id)
             live_positions = torch.where(turn.live, history.last_position + turn.real.sum(dim=1), 0)
@@ -462,11 +344,7 @@ class Rollout:
             start = history.frontier  # the chunks' first column; decode goes on after them
             decode_start = start + turn.width
             cache.grow(round_up(decode_start + max_new_tokens - 1))
-            prompt_visible = None
-            if prefix:  # every column of a row's prompt KV: the prompt's mask, then the buffer's rounding
-                width = cache.prompt_kv.shape[4]
-                prompt_visible = torch.zeros(history.prompt_mask.shape[0], width, dtype=torch.bool, device=self.device)
-                prompt_visible[:, : history.prompt_mask.shape[1]] = history.prompt_mask.bool()
+            prompt_visible = layout.prompt_visible(history.prompt_mask, cache)
             prompt_of_row = torch.arange(rows, device=self.device) // n
             mask = extend_mask(history, turn, None if prompt_visible is None else prompt_visible[prompt_of_row])
             # Rows that generate nothing this turn are left out of its forward and decode when that saves
@@ -479,9 +357,9 @@ class Rollout:
                 computed = plan.rows.to(self.device)
                 cache.compact(computed, None if plan.groups is None else plan.groups.to(self.device), computed)
                 ids, positions, mask = ids[computed], positions[computed], mask[computed]
-                if prefix:
+                if plan.row_group is not None:  # (the prefix layout) each computed row's prompt group
                     prompt_of_row = plan.row_group.to(self.device)
-            cache.start_extend(start, prompt_of_row if prefix else None)
+            cache.start_extend(start, prompt_of_row)
             columns = torch.arange(start, decode_start, device=self.device)
             computed_logits = self.adapter.last_logits(
                 cache, ids, self.adapter.attention_mask(mask), positions, columns
@@ -490,64 +368,77 @@ class Rollout:
             logits[computed] = computed_logits
 
         with timer.stage("decode"):
-            visible = torch.cat([history.visible, turn.real], dim=1)
-            state = self._decoder.start(
+            decoding = self._decoder.start(
                 logits,
                 history.turn_seed() if seed is None else seed,
                 history.row_ids,
                 turn.live,
-                visible=visible,
+                visible=torch.cat([history.visible, turn.real], dim=1),
                 positions=live_positions,
                 write_start=decode_start,
                 max_new_tokens=max_new_tokens,
                 prompt_visible=prompt_visible,
             )
-            steps, row_steps = self._decoder.run(state, initial_plan=plan)
-            response_len = steps + 1
+            steps = self._decoder.run_call(decoding, initial_plan=plan)
         kv_bytes = cache.used_bytes
 
         with timer.stage("post_processing"):
-            self._decoder.check_nonfinite(state)
-            turn_out = self._finish(history.prompts[::n], state, response_len)
+            self._decoder.check_nonfinite(decoding)
+            turn_out = self._finish(history.prompts[::n], decoding.first, steps + 1)
             turn_out.response_mask[~turn.live] = 0
             generated = int(turn_out.response_mask.sum())
             reused = int(history.last_position[turn.live].sum())
             record(history, turn, turn_out, decode_start)
             out = history.output = history_output(history, self.pad_id, RolloutOutput)
+        counts = dict(
+            generated=generated,
+            decode_steps=steps,
+            batch_size=rows // n,
+            samples_per_prompt=n,
+            prompt_length=history.prompts.shape[1],
+            response_length=steps + 1,
+            kv_cache_bytes=kv_bytes,
+            computed_row_steps=decoding.row_steps,
+            prefill_tokens=ids.numel(),
+            reused_tokens=reused,
+        )
+        return (out, turn_out), counts
 
-        self._last_profile = None
-        if cfg.enable_profiling:
-            self._last_profile = RolloutProfile.from_stages(
-                timer.elapsed_ms(),
-                generated,
-                decode_steps=steps,
-                batch_size=rows // n,
-                samples_per_prompt=n,
-                prompt_length=history.prompts.shape[1],
-                response_length=response_len,
-                peak_memory_bytes=timer.peak_memory_bytes(),
-                kv_cache_bytes=kv_bytes,
-                computed_row_steps=row_steps,
-                prefill_tokens=ids.numel(),
-                reused_tokens=reused,
-            )
-        return out, turn_out
-
-    def _run_streaming(
-        self, input_ids: Tensor, attention_mask: Tensor, seed: int, row_ids: Tensor, live: Tensor | None
-    ) -> RolloutOutput:
+    def _stream(self, timer, input_ids, attention_mask, seed, row_ids, live):
         """More rows than RolloutConfig.max_rows: a batch of max_rows rows, refilled as groups end
         (torchkvops.rollout.streaming). Its rows' KV is not kept for extend()."""
         cfg = self.config
-        n = cfg.samples_per_prompt
+        n, prompt_len = cfg.samples_per_prompt, input_ids.shape[1]
         self._history, self._streamed = None, True
-        timer = StageTimer(self.device, cfg.enable_profiling)
-        timer.start()
         with timer.stage("decode"):  # prefills (once per prompt) happen as rows free up: within decode
             if self._scratch is None:
                 self._scratch = RolloutKVCache(self.adapter.kv_shape, self.dtype, self.device)
-            lengths = kv_lengths(cfg.kv_sharing, input_ids.shape[1], cfg.max_new_tokens)
-            done = stream(self, input_ids, attention_mask, seed, row_ids, live, lengths, self._scratch)
+            scratch = self._scratch
+
+            def prefill(prompts: list[int]) -> tuple[Tensor, Tensor, Tensor]:
+                index = torch.tensor(prompts, device=self.device)
+                ids, mask = input_ids[index], attention_mask[index]
+                scratch.prepare(CopyLayout(1), len(prompts), len(prompts), (prompt_len,))
+                scratch.start_prefill()
+                positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
+                cache_position = torch.arange(prompt_len, device=self.device)
+                logits = self.adapter.last_logits(
+                    scratch, ids, self._prefill_attention_mask(mask), positions, cache_position
+                )
+                return scratch.prompt_kv, logits, mask  # (the next prefill overwrites the scratch cache)
+
+            done = stream(
+                self._decoder,
+                prefill,
+                attention_mask,
+                seed=seed,
+                row_ids=row_ids,
+                live=live,
+                max_new_tokens=cfg.max_new_tokens,
+                max_rows=cfg.max_rows,
+                compacts=cfg.compact_finished_rows,
+                scratch=scratch,
+            )
         with timer.stage("post_processing"):
             # As long as the unbudgeted rollout's output: it would stop at its first all-ended check.
             lengths = self._response_mask(done.responses).sum(dim=1)
@@ -556,30 +447,26 @@ class Rollout:
             logprobs = None if done.logprobs is None else done.logprobs[:, :width]
             out = self._output(input_ids, done.responses[:, :width], logprobs)
             generated = int(out.response_mask.sum())
-        self._last_profile = None
-        if cfg.enable_profiling:
-            self._last_profile = RolloutProfile.from_stages(
-                timer.elapsed_ms(),
-                generated,
-                decode_steps=done.steps,
-                batch_size=input_ids.shape[0],
-                samples_per_prompt=n,
-                prompt_length=input_ids.shape[1],
-                response_length=width,
-                peak_memory_bytes=timer.peak_memory_bytes(),
-                kv_cache_bytes=done.kv_bytes,
-                computed_row_steps=done.row_steps,
-                prefill_tokens=input_ids.numel(),
-                reused_tokens=0,
-                refills=done.refills,
-            )
-        return out
+        counts = dict(
+            generated=generated,
+            decode_steps=done.steps,
+            batch_size=input_ids.shape[0],
+            samples_per_prompt=n,
+            prompt_length=prompt_len,
+            response_length=width,
+            kv_cache_bytes=done.kv_bytes,
+            computed_row_steps=done.row_steps,
+            prefill_tokens=input_ids.numel(),
+            reused_tokens=0,
+            refills=done.refills,
+        )
+        return out, counts
 
     def _prefill(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor) -> Tensor:
         cache_position = torch.arange(input_ids.shape[1], device=input_ids.device)
         return self.adapter.last_logits(self.cache, input_ids, attention_mask, position_ids, cache_position)
 
-    def _finish(self, input_ids: Tensor, state: DecodeState, response_len: int) -> RolloutOutput:
+    def _finish(self, input_ids: Tensor, state, response_len: int) -> RolloutOutput:
         logprobs = None if state.logprobs is None else state.logprobs[:, :response_len].clone()
         return self._output(input_ids, state.responses[:, :response_len].clone(), logprobs)
 

@@ -33,9 +33,7 @@ from ..hf.adapter import KVShape
 from ..ops import repeat_kv_cache_, write_kv_
 from .compaction import COMPACT_FRACTION
 
-__all__ = ["RolloutKVCache", "KVShape", "KV_LAYOUTS"]
-
-KV_LAYOUTS = ("copy", "prefix")
+__all__ = ["RolloutKVCache", "KVShape"]
 
 
 def _carve(
@@ -61,52 +59,62 @@ def _gather_rows(src: Tensor, rows: Tensor, dst: Tensor) -> None:
 
 
 class RolloutKVCache(Cache):
-    """Static KV buffers reused across rollouts; `prepare_copy()` / `prepare_prefix()` size them,
-    `release()` frees them."""
+    """Static KV buffers reused across rollouts; `prepare()` sizes them for a layout
+    (torchkvops.rollout.layouts), `release()` frees them. The buffers are one per entry of the layout's
+    `kv_lengths`: `prompt_kv` is the first and `decode_kv` the last (one and the same in the copy layout)."""
 
     def __init__(self, shape: KVShape, dtype: torch.dtype, device: torch.device):
         super().__init__(layers=[])
         self.shape, self.dtype, self.device = shape, dtype, torch.device(device)
         self._storage: Tensor | None = None  # flat; the home views are carved out of it
         self._work: Tensor | None = None  # flat; a compacted batch's views are carved out of it
-        self.layout: str | None = None
-        # Home views: every row of the call, where its KV stays after the call (for Rollout.extend).
-        self.home_prompt_kv: Tensor | None = None
-        self.home_decode_kv: Tensor | None = None
-        self.prompt_kv: Tensor | None = None  # where prefill writes the prompts
-        self.decode_kv: Tensor | None = None  # where decode writes, and what its attention reads
+        self.layout = None  # the layout object the buffers are prepared for
+        # Home views: every row of the call, where its KV stays after the call (for Rollout.extend); and
+        # the current views: where decode writes and reads (a compacted batch's, or the home ones).
+        self._home: list[Tensor] = []
+        self._current: list[Tensor] = []
         # Where the next decode step writes; a tensor, so that graphs never re-specialize on it.
         self.write_pos = torch.zeros(1, dtype=torch.long, device=self.device)
         self._prefill_start = torch.zeros(1, dtype=torch.long, device=self.device)
         self.phase = "prefill"  # "prefill", "extend" (Rollout.extend's forward over appended tokens), "decode"
         self._extend_start = 0
-        self._extend_prompt_of_row: Tensor | None = None
+        self.extend_prompt_of_row: Tensor | None = None  # prefix layout, an extend: each row's prompt
         self.work_used_bytes = 0  # the largest compacted batch's views since the home views were made
 
-    # --- buffer management ---------------------------------------------------------------------
-    def prepare_copy(self, rows: int, tokens: int) -> None:
-        """One [layers, 2, rows, kv_heads, tokens, head_dim] buffer for prefill and decode."""
-        (kv,) = self._views([self.shape.buffer_shape(rows, tokens)])
-        self.layout = "copy"
-        self.home_prompt_kv = self.home_decode_kv = self.prompt_kv = self.decode_kv = kv
+    @property
+    def prompt_kv(self) -> Tensor | None:
+        """Where prefill writes the prompts."""
+        return self._current[0] if self._current else None
 
-    def prepare_prefix(self, prompts: int, prompt_tokens: int, rows: int, response_tokens: int) -> None:
-        """The prompts' KV once ([..., prompts, ..., prompt_tokens, ...]) and each row's response KV
-        ([..., rows, ..., response_tokens, ...])."""
-        prefix, suffix = self._views(
-            [self.shape.buffer_shape(prompts, prompt_tokens), self.shape.buffer_shape(rows, response_tokens)]
-        )
-        self.layout = "prefix"
-        self.home_prompt_kv, self.home_decode_kv = self.prompt_kv, self.decode_kv = prefix, suffix
+    @property
+    def decode_kv(self) -> Tensor | None:
+        """Where decode writes, and what its attention reads."""
+        return self._current[-1] if self._current else None
+
+    @property
+    def home_prompt_kv(self) -> Tensor | None:
+        return self._home[0] if self._home else None
+
+    @property
+    def home_decode_kv(self) -> Tensor | None:
+        return self._home[-1] if self._home else None
+
+    # --- buffer management ---------------------------------------------------------------------
+    def prepare(self, layout, prompts: int, rows: int, lengths: tuple[int, ...]) -> None:
+        """Buffers of `layout` for `prompts` prompts and `rows` rows, of `lengths` positions each
+        ([layers, 2, rows of the buffer, kv_heads, positions, head_dim])."""
+        shapes = [self.shape.buffer_shape(r, t) for r, t in zip(layout.buffer_rows(prompts, rows), lengths)]
+        self._home = self._current = self._views(shapes)
+        self.layout = layout
 
     @property
     def compacted(self) -> bool:
-        return self.decode_kv is not None and self.decode_kv is not self.home_decode_kv
+        return bool(self._current) and self._current[-1] is not self._home[-1]
 
     def compact(self, rows: Tensor, prompts: Tensor | None, original: Tensor) -> None:
         """Decode goes on with the decode buffer's rows `rows` (int64, on the buffer's device) and, in the
-        prefix layout, the prompts `prompts` only (torchkvops.compaction); `original` [current rows] is
-        each current row's row in the home views.
+        prefix layout, the prompts `prompts` only (torchkvops.rollout.compaction); `original` [current rows]
+        is each current row's row in the home views.
 
         Every row's KV is kept for `Rollout.extend`: the compacted batch decodes in a second allocation
         (the work views), so the rows that leave stay in the home views. The first compaction gathers
@@ -118,45 +126,33 @@ class RolloutKVCache(Cache):
         replays)."""
         if self.compacted:
             self._write_home(original)
-        decode_shape = self.shape.buffer_shape(rows.numel(), self.decode_kv.shape[4])
-        if self.layout == "copy":
-            (kv,) = self._work_views([decode_shape])
-            _gather_rows(self.decode_kv, rows, kv)
-            self.prompt_kv = self.decode_kv = kv
-            return
-        prefix, suffix = self._work_views(
-            [self.shape.buffer_shape(prompts.numel(), self.prompt_kv.shape[4]), decode_shape]
-        )
-        _gather_rows(self.prompt_kv, prompts, prefix)
-        _gather_rows(self.decode_kv, rows, suffix)
-        self.prompt_kv, self.decode_kv = prefix, suffix
+        self._current = self._gather(self._work_views, rows, prompts)
 
     def compact_in_place(self, rows: Tensor, prompts: Tensor | None = None) -> None:
         """Decode goes on with rows `rows` only (and in the prefix layout the prompts `prompts`), gathered
         in place into smaller views carved from the start of the same allocation (see compact()'s in-place
         case); what is left behind is not kept (a streaming batch's rows, copied out already)."""
         assert not self.compacted
-        decode_shape = self.shape.buffer_shape(rows.numel(), self.decode_kv.shape[4])
-        if self.layout == "copy":
-            (kv,) = self._views([decode_shape])
-            _gather_rows(self.decode_kv, rows, kv)
-            self.home_prompt_kv = self.home_decode_kv = self.prompt_kv = self.decode_kv = kv
-            return
-        prefix, suffix = self._views([self.shape.buffer_shape(prompts.numel(), self.prompt_kv.shape[4]), decode_shape])
-        _gather_rows(self.prompt_kv, prompts, prefix)
-        _gather_rows(self.decode_kv, rows, suffix)
-        self.home_prompt_kv, self.home_decode_kv = self.prompt_kv, self.decode_kv = prefix, suffix
+        self._home = self._current = self._gather(self._views, rows, prompts)
+
+    def _gather(self, carve, rows: Tensor, prompts: Tensor | None) -> list[Tensor]:
+        """Each current view's kept rows (the layout's index for it), into views that `carve` makes."""
+        index = self.layout.kv_index(rows, prompts)
+        views = carve([self.shape.buffer_shape(i.numel(), v.shape[4]) for i, v in zip(index, self._current)])
+        for src, i, dst in zip(self._current, index, views):
+            _gather_rows(src, i, dst)
+        return views
 
     def finish_decode(self, original: Tensor | None) -> None:
         """After decode: the rows of a compacted batch (`original`: each one's home row) back home, and the
         home views current again, so that every row's KV is where `Rollout.extend` looks for it."""
         if self.compacted:
             self._write_home(original)
-        self.prompt_kv, self.decode_kv = self.home_prompt_kv, self.home_decode_kv
+        self._current = self._home
 
     def _write_home(self, original: Tensor) -> None:
         """The current (work) rows' KV into their home rows. The prompts' KV never changes in decode."""
-        home, work = self.home_decode_kv, self.decode_kv
+        home, work = self._home[-1], self._current[-1]
         for layer in range(home.shape[0]):
             home[layer].index_copy_(1, original, work[layer])
 
@@ -164,18 +160,15 @@ class RolloutKVCache(Cache):
         """Home views with room for `decode_tokens` positions per row in the decode buffer (Rollout.extend:
         a longer history), their KV copied over. Not while compacted."""
         assert not self.compacted, "grow() runs on the home views"
-        old_prompt, old_decode = self.home_prompt_kv, self.home_decode_kv
-        rows, tokens = old_decode.shape[2], old_decode.shape[4]
-        if decode_tokens <= tokens:
+        old, layout = self._home, self.layout
+        if decode_tokens <= old[-1].shape[4]:
             return
         old_storage, self._storage = self._storage, None  # both live until the copy is done
-        if self.layout == "copy":
-            self.prepare_copy(rows, decode_tokens)
-            self.decode_kv[..., :tokens, :].copy_(old_decode)
-        else:
-            self.prepare_prefix(old_prompt.shape[2], old_prompt.shape[4], rows, decode_tokens)
-            self.prompt_kv.copy_(old_prompt)
-            self.decode_kv[..., :tokens, :].copy_(old_decode)
+        lengths = [v.shape[4] for v in old[:-1]] + [decode_tokens]
+        self._home = self._current = self._views([self.shape.buffer_shape(v.shape[2], t) for v, t in zip(old, lengths)])
+        self.layout = layout
+        for src, dst in zip(old, self._home):
+            dst[..., : src.shape[4], :].copy_(src)
         del old_storage
 
     def _views(self, shapes: list[tuple[int, ...]]) -> list[Tensor]:
@@ -190,10 +183,9 @@ class RolloutKVCache(Cache):
             # Made once for the largest compacted batch of these home views (every prompt, and
             # COMPACT_FRACTION of the rows), so that compacted shapes keep their addresses from call to
             # call; made only before a call's first compaction, which reads the home views only.
-            rows = int(COMPACT_FRACTION * self.home_decode_kv.shape[2])
-            largest = [self.shape.buffer_shape(rows, self.home_decode_kv.shape[4])]
-            if self.layout == "prefix":
-                largest.insert(0, tuple(self.home_prompt_kv.shape))
+            rows = int(COMPACT_FRACTION * self._home[-1].shape[2])
+            largest = [tuple(v.shape) for v in self._home[:-1]]
+            largest.append(self.shape.buffer_shape(rows, self._home[-1].shape[4]))
             self._work = None
             self._work, _ = _carve(None, largest, self.dtype, self.device)
         views = _carve(self._work, shapes, self.dtype, self.device)[1]
@@ -201,10 +193,10 @@ class RolloutKVCache(Cache):
         return views
 
     def release(self) -> None:
-        """Free the buffers; the next `prepare_*()` allocates new ones."""
+        """Free the buffers; the next `prepare()` allocates new ones."""
         self._storage = self._work = self.layout = None
-        self.prompt_kv = self.decode_kv = self.home_prompt_kv = self.home_decode_kv = None
-        self._extend_prompt_of_row = None
+        self._home = self._current = []
+        self.extend_prompt_of_row = None
         # Made anew (see Rollout.release: a caller's inference_mode may have made these).
         self.write_pos = torch.zeros(1, dtype=torch.long, device=self.device)
         self._prefill_start = torch.zeros(1, dtype=torch.long, device=self.device)
@@ -223,10 +215,7 @@ class RolloutKVCache(Cache):
     def used_bytes(self) -> int:
         """Bytes of KV storage the home views and the largest compacted batch use (the allocations may
         be larger, from an earlier call)."""
-        if self.layout is None:
-            return 0
-        views = [self.home_prompt_kv] + ([self.home_decode_kv] if self.layout == "prefix" else [])
-        return sum(v.numel() * v.element_size() for v in views) + self.work_used_bytes
+        return sum(v.numel() * v.element_size() for v in self._home) + self.work_used_bytes
 
     # --- phases --------------------------------------------------------------------------------
     def start_prefill(self) -> None:
@@ -240,7 +229,7 @@ class RolloutKVCache(Cache):
         self.phase = "extend"
         self._extend_start = first_position
         self._prefill_start.fill_(first_position)
-        self._extend_prompt_of_row = prompt_of_row
+        self.extend_prompt_of_row = prompt_of_row
 
     def start_decode(self, first_position: int) -> None:
         self.phase = "decode"
@@ -265,11 +254,7 @@ class RolloutKVCache(Cache):
             return key_states, value_states
         kv, end = self.decode_kv, self._extend_start + key_states.shape[2]
         write_kv_(kv, key_states, value_states, layer_idx, self._prefill_start)
-        keys, values = kv[layer_idx, 0, :, :, :end], kv[layer_idx, 1, :, :, :end]
-        if self.layout == "prefix":  # each row's prompt, then its own positions
-            prompts = self.prompt_kv[layer_idx].index_select(1, self._extend_prompt_of_row)
-            keys, values = torch.cat([prompts[0], keys], dim=2), torch.cat([prompts[1], values], dim=2)
-        return keys, values
+        return self.layout.extend_keys(self, layer_idx, kv[layer_idx, 0, :, :, :end], kv[layer_idx, 1, :, :, :end])
 
     def _check_layout(self, key_states: Tensor, value_states: Tensor, layer_idx: int) -> None:
         kv = self.prompt_kv

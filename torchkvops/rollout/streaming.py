@@ -21,16 +21,16 @@ unbudgeted rollout's length (`unbudgeted_width`).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
-from . import compaction
-from .decode import FINISHED_CHECK_INTERVAL, DecodeShape, _raise_on_nonfinite
-from .kv_cache import RolloutKVCache
+from .batch import DecodeBatch
+from .decode import FINISHED_CHECK_INTERVAL, Decoder
 from .sampling import row_keys
 
-__all__ = ["Streamed", "stream", "unbudgeted_width"]
+__all__ = ["Streamed", "Refill", "stream", "unbudgeted_width"]
 
 
 @dataclasses.dataclass
@@ -54,237 +54,145 @@ def unbudgeted_width(lengths: list[int], max_new_tokens: int, has_eos: bool) -> 
     return min(max_new_tokens, check + 1)
 
 
-def stream(
-    rollout,
-    input_ids: Tensor,
-    prompt_mask: Tensor,
-    seed: int,
-    row_ids: Tensor,
-    live: Tensor | None,
-    lengths: tuple[int, ...],
-    scratch: RolloutKVCache,
-) -> Streamed:
-    """Decode every prompt's N rows within `rollout.config.max_rows` rows (module docstring). `lengths`:
-    the KV buffers' positions (engine.kv_lengths); `scratch`: the cache admitted prompts are prefilled into."""
-    cfg, cache, decoder, adapter = rollout.config, rollout.cache, rollout._decoder, rollout.adapter
-    n, new_tokens, device = cfg.samples_per_prompt, cfg.max_new_tokens, rollout.device
-    batch, prompt_len = input_ids.shape
-    prefix = cfg.kv_sharing == "prefix"
-    slots = min(cfg.max_rows // n, batch)
-    rows = slots * n
-    # Prefix layout: prompt KV slots, each held until all of its prompt's samples have ended (twice the
-    # prompts the rows hold at once, so that prompts whose last samples linger do not keep rows idle).
-    prompt_slots = min(batch, 2 * slots)
-    if prefix:
-        cache.prepare_prefix(prompt_slots, lengths[0], rows, lengths[1])
-    else:
-        cache.prepare_copy(rows, lengths[0])
-    columns = cache.decode_kv.shape[4]
-    batch_bytes = cache.used_bytes  # (the tail's in-place compaction makes the views smaller)
-    live = torch.ones(batch * n, dtype=torch.bool, device=device) if live is None else live.to(device, torch.bool)
-    padded = (prompt_mask == 0).any(dim=1).tolist()  # host: which prompts need a padding mask
-    state = decoder.state_for(
-        DecodeShape(
-            rows,
-            columns,
-            new_tokens,
-            adapter.dtype,
-            prompt_slots if prefix else 0,
-            cache.prompt_kv.shape[4] if prefix else 0,
-            cfg.return_logprobs,
-            n if prefix else 0,  # prefix: each prompt slot's N query slots, its samples' rows anywhere
-        )
-    )
-    for t in state.tensors():  # empty rows: ended, seeing nothing
-        t.zero_()
-    state.bias.fill_(float("-inf"))
-    if prefix:
-        state.prompt_bias.fill_(float("-inf"))
-    state.finished.fill_(True)
-    state.nonfinite_step.fill_(-1)
-    write = 0 if prefix else prompt_len  # the column the next step writes, as without a budget
-    cache.start_decode(write)
-    decoder.bind(state)
+class Refill:
+    """The decode policy of a streaming batch (module docstring): at each all-ended check, the rows whose
+    samples have ended leave with their tokens, waiting samples take them (prompts prefilled once, as
+    rows free up), and decode stops once nothing waits or decodes; once nothing waits, the tail is
+    compacted (`compacts`)."""
 
-    responses = torch.full((batch * n, new_tokens), rollout.pad_id, dtype=torch.long, device=device)
-    logprobs = torch.zeros(batch * n, new_tokens, device=device) if cfg.return_logprobs else None
-    # Each batch row's sample (its global row), None while free. Copy layout: a row is freed as soon as
-    # it ends, and a prompt takes any N free rows. Prefix layout: a prompt takes a slot (a prompt KV slot
-    # and its N rows), freed when all its rows have ended (its rows read the prompt KV of their slot).
-    sample_at: list[int | None] = [None] * rows
-    waiting = list(range(batch))
-    refills = steps = row_steps = 0
+    max_steps = None  # rows join later: only the policy stops
 
-    def prefill(prompts: list[int]) -> tuple[Tensor, Tensor, Tensor]:
-        """Each prompt's KV once ([layers, 2, k, kv_heads, P, head_dim], a copy) and first logits [k, vocab]."""
-        index = torch.tensor(prompts, device=device)
-        ids, mask = input_ids[index], prompt_mask[index]
-        scratch.prepare_copy(len(prompts), prompt_len)
-        scratch.start_prefill()
-        attn = rollout._prefill_attention_mask(mask) if any(padded[p] for p in prompts) else None
-        logits = adapter.last_logits(
-            scratch, ids, attn, (mask.cumsum(dim=1) - 1).clamp(min=0), torch.arange(prompt_len, device=device)
-        )
-        return scratch.prompt_kv, logits, mask  # (the next prefill overwrites the scratch cache)
+    def __init__(
+        self, batch: DecodeBatch, prefill: Prefill, prompt_mask: Tensor, scratch, *, seed, row_ids, live, compacts
+    ):
+        self.batch, self.prefill, self.prompt_mask, self.scratch = batch, prefill, prompt_mask, scratch
+        self.layout, self.cache = batch.layout, batch.cache
+        self.seed, self.row_ids, self.live, self.compacts = seed, row_ids, live, compacts
+        self.samples = self.layout.samples
+        self.first_column = self.layout.first_column(prompt_mask.shape[1])
+        self.write = self.first_column  # the column the next step writes (the decode buffer is a ring)
+        self.waiting = list(range(prompt_mask.shape[0]))
+        # Prompts prefilled whose samples have not all started (rows free up one by one): where their KV
+        # waits (layouts.place_prompts), their first logits and mask, and the samples still to start.
+        self.pending: list[tuple[object, Tensor, Tensor, list[int]]] = []
+        self.refills = 0  # prompts admitted after the start
+        self.peak_pending_bytes = 0  # the KV of prompts waiting for rows apart from the batch, at most
 
-    # Prefix layout: the prompt in each prompt slot, and how many of its samples have not ended yet.
-    slot_prompt: list[int | None] = [None] * prompt_slots
-    slot_left = [0] * prompt_slots
-    slot_of_row = [0] * rows  # (host) each row's prompt slot
+    def on_check(self, batch: DecodeBatch, finished: Tensor, steps: int) -> bool:
+        self.write = (self.first_column + steps) % self.cache.decode_kv.shape[4]
+        self.refill(finished.tolist(), steps)
+        if self.waiting or self.pending:
+            return False
+        if len(batch.free_rows()) == batch.rows:
+            return True  # every sample has ended
+        if self.compacts:
+            self.compact_tail()
+        return False
 
-    def place_prompts(prompts: list[int], kv: Tensor, mask: Tensor) -> list[int]:
-        """Prefix layout: each prompt's KV into a free prompt slot; the slots."""
-        free = [g for g in range(prompt_slots) if slot_prompt[g] is None][: len(prompts)]
-        index = torch.tensor(free, device=device)
-        cache.prompt_kv[..., :prompt_len, :].index_copy_(2, index, kv)
-        bias = torch.full((len(prompts), cache.prompt_kv.shape[4]), float("-inf"), device=device)
-        bias[:, :prompt_len].masked_fill_(mask.bool(), 0.0)
-        state.prompt_bias[index, 0, 0] = bias.to(state.prompt_bias.dtype)
-        for g, prompt in zip(free, prompts):
-            slot_prompt[g], slot_left[g] = prompt, n
-        return free
-
-    def start(kv: Tensor, logits: Tensor, mask: Tensor, of_row: Tensor, samples: list[int], batch_rows: list[int]):
-        """Start samples `samples` (global rows) at `batch_rows`: row i of them is a sample of prefilled prompt
-        of_row[i] (an index into kv, logits and mask)."""
-        nonlocal row_steps
-        new_rows = torch.tensor(batch_rows, device=device)
-        global_rows = torch.tensor(samples, device=device)
-        row_mask = mask.bool()[of_row]  # [rows', P]
-        state.bias[new_rows] = float("-inf")
-        if prefix:  # the rows' own buffers start empty; their prompt's KV is in its slot (`kv`: the slot)
-            sample = global_rows % n
-            state.slot_rows[kv * n + sample] = new_rows
-            state.row_prompt[new_rows] = kv
-            state.row_sample[new_rows] = sample
-            for r in batch_rows:
-                slot_of_row[r] = kv
-        else:  # each row's copy of its prompt, in the columns that end where the next step writes
-            ring = (write - prompt_len + torch.arange(prompt_len, device=device)) % columns
-            for layer in range(cache.decode_kv.shape[0]):
-                rows_kv = kv[layer][:, of_row]  # [2, rows', heads, P, head_dim]
-                cache.decode_kv[layer][:, new_rows[:, None], :, ring[None, :]] = rows_kv.permute(1, 3, 0, 2, 4)
-            visible = torch.full((new_rows.numel(), columns), float("-inf"), device=device)
-            visible[:, ring] = torch.where(row_mask, 0.0, float("-inf"))
-            state.bias[new_rows, 0, 0] = visible.to(state.bias.dtype)
-        state.position_ids[new_rows, 0] = row_mask.sum(dim=1)
-        state.finished[new_rows] = ~live[global_rows]
-        state.keys[new_rows] = row_keys(seed, row_ids.to(device)[global_rows])
-        state.step[new_rows] = 0
-        state.nonfinite_step[new_rows] = -1
-        state.responses[new_rows] = rollout.pad_id
-        if state.logprobs is not None:
-            state.logprobs[new_rows] = 0.0
-        decoder.draw_rows(new_rows, logits[of_row])
-        row_steps += new_rows.numel()
-        for r, g in zip(batch_rows, samples):
-            sample_at[r] = g
-
-    # Copy layout: prompts prefilled whose samples have not all started (rows free up one by one): their
-    # KV, first logits and mask, and the samples still to start.
-    pending: list[tuple[Tensor, Tensor, Tensor, list[int]]] = []
-    peak_pending = [0]  # bytes of the pending prompts' KV, at most
-
-    def copy_out(batch_rows: list[int]) -> None:
-        """The tokens of these (ended) rows to their samples' places in the output; the rows are free."""
-        if not batch_rows:
-            return
-        src = torch.tensor(batch_rows, device=device)
-        dst = torch.tensor([sample_at[r] for r in batch_rows], device=device)
-        responses[dst] = state.responses[src, :new_tokens]
-        if logprobs is not None:
-            logprobs[dst] = state.logprobs[src, :new_tokens]
-        for r in batch_rows:
-            sample_at[r] = None
-
-    def refill(ended: list[bool]) -> None:
-        """Free the rows whose samples have ended (copied out), then give them to waiting samples: the
-        next sample of a prompt prefilled already, else of the next waiting prompt, prefilled once (its
-        other samples start as rows free up; prefix layout: while a prompt KV slot is free)."""
-        nonlocal refills
-        done = [r for r, s in enumerate(sample_at) if s is not None and ended[r]]
-        if prefix:
-            for r in done:
-                g = slot_of_row[r]
-                slot_left[g] -= 1
-                if slot_left[g] == 0:
-                    slot_prompt[g] = None
-        copy_out(done)
-        free = [r for r, s in enumerate(sample_at) if s is None]
-        unstarted = sum(len(rest) for *_, rest in pending)
+    def refill(self, ended: list[bool], steps: int) -> None:
+        """Retire the rows whose samples have ended, then give the free rows to waiting samples: the next
+        sample of a prompt prefilled already, else of the next waiting prompt, prefilled once (its other
+        samples start as rows free up; prefix layout: while a prompt KV slot is free)."""
+        batch, n = self.batch, self.samples
+        batch.retire([r for r, s in enumerate(batch.map.original.tolist()) if s >= 0 and ended[r]])
+        free = batch.free_rows()
+        unstarted = sum(len(rest) for *_, rest in self.pending)
         wanted = -(-max(0, len(free) - unstarted) // n)
-        if prefix:
-            wanted = min(wanted, sum(1 for g in slot_prompt if g is None))
-        prompts = [waiting.pop(0) for _ in range(min(len(waiting), wanted))]
+        admittable = self.layout.prompts_admittable(batch)
+        if admittable is not None:
+            wanted = min(wanted, admittable)
+        prompts = [self.waiting.pop(0) for _ in range(min(len(self.waiting), wanted))]
         if prompts:
-            refills += len(prompts) if steps > 0 else 0
-            kv, logits, mask = prefill(prompts)
-            where = place_prompts(prompts, kv, mask) if prefix else None
+            self.refills += len(prompts) if steps > 0 else 0
+            kv, logits, mask = self.prefill(prompts)
+            homes = self.layout.place_prompts(batch, prompts, kv, mask)
             for i, prompt in enumerate(prompts):
-                home = where[i] if prefix else kv[:, :, i : i + 1]
-                pending.append((home, logits[i : i + 1], mask[i : i + 1], [prompt * n + j for j in range(n)]))
-        while free and pending:
-            kv, logits, mask, rest = pending[0]
+                self.pending.append((homes[i], logits[i : i + 1], mask[i : i + 1], [prompt * n + j for j in range(n)]))
+        while free and self.pending:
+            home, logits, mask, rest = self.pending[0]
             take = rest[: len(free)]
-            start(kv, logits, mask, torch.zeros(len(take), dtype=torch.long, device=device), take, free[: len(take)])
+            self.start(home, logits, mask, take, free[: len(take)])
             free, rest[:] = free[len(take) :], rest[len(take) :]
             if not rest:
-                pending.pop(0)
-        if prefix:
-            return
+                self.pending.pop(0)
         # What still waits for rows keeps its prompt's KV apart from the scratch cache.
-        scratch_storage = scratch.prompt_kv.untyped_storage().data_ptr() if scratch.prompt_kv is not None else None
-        for i, (kv, logits, mask, rest) in enumerate(pending):
-            if kv.untyped_storage().data_ptr() == scratch_storage:
-                pending[i] = (kv.clone(), logits, mask, rest)
-        held = sum(kv.numel() * kv.element_size() for kv, *_ in pending)
-        peak_pending[0] = max(peak_pending[0], held)
+        self.pending = [(self.layout.keep_apart(home, self.scratch), *rest) for home, *rest in self.pending]
+        held = sum(home.numel() * home.element_size() for home, *_ in self.pending if isinstance(home, Tensor))
+        self.peak_pending_bytes = max(self.peak_pending_bytes, held)
 
-    def compact_tail() -> None:
+    def start(self, home, logits: Tensor, mask: Tensor, samples: list[int], rows: list[int]) -> None:
+        """Start samples `samples` (output rows) of the prompt at `home` at batch rows `rows`."""
+        device = logits.device
+        new_rows, global_rows = torch.tensor(rows, device=device), torch.tensor(samples, device=device)
+        row_mask = mask.bool().expand(len(rows), -1)  # [rows', P]
+        bias = self.layout.seat(self.batch, self.cache, home, row_mask, new_rows, global_rows, self.write)
+        self.batch.admit(
+            new_rows,
+            samples,
+            logits.expand(len(rows), -1).contiguous(),
+            keys=row_keys(self.seed, self.row_ids[global_rows]),
+            positions=row_mask.sum(dim=1),
+            bias=bias,
+            live=self.live[global_rows],
+        )
+
+    def compact_tail(self) -> None:
         """Once no prompt waits: the rows still decoding gathered into a smaller batch, as compaction
         gathers them (its plan, sizes and rule; the prefix layout keeps the prompt slots that still have
         a sample, with their query slots), so that the last prompts' ended rows stop costing."""
-        nonlocal state
-        batch_map = compaction.BatchMap(len(sample_at))
-        if prefix:
-            batch_map.group, batch_map.groups = torch.tensor(slot_of_row), len(slot_prompt)
-        plan = compaction.plan(torch.tensor([s is None for s in sample_at]), batch_map)
-        if plan is None:
-            return
-        keep = plan.rows.to(device)
-        groups = None if plan.groups is None else plan.groups.to(device)
-        smaller = decoder.state_for(
-            dataclasses.replace(state.shape, rows=plan.size, prompts=plan.prompts, slots=plan.slots)
-        )
-        state.gather_into(smaller, keep, groups)
-        if prefix:
-            smaller.slot_rows.copy_(plan.slot_rows)
-            smaller.row_prompt.copy_(plan.row_slot // plan.slots)
-            smaller.row_sample.copy_(plan.row_slot % plan.slots)
-            kept_slots = plan.groups.tolist()
-            slot_prompt[:] = [slot_prompt[g] for g in kept_slots]
-            slot_left[:] = [slot_left[g] for g in kept_slots]
-            slot_of_row[:] = plan.row_group.tolist()
-        cache.compact_in_place(keep, groups)  # (nothing is kept for extend after a streamed call)
-        sample_at[:] = [sample_at[r] for r in plan.rows.tolist()]
-        state = smaller
-        decoder.bind(state)
+        plan = self.batch.plan(self.batch.map.original < 0)
+        if plan is not None:
+            self.batch.compact(plan, 0)
 
-    refill([True] * rows)
-    while True:
-        with decoder.decoding():  # (a prefill runs the model's own attention: admissions happen outside)
-            for _ in range(FINISHED_CHECK_INTERVAL):
-                decoder.runner()
-            steps += FINISHED_CHECK_INTERVAL
-            row_steps += state.rows * FINISHED_CHECK_INTERVAL
-            write = (write + FINISHED_CHECK_INTERVAL) % columns
-        # Host sync: the all-ended check, as without a budget; retiring and refilling add no other.
-        flags = torch.stack([state.finished.long(), state.nonfinite_step]).cpu()
-        _raise_on_nonfinite(flags[1])
-        refill(flags[0].bool().tolist())
-        if not waiting and not pending and all(s is None for s in sample_at):
-            break
-        if not waiting and not pending and cfg.compact_finished_rows:
-            compact_tail()
-    kv_bytes = batch_bytes + scratch.allocated_bytes + peak_pending[0]
-    return Streamed(responses, logprobs, steps, row_steps, refills, kv_bytes)
+
+# The prompts at these indices prefilled once: (their KV [layers, 2, prompts, kv_heads, P, head_dim], a
+# view of the scratch cache the next prefill overwrites; their first logits [prompts, vocab]; their mask).
+Prefill = Callable[[list[int]], tuple[Tensor, Tensor, Tensor]]
+
+
+def stream(
+    decoder: Decoder,
+    prefill: Prefill,
+    prompt_mask: Tensor,
+    *,
+    seed: int,
+    row_ids: Tensor,
+    live: Tensor | None,
+    max_new_tokens: int,
+    max_rows: int,
+    compacts: bool,
+    scratch,
+) -> Streamed:
+    """Decode every prompt's N rows within `max_rows` rows (module docstring). `prompt_mask` [B, P]: the
+    prompts' masks; `prefill`: prefills prompts by index into `scratch`, the cache admitted prompts are
+    prefilled into."""
+    layout, cache, device = decoder.layout, decoder.cache, prompt_mask.device
+    n = layout.samples
+    prompts, prompt_len = prompt_mask.shape
+    groups = min(max_rows // n, prompts)
+    rows = groups * n
+    prompt_slots = layout.stream_prompt_slots(prompts, groups)
+    cache.prepare(layout, prompt_slots, rows, layout.kv_lengths(prompt_len, max_new_tokens))
+    batch_bytes = cache.used_bytes  # (the tail's in-place compaction makes the views smaller)
+    shape = layout.decode_shape(
+        cache, rows, prompt_slots, max_new_tokens, decoder.adapter.dtype, decoder.step.logprobs, layout.stream_slots()
+    )
+    responses = torch.full((prompts * n, max_new_tokens), decoder.pad_id, dtype=torch.long, device=device)
+    logprobs = torch.zeros(prompts * n, max_new_tokens, device=device) if decoder.step.logprobs else None
+    batch = DecodeBatch(
+        decoder,
+        decoder.state_for(shape),
+        layout.stream_map(rows, prompt_slots),
+        keeps_left=False,
+        output=(responses, logprobs),
+    )
+    batch.clear()
+    cache.start_decode(layout.first_column(prompt_len))  # the column the next step writes, as without a budget
+    live = torch.ones(prompts * n, dtype=torch.bool, device=device) if live is None else live.to(device, torch.bool)
+    policy = Refill(
+        batch, prefill, prompt_mask, scratch, seed=seed, row_ids=row_ids.to(device), live=live, compacts=compacts
+    )
+    policy.refill([True] * rows, 0)
+    steps = decoder.run(batch, policy)
+    kv_bytes = batch_bytes + scratch.allocated_bytes + policy.peak_pending_bytes
+    return Streamed(responses, logprobs, steps, batch.row_steps, policy.refills, kv_bytes)

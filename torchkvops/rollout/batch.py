@@ -1,0 +1,215 @@
+"""The rows of one decode: `DecodeBatch` owns every join and leave of them.
+
+As vLLM's InputBatch does with add_request / remove_request / condense, every change of the batch's rows
+goes through four methods, so a per-row field is moved by one piece of code (`DecodeState.FIELDS` says
+how) and a new field cannot be forgotten:
+
+- `admit(rows, ...)`: rows start samples (every row when a call starts; free rows of a streaming batch
+  when waiting samples take them): their state is set and their first token drawn;
+- `compact(plan, tokens)`: the batch goes on with the rows a compaction plan keeps (torchkvops.rollout.
+  compaction), in a state of the smaller shape, the KV cache gathered with them;
+- `retire(rows)`: ended rows' tokens to their samples' places in the output, the rows free (a streaming
+  batch);
+- `finish(tokens)`: after decode, every row's tokens in its place in the output and its KV at home.
+
+The batch also keeps the host-side map (`compaction.BatchMap`): which output row each batch row is (-1:
+free), and in the prefix layout the prompt group each row reads and, in a streaming batch, the prompt in
+each group. Nothing outside this class (and the layouts' prompt placement, which calls `show_prompts` and
+`seat_in_slots`) writes a decode state's rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import Tensor
+
+from . import compaction
+from .state import DecodeState
+
+__all__ = ["DecodeBatch", "visible_bias"]
+
+
+def visible_bias(visible: Tensor, width: int) -> Tensor:
+    """An additive attention bias [rows, width] (float32): 0 where `visible` [rows, C <= width] is True,
+    -inf elsewhere and past C."""
+    bias = torch.full((visible.shape[0], width), float("-inf"), device=visible.device)
+    bias[:, : visible.shape[1]].masked_fill_(visible, 0.0)
+    return bias
+
+
+class DecodeBatch:
+    """The rows being decoded (module docstring). `keeps_left`: rows that leave at a compaction keep their
+    KV and tokens so far (a call's rows, which Rollout.extend may go on with); a streaming batch's rows
+    leave by `retire` instead, and its compactions drop only free rows, in place. `output`: where rows'
+    tokens (and log-probabilities) end up, [samples, columns] (default: the first state's own)."""
+
+    def __init__(
+        self,
+        decoder,
+        state: DecodeState,
+        batch_map: compaction.BatchMap,
+        *,
+        keeps_left: bool = True,
+        output: tuple[Tensor, Tensor | None] | None = None,
+    ):
+        self.decoder, self.cache, self.layout = decoder, decoder.cache, decoder.layout
+        self.first = self.state = state
+        self.map = batch_map
+        self.keeps_left = keeps_left
+        self.responses, self.logprobs = output if output is not None else (state.responses, state.logprobs)
+        self.row_steps = 0  # rows sampled, summed over the tokens
+        self.compactions = 0
+
+    @property
+    def rows(self) -> int:
+        return self.state.rows
+
+    def clear(self) -> None:
+        """Every row free: ended, seeing nothing (a streaming batch before its first admission)."""
+        s = self.state
+        for t in s.tensors():
+            t.zero_()
+        s.bias.fill_(float("-inf"))
+        if s.prompt_bias is not None:
+            s.prompt_bias.fill_(float("-inf"))
+        s.finished.fill_(True)
+        s.nonfinite_step.fill_(-1)
+
+    # --- joins ---------------------------------------------------------------------------------------
+    def admit(
+        self,
+        rows: Tensor | None,
+        samples,
+        first_logits: Tensor,
+        *,
+        keys: Tensor,
+        positions: Tensor,
+        bias: Tensor,
+        live: Tensor | None = None,
+    ) -> None:
+        """Rows `rows` (device int64; None: every row) start the samples `samples` (their output rows:
+        host int64 [k]): `keys` [k] their sampling keys, `positions` [k] the position of the token each
+        feeds first, `bias` [k, the decode buffer's columns] (additive) what each sees, `live` [k] (bool,
+        optional) False for rows that have ended before they start (filler rows, rows an extend leaves
+        alone), which only ever hold the pad id. Their first token is drawn from `first_logits` [k, vocab]."""
+        s, pad_id = self.state, self.decoder.pad_id
+        every = rows is None
+        index = slice(None) if every else rows
+        s.bias[index, 0, 0] = bias.to(s.bias.dtype)
+        s.position_ids[index, 0] = positions.to(s.position_ids.device)
+        s.finished[index] = False if live is None else ~live.to(s.finished.device, torch.bool)
+        s.keys[index] = keys.to(s.keys.device)
+        s.step[index] = 0
+        s.nonfinite_step[index] = -1
+        s.responses[index] = pad_id
+        if s.logprobs is not None:
+            s.logprobs[index] = 0.0
+        self.map.original[slice(None) if every else rows.cpu()] = torch.as_tensor(samples, dtype=torch.long)
+        self._draw(rows, first_logits)
+        self.row_steps += first_logits.shape[0]
+
+    def show_prompts(self, groups: Tensor | None, visible: Tensor) -> None:
+        """Prefix layout: prompt groups `groups` (device int64; None: every group) show `visible`
+        ([groups, prompt buffer length] bool) of their shared KV."""
+        s = self.state
+        s.prompt_bias[slice(None) if groups is None else groups, 0, 0] = visible_bias(visible, s.shape.prompt_len).to(
+            s.prompt_bias.dtype
+        )
+
+    def seat_in_slots(self, rows: Tensor, group: int, sample: Tensor) -> None:
+        """Prefix layout, a streaming batch: rows `rows` (device int64) read prompt group `group`, each
+        through the query slot of its sample `sample` [k]."""
+        s = self.state
+        s.slot_rows[group * s.shape.slots + sample] = rows
+        s.row_prompt[rows] = group
+        s.row_sample[rows] = sample
+        self.map.group[rows.cpu()] = group
+
+    def _draw(self, rows: Tensor | None, logits: Tensor) -> None:
+        """Sample the first token of rows `rows` (None: every row) from `logits`, the other rows left as
+        they are."""
+        step, state = self.decoder.step, self.state
+        step.state = state
+        if rows is None:
+            step.draw(logits)
+            return
+        sub = DecodeState(dataclasses.replace(state.shape, rows=rows.numel(), prompts=0, slots=0), state.tokens.device)
+        state.gather_into(sub, rows, None)
+        step.state = sub
+        try:
+            step.draw(logits)
+        finally:
+            step.state = state
+        state.scatter_rows_from(sub, rows)
+
+    # --- leaves --------------------------------------------------------------------------------------
+    def plan(self, ended: Tensor) -> compaction.Plan | None:
+        """The compaction that leaves out the rows `ended` (host bool [rows]), or None when it would not
+        save enough (torchkvops.rollout.compaction)."""
+        return compaction.plan(ended, self.map)
+
+    def compact(self, plan: compaction.Plan, tokens: int, cache_gathered: bool = False) -> None:
+        """Go on with the rows of `plan` after `tokens` tokens: a state of the compacted shape holds them,
+        the KV cache keeps theirs (unless `cache_gathered`: the caller gathered it), and (`keeps_left`)
+        the output keeps every row's tokens so far."""
+        state, cache = self.state, self.cache
+        device = state.tokens.device
+        rows = plan.rows.to(device)
+        groups = None if plan.groups is None else plan.groups.to(device)
+        new = self.decoder.state_for(
+            dataclasses.replace(state.shape, rows=plan.size, prompts=plan.prompts, slots=plan.slots)
+        )
+        state.gather_into(new, rows, groups)
+        if plan.slot_rows is not None:
+            new.slot_rows.copy_(plan.slot_rows)
+            new.row_prompt.copy_(plan.row_slot // plan.slots)
+            new.row_sample.copy_(plan.row_slot % plan.slots)
+        if not self.keeps_left:
+            cache.compact_in_place(rows, groups)  # the rows left behind are free: nothing is kept
+        else:
+            if not cache_gathered:
+                cache.compact(rows, groups, self.map.original.to(device))
+            self._write_back(tokens)
+            # Rows that end here hold the pad id (and log-probability 0) from now on, as in a full batch;
+            # the others are written back again later.
+            self.responses[:, tokens:].fill_(self.decoder.pad_id)
+            if self.logprobs is not None:
+                self.logprobs[:, tokens:].zero_()
+        self.map.apply(plan)
+        self.state = new
+        self.compactions += 1
+
+    def retire(self, rows: list[int]) -> None:
+        """Rows `rows` (ended) leave: their tokens to their samples' places in the output; the rows are free."""
+        if not rows:
+            return
+        device, width = self.state.tokens.device, self.responses.shape[1]
+        src = torch.tensor(rows, device=device)
+        dst = self.map.original[rows].to(device)
+        self.responses[dst] = self.state.responses[src, :width]
+        if self.logprobs is not None:
+            self.logprobs[dst] = self.state.logprobs[src, :width]
+        self.layout.release_rows(self, rows)
+        self.map.original[rows] = -1
+
+    def free_rows(self) -> list[int]:
+        return (self.map.original < 0).nonzero().flatten().tolist()
+
+    def finish(self, tokens: int) -> None:
+        """After decode: the first `tokens` tokens of every row in its place in the output, and (a call's
+        batch) every row's KV in its home row, where Rollout.extend looks for it."""
+        if self.keeps_left:
+            self._write_back(tokens)
+        compacted = self.cache.compacted  # (the home rows of a compacted batch's rows: one host-to-device copy)
+        self.cache.finish_decode(self.map.original.to(self.first.tokens.device) if compacted else None)
+
+    def _write_back(self, tokens: int) -> None:
+        """The first `tokens` tokens (and logprobs) of a compacted batch's rows, into their output rows."""
+        if self.state is self.first:
+            return
+        original = self.map.original.to(self.responses.device)
+        self.responses[:, :tokens].index_copy_(0, original, self.state.responses[:, :tokens])
+        if self.logprobs is not None:
+            self.logprobs[:, :tokens].index_copy_(0, original, self.state.logprobs[:, :tokens])

@@ -1,0 +1,262 @@
+"""The two KV layouts (`RolloutConfig.kv_sharing`) as objects: everything that differs between them.
+
+- `CopyLayout` ("copy"): one KV buffer of rows x (P + R - 1) positions. Prefill writes the B prompts,
+  `repeat_kv_cache_` copies each to its N rows, and decode writes after the prompt.
+- `PrefixLayout` ("prefix"): the B prompts' KV once (`prompt_kv`, B x P) and each row's own response KV
+  (`decode_kv`, rows x (R - 1)); the decode attention reads both and merges them (`attention`).
+
+The rest of the engine asks its layout instead of testing the name: the buffers' lengths and rows, which
+index each buffer is gathered by when the batch is compacted, the keys an extend's forward reads, the
+column decode writes first, what a row sees when it starts, the prompt part of a decode shape and of the
+attention context, the prompt groups compaction keeps, and where a streaming batch puts a prompt's KV.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .compaction import BatchMap
+from .state import DecodeShape
+
+__all__ = [
+    "CopyLayout",
+    "PrefixLayout",
+    "LAYOUTS",
+    "layout_for",
+    "round_up",
+    "KV_LENGTH_MULTIPLE",
+    "RESPONSE_KV_MULTIPLE",
+]
+
+# Decode buffers are rounded up to a multiple of this many positions: nearby prompt lengths then share
+# one decode shape (graph), and the attention kernels get aligned mask widths.
+KV_LENGTH_MULTIPLE = 64
+# The prefix layout's response KV (R - 1 positions) is rounded less: its length is fixed per config, so
+# it adds no decode shape, and a multiple of 8 keeps every decode bias's rows on 16-byte boundaries, so
+# that `fused_attention`'s CUDA alignment rule never copies a bias in a decode step. With R=8 a row holds
+# 8 response positions, not 64.
+RESPONSE_KV_MULTIPLE = 8
+
+
+def round_up(n: int, multiple: int = KV_LENGTH_MULTIPLE) -> int:
+    return max(1, -(-n // multiple)) * multiple
+
+
+class CopyLayout:
+    """Every row holds its prompt's KV, then its own (module docstring)."""
+
+    name = "copy"
+    needs_shared_prefill = False  # (the expanded baseline prefills every row's copy: this layout's own)
+
+    def __init__(self, samples: int):
+        self.samples = samples
+
+    # --- the KV buffers -------------------------------------------------------------------------
+    def kv_lengths(self, prompt_len: int, new_tokens: int) -> tuple[int, ...]:
+        """The positions of each KV buffer. The last sampled token is never fed back: decode writes
+        new_tokens - 1 positions."""
+        return (round_up(prompt_len + new_tokens - 1),)
+
+    def buffer_rows(self, prompts: int, rows: int) -> tuple[int, ...]:
+        """The rows of each KV buffer, for `prompts` prompts and `rows` rows."""
+        return (rows,)
+
+    def kv_index(self, rows: Tensor, prompts: Tensor | None) -> tuple[Tensor, ...]:
+        """What each buffer keeps when the batch keeps rows `rows` and prompt groups `prompts`."""
+        return (rows,)
+
+    def extend_keys(self, cache, layer: int, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
+        """The keys and values an extend's forward attends to, given the decode buffer's so far."""
+        return keys, values
+
+    def expand_prompts(self, cache, batch: int, prompt_len: int) -> None:
+        """After a shared prefill of `batch` prompts: each prompt's KV in its N rows."""
+        cache.expand_prompts(batch, self.samples, prompt_len)
+
+    # --- a call's first decode step ----------------------------------------------------------------
+    def first_column(self, prompt_len: int) -> int:
+        """The decode buffer's column the first decode step writes."""
+        return prompt_len
+
+    def decode_visible(self, row_mask: Tensor) -> Tensor:
+        """What each row sees of the decode buffer when decode starts ([rows, C] bool)."""
+        return row_mask
+
+    def prompt_visible(self, prompt_mask: Tensor, cache) -> Tensor | None:
+        """What each prompt's shared KV shows ([prompts, prompt buffer length] bool), or None."""
+        return None
+
+    def decode_shape(self, cache, rows: int, prompts: int, max_new_tokens: int, dtype, logprobs: bool, slots: int = 0):
+        return DecodeShape(rows, cache.decode_kv.shape[4], max_new_tokens, dtype, logprobs=logprobs)
+
+    def batch_map(self, rows: int) -> BatchMap:
+        """The host-side map of a batch of `rows` rows as a call starts them (N rows per prompt)."""
+        return BatchMap(rows)
+
+    # --- decode ------------------------------------------------------------------------------------
+    def load_context(self, context, state, cache) -> None:
+        """Point the decode attention's context at `state` and the cache's current views."""
+        context.load(state, None)
+
+    def dynamic_tensors(self, state, cache) -> list[tuple[Tensor, tuple[int, ...]]]:
+        """The tensors a decode step reads whose dims vary between calls, besides the state's rows and
+        the decode buffer: (tensor, dims)."""
+        return []
+
+    # --- a streaming batch (torchkvops.rollout.streaming) -----------------------------------------------
+    def stream_prompt_slots(self, prompts: int, groups: int) -> int:
+        """Prompt KV slots a streaming batch of `groups` prompts' rows keeps (of `prompts` in all)."""
+        return 0
+
+    def stream_slots(self) -> int:
+        """Query slots per prompt slot in a streaming batch's decode shape."""
+        return 0
+
+    def stream_map(self, rows: int, prompt_slots: int) -> BatchMap:
+        """The host-side map of a streaming batch before any row starts: every row free."""
+        batch_map = BatchMap(rows)
+        batch_map.original.fill_(-1)
+        return batch_map
+
+    def prompts_admittable(self, batch) -> int | None:
+        """How many new prompts a streaming batch has room for besides its rows (None: no other bound)."""
+        return None
+
+    def place_prompts(self, batch, prompts: list[int], kv: Tensor, mask: Tensor) -> list:
+        """Where each freshly prefilled prompt's KV waits for its rows: here, its own KV (a view of
+        `kv` [layers, 2, prompts, kv_heads, P, head_dim], made a copy by `keep_apart` if rows wait)."""
+        return [kv[:, :, i : i + 1] for i in range(len(prompts))]
+
+    def keep_apart(self, home, scratch) -> Tensor:
+        """A waiting prompt's KV, copied out of the scratch cache the next prefill overwrites."""
+        if (
+            scratch.prompt_kv is not None
+            and home.untyped_storage().data_ptr() == scratch.prompt_kv.untyped_storage().data_ptr()
+        ):
+            return home.clone()
+        return home
+
+    def seat(self, batch, cache, home, row_mask: Tensor, rows: Tensor, samples: Tensor, write: int) -> Tensor:
+        """Give rows `rows` (device int64) the prompt at `home` (its samples `samples`): each row's copy of
+        the prompt goes to the decode buffer's columns that end where the next step writes (`write`; the
+        buffer is a ring). Returns the rows' attention bias over the decode buffer ([rows, columns])."""
+        columns = cache.decode_kv.shape[4]
+        prompt_len = row_mask.shape[1]
+        ring = (write - prompt_len + torch.arange(prompt_len, device=rows.device)) % columns
+        for layer in range(cache.decode_kv.shape[0]):
+            rows_kv = home[layer].expand(-1, rows.numel(), -1, -1, -1)  # [2, rows, heads, P, head_dim]
+            cache.decode_kv[layer][:, rows[:, None], :, ring[None, :]] = rows_kv.permute(1, 3, 0, 2, 4)
+        visible = torch.full((rows.numel(), columns), float("-inf"), device=rows.device)
+        visible[:, ring] = torch.where(row_mask, 0.0, float("-inf"))
+        return visible
+
+    def release_rows(self, batch, rows: list[int]) -> None:
+        """Rows whose samples ended leave their prompt (nothing to do: each row held its own copy)."""
+
+
+class PrefixLayout(CopyLayout):
+    """Each prompt's KV once, each row's response KV apart (module docstring)."""
+
+    name = "prefix"
+    needs_shared_prefill = True  # one prompt KV per prompt: what a shared prefill writes
+
+    def kv_lengths(self, prompt_len: int, new_tokens: int) -> tuple[int, ...]:
+        return round_up(prompt_len), round_up(new_tokens - 1, RESPONSE_KV_MULTIPLE)
+
+    def buffer_rows(self, prompts: int, rows: int) -> tuple[int, ...]:
+        return (prompts, rows)
+
+    def kv_index(self, rows: Tensor, prompts: Tensor | None) -> tuple[Tensor, ...]:
+        return (prompts, rows)
+
+    def extend_keys(self, cache, layer: int, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
+        """Each row's prompt (`cache`'s extend prompt of each row), then its own positions."""
+        prompts = cache.prompt_kv[layer].index_select(1, cache.extend_prompt_of_row)
+        return torch.cat([prompts[0], keys], dim=2), torch.cat([prompts[1], values], dim=2)
+
+    def expand_prompts(self, cache, batch: int, prompt_len: int) -> None:
+        """Nothing to copy: the rows read their prompt's KV where prefill wrote it."""
+
+    def first_column(self, prompt_len: int) -> int:
+        return 0
+
+    def decode_visible(self, row_mask: Tensor) -> Tensor:
+        return row_mask[:, :0]  # the rows' own buffers start empty: the prompts are seen through the prefix part
+
+    def prompt_visible(self, prompt_mask: Tensor, cache) -> Tensor:
+        """Every column of each prompt's KV: the prompt's mask, then the buffer's rounding (hidden)."""
+        visible = torch.zeros(
+            prompt_mask.shape[0], cache.prompt_kv.shape[4], dtype=torch.bool, device=prompt_mask.device
+        )
+        visible[:, : prompt_mask.shape[1]] = prompt_mask.bool()
+        return visible
+
+    def decode_shape(self, cache, rows: int, prompts: int, max_new_tokens: int, dtype, logprobs: bool, slots: int = 0):
+        return DecodeShape(
+            rows, cache.decode_kv.shape[4], max_new_tokens, dtype, prompts, cache.prompt_kv.shape[4], logprobs, slots
+        )
+
+    def batch_map(self, rows: int) -> BatchMap:
+        return BatchMap(rows, self.samples)
+
+    def load_context(self, context, state, cache) -> None:
+        context.load(state, cache.prompt_kv)
+
+    def dynamic_tensors(self, state, cache) -> list[tuple[Tensor, tuple[int, ...]]]:
+        return [(cache.prompt_kv, (2, 4)), (state.prompt_bias, (0, 3))]
+
+    # A streaming batch keeps prompt KV slots, each held until all of its prompt's samples have ended
+    # (twice the prompts the rows hold at once, so that prompts whose last samples linger do not keep rows
+    # idle), and its rows read their slot's KV through the compacted layout's query slots, N per slot.
+    def stream_prompt_slots(self, prompts: int, groups: int) -> int:
+        return min(prompts, 2 * groups)
+
+    def stream_slots(self) -> int:
+        return self.samples
+
+    def stream_map(self, rows: int, prompt_slots: int) -> BatchMap:
+        batch_map = super().stream_map(rows, prompt_slots)
+        batch_map.group, batch_map.groups = torch.zeros(rows, dtype=torch.long), prompt_slots
+        batch_map.group_prompt, batch_map.group_left = [None] * prompt_slots, [0] * prompt_slots
+        return batch_map
+
+    def prompts_admittable(self, batch) -> int | None:
+        return sum(1 for p in batch.map.group_prompt if p is None)
+
+    def place_prompts(self, batch, prompts: list[int], kv: Tensor, mask: Tensor) -> list:
+        """Each prompt's KV into a free prompt slot, shown to its rows by its mask; the slots."""
+        m = batch.map
+        free = [g for g, p in enumerate(m.group_prompt) if p is None][: len(prompts)]
+        index = torch.tensor(free, device=kv.device)
+        batch.cache.prompt_kv[..., : kv.shape[4], :].index_copy_(2, index, kv)
+        batch.show_prompts(index, mask.bool())
+        for g, prompt in zip(free, prompts):
+            m.group_prompt[g], m.group_left[g] = prompt, self.samples
+        return free
+
+    def keep_apart(self, home, scratch):
+        return home  # a prompt slot of the batch's own cache
+
+    def seat(self, batch, cache, home, row_mask: Tensor, rows: Tensor, samples: Tensor, write: int) -> Tensor:
+        """Rows `rows` read prompt slot `home`: each takes the query slot of its sample. Their own
+        buffers start empty."""
+        batch.seat_in_slots(rows, home, samples % self.samples)
+        return torch.full((rows.numel(), cache.decode_kv.shape[4]), float("-inf"), device=rows.device)
+
+    def release_rows(self, batch, rows: list[int]) -> None:
+        """A prompt slot is free once all of its samples have ended."""
+        m = batch.map
+        for r in rows:
+            g = int(m.group[r])
+            m.group_left[g] -= 1
+            if m.group_left[g] == 0:
+                m.group_prompt[g] = None
+
+
+LAYOUTS = {layout.name: layout for layout in (CopyLayout, PrefixLayout)}
+
+
+def layout_for(kv_sharing: str, samples: int) -> CopyLayout:
+    """The layout object of RolloutConfig.kv_sharing, for `samples` rows per prompt."""
+    return LAYOUTS[kv_sharing](samples)

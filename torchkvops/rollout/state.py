@@ -1,0 +1,135 @@
+"""The decode state: statically shaped tensors a decode step reads and updates in place, one set per
+`DecodeShape`, kept across calls so that a shape that comes back finds the addresses its graph was
+captured on.
+
+Per-row state is declared once (`DecodeState.FIELDS`): what each tensor holds, its shape, and how it
+moves when the batch is compacted, so that a new field cannot be forgotten by the code that moves rows
+(`torchkvops.rollout.batch.DecodeBatch`, the only code that changes a state's rows).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+__all__ = ["DecodeShape", "DecodeState"]
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeShape:
+    """What fixes a decode step's tensors (and so its graph): rows, the decode buffer's key length, the
+    response length, the model's dtype; in the prefix layout the prompts and their key length, and for a
+    compacted prefix-layout batch its query slots per prompt (torchkvops.rollout.compaction); whether
+    log-probabilities are recorded."""
+
+    rows: int
+    mask_len: int
+    max_new_tokens: int
+    dtype: torch.dtype
+    prompts: int = 0
+    prompt_len: int = 0
+    logprobs: bool = False
+    slots: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class _Field:
+    """One tensor of a DecodeState. `per`: what its first dim indexes, and so how compaction moves it:
+    "row" (gathered with its row), "prompt" (gathered with its prompt group), "slot" (set from the
+    compaction's plan)."""
+
+    name: str
+    per: str
+    dims: Callable[[DecodeShape], tuple[int, ...] | None]  # its shape, or None when the shape has none
+    dtype: torch.dtype | None = torch.long  # None: the model's dtype
+    doc: str = ""
+
+
+def _if(condition: bool, dims: tuple[int, ...]) -> tuple[int, ...] | None:
+    return dims if condition else None
+
+
+class DecodeState:
+    """Statically shaped tensors that the decode step reads and updates in place, one set per DecodeShape."""
+
+    FIELDS = (
+        _Field("tokens", "row", lambda s: (s.rows, 1), doc="the token fed next"),
+        _Field("position_ids", "row", lambda s: (s.rows, 1)),
+        _Field(
+            "bias",
+            "row",
+            lambda s: (s.rows, 1, 1, s.mask_len),
+            None,
+            "additive bias over the decode buffer's keys: 0 where a row may attend, -inf elsewhere",
+        ),
+        _Field("finished", "row", lambda s: (s.rows,), torch.bool),
+        _Field("keys", "row", lambda s: (s.rows,), doc="per-row sampling keys"),
+        _Field(
+            "nonfinite_step",
+            "row",
+            lambda s: (s.rows,),
+            doc="the first step at which a live row's logits could not be sampled from (NaN, +inf, or all "
+            "-inf: HF's sampling raises there); -1 while none",
+        ),
+        # One spare column: where a row that has its max_new_tokens tokens writes (the pad id) while others
+        # go on (rows that joined a streaming batch later, torchkvops.rollout.streaming).
+        _Field("responses", "row", lambda s: (s.rows, s.max_new_tokens + 1)),
+        _Field(
+            "logprobs",
+            "row",
+            lambda s: _if(s.logprobs, (s.rows, s.max_new_tokens + 1)),
+            torch.float32,
+            "each sampled token's log-probability (0 once the row has ended), as responses",
+        ),
+        _Field(
+            "prompt_bias",
+            "prompt",
+            lambda s: _if(s.prompts > 0, (s.prompts, 1, 1, s.prompt_len)),
+            None,
+            "prefix layout: the bias over each prompt's shared KV",
+        ),
+        # A compacted prefix-layout batch (slots > 0): the shared-prefix attention's query slots, S per
+        # prompt: the row at each slot, and each row's slot as (prompt, sample).
+        _Field("slot_rows", "slot", lambda s: _if(s.slots > 0, (s.prompts * s.slots,))),
+        _Field("row_prompt", "slot", lambda s: _if(s.slots > 0, (s.rows,))),
+        _Field("row_sample", "slot", lambda s: _if(s.slots > 0, (s.rows,))),
+        _Field(
+            "step",
+            "row",
+            lambda s: (s.rows,),
+            doc="each row's index of the token it samples next: its own step, which keys its sampling noise",
+        ),
+    )
+
+    def __init__(self, shape: DecodeShape, device: torch.device):
+        self.shape = shape
+        for f in self.FIELDS:
+            dims = f.dims(shape)
+            value = None if dims is None else torch.zeros(dims, dtype=f.dtype or shape.dtype, device=device)
+            setattr(self, f.name, value)
+
+    @property
+    def rows(self) -> int:
+        return self.shape.rows
+
+    def scatter_rows_from(self, sub: DecodeState, rows: Tensor) -> None:
+        """The "row" fields of `sub` (a state of len(rows) rows) into rows `rows` of this one."""
+        for f in self.FIELDS:
+            if f.per == "row" and getattr(self, f.name) is not None:
+                getattr(self, f.name).index_copy_(0, rows, getattr(sub, f.name))
+
+    def tensors(self) -> list[Tensor]:
+        return [t for t in (getattr(self, f.name) for f in self.FIELDS) if t is not None]
+
+    def gather_into(self, new: DecodeState, rows: Tensor, groups: Tensor | None) -> None:
+        """Move the rows `rows` (device int64) into `new`, and (prefix layout) the prompt groups `groups`:
+        every field as its declaration says; "slot" fields are the caller's (they come from a plan)."""
+        for f in self.FIELDS:
+            src = getattr(self, f.name)
+            if src is None or f.per == "slot":
+                continue
+            if f.per == "row" or groups is not None:
+                torch.index_select(src, 0, rows if f.per == "row" else groups, out=getattr(new, f.name))
