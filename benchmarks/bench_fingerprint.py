@@ -23,9 +23,8 @@ import time
 import torch
 
 from torchkvops import Rollout, RolloutConfig
-from torchkvops.bench.models import build_model
-from torchkvops.hf.adapter import ModelAdapter
 from torchkvops.hf.generate_reuse import kv_fingerprint
+from torchkvops.models import ModelAdapter, build_model
 
 
 def sum_norm(model: torch.nn.Module) -> list[float]:

@@ -22,8 +22,8 @@ import statistics
 import torch
 
 from torchkvops import Rollout, RolloutConfig
-from torchkvops.bench.models import MODEL_SHAPES, build_model
 from torchkvops.bench.op import time_methods
+from torchkvops.models import MODEL_SHAPES, build_model
 from torchkvops.rollout.lm_head import Float32LMHead
 
 VARIANTS = {

@@ -21,7 +21,7 @@ import argparse
 import torch
 
 from torchkvops.bench import cases, mismatch, report
-from torchkvops.bench.models import MODEL_SHAPES, build_model
+from torchkvops.models import MODEL_SHAPES, build_model
 from torchkvops.rollout import attention
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -69,7 +69,7 @@ def main(argv=None) -> int:
 
 
 def float32_partials(dtype: torch.dtype) -> None:
-    """Patch torchkvops.attention for this process: the attentions whose log-sum-exp is asked for (the
+    """Patch torchkvops.rollout.attention for this process: the attentions whose log-sum-exp is asked for (the
     prefix layout's two partial ones) take float32 inputs, and their merge's output is cast back to `dtype`."""
     attend, ops = attention.attend, attention.ops
 

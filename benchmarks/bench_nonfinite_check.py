@@ -17,7 +17,7 @@ import time
 import torch
 
 from torchkvops import Rollout, RolloutConfig
-from torchkvops.bench.models import build_model
+from torchkvops.models import build_model
 from torchkvops.rollout.decode import DecodeStep
 
 

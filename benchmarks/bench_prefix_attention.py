@@ -4,7 +4,7 @@ their own, three ways (why patch_forward's attention is split, not expanded):
   plain     every row attends causally over its own P + C tokens (what the unpatched model does), SDPA
   expanded  the prefix K/V once per row (expand + cat), each row's C queries attend to [prefix, own] with
             a dense [C, P + C] mask, SDPA; the prefix's own causal attention once
-  split     torchkvops.prefix_attention.shared_prefix_attention: prefix causal once, the G*C suffix
+  split     torchkvops.training.prefix_attention.shared_prefix_attention: prefix causal once, the G*C suffix
             queries stacked against the prefix once (grouped-query heads folded), each suffix causally
             against itself, merged by log-sum-exp; backward by each part's fused kernel
 

@@ -25,7 +25,7 @@ import torch
 
 from torchkvops import Rollout, RolloutConfig
 from torchkvops.bench import lengths
-from torchkvops.bench.models import build_model
+from torchkvops.models import build_model
 
 MODES = ("all", "budget", "chunks", "hf")
 

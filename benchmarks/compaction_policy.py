@@ -1,4 +1,4 @@
-"""Which compaction policy (torchkvops.compaction): decode time and the useful fraction of computed
+"""Which compaction policy (torchkvops.rollout.compaction): decode time and the useful fraction of computed
 row-steps for a few bucket schemes and thresholds, interleaved, on the bench's geometric length profile
 (torchkvops.bench.lengths: EOS with probability 4/R at every step, lengths geometric with mean R/4).
 
@@ -22,7 +22,7 @@ import torch
 
 from torchkvops import Rollout, RolloutConfig
 from torchkvops.bench import lengths
-from torchkvops.bench.models import build_model
+from torchkvops.models import build_model
 from torchkvops.rollout import compaction
 
 

@@ -15,7 +15,7 @@ import argparse
 
 import torch
 
-from torchkvops.bench.models import MODEL_SHAPES, model_config
+from torchkvops.models import MODEL_SHAPES, model_config
 from torchkvops.rollout import kv_lengths
 from torchkvops.rollout.kv_cache import KVShape, RolloutKVCache
 

@@ -56,7 +56,7 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, TrainerC
 from trl import GRPOConfig, GRPOTrainer
 
 import torchkvops
-from torchkvops.bench.models import MODEL_SHAPES, build_model
+from torchkvops.models import MODEL_SHAPES, build_model
 from torchkvops.training.shared_forward import disable_dropout
 
 # The prompts' words; the rest of the vocabulary is filler ("w1234").

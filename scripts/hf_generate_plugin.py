@@ -76,7 +76,7 @@ def _install_routing() -> None:
 
     GenerationMixin.generate = routed
 
-    # Counting only (private hooks of torchkvops.generation): every call passes through `_serve`, a
+    # Counting only (private hooks of torchkvops.hf.generate_patch): every call passes through `_serve`, a
     # served one returns from `_run`, a fallback passes its reason to `warn_once` (every time, though it
     # warns only the first time); the rest raised before either.
     serve, run, warn_once = generation._serve, generation._run, generation._Session.warn_once

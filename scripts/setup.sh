@@ -69,5 +69,5 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ] || ! ls torchkvops/_C*.
 fi
 # out/ (git-ignored): where the README's benchmark commands write their JSON.
 mkdir -p out
-"$py" -c "import torchkvops; print('torchkvops ready: torch', torchkvops.torch.__version__, '| CUDA kernels compiled in:', torchkvops.has_cuda_kernels())"
+"$py" -c "import torch, torchkvops; print('torchkvops ready: torch', torch.__version__, '| CUDA kernels compiled in:', torchkvops.has_cuda_kernels())"
 deps_key > "$deps_stamp"

@@ -78,8 +78,8 @@ def test_bad_arguments_are_one_line_errors(args, message):
 
 
 def test_the_command_line_knows_every_model_shape_and_its_positions():
-    from torchkvops.bench.models import MODEL_SHAPES, model_config
     from torchkvops.cli.bench_train import MODEL_POSITIONS
+    from torchkvops.models import MODEL_SHAPES, model_config
 
     assert MODEL_POSITIONS == {name: model_config(name).max_position_embeddings for name in MODEL_SHAPES}
 

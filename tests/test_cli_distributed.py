@@ -217,7 +217,7 @@ def test_a_mode_that_fails_on_another_process_fails_on_this_one_too(monkeypatch)
     from torchkvops.bench import cases as bench_cases
     from torchkvops.bench import matrix as bench
     from torchkvops.bench import world as bench_world
-    from torchkvops.bench.models import build_model
+    from torchkvops.models import build_model
 
     calls = []
     case = bench_cases.Case(1, 2, 4, 3)

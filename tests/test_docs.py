@@ -52,7 +52,7 @@ def test_readme_lists_every_model_shape():
     """Wherever the README or docs/ spell out the --model-shape names, they are the library's, in order."""
     import re
 
-    from torchkvops.bench.models import MODEL_SHAPES
+    from torchkvops.models import MODEL_SHAPES
 
     lists = re.findall(r"\(`--model-shape ([a-z0-9.| \n-]+)`\)", docs_text())
     assert lists
@@ -117,6 +117,31 @@ def test_readme_and_docs_name_no_machine_paths():
     for page in [*doc_files(), ROOT / "CHANGELOG.md"]:
         found = re.findall(r"(?<![\w.])/(?:work|root|tmp|home|Users|mnt)/[^\s`)]*", page.read_text())
         assert found == [], f"{page.name}: {found}"
+
+
+def test_readme_and_docs_name_only_real_module_paths():
+    """Every dotted `torchkvops.<...>` path the README and docs/ name (not an operator under torch.ops, not
+    a file) is a module of the package, or a name one of them defines: the modules live where the text
+    says, with no alias resolving an old path."""
+    import importlib
+    import re
+
+    paths = set(re.findall(r"(?<![\w./])torchkvops(?:\.[A-Za-z_]\w*)+", docs_text()))
+    assert {"torchkvops.distributed.generate", "torchkvops.models"} <= paths
+    wrong = []
+    for path in sorted(paths):
+        parts = path.split(".")
+        for end in range(len(parts), 0, -1):  # the longest prefix that is a module, then its attributes
+            try:
+                found = importlib.import_module(".".join(parts[:end]))
+                break
+            except ModuleNotFoundError:
+                continue
+        for name in parts[end:]:
+            found = getattr(found, name, None)
+        if found is None:
+            wrong.append(path)
+    assert wrong == []
 
 
 def github_anchor(heading: str) -> str:

@@ -276,8 +276,8 @@ def test_randomized_in_place_edits_each_drop_the_kept_kv():
     """Many edits of many kinds (swaps, sign flips, one-ulp changes, rotations written with copy_; through
     .data or under torch.no_grad; parameters and buffers), each after a served call: the fingerprint sees
     every one, and the next call through patch_generate is prefilled anew."""
-    from torchkvops.hf.adapter import ModelAdapter
     from torchkvops.hf.generate_reuse import kv_fingerprint
+    from torchkvops.models import ModelAdapter
 
     model = FAMILIES["llama"]()
     adapter_state = ModelAdapter(model).adapter_state()

@@ -1,7 +1,9 @@
-"""The package's architecture, checked from its source: no import cycles, and the layers stay apart
-(the library never imports the command line or the benchmark harness; the harness never imports the
-command line). Imports are read with `ast`, function-level ones included, so a lazy import that would
-close a cycle is caught too."""
+"""The package's architecture, checked from its source: no import cycles, and the layers stay apart,
+operators < model adapter and utilities < rollout engine < training forward / integrations < benchmark
+harness < command line, with no exception (each layer imports only those below it; the training forward
+never imports the rollout). Imports are read with `ast`, function-level ones included, so a lazy import
+that would close a cycle or cross a layer is caught too. Also: the distribution holds every package,
+and the package imports from a built tree as a wheel lays it out."""
 
 from __future__ import annotations
 
@@ -131,38 +133,69 @@ def test_the_library_never_imports_the_command_line_or_the_harness():
     assert wrong == []
 
 
+# The layer of each top-level module and subpackage, bottom to top: the operators (the package root,
+# ops, reference, fused_attention, the compiled _C); the model adapter and the small helpers below the
+# engine (models/, utils); the rollout engine; the training forward; the integrations above the engine
+# (hf/: generate's contract and patch; distributed); the harness; the command line. A new top-level
+# module or subpackage has no layer until it is added here, and the tests below fail.
+LAYERS = {
+    "ops": "operators",
+    "reference": "operators",
+    "fused_attention": "operators",
+    "_C": "operators",
+    "models": "models",
+    "utils": "models",
+    "rollout": "rollout",
+    "training": "training",
+    "hf": "integrations",
+    "distributed": "integrations",
+    "bench": "bench",
+    "cli": "cli",
+    "__main__": "cli",
+}
+
+
 def layer_of(name: str) -> str:
-    """The layer a module belongs to, bottom to top: the operators (the package root, ops, reference,
-    fused_attention), the model adapter and the integrations' shared helpers (hf.adapter,
-    hf.integration), the rollout engine, the training forward, the integrations above the engine
-    (generate's contract and patch, distributed), then the harness and the command line."""
+    """The layer of a module of the package, by its top-level name (LAYERS); the package root is the
+    operators' (importing torchkvops imports torchkvops.ops, nothing else)."""
     parts = name.split(".")[1:]
-    if not parts or parts[0] in ("ops", "reference", "fused_attention", "_C"):
-        return "operators"
-    if parts[0] == "__main__":
-        return "cli"
-    if parts[0] == "hf":
-        return "adapter" if parts[1:2] in ([], ["adapter"], ["integration"]) else "integrations"
-    return parts[0]  # rollout, training, bench, cli
+    return LAYERS[parts[0]] if parts else "operators"
 
 
 # What each layer may import (besides itself). The training forward never needs the rollout engine,
 # and nothing below the integrations knows generate's contract or patch.
 ALLOWED_LAYERS = {
     "operators": set(),
-    "adapter": {"operators"},
-    "rollout": {"operators", "adapter"},
-    "training": {"operators", "adapter"},
-    "integrations": {"operators", "adapter", "rollout", "training"},
-    "bench": {"operators", "adapter", "rollout", "training", "integrations"},
-    "cli": {"operators", "adapter", "rollout", "training", "integrations", "bench"},
+    "models": {"operators"},
+    "rollout": {"operators", "models"},
+    "training": {"operators", "models"},
+    "integrations": {"operators", "models", "rollout", "training"},
+    "bench": {"operators", "models", "rollout", "training", "integrations"},
+    "cli": {"operators", "models", "rollout", "training", "integrations", "bench"},
 }
 
 
-def test_every_module_is_in_a_subpackage_that_shows_its_layer():
+def test_the_layers_are_an_order():
+    """No two layers may import each other, even through a third: the allowed imports have no cycle."""
+    assert cycles(ALLOWED_LAYERS) == []
+    assert set(LAYERS.values()) == set(ALLOWED_LAYERS)
+
+
+def test_every_module_is_in_a_subpackage_or_a_top_level_module_that_shows_its_layer():
+    """The modules at the top are the operators', the two public modules whose paths are a contract
+    (`torchkvops.distributed`, whose `generate` users call) or that every layer above the operators shares
+    (`torchkvops.utils`), and the entry points; everything else sits in a subpackage named for its layer."""
     graph = import_graph(PACKAGE_ROOT)
     top_level = sorted(path.name for path in PACKAGE_ROOT.glob("*.py"))
-    assert top_level == ["__init__.py", "__main__.py", "fused_attention.py", "ops.py", "reference.py"]
+    assert top_level == [
+        "__init__.py",
+        "__main__.py",
+        "distributed.py",
+        "fused_attention.py",
+        "ops.py",
+        "reference.py",
+        "utils.py",
+    ]
     assert {layer_of(name) for name in graph} == set(ALLOWED_LAYERS)
 
 
@@ -172,60 +205,36 @@ def test_each_layer_imports_only_the_layers_below_it():
         (a, b)
         for a, targets in graph.items()
         for b in targets
-        if layer_of(b) != layer_of(a)
-        and layer_of(b) not in ALLOWED_LAYERS[layer_of(a)]
-        and b != "torchkvops"  # the package root: `from .. import ops` passes through it
+        if layer_of(b) != layer_of(a) and layer_of(b) not in ALLOWED_LAYERS[layer_of(a)]
     )
     assert wrong == []
 
 
-def test_the_layer_rule_would_catch_training_importing_the_rollout():
+def test_the_layer_rule_would_catch_an_engine_or_training_import_from_above():
     assert layer_of("torchkvops.training.shared_forward") == "training"
     assert layer_of("torchkvops.rollout.engine") not in ALLOWED_LAYERS["training"]
-    assert layer_of("torchkvops.hf.generate_patch") not in ALLOWED_LAYERS["rollout"]
-    assert layer_of("torchkvops.hf.adapter") in ALLOWED_LAYERS["rollout"]
+    for integration in ("torchkvops.hf.generate_patch", "torchkvops.hf.generate_contract", "torchkvops.distributed"):
+        assert layer_of(integration) not in ALLOWED_LAYERS["rollout"] | ALLOWED_LAYERS["training"]
+    for below in ("torchkvops.models.adapter", "torchkvops.models.forward_modes", "torchkvops.utils"):
+        assert layer_of(below) in ALLOWED_LAYERS["rollout"] & ALLOWED_LAYERS["training"]
+    assert layer_of("torchkvops.rollout") not in ALLOWED_LAYERS["models"]
 
 
-def test_the_integrations_share_a_leaf_and_the_contract_knows_no_patch():
-    """hf/integration.py (what patch_generate and patch_forward share) imports no module of the package,
-    so that any module may use it; hf/generate_contract.py (HF's generate contract) knows neither patch;
-    and the two integrations do not import each other."""
+def test_the_shared_helpers_are_leaves_and_the_contract_knows_no_patch():
+    """torchkvops.utils and models/forward_modes.py (what the engine, patch_generate and patch_forward
+    share) import no module of the package, so that any module may use them; hf/generate_contract.py
+    (HF's generate contract) knows neither patch; and the two integrations do not import each other."""
     graph = import_graph(PACKAGE_ROOT)
     contract, patch = "torchkvops.hf.generate_contract", "torchkvops.hf.generate_patch"
-    shared, training = "torchkvops.hf.integration", "torchkvops.training.shared_forward"
-    assert graph[shared] == set()
-    assert {shared, "torchkvops.rollout.engine"} <= graph[contract]
+    utils, modes = "torchkvops.utils", "torchkvops.models.forward_modes"
+    training = "torchkvops.training.shared_forward"
+    assert graph[utils] == set() and graph[modes] == set()
+    assert {utils, modes, "torchkvops.models.adapter", "torchkvops.rollout.engine"} <= graph[contract]
     assert not {patch, training} & graph[contract]
-    assert {shared, contract} <= graph[patch]
-    assert shared in graph[training]
+    assert {utils, contract} <= graph[patch]
+    assert {utils, modes} <= graph[training]
     assert training not in graph[patch]
     assert patch not in graph[training]
-
-
-def test_the_flat_paths_of_earlier_releases_import_the_moved_modules(tmp_path):
-    """`import torchkvops.<old>` and `from torchkvops.<old> import ...` give the module at its new path
-    (one object, which keeps its own name and spec), in a fresh interpreter where neither was imported."""
-    import subprocess
-    import sys
-
-    import torchkvops
-
-    script = (
-        "import importlib, sys\n"
-        "import torchkvops\n"
-        f"for old, new in {dict(torchkvops._MOVED_MODULES)!r}.items():\n"
-        "    aliased = importlib.import_module('torchkvops.' + old)\n"
-        "    moved = sys.modules['torchkvops.' + new]\n"
-        "    assert aliased is moved and getattr(torchkvops, old) is moved, old\n"
-        "    assert moved.__name__ == moved.__spec__.name == 'torchkvops.' + new, old\n"
-        "from torchkvops.distributed import generate\n"
-        "from torchkvops.hf.distributed import generate as moved\n"
-        "assert generate is moved\n"
-        "print('ok')\n"
-    )
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, cwd=tmp_path)
-    assert done.stdout.strip() == "ok", done.stderr
-    assert not (PACKAGE_ROOT / "distributed.py").exists()  # the old paths are aliases, not files
 
 
 def test_the_distribution_holds_every_package_of_the_tree():
@@ -241,3 +250,61 @@ def test_the_distribution_holds_every_package_of_the_tree():
     shipped = set(find_packages(str(PACKAGE_ROOT.parent), **packages["find"]))
     tree = {".".join(path.parent.relative_to(PACKAGE_ROOT.parent).parts) for path in PACKAGE_ROOT.rglob("__init__.py")}
     assert shipped == tree and {"torchkvops.rollout", "torchkvops.hf", "torchkvops.training"} <= shipped
+
+
+def test_the_built_package_imports_outside_the_repository(tmp_path):
+    """setuptools' build_py (what a wheel's pure-Python part is built by, with pyproject.toml's settings)
+    copies the package to a folder; with the compiled library beside it, a Python that cannot see the
+    repository (-I: no PYTHONPATH, no current folder; the build first on sys.path) imports torchkvops and
+    every public subpackage from that folder."""
+    import shutil
+    import subprocess
+    import sys
+
+    build = subprocess.run(
+        [
+            sys.executable,
+            "-I",
+            "-c",
+            "import sys\n"
+            "from setuptools.dist import Distribution\n"
+            "dist = Distribution({'script_name': 'setup.py'})\n"
+            "dist.parse_config_files()\n"  # pyproject.toml: the package list and data
+            "dist.get_command_obj('egg_info').egg_base = sys.argv[1]\n"  # nothing written in the repository
+            "dist.get_command_obj('build_py').build_lib = sys.argv[2]\n"
+            "dist.run_command('build_py')\n",
+            str(tmp_path),
+            str(tmp_path / "lib"),
+        ],
+        cwd=PACKAGE_ROOT.parent,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert build.returncode == 0, build.stderr[-2000:]
+    built = tmp_path / "lib" / "torchkvops"
+    (library,) = PACKAGE_ROOT.glob("_C*.so")
+    shutil.copy(library, built)
+    script = (
+        "import importlib, sys\n"
+        "sys.path.insert(0, sys.argv[1])\n"
+        "import torch, torchkvops\n"
+        "names = ['torchkvops.rollout', 'torchkvops.hf', 'torchkvops.training', 'torchkvops.models',\n"
+        "         'torchkvops.distributed', 'torchkvops.hf.generate_patch', 'torchkvops.cli.main']\n"
+        "modules = [torchkvops] + [importlib.import_module(name) for name in names]\n"
+        "outside = [m.__name__ for m in modules if not m.__file__.startswith(sys.argv[1] + '/')]\n"
+        "assert not outside, (outside, torchkvops.__file__)\n"
+        "c = torch.arange(48.0).reshape(4, 2, 3, 2)\n"
+        "torch.ops.torchkvops.repeat_kv_cache_(c, 2, 2, 3)\n"
+        "assert torch.equal(c[1], c[0]) and callable(torchkvops.distributed.generate)\n"
+        "print(torchkvops.__file__)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-I", "-c", script, str(tmp_path / "lib")],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == str(built / "__init__.py")

@@ -167,7 +167,9 @@ def grpo_lora_run(checkpoint, output_dir, patch_forward: bool, monkeypatch):
     rollouts, fallbacks = [], []
     original = torchkvops.Rollout.generate_rows
     monkeypatch.setattr(
-        torchkvops.Rollout, "generate_rows", lambda self, *a, **k: rollouts.append(a[0].shape[0]) or original(self, *a, **k)
+        torchkvops.Rollout,
+        "generate_rows",
+        lambda self, *a, **k: rollouts.append(a[0].shape[0]) or original(self, *a, **k),
     )
     generate = torchkvops.patch_generate(trainer.model)
     fallback = generate.session.original_generate

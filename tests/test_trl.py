@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 import torchkvops  # noqa: E402
-from torchkvops.bench.models import build_model  # noqa: E402
+from torchkvops.models import build_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "grpo_trl.py"

@@ -1,9 +1,20 @@
-"""Typed Python face of the torchkvops operators, plus their fake kernels and autograd formulas."""
+"""Typed Python face of the torchkvops operators, plus their fake kernels and autograd formulas.
+
+Importing this module loads the compiled library first: its schemas and kernels must exist before the
+fake kernels and autograd formulas below register against them."""
 
 import math
 
 import torch
 from torch import Tensor
+
+try:
+    from . import _C  # noqa: F401  (registers the schemas and the CPU / CUDA kernels)
+except ImportError as e:  # pragma: no cover - exercised only on a broken install
+    raise ImportError(
+        "torchkvops: the compiled library torchkvops._C is missing or broken "
+        f"({e}); build it with: pip install --no-build-isolation -e ."
+    ) from None
 
 __all__ = [
     "repeat_kv_cache_",

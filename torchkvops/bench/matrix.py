@@ -56,7 +56,7 @@ Each other part has a module of its own:
   stats    summaries, the median-total iteration's stages, token agreement (MEDIAN_STAGES_NOTE,
            TOKENS_AGREE_NOTE)
   world    the processes, and how their records become one (WORLD_NOTE)
-  report   the table, the plot and the JSON document (FILE_NOTE); torchkvops.atomic_write writes the files
+  report   the table, the plot and the JSON document (FILE_NOTE); torchkvops.cli.atomic_write writes the files
   mismatch with --mismatch, each case's rollout-vs-trainer log-probability mismatch (MISMATCH_NOTE)
 """
 

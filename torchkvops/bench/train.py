@@ -30,9 +30,9 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import Tensor, nn
 
+from ..models import build_model
 from ..training.shared_forward import disable_dropout, patch_forward
 from .metrics import Clock, cpu_peak_memory_bytes, saved_tensor_bytes
-from .models import build_model
 
 __all__ = ["TrainCase", "cases", "make_batch", "measure_case", "format_table", "NOTES"]
 

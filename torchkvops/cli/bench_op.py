@@ -110,11 +110,10 @@ def check_memory(args, sizes, have: int | None, where: str) -> None:
 def run(args: argparse.Namespace, on_row: Callable[[list[dict]], None] | None = None) -> list[dict]:
     """Run the benchmark (args parsed by torchkvops.cli.main.parse_args); one dict per cache size.
     on_row(rows so far) is called after each size."""
-    from .. import _load_ops
-    from ..bench.op import measure
-
-    _load_ops()
     import torch
+
+    from .. import ops  # noqa: F401  (imports torch and torchkvops._C)
+    from ..bench.op import measure
 
     device = resolve_device(args.device)
     sizes = plan(args)

@@ -61,8 +61,8 @@ def check_args(args) -> None:
 def execute(args: argparse.Namespace) -> int:
     import torch
 
-    from ..bench.models import build_model
     from ..bench.turns import NOTES, TurnsCase, format_table, measure
+    from ..models import build_model
     from .atomic_write import write_json_atomic
 
     set_threads(args)

@@ -44,7 +44,6 @@ import os
 import sys
 from collections.abc import Sequence
 
-from .. import _load_ops
 from . import bench_op, bench_train, bench_turns
 from .bench import cmd_bench
 from .checks import (
@@ -359,7 +358,7 @@ def parse_args(argv: Sequence[str], parser: _Parser | None = None) -> argparse.N
 # --- the library ---------------------------------------------------------------------------------
 def load_library() -> None:
     """torch and the compiled ops (deferred while `python -m torchkvops` parses its arguments)."""
-    _load_ops()
+    from .. import ops  # noqa: F401  (imports torch and torchkvops._C)
 
 
 # --- entry point ---------------------------------------------------------------------------------

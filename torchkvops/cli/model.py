@@ -45,7 +45,7 @@ def load_config(args):
     """(config, source): the model's config, read before the model is built so that the sizes can be
     checked against it. source is the checkpoint folder or cached name, None for --model-shape."""
     if not args.model:
-        from ..bench.models import model_config
+        from ..models import model_config
 
         return model_config(args.model_shape), None
     from transformers import AutoConfig
@@ -70,7 +70,7 @@ def load_config(args):
 def load_model(args, config, source, device, dtype):
     """(model, tokenizer or None, description). Without --model: random weights of --model-shape."""
     if source is None:
-        from ..bench.models import build_model
+        from ..models import build_model
 
         model = build_model(args.model_shape, dtype, device, seed=0)  # --seed changes prompts and sampling only
         say(

@@ -216,7 +216,7 @@ def cmd_rollout(args) -> int:
 def _generate_shard(rollout, input_ids, attention_mask, bounds: tuple[int, int]):
     """This process's shard through torchkvops.distributed.generate; every process gets every row, in
     rank order (= prompt order). A failure on any process raises on every process: one line each."""
-    from ..hf import distributed
+    from .. import distributed
 
     lo, hi = bounds
     ids, mask = (input_ids[lo:hi], attention_mask[lo:hi]) if hi > lo else (None, None)

@@ -38,10 +38,11 @@ from transformers.generation import (
 )
 from transformers.generation.configuration_utils import GenerationMode
 
+from .. import distributed
+from ..models.adapter import ModelAdapter
+from ..models.forward_modes import attention_dropout, forward_autocast_dtype
 from ..rollout.engine import MIN_TEMPERATURE, Rollout, check_prompts
-from . import distributed
-from .adapter import ModelAdapter
-from .integration import attention_dropout, forward_autocast_dtype, left_padding_fault
+from ..utils import left_padding_fault
 
 # HF's generate signature: calls are bound to it as HF binds them (same defaults, same TypeErrors).
 SIGNATURE = inspect.signature(GenerationMixin.generate)

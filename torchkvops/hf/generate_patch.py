@@ -28,7 +28,7 @@ falls back.
 
 State kept between calls (rollouts with their KV buffers and decode graphs) lives on the model object
 itself, so `del model` frees it, and it is rebuilt when the model changes (attention implementation,
-dtype, device, vocabulary: `hf.model_state`). Copies of a patched model (`copy.deepcopy`, pickle,
+dtype, device, vocabulary: `models.model_state`). Copies of a patched model (`copy.deepcopy`, pickle,
 `torch.save`) are unpatched: their `generate` is the one the patch replaced.
 
 This module is the public API, the state kept between calls and the patch's lifecycle; the contract
@@ -47,12 +47,12 @@ from torch import Tensor, nn
 from transformers import GenerationConfig
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from ..models.adapter import ModelAdapter, is_peft_model, model_state, peft_refusal, unwrap_model
 from ..rollout.engine import NonFiniteLogitsError, Rollout, RolloutConfig
 from ..rollout.profiling import RolloutProfile
-from .adapter import ModelAdapter, is_peft_model, model_state, peft_refusal, unwrap_model
+from ..utils import LRU, PatchHandle, WarnOnce
 from .generate_contract import SIGNATURE, Call, Plan, Refusal, agree, bind, check, run, run_extension
 from .generate_reuse import KeptCall, kv_fingerprint
-from .integration import LRU, PatchHandle, WarnOnce
 
 __all__ = ["generate", "patch_generate", "GeneratePatch", "PATCH_OPTIONS", "ROLLOUT_OPTIONS"]
 
@@ -97,7 +97,7 @@ class _Session:
         self.rollouts: LRU[tuple, Rollout] = LRU(_MAX_ROLLOUTS, release=lambda rollout: rollout.release())
         self.warnings = WarnOnce(_FALLBACK_WARNING)
         self.lock = threading.RLock()
-        self.state: tuple | None = None  # hf.model_state when the rollouts were built
+        self.state: tuple | None = None  # models.model_state when the rollouts were built
         self.adapter: ModelAdapter | None = None  # the model read in that state
         self.refusal: Refusal | None = None  # why the rollout cannot run the model in that state (None: it can)
         self.proven = False  # a call was served in that state (until then a failure falls back)
@@ -292,7 +292,7 @@ def generate(
 def _serve(session: _Session, model: nn.Module, args: tuple, kwargs: dict, original, max_rows: int | None = None):
     """One call with generate's arguments as the caller passed them: served by a rollout, or passed
     unchanged to `original` (the model's own generate) with a warning naming the cause. A PEFT model
-    is served from the model its adapters are injected into (`hf.unwrap_model`)."""
+    is served from the model its adapters are injected into (`models.unwrap_model`)."""
     with session.lock:
         target = unwrap_model(model) if is_peft_model(model) else model
         call, synced = _prepare(session, target, args, kwargs)

@@ -20,7 +20,7 @@ was made. `kv_fingerprint` reads:
 What it does not see: state the forward reads from elsewhere (a global, a config field other than the
 attention implementation, a module attribute that is a container or an object, a hook), which
 `patch_generate(model, reuse_kv=False)` covers. One read of the weights per served call (cost:
-docs/benchmarks.md) and one host sync per device. Anything the session checks (`hf.model_state`) that
+docs/benchmarks.md) and one host sync per device. Anything the session checks (`models.model_state`) that
 changes releases the session's rollouts, and the kept call with them.
 
 Memory: the kept KV is the last served call's rollout's own buffers, which the session keeps between

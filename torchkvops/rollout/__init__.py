@@ -7,8 +7,8 @@ two KV layouts as objects, kv_cache.py the static KV buffers; attention.py the a
 during decode; compaction.py which rows to keep, streaming.py the refill policy of a row budget, turns.py
 what extend goes on with; sampling.py, lm_head.py and profiling.py the sampler, the float32 LM head and
 the per-stage timings. docs/architecture.md draws how a call flows through them. It builds on
-the operators (torchkvops.ops, torchkvops.fused_attention) and the model adapter (torchkvops.hf.adapter),
-never on the generate or training integrations.
+the operators (torchkvops.ops, torchkvops.fused_attention) and the model adapter and utilities
+(torchkvops.models.adapter, torchkvops.utils), never on the generate or training integrations.
 """
 
 from .config import MIN_TEMPERATURE, RolloutConfig, RolloutOutput

@@ -35,8 +35,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from ..hf.adapter import ModelAdapter
-from ..hf.integration import LRU
+from ..models.adapter import ModelAdapter
+from ..utils import LRU
 from . import attention, compaction
 from .batch import DecodeBatch, visible_bias
 from .graphs import DecodeRunner

@@ -24,8 +24,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from ..hf.adapter import ModelAdapter
-from ..hf.integration import left_padding_fault
+from ..models.adapter import ModelAdapter
+from ..utils import left_padding_fault
 from .config import MIN_TEMPERATURE, RolloutConfig, RolloutOutput  # noqa: F401
 from .decode import FINISHED_CHECK_INTERVAL, MAX_DECODE_STATES, Decoder, DecodeStep, NonFiniteLogitsError  # noqa: F401
 from .kv_cache import RolloutKVCache

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from ..hf.integration import LRU
+from ..utils import LRU
 
 __all__ = ["DecodeRunner", "MAX_CUDA_GRAPHS"]
 

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import Cache
 
-from ..hf.adapter import KVShape
+from ..models.adapter import KVShape
 from ..ops import repeat_kv_cache_, write_kv_
 from .compaction import COMPACT_FRACTION
 

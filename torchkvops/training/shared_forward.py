@@ -18,7 +18,7 @@ call whose `labels` read one runs the plain forward. Positions are the plain for
 suffix's continue its prefix's.
 
 Where it hooks: the backbone (`model.base_model`, e.g. LlamaModel, found through PEFT's PeftModel,
-DDP's `.module`, torch.compile's and TRL's wrappers: `hf.unwrap_model`), whose forward is replaced on
+DDP's `.module`, torch.compile's and TRL's wrappers: `models.unwrap_model`), whose forward is replaced on
 this instance, and a forward pre-hook on the causal LM around it, which sees the `labels`. TRL's GRPOTrainer replaces the top-level `model.forward` with a fused LM head that calls the
 backbone directly, so patching before or after TRL, on `trainer.model` and `trainer.ref_model`, both
 work. The attention layers read their model's config through a view that names this module's attention
@@ -53,8 +53,9 @@ import torch
 from torch import Tensor, nn
 from transformers import AttentionInterface, PreTrainedConfig
 
-from ..hf.adapter import sliding_window, unwrap_model
-from ..hf.integration import PatchHandle, WarnOnce, active_dropout, autocast_dtype, disable_dropout
+from ..models.adapter import sliding_window, unwrap_model
+from ..models.forward_modes import active_dropout, autocast_dtype, disable_dropout
+from ..utils import PatchHandle, WarnOnce
 from .prefix_attention import SERVED_DEVICES, PackedLayout, packed_attention
 from .prefix_groups import find_prefix_groups, grouping_keys, pack_layout
 from .trl_head import compact_fused_head, uses_trl_fused_head
@@ -310,7 +311,7 @@ def _plain_reason(backbone: nn.Module, arguments: dict) -> str | None:
         if cause:
             return (
                 f"dropout in train mode ({cause}: every row needs its own dropout mask; set it to 0 with "
-                "torchkvops.shared_forward.disable_dropout(model), or call model.eval())"
+                "torchkvops.models.forward_modes.disable_dropout(model), or call model.eval())"
             )
     attn = config._attn_implementation
     if attn not in SERVED_ATTENTION:
@@ -359,7 +360,7 @@ def _run_packed(original, stats: SharedForwardStats, arguments: dict, layout: Pa
 # --- patching ---------------------------------------------------------------------------------------
 def _backbone(model: nn.Module) -> nn.Module:
     """The module that runs the decoder layers: `model.base_model` of the Hugging Face model inside any
-    wrapper (`hf.unwrap_model`), or the decoder it wraps (OPTModel's OPTDecoder, which OPTForCausalLM
+    wrapper (`models.unwrap_model`), or the decoder it wraps (OPTModel's OPTDecoder, which OPTForCausalLM
     calls directly)."""
     model = unwrap_model(model)
     backbone = getattr(model, "base_model", model)

@@ -1,6 +1,7 @@
-"""torchkvops.hf.integration, what patch_generate and patch_forward share: the LRU, warn-once, the patch
-handle and the dropout readers (both integrations' end-to-end behaviour is tested in test_generate.py
-and test_shared_forward.py)."""
+"""torchkvops.utils and torchkvops.models.forward_modes, what the engine, patch_generate and
+patch_forward share: the LRU, warn-once, the patch handle, the left-padding rule, and the dropout and
+autocast readers (both integrations' end-to-end behaviour is tested in test_generate.py and
+test_shared_forward.py)."""
 
 import warnings
 
@@ -8,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from torchkvops.hf import integration
-from torchkvops.hf.integration import LRU, PatchHandle, WarnOnce
+from torchkvops.models import forward_modes
+from torchkvops.utils import LRU, PatchHandle, WarnOnce, left_padding_fault
 
 
 def test_lru_drops_the_least_recently_used_and_releases_what_leaves():
@@ -57,7 +58,7 @@ def test_a_patch_handle_restores_once_and_on_leaving_its_block():
 
 
 def test_both_dropout_readers_read_one_list():
-    assert set(integration.ATTENTION_DROPOUT_ATTRIBUTES) <= set(integration.DROPOUT_ATTRIBUTES)
+    assert set(forward_modes.ATTENTION_DROPOUT_ATTRIBUTES) <= set(forward_modes.DROPOUT_ATTRIBUTES)
 
     class Attention(nn.Module):
         def __init__(self):
@@ -66,17 +67,17 @@ def test_both_dropout_readers_read_one_list():
             self.attention_dropout = 0.1
 
     model = nn.Sequential(Attention(), nn.Dropout(0.2))
-    assert integration.attention_dropout(model) == pytest.approx(0.1)  # attention probabilities only
-    assert integration.active_dropout(model) == "0.attention_dropout=0.1"
-    integration.disable_dropout(model)
-    assert integration.attention_dropout(model) == 0 and integration.active_dropout(model) is None
+    assert forward_modes.attention_dropout(model) == pytest.approx(0.1)  # attention probabilities only
+    assert forward_modes.active_dropout(model) == "0.attention_dropout=0.1"
+    forward_modes.disable_dropout(model)
+    assert forward_modes.attention_dropout(model) == 0 and forward_modes.active_dropout(model) is None
 
 
 def test_autocast_dtype_and_left_padding_fault():
-    assert integration.autocast_dtype("cpu") is None
+    assert forward_modes.autocast_dtype("cpu") is None
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert integration.autocast_dtype("cpu") == torch.bfloat16
+        assert forward_modes.autocast_dtype("cpu") == torch.bfloat16
     faults = {(1, 1): None, (0, 1): None, (0, 0): "empty row", (1, 0): "right padding"}
     for row, fault in faults.items():
-        assert integration.left_padding_fault(torch.tensor([row, (1, 1)])) == fault
-    assert integration.left_padding_fault(torch.tensor([[1, 0, 1]])) == "hole"
+        assert left_padding_fault(torch.tensor([row, (1, 1)])) == fault
+    assert left_padding_fault(torch.tensor([[1, 0, 1]])) == "hole"

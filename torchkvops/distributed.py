@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..rollout.engine import Rollout, RolloutOutput
+from .rollout.engine import Rollout, RolloutOutput
 
 __all__ = ["generate", "initialized", "agree", "ended_everywhere"]
 
