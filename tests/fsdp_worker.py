@@ -7,7 +7,12 @@ FSDP-managed as accelerate marks it, so HF's generate resolves synced_gpus=True.
 OUT_DIR/rank<r>.pt with HF's output (the model class's generate on the same wrapper: the oracle), the
 patched generate's output and how many rollouts ran. Scenarios: "synced" (ranks' rows end at different
 steps; then a call that one rank cannot serve: every rank falls back), "train" (synced_gpus=False: a
-served generate, then a training step on its sequences, then a generate that follows the new weights).
+served generate, then a training step on its sequences, then a generate that follows the new weights),
+"gather" (gather_weights "per_step" then "once": parameter collectives counted, FSDP's settings after;
+a budget too small for the weights: per-step gathers with a warning), "grad" (the gradients of a
+training step after a gathered call and after no call), "lora" (a LoRA model sharded, gathered then
+merged: PEFT's unmerged tokens, the local shards bit-identical after), "distributed"
+(torchkvops.distributed.generate on the sharded model: each rank its own rows, gathered once).
 """
 
 import datetime
@@ -25,21 +30,50 @@ from models import FAMILIES, prompts  # noqa: E402
 import torchkvops  # noqa: E402
 
 
-def sharded_llama():
+def sharded_llama(lora: bool = False):
     model = FAMILIES["llama"]()  # seeded: the same weights on every rank
-    for layer in model.model.layers:
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        torch.manual_seed(1)  # random B (init_lora_weights=False): the adapters change the tokens
+        config = LoraConfig(
+            r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False, task_type="CAUSAL_LM"
+        )
+        model = get_peft_model(model, config, autocast_adapter_dtype=False)
+    # The causal LM is the root FSDP module (inside PEFT's wrapper, whose generate calls the causal LM's).
+    causal_lm = model.get_base_model() if lora else model
+    for layer in causal_lm.get_decoder().layers:
         fully_shard(layer)
-    fully_shard(model)
-    model._is_fsdp_managed_module = True  # what accelerate sets; HF's generate reads it for synced_gpus
+    fully_shard(causal_lm)
+    model._is_fsdp_managed_module = causal_lm._is_fsdp_managed_module = (
+        True  # what accelerate sets; HF's generate reads it for synced_gpus
+    )
     return model
+
+
+def count_parameter_gathers() -> list[int]:
+    """A counter of FSDP2's parameter all-gathers (torch.distributed.all_gather_single calls) from now on."""
+    count, original = [0], dist.all_gather_single
+
+    def counted(*args, **kwargs):
+        count[0] += 1
+        return original(*args, **kwargs)
+
+    dist.all_gather_single = counted
+    return count
+
+
+def reshard_setting(module) -> list[bool]:
+    """Whether each of an FSDP module's parameter groups reshards after forward (FSDP's own state)."""
+    return [group.post_forward_mesh_info is not None for group in module._get_fsdp_state()._fsdp_param_groups]
 
 
 def main() -> None:
     scenario, out_dir = sys.argv[1], sys.argv[2]
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=float(os.environ.get("DIST_TIMEOUT_S", "60"))))
     rank = dist.get_rank()
-    warnings.simplefilter("ignore")
-    model = sharded_llama()
+    warnings.simplefilter(os.environ.get("WORKER_WARNINGS", "ignore"))
+    model = sharded_llama(lora=scenario == "lora")
     rollouts = []
     original = torchkvops.Rollout.generate_rows
     torchkvops.Rollout.generate_rows = lambda self, *a, **k: rollouts.append(1) or original(self, *a, **k)
@@ -63,6 +97,73 @@ def main() -> None:
         result["fallback_got"] = model.generate(ids, **odd)
         result["served_after_fallback"] = len(rollouts)
         handle.undo()
+    elif scenario == "gather":
+        from torchkvops.hf.sharded import fsdp2_modules
+
+        kwargs = dict(
+            attention_mask=mask, max_new_tokens=24, do_sample=False, eos_token_id=[5, 7, 9, 11, 13], pad_token_id=0
+        )
+        result["expected"] = hf(model, ids, **kwargs)
+        gathers = count_parameter_gathers()
+        modules = fsdp2_modules(model)
+        result["units"] = len(modules)
+        result["settings_before"] = [reshard_setting(m) for m in modules]
+        for mode, budget in (("per_step", None), ("once", None), ("auto", 1)):
+            handle = torchkvops.patch_generate(model, gather_weights=mode, gather_budget_bytes=budget)
+            before = gathers[0]
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                result[f"got_{mode}"] = model.generate(ids, **kwargs)
+            result[f"gathers_{mode}"] = gathers[0] - before
+            result[f"warnings_{mode}"] = [str(w.message) for w in caught if "torchkvops" in str(w.message)]
+            result[f"profile_{mode}"] = handle.last_profile().to_dict()
+            result[f"settings_after_{mode}"] = [reshard_setting(m) for m in modules]
+            handle.undo()
+        result["served"] = len(rollouts)
+    elif scenario == "grad":
+        sequences = torch.cat([ids, ids.flip(1)], dim=1)
+        handle = torchkvops.patch_generate(model, gather_weights="once")
+
+        def gradients():
+            model.zero_grad(set_to_none=True)
+            model(input_ids=sequences, labels=sequences).loss.backward()
+            return [p.grad.full_tensor().clone() for p in model.parameters()]
+
+        result["without_call"] = gradients()
+        kwargs = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
+        model.generate(ids, **kwargs)
+        result["after_call"] = gradients()
+        result["gathered_bytes"] = handle.last_profile().gathered_bytes
+        result["served"] = len(rollouts)
+        handle.undo()
+    elif scenario == "lora":
+        kwargs = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
+        result["expected"] = hf(model, ids, **kwargs)  # PEFT's generate: the adapters unmerged, gathered per step
+        from torchkvops.hf.sharded import fsdp2_modules
+
+        for module in fsdp2_modules(model):
+            module.reshard()  # FSDP keeps the root gathered after a forward; its shards are compared
+        shards = {n: p.to_local().clone() for n, p in model.named_parameters()}
+        handle = torchkvops.patch_generate(model, gather_weights="once")
+        result["got"] = model.generate(ids, **kwargs)
+        result["profile"] = handle.last_profile().to_dict()
+        result["lora_layers"] = sum(type(m).__name__ == "Linear" and hasattr(m, "lora_A") for m in model.modules())
+        result["changed"] = [n for n, p in model.named_parameters() if not torch.equal(p.to_local(), shards[n])]
+        result["served"] = len(rollouts)
+        handle.undo()
+    elif scenario == "distributed":
+        from torchkvops.hf.sharded import fsdp2_modules
+
+        kwargs = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
+        result["expected"] = hf(model, ids, **kwargs)[:, ids.shape[1] :]  # HF on this rank's prompts
+        rollout = torchkvops.Rollout(model, torchkvops.RolloutConfig(max_new_tokens=8, eos_token_id=[]))
+        gathers = count_parameter_gathers()
+        out = torchkvops.distributed.generate(rollout, ids, mask, gather=False)
+        result["got"], result["gathers"], result["units"] = out.responses, gathers[0], len(fsdp2_modules(model))
+        try:
+            torchkvops.distributed.generate(rollout, ids, mask, gather_weights="per_step")
+        except RuntimeError as e:  # raised on every rank, naming each rank's error
+            result["per_step_error"] = str(e)
     elif scenario == "train":
         kwargs = dict(
             attention_mask=mask, max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0, synced_gpus=False

@@ -55,3 +55,50 @@ def test_a_served_call_leaves_the_sharded_model_trainable(tmp_path):
         assert torch.equal(r["got"], r["expected"])
         assert not torch.equal(r["expected_after_step"], r["expected"])  # the step changed the tokens ...
         assert torch.equal(r["got_after_step"], r["expected_after_step"])  # ... and the rollout follows
+
+
+def test_weights_are_gathered_once_per_call_with_hfs_tokens(tmp_path):
+    """gather_weights="once": one parameter all-gather per FSDP unit for the whole call (not one per unit
+    per step), HF's tokens, FSDP's reshard-after-forward settings as before; a budget the weights do not
+    fit keeps the per-step gathers, with one warning that says why."""
+    for r in run_scenario("gather", tmp_path):
+        assert r["served"] == 3
+        for mode in ("per_step", "once", "auto"):
+            assert torch.equal(r[f"got_{mode}"], r["expected"]), (r["rank"], mode)
+            assert r[f"settings_after_{mode}"] == r["settings_before"], mode
+        assert 0 < r["gathers_once"] <= r["units"] < r["gathers_per_step"]
+        # The budget of 1 byte: gathered per step (the root unit once more: the gathered call resharded it,
+        # where FSDP keeps the root unsharded after a forward).
+        assert r["gathers_per_step"] <= r["gathers_auto"] <= r["gathers_per_step"] + 1
+        assert r["warnings_per_step"] == [] and r["warnings_once"] == []
+        assert len(r["warnings_auto"]) == 1 and "exceed gather_budget_bytes" in r["warnings_auto"][0]
+        assert r["profile_once"]["gathered_bytes"] > 0 and r["profile_once"]["gather_ms"] > 0
+        assert r["profile_per_step"]["gathered_bytes"] == 0 == r["profile_auto"]["gathered_bytes"]
+
+
+def test_a_training_step_after_a_gathered_call_has_the_gradients_of_one_after_no_call(tmp_path):
+    for r in run_scenario("grad", tmp_path):
+        assert r["served"] == 1 and r["gathered_bytes"] > 0
+        for before, after in zip(r["without_call"], r["after_call"]):
+            assert torch.equal(before, after)
+
+
+def test_a_sharded_lora_model_is_gathered_then_merged_and_left_bit_identical(tmp_path):
+    """LoRA on every linear layer of the sharded model: the call gathers, merges the adapters into the
+    gathered weights, gives PEFT's own (unmerged, per-step gathered) generate's tokens, and leaves every
+    rank's shards bit-identical."""
+    pytest.importorskip("peft")
+    for r in run_scenario("lora", tmp_path):
+        assert r["served"] == 1 and torch.equal(r["got"], r["expected"]), r["rank"]
+        assert r["profile"]["gathered_bytes"] > 0 and r["profile"]["merged_lora_layers"] == r["lora_layers"] == 14
+        assert r["changed"] == []
+
+
+def test_distributed_generate_gathers_a_sharded_model_once(tmp_path):
+    """torchkvops.distributed.generate: the ranks decode different numbers of rows and prompt lengths with
+    no collective between the gather and the results (at most one all-gather per FSDP unit, then the
+    result exchange's); each rank's tokens are HF's on its own prompts; per-step gathers are refused."""
+    for r in run_scenario("distributed", tmp_path):
+        assert torch.equal(r["got"], r["expected"]), r["rank"]
+        assert 0 < r["gathers"] <= r["units"]
+        assert "gather_weights='per_step' cannot serve" in r["per_step_error"]

@@ -148,6 +148,86 @@ def test_rollout_decode_of_a_lora_model_follows_its_adapters(device, decode):
         assert not torch.equal(a, b)  # every change changed the tokens (and the rollout followed: tokens())
 
 
+# --- LoRA merged for the rollout (merge_lora, models.lora) ------------------------------------------
+def lora_layers(model):
+    return [m for m in model.modules() if isinstance(m, peft.tuners.lora.Linear)]
+
+
+def count_adapter_forwards(model) -> list[int]:
+    """A counter of the calls of every LoRA A module: unmerged, each layer's forward calls its own; merged,
+    none of them runs."""
+    calls = [0]
+    for layer in lora_layers(model):
+        for module in layer.lora_A.values():
+            module.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    return calls
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_a_merged_lora_rollout_leaves_every_parameter_bit_identical(dtype):
+    """Served with the adapters merged (no LoRA module runs), and afterwards every parameter is the same
+    tensor with the same bits, and the layers run unmerged again. In half precision, merging then
+    subtracting the delta (PEFT's own unmerge) does change weights: a restore by subtraction would fail."""
+    model = lora(FAMILIES["llama"](), "all-linear", "CAUSAL_LM").to(dtype)
+    ids, mask = prompts(4, 8, seed=4, left_pad=[0, 1, 2, 0])
+    kwargs = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
+    before = {name: (p.detach().clone(), p.data_ptr()) for name, p in model.named_parameters()}
+    adapter_calls = count_adapter_forwards(model)
+    with torchkvops.patch_generate(model) as handle:
+        model.generate(input_ids=ids, **kwargs)
+        profile = handle.last_profile()
+    assert profile.merged_lora_layers == len(lora_layers(model)) == 14 and adapter_calls == [0]
+    for name, p in model.named_parameters():
+        assert torch.equal(p, before[name][0]) and p.data_ptr() == before[name][1], name
+    assert all(layer.merged_adapters == [] for layer in lora_layers(model))
+    model(input_ids=ids, attention_mask=mask)
+    assert adapter_calls[0] == len(lora_layers(model))  # unmerged again: every adapter runs
+    if dtype != torch.float32:
+        model.merge_adapter()
+        model.unmerge_adapter()
+        assert any(not torch.equal(p, before[n][0]) for n, p in model.named_parameters())
+
+
+def test_a_merged_lora_rollout_gives_the_unmerged_rollouts_tokens():
+    """fp32 greedy (the test model's logits have no near-ties): the merged rollout's tokens are the
+    unmerged rollout's and PEFT's own generate's; merge_lora=False runs the adapters at every step."""
+    model = lora(FAMILIES["llama"](), "all-linear", "CAUSAL_LM")
+    ids, mask = prompts(4, 8, seed=7, left_pad=[0, 1, 2, 0])
+    kwargs = dict(attention_mask=mask, max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=0)
+    expected = type(model).generate(model, input_ids=ids, **kwargs)
+    adapter_calls = count_adapter_forwards(model)
+    outputs = {}
+    for merge in (True, False):
+        adapter_calls[0] = 0
+        with torchkvops.patch_generate(model, merge_lora=merge) as handle:
+            outputs[merge] = model.generate(input_ids=ids, **kwargs)
+            assert handle.last_profile().merged_lora_layers == (14 if merge else 0)
+        assert (adapter_calls[0] > 0) is not merge
+    assert torch.equal(outputs[True], expected) and torch.equal(outputs[False], expected)
+    merged = torchkvops.generate(model, ids, **kwargs)  # torchkvops.generate merges too (its default)
+    assert torch.equal(merged, expected)
+    with pytest.raises(ValueError, match="merge_lora must be a bool"):
+        torchkvops.patch_generate(model, merge_lora="yes")
+
+
+def test_merged_lora_log_probabilities_match_the_unmerged_rollouts():
+    """The rollout's own log-probabilities, sampled with one seed, merged vs unmerged: the same tokens
+    and log-probabilities within float32 rounding."""
+    from torchkvops import Rollout, RolloutConfig
+    from torchkvops.models.lora import merged_lora
+
+    model = lora(FAMILIES["llama"](), "all-linear", "CAUSAL_LM")
+    base = model.get_base_model()
+    ids, mask = prompts(2, 8, seed=8, left_pad=[0, 2])
+    config = RolloutConfig(samples_per_prompt=3, max_new_tokens=8, eos_token_id=[], seed=5, return_logprobs=True)
+    unmerged = Rollout(base, config).generate(ids, mask)
+    with merged_lora(base) as merged:
+        fused = Rollout(base, config).generate(ids, mask)
+    assert merged.layers == 14 and merged.bytes == sum(m.base_layer.weight.nbytes for m in lora_layers(model))
+    assert torch.equal(fused.responses, unmerged.responses)
+    torch.testing.assert_close(fused.logprobs, unmerged.logprobs, rtol=1e-4, atol=1e-5)
+
+
 # --- TRL's GRPOTrainer with peft_config --------------------------------------------------------------
 def grpo_lora_run(checkpoint, output_dir, patch_forward: bool, monkeypatch):
     """Two GRPO steps with TRL's `peft_config` (TRL wraps the model in a PeftModel; beta > 0: the reference
@@ -188,7 +268,7 @@ def test_grpo_with_peft_config_serves_every_generate_and_shares_every_pass(tmp_p
     pytest.importorskip("trl")
     import test_trl
 
-    from torchkvops.bench.models import build_model
+    from torchkvops.models import build_model
 
     checkpoint = str(tmp_path / "model")
     build_model("tiny", seed=0).save_pretrained(checkpoint)

@@ -39,6 +39,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .hf.call_weights import WeightOptions, call_weights
+from .hf.sharded import fsdp2_modules
 from .rollout.engine import Rollout, RolloutOutput
 
 __all__ = ["generate", "initialized", "agree", "ended_everywhere"]
@@ -53,12 +55,28 @@ LOCAL_FIELDS = frozenset({"seed", "compile", "cuda_graphs", "enable_profiling", 
 
 
 def generate(
-    rollout: Rollout, input_ids: Tensor | None, attention_mask: Tensor | None = None, *, group=None, gather: bool = True
+    rollout: Rollout,
+    input_ids: Tensor | None,
+    attention_mask: Tensor | None = None,
+    *,
+    group=None,
+    gather: bool = True,
+    gather_weights: str = "auto",
+    gather_budget_bytes: int | None = None,
+    merge_lora: bool = True,
 ) -> RolloutOutput:
     """Data-parallel `rollout.generate`: see the module docstring. Every process of `group` (default:
-    the world) must call it, with the same rollout configuration."""
+    the world) must call it, with the same rollout configuration. `gather_weights`, `gather_budget_bytes`
+    and `merge_lora`: as patch_generate's (hf.call_weights), except that a model sharded with FSDP2 is
+    always gathered once ("auto" as "once"; "per_step" refused): each process decodes its own rows for
+    as many steps as they need, so FSDP's per-step gathers would wait for processes that are done."""
+    where = "torchkvops.distributed.generate"
     if not isinstance(rollout, Rollout):
-        raise TypeError(f"torchkvops.distributed.generate: rollout must be a Rollout, got {type(rollout).__name__}")
+        raise TypeError(f"{where}: rollout must be a Rollout, got {type(rollout).__name__}")
+    weights = WeightOptions(gather_weights, gather_budget_bytes, merge_lora).check(where)
+    sharded = bool(fsdp2_modules(rollout.model))
+    if sharded and gather_weights == "auto":
+        weights = dataclasses.replace(weights, gather_weights="once")
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
             "torchkvops.distributed.generate: torch.distributed is not initialized; call "
@@ -70,24 +88,31 @@ def generate(
     # 1. Every process's batch size, prompt length and seed (rank 0's is used), or its error; and its settings.
     local = None
     try:
+        if sharded and gather_weights == "per_step":
+            raise ValueError(
+                f"{where}: gather_weights='per_step' cannot serve a model sharded with FSDP2 (processes decode "
+                "different numbers of steps, and each step's gather waits for all of them); use 'auto' or 'once'"
+            )
         input_ids, attention_mask = _local_inputs(input_ids, attention_mask)
         seed = rollout.config.seed if rollout.config.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
         local = (input_ids.shape[0], input_ids.shape[1], seed)
     except Exception as e:  # noqa: BLE001 - reported to every process below
         exchange.fail(e)
     batches, prompt_lengths, seeds = exchange.gather_status(
-        local, "checking its prompts", settings=_settings(rollout, gather)
+        local, "checking its prompts", settings=_settings(rollout, gather, weights)
     )
     rank = exchange.rank
     first_row = sum(batches[:rank]) * n
     seed = seeds[0]
 
-    # 2. Generate locally (no collective inside), then every process's response length, or its error.
+    # 2. Gather a sharded model's weights (a collective every process joins, prompts or not), generate
+    # locally (no collective inside), then every process's response length, or its error.
     out = None
     try:
-        if batches[rank]:
-            rows = torch.arange(first_row, first_row + batches[rank] * n, device=rollout.device)
-            out = rollout.generate_rows(input_ids, attention_mask, row_ids=rows, seed=seed)
+        with call_weights(rollout.model, weights):
+            if batches[rank]:
+                rows = torch.arange(first_row, first_row + batches[rank] * n, device=rollout.device)
+                out = rollout.generate_rows(input_ids, attention_mask, row_ids=rows, seed=seed)
     except Exception as e:  # noqa: BLE001
         exchange.fail(e)
     status = None if exchange.error else (0 if out is None else out.responses.shape[1], 0, 0)
@@ -98,11 +123,12 @@ def generate(
     return _gather(exchange, rollout, out, [b * n for b in batches], max(prompt_lengths), max(response_lengths))
 
 
-def _settings(rollout: Rollout, gather: bool) -> dict:
+def _settings(rollout: Rollout, gather: bool, weights: WeightOptions) -> dict:
     """What every process must agree on: every RolloutConfig field except those that change no token,
     log-probability or collective (LOCAL_FIELDS), the EOS and pad ids as the rollout resolved them from
-    its model, and `gather` (a process that does not gather would leave the others waiting in the
-    collective). Read from the config's fields, so that a field added later is checked too."""
+    its model, `gather` (a process that does not gather would leave the others waiting in the
+    collective) and how the weights are gathered (a process that gathers joins collectives the others
+    would not). Read from the config's fields, so that a field added later is checked too."""
     c = rollout.config
     eos: list[int] | str = sorted(set(rollout.eos_ids))
     if len(json.dumps(eos)) > _SETTINGS_BYTES // 2:
@@ -114,6 +140,7 @@ def _settings(rollout: Rollout, gather: bool) -> dict:
         eos_token_id=eos,
         pad_token_id=rollout.pad_id,
         gather=bool(gather),
+        gather_weights=weights.gather_weights,
     )
     if c.lm_head_dtype is not None:
         settings["lm_head_dtype"] = str(c.lm_head_dtype)

@@ -37,6 +37,7 @@ itself (a call -> a plan or a refusal, a plan -> HF's output) is `generate_contr
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import operator
 import threading
@@ -51,6 +52,7 @@ from ..models.adapter import ModelAdapter, is_peft_model, model_state, peft_refu
 from ..rollout.engine import NonFiniteLogitsError, Rollout, RolloutConfig
 from ..rollout.profiling import RolloutProfile
 from ..utils import LRU, PatchHandle, WarnOnce
+from .call_weights import WeightOptions, call_weights
 from .generate_contract import SIGNATURE, Call, Plan, Refusal, agree, bind, check, run, run_extension
 from .generate_reuse import KeptCall, kv_fingerprint
 
@@ -68,7 +70,8 @@ ROLLOUT_OPTIONS = (
     "compact_finished_rows",
     "max_rows",
 )
-PATCH_OPTIONS = (*ROLLOUT_OPTIONS, "reuse_kv")
+WEIGHT_OPTIONS = tuple(field.name for field in dataclasses.fields(WeightOptions))
+PATCH_OPTIONS = (*ROLLOUT_OPTIONS, "reuse_kv", *WEIGHT_OPTIONS)
 _SESSION_ATTRIBUTE = "_torchkvops_generate_session"
 # How many rollouts (one per distinct sampling setup) a model keeps between calls.
 _MAX_ROLLOUTS = 4
@@ -87,6 +90,8 @@ class _Session:
         self.model_ref = weakref.ref(model)
         options = dict(options)
         self.reuse_kv = options.pop("reuse_kv", True)
+        # A sharded model's weights gathered once per served call, its LoRA merged for it (hf.call_weights).
+        self.weights = WeightOptions(**{name: options.pop(name) for name in WEIGHT_OPTIONS if name in options})
         # Served calls' profiles (GeneratePatch.last_profile) unless the caller turned profiling off.
         options.setdefault("enable_profiling", True)
         self.options = options
@@ -127,20 +132,30 @@ class _Session:
         return self.refusal
 
     def rollout(
-        self, model: nn.Module, samples: int, plan: Plan, max_rows: int | None = None, synced: bool = False
+        self,
+        model: nn.Module,
+        samples: int,
+        plan: Plan,
+        max_rows: int | None = None,
+        synced: bool = False,
+        gathered: bool = False,
     ) -> Rollout:
         """The rollout for `samples` rows per prompt and the plan's settings; `max_rows`: this call's row
         budget (torchkvops.generate's), else the patch's; `synced`: the call generates in step with the
-        other processes (which rules out a row budget)."""
+        other processes (which rules out a row budget); `gathered`: a sharded model's weights stay
+        gathered for the whole call (hf.sharded), so decode may replay CUDA graphs."""
         options = dict(self.options)
         if max_rows is not None:
             options["max_rows"] = max_rows
         if synced:
             options.pop("max_rows", None)
         if _is_fsdp(model):
-            # A replayed graph would skip FSDP's hooks, which gather the weights each forward; and synced
-            # generation runs as many forwards on every process, which refills (prefills where rows end) do not.
-            options["cuda_graphs"] = False
+            # Gathered per step, a replayed graph would skip FSDP's hooks, which gather the weights at each
+            # forward (gathered once, the graphs are captured on the gathered weights and keyed by their
+            # addresses); and synced generation runs as many forwards on every process, which refills
+            # (prefills where rows end) do not.
+            if not gathered:
+                options["cuda_graphs"] = False
             options.pop("max_rows", None)
         budget = options.get("max_rows")
         if budget is not None and budget < samples:
@@ -267,6 +282,9 @@ def generate(
     generation_config: GenerationConfig | None = None,
     *,
     max_rows: int | None = None,
+    gather_weights: str = "auto",
+    gather_budget_bytes: int | None = None,
+    merge_lora: bool = True,
     **kwargs,
 ):
     """`model.generate(input_ids, attention_mask=..., generation_config=..., **kwargs)` for a decoder-only
@@ -276,7 +294,10 @@ def generate(
     `.sequences` is set and whose `.cache` is None (the rollout's KV buffers are reused by the next call;
     a call that needs HF's cache must go to `model.generate` unpatched). Calls the rollout cannot serve
     run the model's own generate (see the module docstring). `max_rows`: the most rows decoded at once
-    (RolloutConfig.max_rows): a larger batch is streamed, its prompts admitted as others' rows end."""
+    (RolloutConfig.max_rows): a larger batch is streamed, its prompts admitted as others' rows end.
+    `gather_weights` ("auto", "once", "per_step"), `gather_budget_bytes` and `merge_lora`: as
+    patch_generate's."""
+    weights = WeightOptions(gather_weights, gather_budget_bytes, merge_lora).check("torchkvops.generate")
     model = _compiled_module(model)
     _check_generative(model, "torchkvops.generate")
     RolloutConfig(max_rows=max_rows)  # the same checks and messages
@@ -286,10 +307,18 @@ def generate(
     if generation_config is not None:
         kwargs["generation_config"] = generation_config
     session = _session(model)
-    return _serve(session, model, args, kwargs, session.fallback(model), max_rows)
+    return _serve(session, model, args, kwargs, session.fallback(model), max_rows, weights)
 
 
-def _serve(session: _Session, model: nn.Module, args: tuple, kwargs: dict, original, max_rows: int | None = None):
+def _serve(
+    session: _Session,
+    model: nn.Module,
+    args: tuple,
+    kwargs: dict,
+    original,
+    max_rows: int | None = None,
+    weights: WeightOptions | None = None,
+):
     """One call with generate's arguments as the caller passed them: served by a rollout, or passed
     unchanged to `original` (the model's own generate) with a warning naming the cause. A PEFT model
     is served from the model its adapters are injected into (`models.unwrap_model`)."""
@@ -303,7 +332,7 @@ def _serve(session: _Session, model: nn.Module, args: tuple, kwargs: dict, origi
             call = agree(call)  # every process serves this call, or every process falls back
         if isinstance(call, Call):
             try:
-                sequences = _run(session, target, call, max_rows)
+                sequences = _run(session, target, call, max_rows, weights or session.weights)
                 session.proven = True
             except (torch.OutOfMemoryError, NonFiniteLogitsError, RowBudgetError):
                 raise
@@ -324,25 +353,43 @@ def _serve(session: _Session, model: nn.Module, args: tuple, kwargs: dict, origi
     return GenerateDecoderOnlyOutput(sequences=sequences) if call.plan.return_dict else sequences
 
 
-def _run(session: _Session, model: nn.Module, call: Call, max_rows: int | None = None) -> Tensor:
+def _run(
+    session: _Session,
+    model: nn.Module,
+    call: Call,
+    max_rows: int | None = None,
+    weights: WeightOptions = WeightOptions(),
+) -> Tensor:
     """A served call's output: from the kept call's KV when its rows extend that call's
     (`generate_contract.run_extension`), else decoded by the session's rollout for its plan
-    (`generate_contract.run`). (scripts/hf_generate_plugin.py wraps `_serve` and this to count the
-    calls served.)"""
+    (`generate_contract.run`); a sharded model's weights gathered once and its LoRA merged around it
+    (`weights`, hf.call_weights). (scripts/hf_generate_plugin.py wraps `_serve` and this to count
+    the calls served.)"""
     fingerprint = None
     if session.reuse_kv and not call.synced and not _is_fsdp(model):
         fingerprint = kv_fingerprint(model, session.adapter.adapter_state())
     extension = None if fingerprint is None else session.extension(call, fingerprint)
-    if extension is not None:
-        kept, rows, appended = extension
-        sequences = run_extension(call, kept.rollout, rows, appended)
-        session.keep(call, kept.rollout, kept.candidates, fingerprint)
-        return sequences
-    served: list = []
-    sequences = run(
-        call, functools.partial(session.rollout, model, plan=call.plan, max_rows=max_rows, synced=call.synced), served
-    )
-    session.keep(call, *served[0], fingerprint)
+    with call_weights(model, weights) as prepared:
+        if extension is not None:
+            kept, rows, appended = extension
+            sequences = run_extension(call, kept.rollout, rows, appended)
+            session.keep(call, kept.rollout, kept.candidates, fingerprint)
+        else:
+            served: list = []
+            rollout_for = functools.partial(
+                session.rollout,
+                model,
+                plan=call.plan,
+                max_rows=max_rows,
+                synced=call.synced,
+                gathered=prepared.gathered.units > 0,
+            )
+            sequences = run(call, rollout_for, served)
+            session.keep(call, *served[0], fingerprint)
+    profile = session.last_profile
+    if profile is not None:
+        profile.gather_ms, profile.gathered_bytes = prepared.gathered.ms, prepared.gathered.bytes
+        profile.merge_ms, profile.merged_lora_layers = prepared.merged.ms, prepared.merged.layers
     return sequences
 
 
@@ -454,9 +501,14 @@ class GeneratePatch(PatchHandle):
 def patch_generate(model: nn.Module, **options) -> GeneratePatch:
     """Make `model.generate` run through torchkvops (this instance only). `options` are rollout options
     that make sense per model: compile, cuda_graphs, kv_sharing, shared_prefill, enable_profiling,
-    compact_finished_rows (validated as RolloutConfig validates them), and reuse_kv (default True: a
+    compact_finished_rows (validated as RolloutConfig validates them), reuse_kv (default True: a
     call whose rows extend the last served call's, as an agent's next turn does, prefills only what
-    they append; hf.generate_reuse). Returns a handle: `handle.undo()` restores the original generate,
+    they append; hf.generate_reuse), and for a model sharded with FSDP2 gather_weights ("auto": its
+    weights gathered once per served call when they fit gather_budget_bytes (and on CUDA the free
+    memory), else gathered at every step with a warning; "once": gathered once or an error; "per_step":
+    FSDP's own per-forward gathers) and gather_budget_bytes (default None: no budget; hf.sharded), and for
+    a PEFT model merge_lora (default True: LoRA merged into the weights for each served call, every
+    parameter bit-identical after it; models.lora). Returns a handle: `handle.undo()` restores the original generate,
     `with patch_generate(model): ...` does so on leaving the block, `handle.release()` frees the KV
     buffers and decode graphs kept between calls, and `handle.last_profile()` is the last served call's
     RolloutProfile.
@@ -474,6 +526,7 @@ def patch_generate(model: nn.Module, **options) -> GeneratePatch:
     RolloutConfig(**{k: v for k, v in options.items() if k in ROLLOUT_OPTIONS})  # the same checks and messages
     if not isinstance(options.get("reuse_kv", True), bool):
         raise ValueError(f"patch_generate: reuse_kv must be a bool, got {options['reuse_kv']!r}")
+    WeightOptions(**{name: options[name] for name in WEIGHT_OPTIONS if name in options}).check("patch_generate")
     model = _compiled_module(model)
     _check_generative(model, "patch_generate")
     current = vars(model).get("generate")

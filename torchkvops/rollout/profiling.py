@@ -52,6 +52,14 @@ class RolloutProfile:
     reused_tokens: int = 0
     # RolloutConfig.max_rows: prompts admitted after the start, into rows that others' samples freed.
     refills: int = 0
+    # A sharded model's weights gathered once for the call (patch_generate's gather_weights, hf.sharded):
+    # the gather's milliseconds and the bytes of the weights it gathered (0: none was gathered).
+    gather_ms: float = 0.0
+    gathered_bytes: int = 0
+    # PEFT LoRA merged into the weights for the call (merge_lora, models.lora): the merge's milliseconds and
+    # the LoRA layers merged (0: none).
+    merge_ms: float = 0.0
+    merged_lora_layers: int = 0
 
     @classmethod
     def from_stages(cls, ms: dict[str, float], generated: int, **counts) -> RolloutProfile:

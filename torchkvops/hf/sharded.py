@@ -1,0 +1,149 @@
+"""Weights gathered once per call for a sharded model, as DeepSpeed's HybridEngine does.
+
+Under FSDP2 (`fully_shard`) every forward all-gathers each sharded unit's parameters through FSDP's
+hooks and frees them after: a rollout of R tokens gathers every layer R times. `gathered_weights(model)`
+gathers each FSDP module's parameters once before the call (`set_reshard_after_forward(False)`, then
+`unshard()`, the order FSDP's docstring gives "for running evals"), so the call's forwards issue no
+parameter collective (FSDP's hooks find the parameters unsharded and return), and after the call
+reshards them and puts back each module's own reshard-after-forward setting, so that the next training
+step runs as it would have.
+
+`gather_weights`: "auto" gathers once when the gathered weights fit (a memory budget the caller may set;
+on CUDA also the device's free memory), else keeps FSDP's per-step gathers with one warning that says
+why; "once" gathers once or raises when they do not fit; "per_step" leaves FSDP's hooks to gather at
+every forward (today's behaviour).
+
+FSDP1 (`FullyShardedDataParallel`) and DeepSpeed ZeRO-3 are not gathered here yet: their calls run with
+per-step gathers (docs/distributed.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+import warnings
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+__all__ = ["GATHER_MODES", "Gathered", "gathered_weights", "fsdp2_modules"]
+
+GATHER_MODES = ("auto", "once", "per_step")
+
+
+@dataclasses.dataclass
+class Gathered:
+    """What `gathered_weights` did for one call: `units` FSDP modules gathered (0: none), `bytes` their
+    unsharded parameters' size, `ms` the time the gather took (host clock, after a device sync)."""
+
+    units: int = 0
+    bytes: int = 0
+    ms: float = 0.0
+
+
+def fsdp2_modules(model: nn.Module) -> list[nn.Module]:
+    """The FSDP2 modules (`fully_shard`) among `model`'s modules, outermost first; [] without FSDP2."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - a torch without torch.distributed
+        return []
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def _unsharded_bytes(modules: list[nn.Module]) -> int:
+    """The bytes the modules' parameters take once gathered (in the dtype FSDP gathers them in)."""
+    total = 0
+    for module in modules:
+        for group in module._get_fsdp_state()._fsdp_param_groups:
+            for param in group.fsdp_params:
+                dtype = param.param_dtype or param.orig_dtype
+                total += param._orig_size.numel() * dtype.itemsize
+    return total
+
+
+def _fits(need: int, budget: int | None, device: torch.device) -> str | None:
+    """None when `need` bytes fit, else why not."""
+    if budget is not None and need > budget:
+        return f"the gathered weights ({need / 2**20:.1f} MiB) exceed gather_budget_bytes ({budget / 2**20:.1f} MiB)"
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        if need > free:
+            return f"the gathered weights ({need / 2**20:.1f} MiB) exceed the device's free memory ({free / 2**20:.1f} MiB)"
+    return None
+
+
+def _agree(why_not: str | None, device: torch.device) -> str | None:
+    """Every process gathers or none does (a gather is a collective): `why_not` where this process's
+    weights fit on every process, else the reason (another process's, if only its did not fit)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return why_not
+    flag = torch.tensor([0 if why_not is None else 1], device=device if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if flag.item() and why_not is None:
+        return "the gathered weights do not fit on another process"
+    return why_not
+
+
+def _reshard_settings(module: nn.Module) -> tuple:
+    """An FSDP module's reshard-after-forward setting as FSDP holds it (set_reshard_after_forward
+    overwrites it and has no getter)."""
+    state = module._get_fsdp_state()
+    return state._auto_reshard_after_forward, [g.post_forward_mesh_info for g in state._fsdp_param_groups]
+
+
+def _restore_reshard_settings(module: nn.Module, saved: tuple) -> None:
+    state = module._get_fsdp_state()
+    state._auto_reshard_after_forward, infos = saved
+    for group, info in zip(state._fsdp_param_groups, infos):
+        group.post_forward_mesh_info = info
+
+
+@contextlib.contextmanager
+def gathered_weights(
+    model: nn.Module, mode: str = "auto", budget_bytes: int | None = None, device: torch.device | None = None
+) -> Iterator[Gathered]:
+    """Within the block, `model`'s FSDP2-sharded parameters stay gathered (module docstring). Yields what
+    was gathered (`Gathered.units == 0`: nothing, the model is not sharded or mode is "per_step" or the
+    weights did not fit)."""
+    if mode not in GATHER_MODES:
+        raise ValueError(
+            f"torchkvops: gather_weights must be one of {', '.join(map(repr, GATHER_MODES))}, got {mode!r}"
+        )
+    modules = fsdp2_modules(model) if mode != "per_step" else []
+    if not modules:
+        yield Gathered()
+        return
+    device = device or next(model.parameters()).device
+    # FSDP initializes its root (the outermost FSDP module: dtypes, streams) at its first forward; the
+    # gather below may come first (a fresh model's first call). Idempotent.
+    modules[0]._get_fsdp_state()._lazy_init()
+    need = _unsharded_bytes(modules)
+    why_not = _agree(_fits(need, budget_bytes, device), device)
+    if why_not is not None:
+        if mode == "once":
+            raise ValueError(f"torchkvops: gather_weights='once', but {why_not}")
+        warnings.warn(
+            f"torchkvops: decode gathers the sharded weights at every step (FSDP's own hooks), because {why_not}; "
+            "raise gather_budget_bytes or pass gather_weights='per_step' to silence this",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        yield Gathered()
+        return
+    saved = [(m, _reshard_settings(m)) for m in modules]
+    start = time.perf_counter()
+    try:
+        for m in modules:
+            m.set_reshard_after_forward(False, recurse=False)
+            m.unshard()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        yield Gathered(len(modules), need, (time.perf_counter() - start) * 1e3)
+    finally:
+        for m, settings in saved:
+            m.reshard()
+            _restore_reshard_settings(m, settings)
