@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Sets up .venv (torch, transformers, test tools, trl, peft, ruff, clang-format) and builds torchkvops._C into it. Idempotent and
+# Sets up .venv (torch, transformers, test tools, trl, peft, deepspeed, ruff, clang-format) and builds torchkvops._C into it. Idempotent and
 # cheap when nothing changed (about 2 s, the final import check): it installs only what is missing and
 # rebuilds only when a C++/CUDA source, setup.py, pyproject.toml or the torch version changed.
 set -euo pipefail
@@ -17,9 +17,10 @@ pip_install() { "$py" -m pip install -q --disable-pip-version-check "$@"; }
 base_reqs=("torch>=2.11,<=2.14.1" "transformers>=5.0" ninja pytest expecttest hypothesis)
 base_check="import torch, transformers, ninja, pytest, expecttest, hypothesis"
 # TRL (with accelerate and datasets) for tests/test_trl.py and examples/grpo_trl.py: the `trl` extra;
-# peft (LoRA adapters) for the tests that use one: in the `test` extra.
-trl_reqs=("trl>=1.16" "peft>=0.13" "torch>=2.11,<=2.14.1")
-trl_check="import trl, accelerate, datasets, peft; from trl import GRPOTrainer"
+# peft (LoRA adapters) for the tests that use one: in the `test` extra; DeepSpeed for tests/test_zero3.py
+# (ZeRO-3 on its CPU accelerator): the `deepspeed` extra.
+trl_reqs=("trl>=1.16" "peft>=0.13" "deepspeed>=0.19" "torch>=2.11,<=2.14.1")
+trl_check="import trl, accelerate, datasets, peft, deepspeed; from trl import GRPOTrainer"
 # The formatter and linters that scripts/lint.sh (and .ci/run, before the tests) runs, pinned: another
 # version may format otherwise.
 lint_reqs=("ruff==0.17.6" "clang-format==23.1.5")
@@ -39,7 +40,7 @@ if [ ! -f "$deps_stamp" ] || [ "$(cat "$deps_stamp")" != "$(deps_key)" ]; then
     pip_install "${base_reqs[@]}"
   fi
   if ! "$py" -c "$trl_check" >/dev/null 2>&1; then
-    echo "setup.sh: installing trl and peft into .venv"
+    echo "setup.sh: installing trl, peft and deepspeed into .venv"
     pip_install "${trl_reqs[@]}"
   fi
   if ! "$py" -c "$lint_check" >/dev/null 2>&1 || ! .venv/bin/ruff --version | grep -q "^ruff 0.17.6$"; then

@@ -40,7 +40,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .hf.call_weights import WeightOptions, call_weights
-from .hf.sharded import fsdp2_modules
+from .hf.sharded import is_sharded
 from .rollout.engine import Rollout, RolloutOutput
 
 __all__ = ["generate", "initialized", "agree", "ended_everywhere"]
@@ -67,14 +67,14 @@ def generate(
 ) -> RolloutOutput:
     """Data-parallel `rollout.generate`: see the module docstring. Every process of `group` (default:
     the world) must call it, with the same rollout configuration. `gather_weights`, `gather_budget_bytes`
-    and `merge_lora`: as patch_generate's (hf.call_weights), except that a model sharded with FSDP2 is
-    always gathered once ("auto" as "once"; "per_step" refused): each process decodes its own rows for
+    and `merge_lora`: as patch_generate's (hf.call_weights), except that a model sharded with FSDP2 or
+    ZeRO-3 is always gathered once ("auto" as "once"; "per_step" refused): each process decodes its own rows for
     as many steps as they need, so FSDP's per-step gathers would wait for processes that are done."""
     where = "torchkvops.distributed.generate"
     if not isinstance(rollout, Rollout):
         raise TypeError(f"{where}: rollout must be a Rollout, got {type(rollout).__name__}")
     weights = WeightOptions(gather_weights, gather_budget_bytes, merge_lora).check(where)
-    sharded = bool(fsdp2_modules(rollout.model))
+    sharded = is_sharded(rollout.model)
     if sharded and gather_weights == "auto":
         weights = dataclasses.replace(weights, gather_weights="once")
     if not dist.is_available() or not dist.is_initialized():
@@ -90,7 +90,7 @@ def generate(
     try:
         if sharded and gather_weights == "per_step":
             raise ValueError(
-                f"{where}: gather_weights='per_step' cannot serve a model sharded with FSDP2 (processes decode "
+                f"{where}: gather_weights='per_step' cannot serve a sharded model (processes decode "
                 "different numbers of steps, and each step's gather waits for all of them); use 'auto' or 'once'"
             )
         input_ids, attention_mask = _local_inputs(input_ids, attention_mask)

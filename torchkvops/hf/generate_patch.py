@@ -55,6 +55,7 @@ from ..utils import LRU, PatchHandle, WarnOnce
 from .call_weights import WeightOptions, call_weights
 from .generate_contract import SIGNATURE, Call, Plan, Refusal, agree, bind, check, run, run_extension
 from .generate_reuse import KeptCall, kv_fingerprint
+from .sharded import is_sharded
 
 __all__ = ["generate", "patch_generate", "GeneratePatch", "PATCH_OPTIONS", "ROLLOUT_OPTIONS"]
 
@@ -149,7 +150,7 @@ class _Session:
             options["max_rows"] = max_rows
         if synced:
             options.pop("max_rows", None)
-        if _is_fsdp(model):
+        if is_sharded(model):
             # Gathered per step, a replayed graph would skip FSDP's hooks, which gather the weights at each
             # forward (gathered once, the graphs are captured on the gathered weights and keyed by their
             # addresses); and synced generation runs as many forwards on every process, which refills
@@ -224,15 +225,6 @@ class _Session:
 
 class RowBudgetError(ValueError):
     """max_rows cannot hold one group of a call: the caller's setting, raised rather than served otherwise."""
-
-
-def _is_fsdp(model: nn.Module) -> bool:
-    """Whether FSDP (fully_shard, or the FullyShardedDataParallel wrapper) manages the model's weights."""
-    try:
-        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
-    except ImportError:  # a torch built without distributed
-        return False
-    return any(isinstance(m, (FSDPModule, FullyShardedDataParallel)) for m in model.modules())
 
 
 _sessions_lock = threading.Lock()
@@ -366,7 +358,7 @@ def _run(
     (`weights`, hf.call_weights). (scripts/hf_generate_plugin.py wraps `_serve` and this to count
     the calls served.)"""
     fingerprint = None
-    if session.reuse_kv and not call.synced and not _is_fsdp(model):
+    if session.reuse_kv and not call.synced and not is_sharded(model):
         fingerprint = kv_fingerprint(model, session.adapter.adapter_state())
     extension = None if fingerprint is None else session.extension(call, fingerprint)
     with call_weights(model, weights) as prepared:

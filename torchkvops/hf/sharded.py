@@ -13,8 +13,13 @@ on CUDA also the device's free memory), else keeps FSDP's per-step gathers with 
 why; "once" gathers once or raises when they do not fit; "per_step" leaves FSDP's hooks to gather at
 every forward (today's behaviour).
 
-FSDP1 (`FullyShardedDataParallel`) and DeepSpeed ZeRO-3 are not gathered here yet: their calls run with
-per-step gathers (docs/distributed.md).
+Under DeepSpeed ZeRO-3 every module's forward hook fetches its parameters and releases them after:
+`gathered_weights` gathers every partitioned parameter once (`deepspeed.zero.GatheredParameters`) and
+takes ZeRO-3's module hooks off for the call, as TRL's `unwrap_model_for_generation` does with
+`ds3_gather_for_generation=True`; the parameters are partitioned again when the call ends.
+
+FSDP1 (`FullyShardedDataParallel`) is not gathered here: its forward refuses to run inside
+`summon_full_params`, so its calls keep the per-step gathers (docs/generate.md).
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-__all__ = ["GATHER_MODES", "Gathered", "gathered_weights", "fsdp2_modules"]
+__all__ = ["GATHER_MODES", "Gathered", "gathered_weights", "fsdp2_modules", "zero3_parameters", "is_sharded"]
 
 GATHER_MODES = ("auto", "once", "per_step")
 
@@ -102,21 +107,89 @@ def _restore_reshard_settings(module: nn.Module, saved: tuple) -> None:
         group.post_forward_mesh_info = info
 
 
+def zero3_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters DeepSpeed ZeRO-3 partitions (they carry its `ds_id` and `ds_status`); [] without
+    ZeRO-3 (checked by attribute, so that deepspeed need not be installed)."""
+    return [p for p in model.parameters() if hasattr(p, "ds_id") and hasattr(p, "ds_status")]
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Whether FSDP (fully_shard, or the FullyShardedDataParallel wrapper) or DeepSpeed ZeRO-3 manages the
+    model's weights: every forward gathers them."""
+    try:
+        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+    except ImportError:  # pragma: no cover - a torch built without distributed
+        return bool(zero3_parameters(model))
+    fsdp = any(isinstance(m, (FSDPModule, FullyShardedDataParallel)) for m in model.modules())
+    return fsdp or bool(zero3_parameters(model))
+
+
+@contextlib.contextmanager
+def _zero3_hooks_suspended(model: nn.Module) -> Iterator[None]:
+    """ZeRO-3's module hooks (fetch before a module's forward, release after it, and their backward
+    counterparts; all defined in deepspeed.runtime.zero) taken off every module for the block and put back
+    in their places after it, as TRL's unwrap_model_for_generation removes and re-adds them: with the
+    parameters gathered for the whole call, a hook would release them after the first forward. The
+    coordinator never sees the call's forwards, so its recorded trace of the training forward stays valid."""
+    saved = []
+    for module in model.modules():
+        for hooks in (module._forward_pre_hooks, module._forward_hooks):
+            if any(getattr(hook, "__module__", "").startswith("deepspeed.") for hook in hooks.values()):
+                saved.append((hooks, list(hooks.items())))
+                for key, hook in list(hooks.items()):
+                    if getattr(hook, "__module__", "").startswith("deepspeed."):
+                        del hooks[key]
+    try:
+        yield
+    finally:
+        for hooks, items in saved:
+            added = [(key, hook) for key, hook in hooks.items() if key not in dict(items)]
+            hooks.clear()
+            hooks.update(items + added)
+
+
+def _fall_back(why_not: str, mode: str, engine: str) -> None:
+    if mode == "once":
+        raise ValueError(f"torchkvops: gather_weights='once', but {why_not}")
+    warnings.warn(
+        f"torchkvops: decode gathers the sharded weights at every step ({engine}'s own hooks), because {why_not}; "
+        "raise gather_budget_bytes or pass gather_weights='per_step' to silence this",
+        RuntimeWarning,
+        stacklevel=4,
+    )
+
+
 @contextlib.contextmanager
 def gathered_weights(
     model: nn.Module, mode: str = "auto", budget_bytes: int | None = None, device: torch.device | None = None
 ) -> Iterator[Gathered]:
-    """Within the block, `model`'s FSDP2-sharded parameters stay gathered (module docstring). Yields what
-    was gathered (`Gathered.units == 0`: nothing, the model is not sharded or mode is "per_step" or the
-    weights did not fit)."""
+    """Within the block, `model`'s FSDP2- or ZeRO-3-sharded parameters stay gathered (module docstring).
+    Yields what was gathered (`Gathered.units == 0`: nothing, the model is not sharded or mode is
+    "per_step" or the weights did not fit)."""
     if mode not in GATHER_MODES:
         raise ValueError(
             f"torchkvops: gather_weights must be one of {', '.join(map(repr, GATHER_MODES))}, got {mode!r}"
         )
-    modules = fsdp2_modules(model) if mode != "per_step" else []
-    if not modules:
+    if mode == "per_step":
         yield Gathered()
         return
+    modules = fsdp2_modules(model)
+    if modules:
+        with _fsdp2_gathered(model, modules, mode, budget_bytes, device) as gathered:
+            yield gathered
+        return
+    params = zero3_parameters(model)
+    if params:
+        with _zero3_gathered(params, model, mode, budget_bytes, device) as gathered:
+            yield gathered
+        return
+    if is_sharded(model):  # FSDP1: its forward refuses to run inside summon_full_params
+        _fall_back("FSDP1 (FullyShardedDataParallel) is not gathered once by torchkvops", mode, "FSDP")
+    yield Gathered()
+
+
+@contextlib.contextmanager
+def _fsdp2_gathered(model, modules, mode, budget_bytes, device) -> Iterator[Gathered]:
     device = device or next(model.parameters()).device
     # FSDP initializes its root (the outermost FSDP module: dtypes, streams) at its first forward; the
     # gather below may come first (a fresh model's first call). Idempotent.
@@ -124,14 +197,7 @@ def gathered_weights(
     need = _unsharded_bytes(modules)
     why_not = _agree(_fits(need, budget_bytes, device), device)
     if why_not is not None:
-        if mode == "once":
-            raise ValueError(f"torchkvops: gather_weights='once', but {why_not}")
-        warnings.warn(
-            f"torchkvops: decode gathers the sharded weights at every step (FSDP's own hooks), because {why_not}; "
-            "raise gather_budget_bytes or pass gather_weights='per_step' to silence this",
-            RuntimeWarning,
-            stacklevel=3,
-        )
+        _fall_back(why_not, mode, "FSDP")
         yield Gathered()
         return
     saved = [(m, _reshard_settings(m)) for m in modules]
@@ -147,3 +213,27 @@ def gathered_weights(
         for m, settings in saved:
             m.reshard()
             _restore_reshard_settings(m, settings)
+
+
+@contextlib.contextmanager
+def _zero3_gathered(params, model, mode, budget_bytes, device) -> Iterator[Gathered]:
+    """ZeRO-3: every partitioned parameter gathered by one `deepspeed.zero.GatheredParameters` (partitioned
+    again when it ends), with ZeRO-3's module hooks off for the block. Parameters ZeRO-3 keeps whole
+    (persistent, below its threshold) are left as they are."""
+    import deepspeed
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    device = device or params[0].device
+    need = sum(p.ds_numel * p.element_size() for p in params)
+    why_not = _agree(_fits(need, budget_bytes, device), device)
+    if why_not is not None:
+        _fall_back(why_not, mode, "ZeRO-3")
+        yield Gathered()
+        return
+    partitioned = [p for p in params if p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
+    start = time.perf_counter()
+    with deepspeed.zero.GatheredParameters(partitioned, enabled=bool(partitioned)):
+        with _zero3_hooks_suspended(model):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            yield Gathered(len(partitioned), need, (time.perf_counter() - start) * 1e3)

@@ -1,0 +1,62 @@
+"""Generate on a DeepSpeed ZeRO-3 engine (CPU accelerator over gloo, 2 processes on 127.0.0.1, launched by
+torchrun; tests/zero3_worker.py), every parameter partitioned: the call is served with HF's tokens on the
+same engine, gathered once (one all-gather per parameter for the whole call, not one per parameter and
+forward), the parameters partitioned again after it, and a training step after gathered calls gives the
+loss and weights of the same step on an engine that made none; a budget the weights do not fit keeps the
+per-step gathers with one warning; a LoRA model is gathered, then merged, and left bit-identical.
+Skipped where deepspeed is not installed; every launch is bounded by a timeout."""
+
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from test_distributed import env, free_port, torchrun
+from timeouts import TIMEOUT
+
+pytest.importorskip("deepspeed")
+
+ROOT = Path(__file__).absolute().parents[1]
+WORKER = str(Path(__file__).with_name("zero3_worker.py"))
+
+
+def run_scenario(scenario: str, out: Path) -> list[dict]:
+    cmd = torchrun(
+        "--nproc-per-node",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        WORKER,
+        scenario,
+        str(out),
+    )
+    proc = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=TIMEOUT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+def test_zero3_weights_are_gathered_once_per_call_with_hfs_tokens(tmp_path):
+    for r in run_scenario("gather", tmp_path):
+        for mode in ("per_step", "once", "auto"):
+            assert torch.equal(r[f"got_{mode}"], r["expected"]), (r["rank"], mode)
+            assert r[f"status_after_{mode}"] == ["NOT_AVAILABLE"], mode  # partitioned again
+        # One all-gather per parameter for the call; per step, one per parameter and forward (as HF's).
+        assert r["gathers_once"] == r["parameters"] < r["gathers_per_step"] == r["gathers_hf"]
+        assert r["gathers_auto"] == r["gathers_per_step"]  # a budget of 1 byte: per-step gathers ...
+        assert len(r["warnings_auto"]) == 1 and "exceed gather_budget_bytes" in r["warnings_auto"][0]  # ... said once
+        assert r["warnings_per_step"] == [] and r["warnings_once"] == []
+        assert r["profile_once"]["gathered_bytes"] > 0 and r["profile_once"]["gather_ms"] > 0
+        assert r["profile_per_step"]["gathered_bytes"] == 0 == r["profile_auto"]["gathered_bytes"]
+        assert torch.equal(r["loss_after_calls"], r["loss_without_call"])
+        for after, without in zip(r["weights_after_calls"], r["weights_without_call"]):
+            assert torch.equal(after, without)
+
+
+def test_a_zero3_lora_model_is_gathered_then_merged_and_left_bit_identical(tmp_path):
+    pytest.importorskip("peft")
+    for r in run_scenario("lora", tmp_path):
+        assert torch.equal(r["got"], r["expected"]), r["rank"]
+        assert r["profile"]["gathered_bytes"] > 0 and r["profile"]["merged_lora_layers"] == r["lora_layers"] == 14
+        assert r["changed"] == [] and r["status_after"] == ["NOT_AVAILABLE"]

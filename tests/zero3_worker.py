@@ -1,0 +1,137 @@
+"""One process of a DeepSpeed ZeRO-3 test, launched by torchrun (tests/test_zero3.py):
+
+    torchrun --nproc-per-node 2 tests/zero3_worker.py SCENARIO OUT_DIR
+
+A tiny Llama (a LoRA one for "lora") wrapped by `deepspeed.initialize` with ZeRO-3 on DeepSpeed's CPU
+accelerator over gloo, with persistence and parameter reuse off, so that every parameter is partitioned
+and every module's forward gathers it (as a model too large to keep whole would). Each rank writes
+OUT_DIR/rank<r>.pt. Scenarios: "gather" (HF's generate on the same engine, the oracle, then
+gather_weights "per_step", "once" and "auto" with a budget of 1 byte: tokens, parameter all-gathers per
+call, the parameters' status after, warnings; then the loss and weights of a training step after a
+gathered call against those of the same step on a second engine that made no call), "lora" (LoRA on
+every linear layer: gathered then merged, PEFT's unmerged tokens, the local partitions bit-identical).
+"""
+
+import datetime
+import os
+import sys
+import warnings
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(__file__))
+from models import FAMILIES, prompts  # noqa: E402
+
+import torchkvops  # noqa: E402
+
+CONFIG = {
+    "train_micro_batch_size_per_gpu": 1,
+    "gradient_accumulation_steps": 1,
+    "zero_allow_untested_optimizer": True,
+    "zero_optimization": {
+        "stage": 3,
+        # Nothing kept whole or kept gathered between uses: every forward fetches every parameter.
+        "stage3_param_persistence_threshold": 0,
+        "stage3_max_live_parameters": 0,
+        "stage3_max_reuse_distance": 0,
+        "stage3_prefetch_bucket_size": 0,
+    },
+}
+
+
+def zero3_engine(lora: bool = False):
+    import deepspeed
+
+    model = FAMILIES["llama"]()  # seeded: the same weights on every rank
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        torch.manual_seed(1)  # random B (init_lora_weights=False): the adapters change the tokens
+        config = LoraConfig(
+            r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False, task_type="CAUSAL_LM"
+        )
+        model = get_peft_model(model, config, autocast_adapter_dtype=False)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=CONFIG)
+    return engine
+
+
+def count_parameter_gathers() -> list[int]:
+    """A counter of ZeRO-3's parameter all-gathers (torch.distributed.all_gather_into_tensor calls)."""
+    count, original = [0], dist.all_gather_into_tensor
+
+    def counted(*args, **kwargs):
+        count[0] += 1
+        return original(*args, **kwargs)
+
+    dist.all_gather_into_tensor = counted
+    return count
+
+
+def training_step(engine, sequences) -> torch.Tensor:
+    out = engine(input_ids=sequences, labels=sequences)
+    engine.backward(out.loss)
+    engine.step()
+    return out.loss.detach()
+
+
+def main() -> None:
+    scenario, out_dir = sys.argv[1], sys.argv[2]
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=float(os.environ.get("DIST_TIMEOUT_S", "60"))))
+    rank = dist.get_rank()
+    warnings.simplefilter("ignore")
+    gathers = count_parameter_gathers()  # before DeepSpeed's communication layer binds the function
+    import deepspeed  # noqa: F401  (after the process group: DeepSpeed takes the existing one)
+
+    result = {"rank": rank}
+    # Different prompts per rank (rank 1's longer and more of them), so their rows end at different steps.
+    ids, mask = prompts(2 + 2 * rank, 6 + 3 * rank, seed=40 + rank, left_pad=[0, 1] + [2, 0] * rank)
+    kwargs = dict(
+        attention_mask=mask, max_new_tokens=12, do_sample=False, eos_token_id=[5, 7, 9, 11, 13], pad_token_id=0
+    )
+    kwargs["synced_gpus"] = True  # what HF resolves under ZeRO-3 when accelerate or a Trainer set it up
+    engine = zero3_engine(lora=scenario == "lora")
+    model = engine.module
+    hf = type(model).generate
+    result["parameters"] = sum(1 for _ in model.parameters())
+    if scenario == "gather":
+        before = gathers[0]
+        result["expected"] = hf(model, ids, **kwargs)
+        result["gathers_hf"] = gathers[0] - before
+        for mode, budget in (("per_step", None), ("once", None), ("auto", 1)):
+            handle = torchkvops.patch_generate(model, gather_weights=mode, gather_budget_bytes=budget)
+            before = gathers[0]
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                result[f"got_{mode}"] = model.generate(ids, **kwargs)
+            result[f"gathers_{mode}"] = gathers[0] - before
+            result[f"warnings_{mode}"] = [str(w.message) for w in caught if "torchkvops" in str(w.message)]
+            result[f"profile_{mode}"] = handle.last_profile().to_dict()
+            result[f"status_after_{mode}"] = sorted({p.ds_status.name for p in model.parameters()})
+            handle.undo()
+        # The same training step on this engine (after the calls above) and on a fresh one (no call).
+        sequences = torch.cat([ids, ids.flip(1)], dim=1)
+        result["loss_after_calls"] = training_step(engine, sequences)
+        fresh = zero3_engine()
+        result["loss_without_call"] = training_step(fresh, sequences)
+        result["weights_after_calls"] = [p.ds_tensor.clone() for p in engine.module.parameters()]
+        result["weights_without_call"] = [p.ds_tensor.clone() for p in fresh.module.parameters()]
+    elif scenario == "lora":
+        kwargs.update(eos_token_id=None, max_new_tokens=8)
+        result["expected"] = hf(model, ids, **kwargs)  # PEFT's generate: the adapters unmerged, per-step gathers
+        partitions = {n: p.ds_tensor.clone() for n, p in model.named_parameters()}
+        handle = torchkvops.patch_generate(model, gather_weights="once")
+        result["got"] = model.generate(ids, **kwargs)
+        result["profile"] = handle.last_profile().to_dict()
+        result["lora_layers"] = sum(type(m).__name__ == "Linear" and hasattr(m, "lora_A") for m in model.modules())
+        result["changed"] = [n for n, p in model.named_parameters() if not torch.equal(p.ds_tensor, partitions[n])]
+        result["status_after"] = sorted({p.ds_status.name for p in model.parameters()})
+        handle.undo()
+    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
