@@ -60,3 +60,5 @@ def test_a_zero3_lora_model_is_gathered_then_merged_and_left_bit_identical(tmp_p
         assert torch.equal(r["got"], r["expected"]), r["rank"]
         assert r["profile"]["gathered_bytes"] > 0 and r["profile"]["merged_lora_layers"] == r["lora_layers"] == 14
         assert r["changed"] == [] and r["status_after"] == ["NOT_AVAILABLE"]
+        assert torch.equal(r["got_per_step"], r["expected"]) and r["changed_per_step"] == []
+        assert r["profile_per_step"]["merged_lora_layers"] == 0 == r["profile_per_step"]["gathered_bytes"]

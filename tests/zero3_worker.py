@@ -9,7 +9,8 @@ OUT_DIR/rank<r>.pt. Scenarios: "gather" (HF's generate on the same engine, the o
 gather_weights "per_step", "once" and "auto" with a budget of 1 byte: tokens, parameter all-gathers per
 call, the parameters' status after, warnings; then the loss and weights of a training step after a
 gathered call against those of the same step on a second engine that made no call), "lora" (LoRA on
-every linear layer: gathered then merged, PEFT's unmerged tokens, the local partitions bit-identical).
+every linear layer: gathered then merged, PEFT's unmerged tokens, the local partitions bit-identical;
+then per-step gathers, which leave the partitioned weights unmerged).
 """
 
 import datetime
@@ -127,6 +128,14 @@ def main() -> None:
         result["lora_layers"] = sum(type(m).__name__ == "Linear" and hasattr(m, "lora_A") for m in model.modules())
         result["changed"] = [n for n, p in model.named_parameters() if not torch.equal(p.ds_tensor, partitions[n])]
         result["status_after"] = sorted({p.ds_status.name for p in model.parameters()})
+        handle.undo()
+        # Per-step gathers: the weights are partitioned during the call, so nothing is merged.
+        handle = torchkvops.patch_generate(model, gather_weights="per_step")
+        result["got_per_step"] = model.generate(ids, **kwargs)
+        result["profile_per_step"] = handle.last_profile().to_dict()
+        result["changed_per_step"] = [
+            n for n, p in model.named_parameters() if not torch.equal(p.ds_tensor, partitions[n])
+        ]
         handle.undo()
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.barrier()

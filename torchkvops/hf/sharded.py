@@ -224,16 +224,17 @@ def _zero3_gathered(params, model, mode, budget_bytes, device) -> Iterator[Gathe
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
     device = device or params[0].device
-    need = sum(p.ds_numel * p.element_size() for p in params)
+    # What is partitioned now (TRL's ds3_gather_for_generation may have gathered everything already).
+    partitioned = [p for p in params if p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
+    need = sum(p.ds_numel * p.element_size() for p in partitioned)
     why_not = _agree(_fits(need, budget_bytes, device), device)
     if why_not is not None:
         _fall_back(why_not, mode, "ZeRO-3")
         yield Gathered()
         return
-    partitioned = [p for p in params if p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
     start = time.perf_counter()
     with deepspeed.zero.GatheredParameters(partitioned, enabled=bool(partitioned)):
         with _zero3_hooks_suspended(model):
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            yield Gathered(len(partitioned), need, (time.perf_counter() - start) * 1e3)
+            yield Gathered(len(partitioned), need, (time.perf_counter() - start) * 1e3 if partitioned else 0.0)

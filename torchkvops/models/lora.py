@@ -49,8 +49,12 @@ def _is_vanilla_lora_linear(module: nn.Module) -> bool:
 
 
 def _is_sharded(weight: torch.Tensor) -> bool:
-    """A weight FSDP2 holds sharded (a DTensor): merged only once gathered (hf.sharded)."""
-    return type(weight).__name__ == "DTensor" or type(weight.data).__name__ == "DTensor"
+    """A weight FSDP2 holds sharded (a DTensor) or ZeRO-3 holds partitioned (not AVAILABLE): merged only
+    once gathered (hf.sharded)."""
+    if type(weight).__name__ == "DTensor" or type(weight.data).__name__ == "DTensor":
+        return True
+    status = getattr(weight, "ds_status", None)
+    return status is not None and getattr(status, "name", "") != "AVAILABLE"
 
 
 def _adapters_to_merge(module: nn.Module) -> list[str]:
