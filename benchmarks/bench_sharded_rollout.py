@@ -1,17 +1,20 @@
-"""Generation from an FSDP2-sharded model: the weights gathered at every decode step (FSDP's hooks, as
-before) vs gathered once per call (`gather_weights="once"`, hf.sharded) vs the same model unsharded.
+"""Generation from a sharded model: the weights gathered at every decode step (FSDP's or ZeRO-3's hooks,
+as before) vs gathered once per call (`gather_weights="once"`, hf.sharded) vs the same model unsharded.
 
 Two processes on gloo (127.0.0.1), each with one CPU thread, a model of a torchkvops.bench shape with the
-same random weights on both, each decoder layer and the root `fully_shard`-ed, marked FSDP-managed as
-accelerate marks it (so HF resolves synced_gpus=True: every process runs as many forwards). Each rank
+same random weights on both; --engine fsdp2 (default): each decoder layer and the root `fully_shard`-ed,
+marked FSDP-managed as accelerate marks it (so HF resolves synced_gpus=True: every process runs as many
+forwards); --engine zero3: wrapped by `deepspeed.initialize` with ZeRO-3 on DeepSpeed's CPU accelerator,
+every parameter partitioned (no persistence, no reuse), called with synced_gpus=True. Each rank
 generates N greedy rows for each of its own B prompts (N copies in a row, prefilled once; no EOS: R
 tokens each) with `torchkvops.generate`; the
 modes run interleaved (per_step, once, unsharded, per_step, ...) for --rounds rounds after a warm-up.
 Rank 0 prints per mode the median whole-call ms, parameter all-gathers per call (FSDP2's
-all_gather_single calls), gathered bytes and gather ms (RolloutProfile), and whether the tokens equal
-the per-step mode's. On this CPU:
+all_gather_single calls, ZeRO-3's all_gather_into_tensor calls), gathered bytes and gather ms
+(RolloutProfile), and whether the tokens equal the per-step mode's. On this CPU:
 
     .venv/bin/python benchmarks/bench_sharded_rollout.py --rounds 5 --output out/sharded_rollout.json
+    .venv/bin/python benchmarks/bench_sharded_rollout.py --engine zero3 --rounds 5 --output out/sharded_rollout_zero3.json
 """
 
 from __future__ import annotations
@@ -44,19 +47,43 @@ def sharded(shape: str) -> torch.nn.Module:
     return model
 
 
+def zero3(shape: str) -> torch.nn.Module:
+    import deepspeed
+
+    model = build_model(shape, torch.float32, "cpu")
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "zero_allow_untested_optimizer": True,
+        "zero_optimization": {
+            "stage": 3,
+            "stage3_param_persistence_threshold": 0,
+            "stage3_max_live_parameters": 0,
+            "stage3_max_reuse_distance": 0,
+            "stage3_prefetch_bucket_size": 0,
+        },
+    }
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    return engine.module
+
+
 def worker(rank: int, args, port: int, out: dict) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
+    os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=600))
-    models = {"per_step": sharded(args.model_shape), "unsharded": build_model(args.model_shape, torch.float32, "cpu")}
-    models["once"] = models["per_step"]
-    gathers, original = [0], dist.all_gather_single
+    # Counted before DeepSpeed's communication layer binds the function.
+    collective = "all_gather_single" if args.engine == "fsdp2" else "all_gather_into_tensor"
+    gathers, original = [0], getattr(dist, collective)
 
     def counted(*a, **k):
         gathers[0] += 1
         return original(*a, **k)
 
-    dist.all_gather_single = counted
+    setattr(dist, collective, counted)
+    build = sharded if args.engine == "fsdp2" else zero3
+    models = {"per_step": build(args.model_shape), "unsharded": build_model(args.model_shape, torch.float32, "cpu")}
+    models["once"] = models["per_step"]
     g = torch.Generator().manual_seed(100 + rank)
     vocab = models["unsharded"].config.vocab_size
     # N copies of each prompt in a row: a run of identical prompts, prefilled once (greedy: HF refuses
@@ -107,6 +134,7 @@ def worker(rank: int, args, port: int, out: dict) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--engine", choices=["fsdp2", "zero3"], default="fsdp2")
     p.add_argument("--model-shape", default="llama-small")
     p.add_argument("--prompts", type=int, default=2, help="B per process")
     p.add_argument("--samples", type=int, default=4, help="N")
