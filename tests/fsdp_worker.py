@@ -118,6 +118,7 @@ def main() -> None:
             result[f"warnings_{mode}"] = [str(w.message) for w in caught if "torchkvops" in str(w.message)]
             result[f"profile_{mode}"] = handle.last_profile().to_dict()
             result[f"settings_after_{mode}"] = [reshard_setting(m) for m in modules]
+            result[f"cuda_graphs_{mode}"] = [r.config.cuda_graphs for r in handle.session.rollouts.values()]
             handle.undo()
         result["served"] = len(rollouts)
     elif scenario == "grad":

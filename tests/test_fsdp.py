@@ -74,6 +74,9 @@ def test_weights_are_gathered_once_per_call_with_hfs_tokens(tmp_path):
         assert len(r["warnings_auto"]) == 1 and "exceed gather_budget_bytes" in r["warnings_auto"][0]
         assert r["profile_once"]["gathered_bytes"] > 0 and r["profile_once"]["gather_ms"] > 0
         assert r["profile_per_step"]["gathered_bytes"] == 0 == r["profile_auto"]["gathered_bytes"]
+        # CUDA graphs (a no-op on this CPU) stay allowed only where the weights stay gathered for the call:
+        # replayed per step, a graph would skip FSDP's gathers.
+        assert r["cuda_graphs_once"] == [True] and r["cuda_graphs_per_step"] == [False] == r["cuda_graphs_auto"]
 
 
 def test_a_training_step_after_a_gathered_call_has_the_gradients_of_one_after_no_call(tmp_path):
