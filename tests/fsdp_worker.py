@@ -152,6 +152,17 @@ def main() -> None:
         result["changed"] = [n for n, p in model.named_parameters() if not torch.equal(p.to_local(), shards[n])]
         result["served"] = len(rollouts)
         handle.undo()
+        # torchkvops.distributed.generate on the same model: gathered, merged (no LoRA module runs).
+        adapter_calls = [0]
+        for module in model.modules():
+            if type(module).__name__ == "Linear" and hasattr(module, "lora_A"):
+                for lora_a in module.lora_A.values():
+                    lora_a.register_forward_hook(lambda *_: adapter_calls.__setitem__(0, adapter_calls[0] + 1))
+        rollout = torchkvops.Rollout(
+            model.get_base_model(), torchkvops.RolloutConfig(max_new_tokens=8, eos_token_id=[])
+        )
+        result["distributed_got"] = torchkvops.distributed.generate(rollout, ids, mask, gather=False).responses
+        result["distributed_adapter_calls"] = adapter_calls[0]
     elif scenario == "distributed":
         from torchkvops.hf.sharded import fsdp2_modules
 

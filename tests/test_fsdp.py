@@ -89,12 +89,14 @@ def test_a_training_step_after_a_gathered_call_has_the_gradients_of_one_after_no
 def test_a_sharded_lora_model_is_gathered_then_merged_and_left_bit_identical(tmp_path):
     """LoRA on every linear layer of the sharded model: the call gathers, merges the adapters into the
     gathered weights, gives PEFT's own (unmerged, per-step gathered) generate's tokens, and leaves every
-    rank's shards bit-identical."""
+    rank's shards bit-identical; torchkvops.distributed.generate does the same."""
     pytest.importorskip("peft")
     for r in run_scenario("lora", tmp_path):
         assert r["served"] == 1 and torch.equal(r["got"], r["expected"]), r["rank"]
         assert r["profile"]["gathered_bytes"] > 0 and r["profile"]["merged_lora_layers"] == r["lora_layers"] == 14
         assert r["changed"] == []
+        # torchkvops.distributed.generate: the same tokens, with the adapters merged (none of them ran).
+        assert torch.equal(r["distributed_got"], r["expected"][:, -8:]) and r["distributed_adapter_calls"] == 0
 
 
 def test_distributed_generate_gathers_a_sharded_model_once(tmp_path):
