@@ -12,7 +12,9 @@ served generate, then a training step on its sequences, then a generate that fol
 a budget too small for the weights: per-step gathers with a warning), "grad" (the gradients of a
 training step after a gathered call and after no call), "lora" (a LoRA model sharded, gathered then
 merged: PEFT's unmerged tokens, the local shards bit-identical after), "distributed"
-(torchkvops.distributed.generate on the sharded model: each rank its own rows, gathered once).
+(torchkvops.distributed.generate on the sharded model: each rank its own rows, gathered once), "fsdp1"
+(FullyShardedDataParallel wrappers, the root summoned around generate as TRL does: per-step, once, and a
+budget too small; the gradients of a training step before and after the calls).
 """
 
 import datetime
@@ -163,6 +165,51 @@ def main() -> None:
         )
         result["distributed_got"] = torchkvops.distributed.generate(rollout, ids, mask, gather=False).responses
         result["distributed_adapter_calls"] = adapter_calls[0]
+    elif scenario == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+        from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+        root = FSDP(
+            FAMILIES["llama"](),
+            auto_wrap_policy=ModuleWrapPolicy({LlamaDecoderLayer}),
+            device_id=torch.device("cpu"),
+            use_orig_params=True,
+        )
+        inner = root.module  # what TRL generates from: the root's parameters summoned around the call
+        sequences = torch.cat([ids, ids.flip(1)], dim=1)
+
+        def gradients():
+            root.zero_grad(set_to_none=True)
+            root(input_ids=sequences, labels=sequences).loss.backward()
+            return [p.grad.clone() for p in root.parameters() if p.grad is not None]
+
+        result["without_call"] = gradients()
+        gathers, all_gather = [0], dist.all_gather  # FSDP1's parameter all-gathers on gloo
+
+        def counted(*args, **kwargs):
+            gathers[0] += 1
+            return all_gather(*args, **kwargs)
+
+        dist.all_gather = counted
+        kwargs = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
+        kwargs["synced_gpus"] = True
+        with FSDP.summon_full_params(root, recurse=False, writeback=False):
+            result["expected"] = type(inner).generate(inner, ids, **kwargs)
+            result["wrappers"] = sum(isinstance(m, FSDP) for m in inner.modules())
+            for mode, budget in (("per_step", None), ("once", None), ("auto", 1)):
+                handle = torchkvops.patch_generate(inner, gather_weights=mode, gather_budget_bytes=budget)
+                before = gathers[0]
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    result[f"got_{mode}"] = inner.generate(ids, **kwargs)
+                result[f"gathers_{mode}"] = gathers[0] - before
+                result[f"warnings_{mode}"] = [str(w.message) for w in caught if "torchkvops" in str(w.message)]
+                result[f"profile_{mode}"] = handle.last_profile().to_dict()
+                handle.undo()
+        dist.all_gather = all_gather
+        result["after_call"] = gradients()
+        result["served"] = len(rollouts)
     elif scenario == "distributed":
         from torchkvops.hf.sharded import fsdp2_modules
 

@@ -107,3 +107,21 @@ def test_distributed_generate_gathers_a_sharded_model_once(tmp_path):
         assert torch.equal(r["got"], r["expected"]), r["rank"]
         assert 0 < r["gathers"] <= r["units"]
         assert "gather_weights='per_step' cannot serve" in r["per_step_error"]
+
+
+def test_fsdp1_wrappers_are_summoned_once_per_call_with_hfs_tokens(tmp_path):
+    """FSDP1 (the wrappers inside the model TRL generates from, the root's parameters summoned around the
+    call): one all-gather per wrapper for the call instead of one per wrapper and forward, HF's tokens,
+    the budget fallback with one warning, and a training step after the calls has the gradients of one
+    before them."""
+    for r in run_scenario("fsdp1", tmp_path):
+        assert r["served"] == 3
+        for mode in ("per_step", "once", "auto"):
+            assert torch.equal(r[f"got_{mode}"], r["expected"]), (r["rank"], mode)
+        assert r["gathers_once"] == r["wrappers"] == 2 and r["gathers_per_step"] == r["wrappers"] * 8
+        assert r["gathers_auto"] == r["gathers_per_step"] and r["warnings_per_step"] == r["warnings_once"] == []
+        assert len(r["warnings_auto"]) == 1 and "exceed gather_budget_bytes" in r["warnings_auto"][0]
+        assert r["profile_once"]["gathered_bytes"] > 0 == r["profile_auto"]["gathered_bytes"]
+        assert len(r["after_call"]) == len(r["without_call"]) > 0
+        for before, after in zip(r["without_call"], r["after_call"]):
+            assert torch.equal(before, after)

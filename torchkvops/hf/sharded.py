@@ -18,8 +18,9 @@ Under DeepSpeed ZeRO-3 every module's forward hook fetches its parameters and re
 takes ZeRO-3's module hooks off for the call, as TRL's `unwrap_model_for_generation` does with
 `ds3_gather_for_generation=True`; the parameters are partitioned again when the call ends.
 
-FSDP1 (`FullyShardedDataParallel`) is not gathered here: its forward refuses to run inside
-`summon_full_params`, so its calls keep the per-step gathers (docs/generate.md).
+Under FSDP1 (`FullyShardedDataParallel` wrappers inside the model, the root's parameters summoned by the
+caller as TRL does) each wrapper's parameters are summoned whole once and its forward bypassed for the
+call (FSDP1's forward refuses to run while they are summoned).
 """
 
 from __future__ import annotations
@@ -33,7 +34,15 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-__all__ = ["GATHER_MODES", "Gathered", "gathered_weights", "fsdp2_modules", "zero3_parameters", "is_sharded"]
+__all__ = [
+    "GATHER_MODES",
+    "Gathered",
+    "gathered_weights",
+    "fsdp2_modules",
+    "fsdp1_modules",
+    "zero3_parameters",
+    "is_sharded",
+]
 
 GATHER_MODES = ("auto", "once", "per_step")
 
@@ -55,6 +64,25 @@ def fsdp2_modules(model: nn.Module) -> list[nn.Module]:
     except ImportError:  # pragma: no cover - a torch without torch.distributed
         return []
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def fsdp1_modules(model: nn.Module) -> list[nn.Module]:
+    """The FSDP1 wrappers (`FullyShardedDataParallel`) among `model`'s modules, outermost first."""
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError:  # pragma: no cover - a torch without torch.distributed
+        return []
+    return [m for m in model.modules() if isinstance(m, FullyShardedDataParallel)]
+
+
+def _fsdp1_unsharded_bytes(modules: list[nn.Module]) -> int:
+    """The bytes the wrappers' flat parameters take once gathered (unpadded)."""
+    total = 0
+    for module in modules:
+        handle = getattr(module, "_handle", None)
+        if handle is not None:
+            total += handle.flat_param._unpadded_unsharded_size.numel() * handle.flat_param.element_size()
+    return total
 
 
 def _unsharded_bytes(modules: list[nn.Module]) -> int:
@@ -183,8 +211,11 @@ def gathered_weights(
         with _zero3_gathered(params, model, mode, budget_bytes, device) as gathered:
             yield gathered
         return
-    if is_sharded(model):  # FSDP1: its forward refuses to run inside summon_full_params
-        _fall_back("FSDP1 (FullyShardedDataParallel) is not gathered once by torchkvops", mode, "FSDP")
+    wrappers = fsdp1_modules(model)
+    if wrappers:
+        with _fsdp1_gathered(wrappers, mode, budget_bytes, device) as gathered:
+            yield gathered
+        return
     yield Gathered()
 
 
@@ -213,6 +244,43 @@ def _fsdp2_gathered(model, modules, mode, budget_bytes, device) -> Iterator[Gath
         for m, settings in saved:
             m.reshard()
             _restore_reshard_settings(m, settings)
+
+
+@contextlib.contextmanager
+def _fsdp1_gathered(wrappers, mode, budget_bytes, device) -> Iterator[Gathered]:
+    """FSDP1: each outermost wrapper's parameters summoned whole once (`summon_full_params(recurse=True,
+    writeback=False)`), and every wrapper's forward pointed at the module it wraps for the block (FSDP1's
+    own forward refuses to run while its parameters are summoned, and would gather them again); put back
+    and resharded after. The root wrapper is not inside the model a caller patches (TRL summons its
+    parameters, `recurse=False`, around generate)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    device = device or torch.device("cpu")
+    for wrapper in wrappers:
+        if wrapper._handle is not None:
+            device = wrapper._handle.flat_param.device
+            break
+    inside = {id(m) for w in wrappers for m in w.modules() if m is not w}
+    outermost = [w for w in wrappers if id(w) not in inside]
+    need = _fsdp1_unsharded_bytes(wrappers)
+    why_not = _agree(_fits(need, budget_bytes, device), device)
+    if why_not is not None:
+        _fall_back(why_not, mode, "FSDP")
+        yield Gathered()
+        return
+    start = time.perf_counter()
+    with contextlib.ExitStack() as stack:
+        for wrapper in outermost:
+            stack.enter_context(FullyShardedDataParallel.summon_full_params(wrapper, recurse=True, writeback=False))
+        try:
+            for wrapper in wrappers:
+                wrapper.forward = wrapper._fsdp_wrapped_module.forward
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            yield Gathered(len(wrappers), need, (time.perf_counter() - start) * 1e3)
+        finally:
+            for wrapper in wrappers:
+                vars(wrapper).pop("forward", None)
 
 
 @contextlib.contextmanager
