@@ -163,13 +163,14 @@ def count_adapter_forwards(model) -> list[int]:
     return calls
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA.marks)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
-def test_a_merged_lora_rollout_leaves_every_parameter_bit_identical(dtype):
+def test_a_merged_lora_rollout_leaves_every_parameter_bit_identical(dtype, device):
     """Served with the adapters merged (no LoRA module runs), and afterwards every parameter is the same
     tensor with the same bits, and the layers run unmerged again. In half precision, merging then
     subtracting the delta (PEFT's own unmerge) does change weights: a restore by subtraction would fail."""
-    model = lora(FAMILIES["llama"](), "all-linear", "CAUSAL_LM").to(dtype)
-    ids, mask = prompts(4, 8, seed=4, left_pad=[0, 1, 2, 0])
+    model = lora(FAMILIES["llama"](), "all-linear", "CAUSAL_LM").to(device, dtype)
+    ids, mask = (t.to(device) for t in prompts(4, 8, seed=4, left_pad=[0, 1, 2, 0]))
     kwargs = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
     before = {name: (p.detach().clone(), p.data_ptr()) for name, p in model.named_parameters()}
     adapter_calls = count_adapter_forwards(model)
