@@ -53,16 +53,40 @@ def sharded_llama(lora: bool = False):
     return model
 
 
-def count_parameter_gathers() -> list[int]:
-    """A counter of FSDP2's parameter all-gathers (torch.distributed.all_gather_single calls) from now on."""
-    count, original = [0], dist.all_gather_single
+def count_calls(name: str) -> list[int]:
+    """A counter of the calls of torch.distributed.<name> from now on (what binds the function later sees
+    the counting one)."""
+    count, original = [0], getattr(dist, name)
 
     def counted(*args, **kwargs):
         count[0] += 1
         return original(*args, **kwargs)
 
-    dist.all_gather_single = counted
+    setattr(dist, name, counted)
     return count
+
+
+def count_parameter_gathers() -> list[int]:
+    """A counter of FSDP2's parameter all-gathers (torch.distributed.all_gather_single calls) from now on."""
+    return count_calls("all_gather_single")
+
+
+def generate_in_each_gather_mode(model, ids, kwargs, gathers, result, after=None) -> None:
+    """patch_generate(model) with gather_weights "per_step", "once", and "auto" with a budget of 1 byte, one
+    call each: its tokens, parameter gathers (`gathers`: a counter), torchkvops warnings and profile in
+    `result` under "<what>_<mode>", with what `after(handle)` returns (a dict) before the patch is undone."""
+    for mode, budget in (("per_step", None), ("once", None), ("auto", 1)):
+        handle = torchkvops.patch_generate(model, gather_weights=mode, gather_budget_bytes=budget)
+        before = gathers[0]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            result[f"got_{mode}"] = model.generate(ids, **kwargs)
+        result[f"gathers_{mode}"] = gathers[0] - before
+        result[f"warnings_{mode}"] = [str(w.message) for w in caught if "torchkvops" in str(w.message)]
+        result[f"profile_{mode}"] = handle.last_profile().to_dict()
+        for what, value in (after(handle) if after else {}).items():
+            result[f"{what}_{mode}"] = value
+        handle.undo()
 
 
 def reshard_setting(module) -> list[bool]:
@@ -110,18 +134,17 @@ def main() -> None:
         modules = fsdp2_modules(model)
         result["units"] = len(modules)
         result["settings_before"] = [reshard_setting(m) for m in modules]
-        for mode, budget in (("per_step", None), ("once", None), ("auto", 1)):
-            handle = torchkvops.patch_generate(model, gather_weights=mode, gather_budget_bytes=budget)
-            before = gathers[0]
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                result[f"got_{mode}"] = model.generate(ids, **kwargs)
-            result[f"gathers_{mode}"] = gathers[0] - before
-            result[f"warnings_{mode}"] = [str(w.message) for w in caught if "torchkvops" in str(w.message)]
-            result[f"profile_{mode}"] = handle.last_profile().to_dict()
-            result[f"settings_after_{mode}"] = [reshard_setting(m) for m in modules]
-            result[f"cuda_graphs_{mode}"] = [r.config.cuda_graphs for r in handle.session.rollouts.values()]
-            handle.undo()
+        generate_in_each_gather_mode(
+            model,
+            ids,
+            kwargs,
+            gathers,
+            result,
+            lambda handle: {
+                "settings_after": [reshard_setting(m) for m in modules],
+                "cuda_graphs": [r.config.cuda_graphs for r in handle.session.rollouts.values()],
+            },
+        )
         result["served"] = len(rollouts)
     elif scenario == "grad":
         sequences = torch.cat([ids, ids.flip(1)], dim=1)
@@ -185,29 +208,13 @@ def main() -> None:
             return [p.grad.clone() for p in root.parameters() if p.grad is not None]
 
         result["without_call"] = gradients()
-        gathers, all_gather = [0], dist.all_gather  # FSDP1's parameter all-gathers on gloo
-
-        def counted(*args, **kwargs):
-            gathers[0] += 1
-            return all_gather(*args, **kwargs)
-
-        dist.all_gather = counted
+        gathers = count_calls("all_gather")  # FSDP1's parameter all-gathers on gloo
         kwargs = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
         kwargs["synced_gpus"] = True
         with FSDP.summon_full_params(root, recurse=False, writeback=False):
             result["expected"] = type(inner).generate(inner, ids, **kwargs)
             result["wrappers"] = sum(isinstance(m, FSDP) for m in inner.modules())
-            for mode, budget in (("per_step", None), ("once", None), ("auto", 1)):
-                handle = torchkvops.patch_generate(inner, gather_weights=mode, gather_budget_bytes=budget)
-                before = gathers[0]
-                with warnings.catch_warnings(record=True) as caught:
-                    warnings.simplefilter("always")
-                    result[f"got_{mode}"] = inner.generate(ids, **kwargs)
-                result[f"gathers_{mode}"] = gathers[0] - before
-                result[f"warnings_{mode}"] = [str(w.message) for w in caught if "torchkvops" in str(w.message)]
-                result[f"profile_{mode}"] = handle.last_profile().to_dict()
-                handle.undo()
-        dist.all_gather = all_gather
+            generate_in_each_gather_mode(inner, ids, kwargs, gathers, result)
         result["after_call"] = gradients()
         result["served"] = len(rollouts)
     elif scenario == "distributed":

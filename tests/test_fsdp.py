@@ -20,7 +20,8 @@ WORKER = str(Path(__file__).with_name("fsdp_worker.py"))
 pytest.importorskip("torch.distributed.fsdp")
 
 
-def run_scenario(scenario: str, out: Path) -> list[dict]:
+def run_scenario(scenario: str, out: Path, worker: str = WORKER) -> list[dict]:
+    """Each rank's record of `worker SCENARIO OUT` on 2 processes (torchrun, 127.0.0.1)."""
     cmd = torchrun(
         "--nproc-per-node",
         "2",
@@ -28,7 +29,7 @@ def run_scenario(scenario: str, out: Path) -> list[dict]:
         "127.0.0.1",
         "--master-port",
         str(free_port()),
-        WORKER,
+        worker,
         scenario,
         str(out),
     )

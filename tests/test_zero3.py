@@ -6,35 +6,19 @@ loss and weights of the same step on an engine that made none; a budget the weig
 per-step gathers with one warning; a LoRA model is gathered, then merged, and left bit-identical.
 Skipped where deepspeed is not installed; every launch is bounded by a timeout."""
 
-import subprocess
 from pathlib import Path
 
 import pytest
+import test_fsdp
 import torch
-from test_distributed import env, free_port, torchrun
-from timeouts import TIMEOUT
 
 pytest.importorskip("deepspeed")
 
-ROOT = Path(__file__).absolute().parents[1]
 WORKER = str(Path(__file__).with_name("zero3_worker.py"))
 
 
 def run_scenario(scenario: str, out: Path) -> list[dict]:
-    cmd = torchrun(
-        "--nproc-per-node",
-        "2",
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        str(free_port()),
-        WORKER,
-        scenario,
-        str(out),
-    )
-    proc = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=TIMEOUT)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    return test_fsdp.run_scenario(scenario, out, WORKER)
 
 
 def test_zero3_weights_are_gathered_once_per_call_with_hfs_tokens(tmp_path):

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
+from fsdp_worker import count_calls, generate_in_each_gather_mode  # noqa: E402
 from models import FAMILIES, prompts  # noqa: E402
 
 import torchkvops  # noqa: E402
@@ -60,14 +61,7 @@ def zero3_engine(lora: bool = False):
 
 def count_parameter_gathers() -> list[int]:
     """A counter of ZeRO-3's parameter all-gathers (torch.distributed.all_gather_into_tensor calls)."""
-    count, original = [0], dist.all_gather_into_tensor
-
-    def counted(*args, **kwargs):
-        count[0] += 1
-        return original(*args, **kwargs)
-
-    dist.all_gather_into_tensor = counted
-    return count
+    return count_calls("all_gather_into_tensor")
 
 
 def training_step(engine, sequences) -> torch.Tensor:
@@ -100,17 +94,14 @@ def main() -> None:
         before = gathers[0]
         result["expected"] = hf(model, ids, **kwargs)
         result["gathers_hf"] = gathers[0] - before
-        for mode, budget in (("per_step", None), ("once", None), ("auto", 1)):
-            handle = torchkvops.patch_generate(model, gather_weights=mode, gather_budget_bytes=budget)
-            before = gathers[0]
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                result[f"got_{mode}"] = model.generate(ids, **kwargs)
-            result[f"gathers_{mode}"] = gathers[0] - before
-            result[f"warnings_{mode}"] = [str(w.message) for w in caught if "torchkvops" in str(w.message)]
-            result[f"profile_{mode}"] = handle.last_profile().to_dict()
-            result[f"status_after_{mode}"] = sorted({p.ds_status.name for p in model.parameters()})
-            handle.undo()
+        generate_in_each_gather_mode(
+            model,
+            ids,
+            kwargs,
+            gathers,
+            result,
+            lambda handle: {"status_after": sorted({p.ds_status.name for p in model.parameters()})},
+        )
         # The same training step on this engine (after the calls above) and on a fresh one (no call).
         sequences = torch.cat([ids, ids.flip(1)], dim=1)
         result["loss_after_calls"] = training_step(engine, sequences)
