@@ -49,8 +49,9 @@ GATHER_MODES = ("auto", "once", "per_step")
 
 @dataclasses.dataclass
 class Gathered:
-    """What `gathered_weights` did for one call: `units` FSDP modules gathered (0: none), `bytes` their
-    unsharded parameters' size, `ms` the time the gather took (host clock, after a device sync)."""
+    """What `gathered_weights` did for one call: `units` gathered (FSDP2 modules, FSDP1 wrappers or ZeRO-3
+    parameters; 0: none), `bytes` their gathered parameters' size, `ms` the time the gather took (host
+    clock, after a device sync)."""
 
     units: int = 0
     bytes: int = 0
