@@ -145,12 +145,7 @@ def zero3_parameters(model: nn.Module) -> list[nn.Parameter]:
 def is_sharded(model: nn.Module) -> bool:
     """Whether FSDP (fully_shard, or the FullyShardedDataParallel wrapper) or DeepSpeed ZeRO-3 manages the
     model's weights: every forward gathers them."""
-    try:
-        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
-    except ImportError:  # pragma: no cover - a torch built without distributed
-        return bool(zero3_parameters(model))
-    fsdp = any(isinstance(m, (FSDPModule, FullyShardedDataParallel)) for m in model.modules())
-    return fsdp or bool(zero3_parameters(model))
+    return bool(fsdp2_modules(model) or fsdp1_modules(model) or zero3_parameters(model))
 
 
 @contextlib.contextmanager
@@ -188,59 +183,82 @@ def _fall_back(why_not: str, mode: str, engine: str) -> None:
     )
 
 
+@dataclasses.dataclass
+class _GatherPlan:
+    """How one engine gathers a model's weights: the `engine`'s name (for the fallback warning), the
+    `units` it gathers and their `need` bytes, the `device` they live on, and `gather`, a context manager
+    within which they stay gathered."""
+
+    engine: str
+    units: int
+    need: int
+    device: torch.device
+    gather: contextlib.AbstractContextManager
+
+
+def _gather_plan(model: nn.Module, device: torch.device | None) -> _GatherPlan | None:
+    """The plan of the engine that shards `model` (FSDP2, ZeRO-3 or FSDP1), None when none does."""
+    modules = fsdp2_modules(model)
+    if modules:
+        # FSDP initializes its root (the outermost FSDP module: dtypes, streams) at its first forward; the
+        # gather may come first (a fresh model's first call). Idempotent.
+        modules[0]._get_fsdp_state()._lazy_init()
+        device = device or next(model.parameters()).device
+        return _GatherPlan("FSDP", len(modules), _unsharded_bytes(modules), device, _fsdp2_gathered(modules))
+    params = zero3_parameters(model)
+    if params:
+        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+        # What is partitioned now (TRL's ds3_gather_for_generation may have gathered everything already).
+        partitioned = [p for p in params if p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
+        need = sum(p.ds_numel * p.element_size() for p in partitioned)
+        gather = _zero3_gathered(partitioned, model)
+        return _GatherPlan("ZeRO-3", len(partitioned), need, device or params[0].device, gather)
+    wrappers = fsdp1_modules(model)
+    if wrappers:
+        handles = [w._handle for w in wrappers if w._handle is not None]
+        device = device or (handles[0].flat_param.device if handles else torch.device("cpu"))
+        return _GatherPlan("FSDP", len(wrappers), _fsdp1_unsharded_bytes(wrappers), device, _fsdp1_gathered(wrappers))
+    return None
+
+
 @contextlib.contextmanager
 def gathered_weights(
     model: nn.Module, mode: str = "auto", budget_bytes: int | None = None, device: torch.device | None = None
 ) -> Iterator[Gathered]:
-    """Within the block, `model`'s FSDP2- or ZeRO-3-sharded parameters stay gathered (module docstring).
-    Yields what was gathered (`Gathered.units == 0`: nothing, the model is not sharded or mode is
-    "per_step" or the weights did not fit)."""
+    """Within the block, `model`'s FSDP2-, FSDP1- or ZeRO-3-sharded parameters stay gathered (module
+    docstring). Yields what was gathered (`Gathered.units == 0`: nothing, the model is not sharded or mode
+    is "per_step" or the weights did not fit or were gathered already)."""
     if mode not in GATHER_MODES:
         raise ValueError(
             f"torchkvops: gather_weights must be one of {', '.join(map(repr, GATHER_MODES))}, got {mode!r}"
         )
-    if mode == "per_step":
+    plan = None if mode == "per_step" else _gather_plan(model, device)
+    if plan is None:
         yield Gathered()
         return
-    modules = fsdp2_modules(model)
-    if modules:
-        with _fsdp2_gathered(model, modules, mode, budget_bytes, device) as gathered:
-            yield gathered
+    why_not = _agree(_fits(plan.need, budget_bytes, plan.device), plan.device)
+    if why_not is not None:
+        _fall_back(why_not, mode, plan.engine)
+        yield Gathered()
         return
-    params = zero3_parameters(model)
-    if params:
-        with _zero3_gathered(params, model, mode, budget_bytes, device) as gathered:
-            yield gathered
-        return
-    wrappers = fsdp1_modules(model)
-    if wrappers:
-        with _fsdp1_gathered(wrappers, mode, budget_bytes, device) as gathered:
-            yield gathered
-        return
-    yield Gathered()
+    start = time.perf_counter()
+    with plan.gather:
+        if plan.device.type == "cuda":
+            torch.cuda.synchronize(plan.device)
+        yield Gathered(plan.units, plan.need, (time.perf_counter() - start) * 1e3 if plan.units else 0.0)
 
 
 @contextlib.contextmanager
-def _fsdp2_gathered(model, modules, mode, budget_bytes, device) -> Iterator[Gathered]:
-    device = device or next(model.parameters()).device
-    # FSDP initializes its root (the outermost FSDP module: dtypes, streams) at its first forward; the
-    # gather below may come first (a fresh model's first call). Idempotent.
-    modules[0]._get_fsdp_state()._lazy_init()
-    need = _unsharded_bytes(modules)
-    why_not = _agree(_fits(need, budget_bytes, device), device)
-    if why_not is not None:
-        _fall_back(why_not, mode, "FSDP")
-        yield Gathered()
-        return
+def _fsdp2_gathered(modules: list[nn.Module]) -> Iterator[None]:
+    """FSDP2: each module's reshard-after-forward turned off and its parameters unsharded; after the block,
+    resharded and each module's own setting put back."""
     saved = [(m, _reshard_settings(m)) for m in modules]
-    start = time.perf_counter()
     try:
         for m in modules:
             m.set_reshard_after_forward(False, recurse=False)
             m.unshard()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        yield Gathered(len(modules), need, (time.perf_counter() - start) * 1e3)
+        yield
     finally:
         for m, settings in saved:
             m.reshard()
@@ -248,7 +266,7 @@ def _fsdp2_gathered(model, modules, mode, budget_bytes, device) -> Iterator[Gath
 
 
 @contextlib.contextmanager
-def _fsdp1_gathered(wrappers, mode, budget_bytes, device) -> Iterator[Gathered]:
+def _fsdp1_gathered(wrappers: list[nn.Module]) -> Iterator[None]:
     """FSDP1: each outermost wrapper's parameters summoned whole once (`summon_full_params(recurse=True,
     writeback=False)`), and every wrapper's forward pointed at the module it wraps for the block (FSDP1's
     own forward refuses to run while its parameters are summoned, and would gather them again); put back
@@ -256,54 +274,27 @@ def _fsdp1_gathered(wrappers, mode, budget_bytes, device) -> Iterator[Gathered]:
     parameters, `recurse=False`, around generate)."""
     from torch.distributed.fsdp import FullyShardedDataParallel
 
-    device = device or torch.device("cpu")
-    for wrapper in wrappers:
-        if wrapper._handle is not None:
-            device = wrapper._handle.flat_param.device
-            break
     inside = {id(m) for w in wrappers for m in w.modules() if m is not w}
-    outermost = [w for w in wrappers if id(w) not in inside]
-    need = _fsdp1_unsharded_bytes(wrappers)
-    why_not = _agree(_fits(need, budget_bytes, device), device)
-    if why_not is not None:
-        _fall_back(why_not, mode, "FSDP")
-        yield Gathered()
-        return
-    start = time.perf_counter()
     with contextlib.ExitStack() as stack:
-        for wrapper in outermost:
-            stack.enter_context(FullyShardedDataParallel.summon_full_params(wrapper, recurse=True, writeback=False))
+        for wrapper in wrappers:
+            if id(wrapper) not in inside:  # the outermost: recurse=True summons those inside it
+                stack.enter_context(FullyShardedDataParallel.summon_full_params(wrapper, recurse=True, writeback=False))
         try:
             for wrapper in wrappers:
                 wrapper.forward = wrapper._fsdp_wrapped_module.forward
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            yield Gathered(len(wrappers), need, (time.perf_counter() - start) * 1e3)
+            yield
         finally:
             for wrapper in wrappers:
                 vars(wrapper).pop("forward", None)
 
 
 @contextlib.contextmanager
-def _zero3_gathered(params, model, mode, budget_bytes, device) -> Iterator[Gathered]:
-    """ZeRO-3: every partitioned parameter gathered by one `deepspeed.zero.GatheredParameters` (partitioned
+def _zero3_gathered(partitioned: list[nn.Parameter], model: nn.Module) -> Iterator[None]:
+    """ZeRO-3: the partitioned parameters gathered by one `deepspeed.zero.GatheredParameters` (partitioned
     again when it ends), with ZeRO-3's module hooks off for the block. Parameters ZeRO-3 keeps whole
     (persistent, below its threshold) are left as they are."""
     import deepspeed
-    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
-    device = device or params[0].device
-    # What is partitioned now (TRL's ds3_gather_for_generation may have gathered everything already).
-    partitioned = [p for p in params if p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
-    need = sum(p.ds_numel * p.element_size() for p in partitioned)
-    why_not = _agree(_fits(need, budget_bytes, device), device)
-    if why_not is not None:
-        _fall_back(why_not, mode, "ZeRO-3")
-        yield Gathered()
-        return
-    start = time.perf_counter()
     with deepspeed.zero.GatheredParameters(partitioned, enabled=bool(partitioned)):
         with _zero3_hooks_suspended(model):
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            yield Gathered(len(partitioned), need, (time.perf_counter() - start) * 1e3 if partitioned else 0.0)
+            yield
