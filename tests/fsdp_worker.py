@@ -32,16 +32,23 @@ from models import FAMILIES, prompts  # noqa: E402
 import torchkvops  # noqa: E402
 
 
-def sharded_llama(lora: bool = False):
-    model = FAMILIES["llama"]()  # seeded: the same weights on every rank
+def llama(lora: bool = False):
+    """The test Llama (seeded: the same weights on every rank), with LoRA r=4 on every linear layer and
+    random B (init_lora_weights=False, so that the adapters change the tokens) when `lora`."""
+    model = FAMILIES["llama"]()
     if lora:
         from peft import LoraConfig, get_peft_model
 
-        torch.manual_seed(1)  # random B (init_lora_weights=False): the adapters change the tokens
+        torch.manual_seed(1)
         config = LoraConfig(
             r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False, task_type="CAUSAL_LM"
         )
         model = get_peft_model(model, config, autocast_adapter_dtype=False)
+    return model
+
+
+def sharded_llama(lora: bool = False):
+    model = llama(lora)
     # The causal LM is the root FSDP module (inside PEFT's wrapper, whose generate calls the causal LM's).
     causal_lm = model.get_base_model() if lora else model
     for layer in causal_lm.get_decoder().layers:

@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
-from fsdp_worker import count_calls, generate_in_each_gather_mode  # noqa: E402
-from models import FAMILIES, prompts  # noqa: E402
+from fsdp_worker import count_calls, generate_in_each_gather_mode, llama  # noqa: E402
+from models import prompts  # noqa: E402
 
 import torchkvops  # noqa: E402
 
@@ -45,15 +45,7 @@ CONFIG = {
 def zero3_engine(lora: bool = False):
     import deepspeed
 
-    model = FAMILIES["llama"]()  # seeded: the same weights on every rank
-    if lora:
-        from peft import LoraConfig, get_peft_model
-
-        torch.manual_seed(1)  # random B (init_lora_weights=False): the adapters change the tokens
-        config = LoraConfig(
-            r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False, task_type="CAUSAL_LM"
-        )
-        model = get_peft_model(model, config, autocast_adapter_dtype=False)
+    model = llama(lora)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=CONFIG)
     return engine
