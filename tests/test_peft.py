@@ -229,6 +229,113 @@ def test_merged_lora_log_probabilities_match_the_unmerged_rollouts():
     torch.testing.assert_close(fused.logprobs, unmerged.logprobs, rtol=1e-4, atol=1e-5)
 
 
+class FixedNoise(torch.nn.Module):
+    """A deterministic stand-in for an adapter's dropout in train mode (a fixed mask, scaled): what PEFT's
+    forward does with it is reproducible, so its generate is an exact oracle for a call that keeps it."""
+
+    def __init__(self, features: int, seed: int):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.register_buffer("mask", (torch.rand(features, generator=g) > 0.5).float() * 2.0)
+
+    def forward(self, x):
+        return x * self.mask.to(x.dtype) if self.training else x
+
+
+def test_an_adapter_whose_dropout_is_active_runs_unmerged_with_peft_generates_tokens():
+    """In train mode an adapter's dropout acts on its input: merging would silently drop it. A layer whose
+    dropout is active runs PEFT's own forward (the deterministic stand-in gives PEFT's generate's exact
+    tokens; the merged weights gave the eval-mode ones; a dropout module of another class is never merged,
+    as nothing says it is the identity in eval mode), a plain nn.Dropout draws a mask as PEFT's does
+    (different seeds, different tokens), and merges again in eval mode."""
+    model = lora(FAMILIES["llama"](), "all-linear", "CAUSAL_LM")
+    for i, layer in enumerate(lora_layers(model)):
+        layer.lora_dropout["default"] = FixedNoise(layer.in_features, seed=i)
+    model.eval()  # (new modules start in train mode)
+    ids, mask = prompts(4, 8, seed=7, left_pad=[0, 1, 2, 0])
+    kwargs = dict(attention_mask=mask, max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=0)
+    eval_mode = type(model).generate(model, input_ids=ids, **kwargs)
+    model.train()
+    expected = type(model).generate(model, input_ids=ids, **kwargs)  # PEFT's generate, the noise applied
+    assert not torch.equal(expected, eval_mode)
+    with torchkvops.patch_generate(model) as handle:
+        assert torch.equal(model.generate(input_ids=ids, **kwargs), expected)
+        assert handle.last_profile().merged_lora_layers == 0
+        model.eval()
+        assert torch.equal(model.generate(input_ids=ids, **kwargs), eval_mode)
+        assert handle.last_profile().merged_lora_layers == 0
+
+    model = lora(FAMILIES["llama"](), "all-linear", "CAUSAL_LM")
+    for layer in lora_layers(model):
+        layer.lora_dropout["default"] = torch.nn.Dropout(0.5)
+    model.train()
+    adapter_calls = count_adapter_forwards(model)
+    with torchkvops.patch_generate(model) as handle:
+        outputs = set()
+        for seed in range(4):
+            torch.manual_seed(seed)
+            outputs.add(tuple(model.generate(input_ids=ids, **kwargs).flatten().tolist()))
+        assert handle.last_profile().merged_lora_layers == 0 and adapter_calls[0] > 0
+        model.eval()
+        assert torch.equal(
+            model.generate(input_ids=ids, **kwargs), type(model).generate(model, input_ids=ids, **kwargs)
+        )
+        assert handle.last_profile().merged_lora_layers == 14
+    assert len(outputs) > 1  # dropout drawn: the seeds give different tokens, as PEFT's generate's
+
+
+def test_an_adapter_holding_a_nan_is_served_as_peft_serves_it():
+    """PEFT's own generate (and its unmerged layers) returns tokens for an adapter holding a NaN; its safe
+    merge raises on one. The merged call returns PEFT's generate's tokens and leaves the weights as they
+    were; so does merge_lora=False."""
+    model = lora(FAMILIES["llama"](), "all-linear", "CAUSAL_LM")
+    with torch.no_grad():
+        lora_layers(model)[3].lora_B["default"].weight[0, 0] = float("nan")
+    ids, mask = prompts(4, 8, seed=7, left_pad=[0, 1, 2, 0])
+    kwargs = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
+    expected = type(model).generate(model, input_ids=ids, **kwargs)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    for merge in (True, False):
+        with torchkvops.patch_generate(model, merge_lora=merge) as handle:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # served, no fallback warning
+                assert torch.equal(model.generate(input_ids=ids, **kwargs), expected), merge
+            assert handle.last_profile().merged_lora_layers == (14 if merge else 0)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p, before[name], rtol=0, atol=0, equal_nan=True, msg=name)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_merged_lora_in_half_precision_computes_the_merged_models_tokens(dtype):
+    """Half-precision base weights, float32 adapters (PEFT's default autocast_adapter_dtype). Merged, the
+    call decodes with the weights PEFT's merge_and_unload() makes: tokens and log-probabilities equal the
+    rollout's on that merged model, bit for bit. merge_lora=False runs PEFT's own layers: the rollout's
+    tokens and log-probabilities on the PeftModel unmerged. What docs/generate.md states."""
+    import copy
+
+    from torchkvops import Rollout, RolloutConfig
+
+    model = lora(FAMILIES["llama"]().to(dtype), "all-linear", "CAUSAL_LM")
+    assert lora_layers(model)[0].lora_A["default"].weight.dtype == torch.float32
+    ids, mask = prompts(4, 8, seed=7, left_pad=[0, 1, 2, 0])
+    config = RolloutConfig(samples_per_prompt=2, max_new_tokens=10, eos_token_id=[], seed=3, return_logprobs=True)
+    merged_model = copy.deepcopy(model).merge_and_unload()
+    merged_oracle = Rollout(merged_model, config).generate(ids, mask)
+    unmerged_oracle = Rollout(model.get_base_model(), config).generate(ids, mask)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    from torchkvops.models.lora import merged_lora
+
+    with merged_lora(model.get_base_model()) as merged:
+        fused = Rollout(model.get_base_model(), config).generate(ids, mask)
+    assert merged.layers == 14
+    assert torch.equal(fused.responses, merged_oracle.responses)
+    assert torch.equal(fused.logprobs, merged_oracle.logprobs)
+    for name, p in model.named_parameters():
+        assert torch.equal(p, before[name]), name
+    # Not the same computation as PEFT's: the merged weights are rounded to the base dtype.
+    assert not torch.equal(fused.logprobs, unmerged_oracle.logprobs)
+
+
 # --- TRL's GRPOTrainer with peft_config --------------------------------------------------------------
 def grpo_lora_run(checkpoint, output_dir, patch_forward: bool, monkeypatch):
     """Two GRPO steps with TRL's `peft_config` (TRL wraps the model in a PeftModel; beta > 0: the reference
