@@ -184,6 +184,18 @@ def main() -> None:
         result["changed"] = [n for n, p in model.named_parameters() if not torch.equal(p.to_local(), shards[n])]
         result["served"] = len(rollouts)
         handle.undo()
+        # A budget the gathered weights fit but not with the merged LoRA copies the call adds next.
+        budget = result["profile"]["gathered_bytes"] + 1
+        for merge in (True, False):
+            handle = torchkvops.patch_generate(model, gather_budget_bytes=budget, merge_lora=merge)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                result[f"got_budget_merge_{merge}"] = model.generate(ids, **kwargs)
+            result[f"warnings_budget_merge_{merge}"] = [
+                str(w.message) for w in caught if "torchkvops" in str(w.message)
+            ]
+            result[f"gathered_budget_merge_{merge}"] = handle.last_profile().gathered_bytes
+            handle.undo()
         # torchkvops.distributed.generate on the same model: gathered, merged (no LoRA module runs).
         adapter_calls = [0]
         for module in model.modules():

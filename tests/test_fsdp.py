@@ -20,8 +20,9 @@ WORKER = str(Path(__file__).with_name("fsdp_worker.py"))
 pytest.importorskip("torch.distributed.fsdp")
 
 
-def run_scenario(scenario: str, out: Path, worker: str = WORKER) -> list[dict]:
-    """Each rank's record of `worker SCENARIO OUT` on 2 processes (torchrun, 127.0.0.1)."""
+def run_scenario(scenario: str, out: Path, worker: str = WORKER, **extra_env) -> list[dict]:
+    """Each rank's record of `worker SCENARIO OUT` on 2 processes (torchrun, 127.0.0.1); `extra_env`: more
+    environment variables for the workers."""
     cmd = torchrun(
         "--nproc-per-node",
         "2",
@@ -33,7 +34,7 @@ def run_scenario(scenario: str, out: Path, worker: str = WORKER) -> list[dict]:
         scenario,
         str(out),
     )
-    proc = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=TIMEOUT)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env(**extra_env), capture_output=True, text=True, timeout=TIMEOUT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
@@ -96,6 +97,14 @@ def test_a_sharded_lora_model_is_gathered_then_merged_and_left_bit_identical(tmp
         assert r["served"] == 1 and torch.equal(r["got"], r["expected"]), r["rank"]
         assert r["profile"]["gathered_bytes"] > 0 and r["profile"]["merged_lora_layers"] == r["lora_layers"] == 14
         assert r["changed"] == []
+        # The merged copies count against the budget: a budget of the gathered weights alone keeps the
+        # per-step gathers (one warning saying why) where the call merges, and gathers where it does not.
+        assert r["gathered_budget_merge_True"] == 0 and r["gathered_budget_merge_False"] > 0
+        assert len(r["warnings_budget_merge_True"]) == 1 and "merged LoRA copies" in r["warnings_budget_merge_True"][0]
+        assert r["warnings_budget_merge_False"] == []
+        assert torch.equal(r["got_budget_merge_True"], r["expected"]) and torch.equal(
+            r["got_budget_merge_False"], r["expected"]
+        )
         # torchkvops.distributed.generate: the same tokens, with the adapters merged (none of them ran).
         assert torch.equal(r["distributed_got"], r["expected"][:, -8:]) and r["distributed_adapter_calls"] == 0
 

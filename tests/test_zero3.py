@@ -17,8 +17,8 @@ pytest.importorskip("deepspeed")
 WORKER = str(Path(__file__).with_name("zero3_worker.py"))
 
 
-def run_scenario(scenario: str, out: Path) -> list[dict]:
-    return test_fsdp.run_scenario(scenario, out, WORKER)
+def run_scenario(scenario: str, out: Path, **extra_env) -> list[dict]:
+    return test_fsdp.run_scenario(scenario, out, WORKER, **extra_env)
 
 
 def test_zero3_weights_are_gathered_once_per_call_with_hfs_tokens(tmp_path):
@@ -46,3 +46,14 @@ def test_a_zero3_lora_model_is_gathered_then_merged_and_left_bit_identical(tmp_p
         assert r["changed"] == [] and r["status_after"] == ["NOT_AVAILABLE"]
         assert torch.equal(r["got_per_step"], r["expected"]) and r["changed_per_step"] == []
         assert r["profile_per_step"]["merged_lora_layers"] == 0 == r["profile_per_step"]["gathered_bytes"]
+
+
+def test_zero3_synced_generation_with_eos_ids_on_one_rank_only_gives_hfs_tokens(tmp_path):
+    """The all-ended check (a collective) runs on both ranks although only rank 0's call has EOS ids
+    (a check on one rank only aborted gloo gathered once and hung per step); a 60 s process-group timeout
+    turns a hang into a failure."""
+    for r in run_scenario("eos_one_rank", tmp_path, DIST_TIMEOUT_S="60"):
+        assert r["served"] == 2, r["rank"]
+        for mode in ("per_step", "once"):
+            assert torch.equal(r[f"got_{mode}"], r["expected"]), (r["rank"], mode)
+        assert torch.isfinite(r["loss"])

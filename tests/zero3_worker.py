@@ -10,7 +10,8 @@ gather_weights "per_step", "once" and "auto" with a budget of 1 byte: tokens, pa
 call, the parameters' status after, warnings; then the loss and weights of a training step after a
 gathered call against those of the same step on a second engine that made no call), "lora" (LoRA on
 every linear layer: gathered then merged, PEFT's unmerged tokens, the local partitions bit-identical;
-then per-step gathers, which leave the partitioned weights unmerged).
+then per-step gathers, which leave the partitioned weights unmerged), "eos_one_rank" (synced calls where
+only rank 0's has EOS ids, gathered once and per step: each rank's tokens and whether it was served).
 """
 
 import datetime
@@ -120,6 +121,19 @@ def main() -> None:
             n for n, p in model.named_parameters() if not torch.equal(p.ds_tensor, partitions[n])
         ]
         handle.undo()
+    elif scenario == "eos_one_rank":
+        # The all-ended check is a collective: it must run on the rank whose call has no EOS ids too.
+        kwargs.update(eos_token_id=[5, 7, 9, 11, 13] if rank == 0 else None, max_new_tokens=20)
+        result["expected"] = hf(model, ids, **kwargs)
+        rollouts = []
+        original = torchkvops.Rollout.generate_rows
+        torchkvops.Rollout.generate_rows = lambda self, *a, **k: rollouts.append(1) or original(self, *a, **k)
+        for mode in ("per_step", "once"):
+            handle = torchkvops.patch_generate(model, gather_weights=mode)
+            result[f"got_{mode}"] = model.generate(ids, **kwargs)
+            handle.undo()
+        result["served"] = len(rollouts)
+        result["loss"] = training_step(engine, torch.cat([ids, ids.flip(1)], dim=1))
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()

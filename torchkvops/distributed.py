@@ -43,7 +43,7 @@ from .hf.call_weights import WeightOptions, call_weights
 from .hf.sharded import is_sharded
 from .rollout.engine import Rollout, RolloutOutput
 
-__all__ = ["generate", "initialized", "agree", "ended_everywhere"]
+__all__ = ["generate", "initialized", "all_min", "ended_everywhere"]
 
 # Bytes of an error message carried to the other processes.
 _ERROR_BYTES = 2048
@@ -224,12 +224,12 @@ def _collective_device(group=None) -> torch.device:
     return torch.device("cpu")
 
 
-def agree(served: bool, new_tokens: int, group=None) -> tuple[bool, bool]:
-    """(every process serves the call, they all generate `new_tokens` new tokens): one all_reduce."""
-    t = torch.tensor([int(served), new_tokens, -new_tokens], dtype=torch.long, device=_collective_device(group))
+def all_min(values: list[int], group=None) -> list[int]:
+    """The elementwise minimum of every process's `values` (the same length on every process): one
+    all_reduce. A call's agreement (hf.generate_contract.agree) sends its flags and counts through it."""
+    t = torch.tensor(values, dtype=torch.long, device=_collective_device(group))
     dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
-    everyone, fewest, most = (int(v) for v in t.tolist())  # host sync: once per call
-    return bool(everyone), fewest == -most
+    return [int(v) for v in t.tolist()]  # host sync: a few ints, once per call
 
 
 def ended_everywhere(ended: bool, group=None) -> bool:

@@ -10,10 +10,10 @@ from collections.abc import Iterator
 
 from torch import nn
 
-from ..models.lora import Merged, merged_lora
-from .sharded import GATHER_MODES, Gathered, gathered_weights
+from ..models.lora import Merged, merge_bytes, merged_lora
+from .sharded import GATHER_MODES, Gathered, GatherVote, Settled, gathered_weights, vote
 
-__all__ = ["WeightOptions", "CallWeights", "call_weights"]
+__all__ = ["WeightOptions", "CallWeights", "call_weights", "gather_vote"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,9 +48,24 @@ class CallWeights:
     merged: Merged
 
 
+def _merge_bytes(model: nn.Module, options: WeightOptions) -> int:
+    return merge_bytes(model) if options.merge_lora else 0
+
+
+def gather_vote(model: nn.Module, options: WeightOptions) -> GatherVote:
+    """This process's vote on gathering `model` for a call (hf.sharded.vote; no collective), the merged
+    LoRA copies the call allocates next counted against the budget and the free memory."""
+    return vote(model, options.gather_weights, options.gather_budget_bytes, _merge_bytes(model, options))
+
+
 @contextlib.contextmanager
-def call_weights(model: nn.Module, options: WeightOptions) -> Iterator[CallWeights]:
-    """Gather (when sharded), then merge LoRA (when asked and served) for the block; undone in reverse."""
-    with gathered_weights(model, options.gather_weights, options.gather_budget_bytes) as gathered:
+def call_weights(model: nn.Module, options: WeightOptions, settled: Settled | None = None) -> Iterator[CallWeights]:
+    """Gather (when sharded), then merge LoRA (when asked and served) for the block; undone in reverse.
+    `settled`: the gather decision every process already agreed on for this call; None: the processes
+    agree here (a collective every process must join; hf.sharded.gathered_weights)."""
+    extra = _merge_bytes(model, options) if settled is None else 0
+    with gathered_weights(
+        model, options.gather_weights, options.gather_budget_bytes, extra_bytes=extra, settled=settled
+    ) as gathered:
         with merged_lora(model, options.merge_lora) as merged:
             yield CallWeights(gathered, merged)

@@ -2,9 +2,9 @@
 would make of a call, decided by HF's own code, as a plan the rollout serves or a `Refusal` (the call
 then runs the model's own generate); and, for a served call, HF's output from the rollout's.
 
-    arguments = bind(model, args, kwargs)               # Arguments | Refusal
+    arguments, synced = bind(model, args, kwargs)       # Arguments | Refusal, HF's synced_gpus
     call = check(model, adapter, arguments)             # Call | Refusal
-    call = agree(call)                                  # synced_gpus: every process decides alike
+    call, settled = agree(call, synced, sharded, vote)  # several processes: every one decides alike
     sequences = run(call, rollout_for)                  # [rows, P + T], HF's layout and length
 
 Nothing here keeps state between calls: the rollouts, the model check and the patch's lifecycle are
@@ -43,6 +43,7 @@ from ..models.adapter import ModelAdapter
 from ..models.forward_modes import attention_dropout, forward_autocast_dtype
 from ..rollout.engine import MIN_TEMPERATURE, Rollout, check_prompts
 from ..utils import left_padding_fault
+from .sharded import NEUTRAL_VOTE, GatherVote, Settled, settle
 
 # HF's generate signature: calls are bound to it as HF binds them (same defaults, same TypeErrors).
 SIGNATURE = inspect.signature(GenerationMixin.generate)
@@ -152,12 +153,19 @@ class Plan:
 
 @dataclasses.dataclass
 class Call:
-    """A call the rollout serves: its plan, inputs, and whether every process must step together."""
+    """A call the rollout serves: its plan, inputs, whether HF generates it in step with the other
+    processes (`synced`: synced_gpus as HF resolves it), and whether the rollout must (`lockstep`: synced,
+    or a sharded model whose forwards gather its weights; every process then runs as many decode steps,
+    the all-ended check a collective; set by `agree`)."""
 
     plan: Plan
     input_ids: Tensor
     attention_mask: Tensor
     synced: bool
+    lockstep: bool = False
+
+    def __post_init__(self):
+        self.lockstep = self.lockstep or self.synced
 
 
 @dataclasses.dataclass
@@ -172,35 +180,45 @@ class Arguments:
     synced: bool  # synced_gpus as HF resolves it: every process runs as many forwards as the others
 
 
-def bind(model: nn.Module, args: tuple, kwargs: dict) -> Arguments | Refusal:
-    """The call's arguments, or the first one that selects something the rollout does not do."""
+def resolve_synced(model: nn.Module, synced_gpus) -> bool:
+    """synced_gpus as HF resolves it: the argument when given, else True under DeepSpeed ZeRO-3 or an
+    FSDP-managed model with several processes."""
+    try:
+        return bool(model._extract_generation_mode_kwargs(None, {}, synced_gpus, None, None)["synced_gpus"])
+    except Exception:  # noqa: BLE001 - a value HF's resolution chokes on: its generate raises on it too
+        return bool(synced_gpus)
+
+
+def bind(model: nn.Module, args: tuple, kwargs: dict) -> tuple[Arguments | Refusal, bool]:
+    """(the call's arguments, or the first one that selects something the rollout does not do; synced_gpus
+    as HF resolves it, for refused calls too: what the other processes must know of this one's)."""
     try:
         bound = SIGNATURE.bind(model, *args, **kwargs)
     except TypeError as e:
-        return Refusal(f"a call that Hugging Face's generate refuses ({e})", "call")
+        return Refusal(f"a call that Hugging Face's generate refuses ({e})", "call"), resolve_synced(
+            model, kwargs.get("synced_gpus")
+        )
     arguments = bound.arguments
+    synced = resolve_synced(model, arguments.get("synced_gpus"))
     extra = dict(arguments.get("kwargs", {}))
     given = [name for name in _HF_ONLY_ARGUMENTS if arguments.get(name) is not None]
     given += [name for name in ("logits_processor", "stopping_criteria") if arguments.get(name)]  # None or empty: none
     if given:
-        return Refusal(f"the argument {given[0]!r}", "call")
+        return Refusal(f"the argument {given[0]!r}", "call"), synced
     extra.pop("trust_remote_code", None)  # only read with custom_generate, refused above
     extra.pop("assistant_tokenizer", None)  # only read with an assistant model, refused above
     tokenizer = extra.pop("tokenizer", None)  # only read for stop_strings and token healing, which fall back
-    # synced_gpus: as HF resolves it (True under DeepSpeed ZeRO-3 or FSDP with several processes).
-    synced = bool(
-        model._extract_generation_mode_kwargs(None, {}, arguments.get("synced_gpus"), None, None)["synced_gpus"]
-    )
     input_ids = arguments.get("inputs")
     if input_ids is not None and "input_ids" in extra:
-        return Refusal("both inputs and input_ids", "call")
+        return Refusal("both inputs and input_ids", "call"), synced
     if input_ids is None:
         input_ids = extra.pop("input_ids", None)
     if not isinstance(input_ids, Tensor) or input_ids.dim() != 2:
-        return Refusal("input that is not a 2-D tensor of token ids (inputs_embeds, or no input_ids)", "call")
-    return Arguments(
+        return Refusal("input that is not a 2-D tensor of token ids (inputs_embeds, or no input_ids)", "call"), synced
+    arguments = Arguments(
         input_ids, extra.pop("attention_mask", None), arguments.get("generation_config"), tokenizer, extra, synced
     )
+    return arguments, synced
 
 
 def check(model: nn.Module, adapter: ModelAdapter, arguments: Arguments) -> Call | Refusal:
@@ -226,24 +244,37 @@ def check(model: nn.Module, adapter: ModelAdapter, arguments: Arguments) -> Call
     return Call(plan, ids, mask, arguments.synced)
 
 
-def agree(call: Call | Refusal) -> Call | Refusal:
-    """synced_gpus (FSDP or ZeRO-3 over several processes): every process must run as many forwards as
-    the others, so either all serve the call, decoding as many steps, or all fall back to HF's generate
-    (which steps them together itself). One collective per call; every process calls it, whatever it
-    found locally."""
+def agree(
+    call: Call | Refusal, synced: bool, sharded: bool, gather_vote: Callable[[], GatherVote] | None = None
+) -> tuple[Call | Refusal, Settled | None]:
+    """Every process decides the same for this call (several processes, and a call that is synced or a
+    model that is sharded: the forwards of each are collectives), by one all_reduce that every process
+    joins whatever it found locally: whether every process serves it (else every process falls back to
+    HF's generate, where each runs HF's forwards), whether they generate as many new tokens (required
+    where the decode runs in lockstep), and for a sharded model whether its weights are gathered once
+    (`gather_vote()`, hf.sharded.settle, which raises on every process where one demands a gather that
+    cannot happen). Returns (the call, with `lockstep` set, or a refusal; the gather decision, None where
+    the processes did not agree on one)."""
     if not distributed.initialized():
-        if isinstance(call, Refusal):
-            return call
-        return Refusal("synced_gpus=True without an initialized torch.distributed", "processes")
+        if synced and isinstance(call, Call):
+            return Refusal("synced_gpus=True without an initialized torch.distributed", "processes"), None
+        return call, None
     served = isinstance(call, Call)
-    everyone, same_length = distributed.agree(served, call.plan.max_new_tokens if served else 0)
+    local_vote = gather_vote() if served and sharded and gather_vote is not None else None
+    new_tokens = call.plan.max_new_tokens if served else 0
+    votes = local_vote.ints() if local_vote is not None else NEUTRAL_VOTE
+    everyone, fewest, negative_most, *gather = distributed.all_min([int(served), new_tokens, -new_tokens, *votes])
     if not served:
-        return call
+        return call, None
     if not everyone:
-        return Refusal("synced_gpus=True with a call that another process's rollout cannot serve", "processes")
-    if not same_length:
-        return Refusal("synced_gpus=True with processes that generate different numbers of new tokens", "processes")
-    return call
+        reason = "synced_gpus=True" if synced else "a sharded model"
+        return Refusal(f"{reason} with a call that another process's rollout cannot serve", "processes"), None
+    settled = settle(local_vote, gather) if local_vote is not None else None
+    call.lockstep = synced or (sharded and not (settled is not None and settled.gather))
+    if call.lockstep and fewest != -negative_most:
+        reason = "synced_gpus=True" if synced else "a sharded model gathered at every step"
+        return Refusal(f"{reason} with processes that generate different numbers of new tokens", "processes"), None
+    return call, settled
 
 
 def _resolve(model: nn.Module, adapter: ModelAdapter, call: Arguments):
@@ -520,7 +551,7 @@ def run(call: Call, rollout_for: Callable[[int], Rollout], served: list | None =
         row_ids=row_ids,
         live=live,
         seed=seed,
-        ended_everywhere=distributed.ended_everywhere if call.synced else None,
+        ended_everywhere=distributed.ended_everywhere if call.lockstep else None,
     )
     responses = out.responses[live.to(out.responses.device)]  # [rows, R], in output order
     responses = _trim_to_hf_length(responses, plan)

@@ -52,10 +52,10 @@ from ..models.adapter import ModelAdapter, is_peft_model, model_state, peft_refu
 from ..rollout.engine import NonFiniteLogitsError, Rollout, RolloutConfig
 from ..rollout.profiling import RolloutProfile
 from ..utils import LRU, PatchHandle, WarnOnce
-from .call_weights import WeightOptions, call_weights
+from .call_weights import WeightOptions, call_weights, gather_vote
 from .generate_contract import SIGNATURE, Call, Plan, Refusal, agree, bind, check, run, run_extension
 from .generate_reuse import KeptCall, kv_fingerprint
-from .sharded import is_sharded
+from .sharded import Settled, is_sharded
 
 __all__ = ["generate", "patch_generate", "GeneratePatch", "PATCH_OPTIONS", "ROLLOUT_OPTIONS"]
 
@@ -313,24 +313,32 @@ def _serve(
 ):
     """One call with generate's arguments as the caller passed them: served by a rollout, or passed
     unchanged to `original` (the model's own generate) with a warning naming the cause. A PEFT model
-    is served from the model its adapters are injected into (`models.unwrap_model`)."""
+    is served from the model its adapters are injected into (`models.unwrap_model`).
+
+    Where the call's forwards are collectives (synced_gpus, or a sharded model: FSDP's or ZeRO-3's
+    gathers) and several processes run, every process first joins one agreement (`generate_contract.agree`)
+    whatever it found locally, so that all serve the call or all run HF's generate, and all gather a
+    sharded model's weights once or none does: no collective of ours runs on one process only."""
+    weights = weights or session.weights
     with session.lock:
         target = unwrap_model(model) if is_peft_model(model) else model
         call, synced = _prepare(session, target, args, kwargs)
         call = _peft_refusal(model) or call
         if isinstance(call, Call):
             call = session.failed.get(call.plan, call)
-        if synced:
-            call = agree(call)  # every process serves this call, or every process falls back
+        sharded = is_sharded(target)
+        settled = None
+        if synced or sharded:
+            call, settled = agree(call, synced, sharded, lambda: gather_vote(target, weights))
         if isinstance(call, Call):
             try:
-                sequences = _run(session, target, call, max_rows, weights or session.weights)
+                sequences = _run(session, target, call, max_rows, weights, settled)
                 session.proven = True
             except (torch.OutOfMemoryError, NonFiniteLogitsError, RowBudgetError):
                 raise
             except Exception as e:
-                if session.proven or call.synced:  # (the other processes are in the rollout's collectives)
-                    raise
+                if session.proven or call.lockstep or settled is not None:
+                    raise  # (the other processes are in the call's collectives, or served it: no fallback here)
                 # A call failed inside the rollout before any call was served in this model state: the
                 # model may do something the rollout does not implement. HF's generate takes this call,
                 # and every later one with the same settings (until the model changes); calls with other
@@ -351,17 +359,18 @@ def _run(
     call: Call,
     max_rows: int | None = None,
     weights: WeightOptions = WeightOptions(),
+    settled: Settled | None = None,
 ) -> Tensor:
     """A served call's output: from the kept call's KV when its rows extend that call's
     (`generate_contract.run_extension`), else decoded by the session's rollout for its plan
     (`generate_contract.run`); a sharded model's weights gathered once and its LoRA merged around it
-    (`weights`, hf.call_weights). (scripts/hf_generate_plugin.py wraps `_serve` and this to count
-    the calls served.)"""
+    (`weights`, hf.call_weights; `settled`: the gather the processes agreed on, None: decided there).
+    (scripts/hf_generate_plugin.py wraps `_serve` and this to count the calls served.)"""
     fingerprint = None
-    if session.reuse_kv and not call.synced and not is_sharded(model):
+    if session.reuse_kv and not call.lockstep and not is_sharded(model):
         fingerprint = kv_fingerprint(model, session.adapter.adapter_state())
     extension = None if fingerprint is None else session.extension(call, fingerprint)
-    with call_weights(model, weights) as prepared:
+    with call_weights(model, weights, settled) as prepared:
         if extension is not None:
             kept, rows, appended = extension
             sequences = run_extension(call, kept.rollout, rows, appended)
@@ -373,7 +382,7 @@ def _run(
                 model,
                 plan=call.plan,
                 max_rows=max_rows,
-                synced=call.synced,
+                synced=call.lockstep,
                 gathered=prepared.gathered.units > 0,
             )
             sequences = run(call, rollout_for, served)
@@ -394,11 +403,11 @@ def _prepare(session: _Session, model: nn.Module, args: tuple, kwargs: dict) -> 
     """(the call the rollout serves, else the refusal; whether the processes generate in step:
     synced_gpus as HF resolves it). Checked in order: the arguments, the model (`session.check_model`,
     which rebuilds the session's state when the model changed), then the rest (`generate_contract.check`)."""
-    arguments = bind(model, args, kwargs)
+    arguments, synced = bind(model, args, kwargs)
     if isinstance(arguments, Refusal):
-        return arguments, False
+        return arguments, synced
     # After check_model, session.adapter describes the model as it is now.
-    return session.check_model(model) or check(model, session.adapter, arguments), arguments.synced
+    return session.check_model(model) or check(model, session.adapter, arguments), synced
 
 
 class _PatchedGenerate:

@@ -9,6 +9,8 @@ import inspect
 import torch
 from torch import nn
 
+from .precision import compute_dtype
+
 __all__ = ["ModelAdapter", "KVShape", "model_state", "unwrap_model", "is_peft_model"]
 
 _ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention"}
@@ -81,11 +83,13 @@ _CONFIG_FIELDS = (
 def model_state(model: nn.Module) -> tuple:
     """Everything a ModelAdapter reads from a model, as a tuple that compares equal while an adapter built
     before (and a rollout built on it) is still right: the attention implementation
-    (`set_attn_implementation`), the parameters' dtype and device (`.to()`, `.half()`), the vocabularies
-    (`resize_token_embeddings`), the forward and the config fields the adapter reads. Cheap: attribute
-    reads only, no device work, no walk over the parameters."""
+    (`set_attn_implementation`), the dtype the parameters compute in and their device (`.to()`, `.half()`;
+    FSDP's mixed precision), the vocabularies (`resize_token_embeddings`), the forward and the config
+    fields the adapter reads. Cheap: attribute reads only (and one walk over the modules for FSDP's
+    policies), no device work."""
     config = getattr(model, "config", None)
     first = next(model.parameters(), None) if isinstance(model, nn.Module) else None
+    dtype = None if first is None else compute_dtype(model, first)
     forward = getattr(model, "forward", None)
     fields = []
     for name in _CONFIG_FIELDS:
@@ -94,7 +98,7 @@ def model_state(model: nn.Module) -> tuple:
     return (
         id(config),
         tuple(fields),
-        None if first is None else (first.dtype, first.device),
+        None if first is None else (dtype, first.device),
         input_vocab(model) if config is not None else None,
         output_vocab(model) if config is not None else None,
         getattr(forward, "__func__", forward),
@@ -187,7 +191,9 @@ class ModelAdapter:
         if unsupported:
             raise ValueError(f"torchkvops: {type(model).__name__} {unsupported}, which the rollout does not implement")
         first_param = next(model.parameters())
-        self.device, self.dtype = first_param.device, first_param.dtype  # where and in what the model computes
+        # Where and in what the model computes: a sharded model's mixed-precision param_dtype, which its
+        # gathered weights have, whether or not they are gathered now.
+        self.device, self.dtype = first_param.device, compute_dtype(model, first_param)
         if self.dtype not in _DTYPES:
             raise ValueError(
                 f"torchkvops: {type(model).__name__} has {self.dtype} parameters; the rollout's "

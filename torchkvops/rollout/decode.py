@@ -302,7 +302,10 @@ class Decoder:
             batch.compact(initial_plan, 1, cache_gathered=True)
             batch.row_steps = initial_plan.size  # only the kept rows' first token was computed
         policy = UntilEnded(batch.first.shape.max_new_tokens, self.compacts, ended_everywhere)
-        steps = self.run(batch, policy, checks=self.step.eos is not None)
+        # Without EOS ids no row ends early and a rollout alone skips the checks; in lockstep it checks all
+        # the same: the check is a collective, and another process's rows may end (its call has EOS ids).
+        checks = self.step.eos is not None or ended_everywhere is not None
+        steps = self.run(batch, policy, checks=checks)
         batch.finish(steps + 1)
         return steps
 

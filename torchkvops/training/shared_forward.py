@@ -55,6 +55,7 @@ from transformers import AttentionInterface, PreTrainedConfig
 
 from ..models.adapter import sliding_window, unwrap_model
 from ..models.forward_modes import active_dropout, autocast_dtype, disable_dropout
+from ..models.precision import compute_dtype
 from ..utils import PatchHandle, WarnOnce
 from .prefix_attention import SERVED_DEVICES, PackedLayout, packed_attention
 from .prefix_groups import find_prefix_groups, grouping_keys, pack_layout
@@ -318,7 +319,7 @@ def _plain_reason(backbone: nn.Module, arguments: dict) -> str | None:
         return f"attn_implementation={attn!r} (served: {', '.join(SERVED_ATTENTION)})"
     if input_ids.device.type not in SERVED_DEVICES:
         return f"a model on {input_ids.device.type} (served: {', '.join(SERVED_DEVICES)})"
-    dtype = next(backbone.parameters()).dtype
+    dtype = compute_dtype(backbone)  # (FSDP's mixed precision: the dtype its gathered weights have)
     if dtype not in _SERVED_DTYPES:
         return f"{dtype} parameters"
     window = sliding_window(config)
