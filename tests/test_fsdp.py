@@ -132,6 +132,8 @@ def test_fsdp1_wrappers_are_summoned_once_per_call_with_hfs_tokens(tmp_path):
         assert r["gathers_auto"] == r["gathers_per_step"] and r["warnings_per_step"] == r["warnings_once"] == []
         assert len(r["warnings_auto"]) == 1 and "exceed gather_budget_bytes" in r["warnings_auto"][0]
         assert r["profile_once"]["gathered_bytes"] > 0 == r["profile_auto"]["gathered_bytes"]
+        assert "patch_generate(model.module)" in r["root_error"] and "summon_full_params" in r["root_error"]
+        assert "ForCausalLM" not in r["root_error"]  # (it named a class that does not exist)
         assert len(r["after_call"]) == len(r["without_call"]) > 0
         for before, after in zip(r["without_call"], r["after_call"]):
             assert torch.equal(before, after)

@@ -229,6 +229,12 @@ def test_refusals_say_what_to_do(llama):
         TypeError, match="LlamaModel has no generate method .*use the causal LM that wraps it, e.g. LlamaForCausalLM"
     ):
         torchkvops.patch_generate(llama.model)
+    with pytest.raises(
+        TypeError, match=r"DataParallel has no generate method; patch the model it wraps: .*\(model.module\)"
+    ):
+        torchkvops.patch_generate(torch.nn.DataParallel(llama))
+    with pytest.raises(TypeError, match=r"DataParallel has no generate method; .*torchkvops.generate\(model.module\)"):
+        torchkvops.generate(torch.nn.DataParallel(llama), torch.ones(1, 2, dtype=torch.long))
     with torchkvops.patch_generate(llama):
         with pytest.raises(RuntimeError, match=r"already patched by torchkvops; call undo\(\) on the handle"):
             torchkvops.patch_generate(llama)

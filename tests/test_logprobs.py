@@ -199,6 +199,89 @@ def test_float32_head_on_a_float32_model_changes_nothing(llama):
     assert torch.equal(out.sequences, plain.sequences) and torch.equal(out.logprobs, plain.logprobs)
 
 
+def precision_settings() -> tuple:
+    """(the global float32 matmul precision, or "mixed" where torch refuses to read it; CUDA's and oneDNN's)."""
+    try:
+        legacy = torch.get_float32_matmul_precision()
+    except RuntimeError:
+        legacy = "mixed"
+    return (legacy, torch.backends.cuda.matmul.fp32_precision, torch.backends.mkldnn.matmul.fp32_precision)
+
+
+@pytest.mark.parametrize("setting", ["high", "medium", "cuda_tf32"])
+def test_float32_head_matmuls_at_full_precision_whatever_the_trainer_allows(bf16_llama, setting, monkeypatch):
+    """A trainer that allows TF32 (or oneDNN's bf16 rounding of float32 matmuls on a CPU) does not make the
+    float32 head round its inputs: inside the head's matmul every float32 precision setting is full, and
+    after the call the trainer's settings are exactly as they were (torch's legacy and per-backend
+    settings agree, so reading either does not raise)."""
+    import torchkvops.rollout.lm_head as lm_head
+
+    before = precision_settings()
+    try:
+        if setting == "cuda_tf32":
+            torch.backends.cuda.matmul.fp32_precision = "tf32"
+        else:
+            torch.set_float32_matmul_precision(setting)
+        trainer = precision_settings()
+        seen = []
+
+        def linear(*args, **kwargs):
+            seen.append(precision_settings())
+            return F.linear(*args, **kwargs)
+
+        monkeypatch.setattr(lm_head, "F", type("F", (), {"linear": staticmethod(linear)}))
+        ids, mask = prompts(2, 6, seed=13)
+        cfg = RolloutConfig(samples_per_prompt=2, max_new_tokens=4, eos_token_id=NO_EOS, lm_head_dtype=torch.float32)
+        Rollout(bf16_llama, cfg).generate(ids, mask)
+        assert seen and set(seen) == {("highest", "ieee", "ieee")}, seen
+        assert precision_settings() == trainer != ("highest", "ieee", "ieee")
+    finally:
+        torch.set_float32_matmul_precision(before[0])
+        torch.backends.cuda.matmul.fp32_precision, torch.backends.mkldnn.matmul.fp32_precision = before[1:]
+        assert precision_settings() == before
+
+
+@pytest.mark.parametrize("merged", [False, True], ids=["unmerged", "merged"])
+def test_float32_head_keeps_a_lora_adapter_on_the_head(merged):
+    """PEFT LoRA on the LM head (lora.Linear around it): the float32 layer stands in for the base layer,
+    so every logit is the float32 base head's plus the adapter's output (unmerged), or the float32 copy
+    of the merged weights (merged, models.lora); the head is back to itself after."""
+    peft = pytest.importorskip("peft")
+    from torchkvops.models.lora import merged_lora
+
+    torch.manual_seed(1)
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["lm_head", "q_proj"], init_lora_weights=False)
+    model = peft.get_peft_model(FAMILIES["llama"]().to(torch.bfloat16), config).get_base_model()
+    head = model.lm_head
+    assert isinstance(head, peft.tuners.lora.Linear)
+    calls = []
+    handle = head.register_forward_hook(lambda module, args, out: calls.append((args[0], out)))
+    ids, mask = prompts(2, 6, seed=14)
+    cfg = RolloutConfig(samples_per_prompt=2, max_new_tokens=4, eos_token_id=NO_EOS, lm_head_dtype=torch.float32)
+    try:
+        with merged_lora(model, enabled=merged) as merge:
+            Rollout(model, cfg).generate(ids, mask)
+            weight = head.base_layer.weight.float()
+    finally:
+        handle.remove()
+    assert merge.layers == (3 if merged else 0) and len(calls) == 4  # the head and 2 layers' q_proj
+    lora_a, lora_b, scale = head.lora_A["default"], head.lora_B["default"], head.scaling["default"]
+    for hidden, logits in calls:
+        assert logits.dtype == torch.float32
+        expected = F.linear(hidden.float(), weight)
+        if not merged:
+            expected = expected + lora_b(lora_a(hidden.to(lora_a.weight.dtype))).float() * scale
+        torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
+    assert "forward" not in vars(head.base_layer) and "forward" not in vars(head)
+
+
+def test_float32_head_names_what_it_needs():
+    model = FAMILIES["llama"]().to(torch.bfloat16)
+    model.lm_head = torch.nn.Sequential(model.lm_head)
+    with pytest.raises(ValueError, match="a torch.nn.Linear .*got torch.nn.modules.container.Sequential"):
+        Rollout(model, RolloutConfig(lm_head_dtype=torch.float32))
+
+
 @pytest.mark.parametrize("value", [torch.bfloat16, torch.float64, "float32", 32])
 def test_bad_lm_head_dtype_names_the_field(value):
     with pytest.raises(ValueError, match="RolloutConfig.lm_head_dtype must be None .* or torch.float32"):

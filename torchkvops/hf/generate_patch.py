@@ -252,13 +252,24 @@ def _compiled_module(model: nn.Module) -> nn.Module:
 
 
 def _check_generative(model, where: str) -> None:
-    """A bare backbone (LlamaModel) has no generate to serve or fall back to: the caller's mistake."""
-    if not callable(getattr(type(model), "generate", None)):
-        name = type(model).__name__
+    """A bare backbone (LlamaModel) or a wrapper (DDP, FSDP1's root) has no generate to serve or fall back
+    to: the caller's mistake, named with its fix."""
+    if callable(getattr(type(model), "generate", None)):
+        return
+    name = type(model).__name__
+    if name == "FullyShardedDataParallel":
         raise TypeError(
-            f"{where}: {name} has no generate method (a bare backbone without a language-model "
-            f"head?); use the causal LM that wraps it, e.g. {name.removesuffix('Model') or name}ForCausalLM"
+            f"{where}: {name} has no generate method; patch the model it wraps, {where}(model.module), and "
+            "call model.module.generate with the root's own parameters gathered, as TRL does: "
+            "`with FullyShardedDataParallel.summon_full_params(model, recurse=False): model.module.generate(...)` "
+            "(the wrappers inside are gathered once per call)"
         )
+    if name in ("DistributedDataParallel", "DataParallel"):
+        raise TypeError(f"{where}: {name} has no generate method; patch the model it wraps: {where}(model.module)")
+    raise TypeError(
+        f"{where}: {name} has no generate method (a bare backbone without a language-model "
+        f"head?); use the causal LM that wraps it, e.g. {name.removesuffix('Model') or name}ForCausalLM"
+    )
 
 
 def _peft_refusal(model: nn.Module) -> Refusal | None:

@@ -90,9 +90,10 @@ class Rollout:
         self._buffers_are_inference = False
         self._lock = _lock_for(model)
         # A float32 LM head only where it changes something: a float32 head (or model) computes in float32.
-        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-        wants_float32 = self.config.lm_head_dtype == torch.float32 and getattr(head, "weight", None) is not None
-        self._head32 = Float32LMHead(model) if wants_float32 and head.weight.dtype != torch.float32 else None
+        # (Float32LMHead refuses a head it cannot stand in for, rather than leaving the setting unapplied.)
+        self._head32 = Float32LMHead(model) if self.config.lm_head_dtype == torch.float32 else None
+        if self._head32 is not None and self._head32.head.weight.dtype == torch.float32:
+            self._head32 = None
         cfg = self.config
         self.layout = layout_for(cfg.kv_sharing, cfg.samples_per_prompt)
         step = DecodeStep(

@@ -99,7 +99,8 @@ class StageTimer:
     def _now(self):
         if self.is_cuda:
             event = torch.cuda.Event(enable_timing=True)
-            event.record()
+            # On the model's device's stream, which is not the current device's for a model on cuda:1.
+            event.record(torch.cuda.current_stream(self.device))
             return event
         return time.perf_counter()
 
