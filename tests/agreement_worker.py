@@ -17,6 +17,9 @@ OUT_DIR/rank<r>.pt. Scenarios:
   rollout's KV cache is built in, by patch_generate and by a Rollout made before the gather.
 - "combinations": every combination of served/fallback on each rank x synced/unsynced x EOS ids on
   each rank x gather mode, each call followed by a training step's forward and backward.
+- "nccl_graphs" (BACKEND=nccl, one process, a GPU): FSDP2 with a bf16 mixed-precision policy on CUDA,
+  gathered once, decoded from CUDA graphs: HF's tokens, graphs captured and replayed, no FSDP hook in the
+  call, then a training step and HF's generate on FSDP's own streams, and a call after them.
 """
 
 import datetime
@@ -108,7 +111,10 @@ def unused_token(model, rank: int) -> int:
 def main() -> None:
     scenario, out_dir = sys.argv[1], sys.argv[2]
     timeout = float(os.environ.get("DIST_TIMEOUT_S", "60"))
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout))
+    backend = os.environ.get("BACKEND", "gloo")
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
     rank = dist.get_rank()
     warnings.simplefilter("ignore")
     rollouts = count_rollouts()
@@ -161,6 +167,8 @@ def main() -> None:
         hooks_scenario(result, rank, rollouts)
     elif scenario == "combinations":
         combinations_scenario(result, rank, rollouts, timeout)
+    elif scenario == "nccl_graphs":
+        nccl_graphs_scenario(result, rank, backend)
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()
@@ -229,6 +237,46 @@ def hooks_scenario(result: dict, rank: int, rollouts: list[int]) -> None:
     before = calls[0]
     result["loss"] = training_step(model, torch.cat([ids, ids.flip(1)], dim=1))
     result["hooks_training"] = calls[0] - before
+
+
+def nccl_graphs_scenario(result: dict, rank: int, backend: str) -> None:
+    """Two models on the GPU: float32 (the tokens are HF's generate's, exactly) and bf16 mixed precision
+    (the graph-replayed tokens are the same call's eager ones: HF's decode kernels round otherwise). With
+    gloo, the same on the CPU (no graph: a check of the scenario itself)."""
+    calls, _ = count_fsdp_hooks()
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    ids, mask = (t.to(device) for t in inputs(rank, falls_back=False))
+    kwargs = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
+    sequences = torch.cat([ids, ids.flip(1)], dim=1)
+    for precision, policy in (("fp32", MixedPrecisionPolicy()), ("bf16", MixedPrecisionPolicy(torch.bfloat16))):
+        model = llama().to(device)
+        for layer in model.get_decoder().layers:
+            fully_shard(layer, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
+
+        def served(tag: str, cuda_graphs: bool = True) -> None:
+            tag = f"{precision}_{tag}"
+            handle = torchkvops.patch_generate(model, gather_weights="once", cuda_graphs=cuda_graphs)
+            before = calls[0]
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                result[f"got_{tag}"] = model.generate(ids, **kwargs).cpu()
+                result[f"got_again_{tag}"] = model.generate(ids, **kwargs).cpu()  # replays the graphs
+            result[f"hooks_{tag}"] = calls[0] - before
+            result[f"warnings_{tag}"] = [str(w.message) for w in caught if "torchkvops" in str(w.message)]
+            rollout = next(iter(handle.session.rollouts.values()))
+            result[f"captured_graphs_{tag}"] = rollout.decode_counters().captured_graphs
+            result[f"profile_{tag}"] = handle.last_profile().to_dict()
+            handle.undo()
+
+        result[f"expected_{precision}_first"] = type(model).generate(model, ids, **kwargs).cpu()
+        served("first")
+        served("first_eager", cuda_graphs=False)
+        # FSDP's streams and hooks after the calls: a training step, then HF's generate (per-step gathers).
+        result[f"loss_{precision}"] = training_step(model, sequences).cpu()
+        result[f"expected_{precision}_after"] = type(model).generate(model, ids, **kwargs).cpu()
+        served("after")
+        served("after_eager", cuda_graphs=False)
 
 
 def combinations_scenario(result: dict, rank: int, rollouts: list[int], timeout: float) -> None:

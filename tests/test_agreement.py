@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from devices import requires_gpu
 from test_fsdp import run_scenario
 
 pytest.importorskip("torch.distributed.fsdp")
@@ -85,3 +86,25 @@ def test_every_combination_of_served_synced_eos_and_gather_mode_returns_hfs_toke
             assert record["equal"], record
             assert record["rollouts"] == int(all(record["served"])), record
             assert record["seconds"] < r["timeout"] and record["loss"] == record["loss"], record
+
+
+@pytest.mark.cuda
+@requires_gpu
+def test_fsdp2_on_nccl_gathered_once_decodes_from_cuda_graphs(tmp_path):
+    """One process, NCCL, FSDP2 on the GPU (float32, and bf16 mixed precision): a call gathered once
+    captures its decode steps in CUDA graphs with FSDP's hooks off (their stream waits inside a capture
+    would fork FSDP's streams into it: cudaErrorStreamCaptureUnjoined, then eager decode for good), the
+    next call replays them; the tokens are HF's (float32) and the same call's eager ones (both); a
+    training step and HF's generate on FSDP's own streams work after, and so do calls after them."""
+    (r,) = run_scenario("nccl_graphs", tmp_path, WORKER, nproc=1, BACKEND="nccl", DIST_TIMEOUT_S=DIST_TIMEOUT_S)
+    for precision in ("fp32", "bf16"):
+        assert torch.isfinite(r[f"loss_{precision}"])
+        for when in ("first", "after"):
+            tag = f"{precision}_{when}"
+            assert r[f"warnings_{tag}"] == [], r[f"warnings_{tag}"]
+            assert r[f"captured_graphs_{tag}"] >= 1 and r[f"captured_graphs_{tag}_eager"] == 0, tag
+            assert r[f"hooks_{tag}"] == 0 and r[f"profile_{tag}"]["gathered_bytes"] > 0, tag
+            eager = r[f"got_{tag}_eager"]
+            assert torch.equal(r[f"got_{tag}"], eager) and torch.equal(r[f"got_again_{tag}"], eager), tag
+            if precision == "fp32":
+                assert torch.equal(eager, r[f"expected_{tag}"]), tag

@@ -20,12 +20,12 @@ WORKER = str(Path(__file__).with_name("fsdp_worker.py"))
 pytest.importorskip("torch.distributed.fsdp")
 
 
-def run_scenario(scenario: str, out: Path, worker: str = WORKER, **extra_env) -> list[dict]:
-    """Each rank's record of `worker SCENARIO OUT` on 2 processes (torchrun, 127.0.0.1); `extra_env`: more
-    environment variables for the workers."""
+def run_scenario(scenario: str, out: Path, worker: str = WORKER, nproc: int = 2, **extra_env) -> list[dict]:
+    """Each rank's record of `worker SCENARIO OUT` on `nproc` processes (torchrun, 127.0.0.1); `extra_env`:
+    more environment variables for the workers."""
     cmd = torchrun(
         "--nproc-per-node",
-        "2",
+        str(nproc),
         "--master-addr",
         "127.0.0.1",
         "--master-port",
@@ -36,7 +36,7 @@ def run_scenario(scenario: str, out: Path, worker: str = WORKER, **extra_env) ->
     )
     proc = subprocess.run(cmd, cwd=ROOT, env=env(**extra_env), capture_output=True, text=True, timeout=TIMEOUT)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(nproc)]
 
 
 def test_synced_generation_is_served_on_every_rank_with_hfs_tokens(tmp_path):
