@@ -86,6 +86,18 @@ def inputs(rank: int, falls_back: bool):
     return ids, mask
 
 
+def greedy(mask, eos_token_id=None, synced_gpus=None, max_new_tokens=8) -> dict:
+    """generate's arguments for a greedy call of `max_new_tokens` tokens."""
+    return dict(
+        attention_mask=mask,
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=eos_token_id,
+        pad_token_id=0,
+        synced_gpus=synced_gpus,
+    )
+
+
 def unused_token(model, rank: int) -> int:
     """A token id that neither rank's greedy output contains (synced HF generate, no EOS): an EOS id that
     never ends a row, so that unsynced calls run as many forwards on every rank (HF's own generate would
@@ -93,16 +105,7 @@ def unused_token(model, rank: int) -> int:
     seen = torch.zeros(VOCAB, dtype=torch.long)
     for falls_back in (False, True):
         ids, mask = inputs(rank, falls_back)
-        out = type(model).generate(
-            model,
-            ids,
-            attention_mask=mask,
-            max_new_tokens=8,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-            synced_gpus=True,
-        )
+        out = type(model).generate(model, ids, **greedy(mask, synced_gpus=True))
         seen[out.flatten()] = 1
     dist.all_reduce(seen, op=dist.ReduceOp.MAX)
     return int((seen[3:] == 0).nonzero()[0]) + 3
@@ -293,14 +296,7 @@ def combinations_scenario(result: dict, rank: int, rollouts: list[int], timeout:
         # Synced: EOS ids that end rows at different steps on each rank; unsynced: one that never ends a
         # row (else HF's own generate would leave one rank in a forward's gathers alone).
         eos_ids = (EOS if synced else [never]) if eos[rank] else None
-        kwargs = dict(
-            attention_mask=mask,
-            max_new_tokens=8,
-            do_sample=False,
-            eos_token_id=eos_ids,
-            pad_token_id=0,
-            synced_gpus=synced,
-        )
+        kwargs = greedy(mask, eos_ids, synced)
         try:
             expected = type(model).generate(model, ids, **kwargs)
             for mode in ("per_step", "once", "auto"):
