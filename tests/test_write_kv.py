@@ -35,10 +35,46 @@ def test_matches_reference(device, dtype, rows, q, start):
     assert torch.equal(cache, expected)
 
 
+def per_row(args, starts):
+    """make()'s arguments with one start per row of key."""
+    return (*args[:4], torch.tensor(starts, device=args[4].device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,q,starts", [(3, 1, [0, 11, 5]), (5, 2, [10, 0, 3, 3, 7]), (2, 0, [12, 4]), (1, 4, [8])])
+def test_each_row_writes_at_its_own_start(device, dtype, rows, q, starts):
+    """A start per row: rows of one batch at different columns (decode after a packed turn, a streaming
+    batch's rows admitted at other steps); the columns of other rows and positions are untouched."""
+    args = per_row(make(device, dtype, rows, q), starts)
+    expected = args[0].clone()
+    reference.write_kv_(expected, *args[1:])
+    torchkvops.ops.write_kv_(*args)
+    assert torch.equal(args[0], expected)
+    for row, first in enumerate(starts):  # the reference writes the row's own columns only
+        assert torch.equal(expected[args[3], 0, row, :, first : first + q], args[1][row])
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_opcheck(device):
-    for args in (make(device, q=4), make(device, q=1, start=7)):
+    for args in (make(device, q=4), make(device, q=1, start=7), per_row(make(device, q=1), [3, 0, 11])):
         torch.library.opcheck(torch.ops.torchkvops.write_kv_.default, args)
+
+
+def test_compiled_per_row_write_stays_in_place_for_any_starts():
+    cache, key, value, layer, _ = make("cpu", q=1)
+
+    @torch.compile(fullgraph=True, dynamic=True)
+    def step(c, k, v, s):
+        torchkvops.ops.write_kv_(c, k, v, layer, s)
+        return c[layer, 0].sum()
+
+    for starts in ([1, 2, 3], [11, 0, 6]):
+        expected = cache.clone()
+        start = torch.tensor(starts)
+        reference.write_kv_(expected, key, value, layer, start)
+        step(cache, key, value, start)
+        assert torch.equal(cache, expected)
 
 
 def test_compiled_write_stays_in_place():
@@ -63,8 +99,14 @@ def test_compiled_write_stays_in_place():
         (lambda a: (a[0], a[1][..., :4], a[2][..., :4], *a[3:]), "does not fit"),
         (lambda a: (*a[:3], 2, a[4]), "layer must be in"),
         (lambda a: (a[0], a[1].half(), a[2].half(), *a[3:]), "dtype"),
-        (lambda a: (*a[:4], torch.tensor([1, 2])), "start must be a 1-element int64"),
-        (lambda a: (*a[:4], torch.tensor([1.0])), "start must be a 1-element int64"),
+        (
+            lambda a: (*a[:4], torch.tensor([1, 2])),
+            r"start must be an int64 tensor .* of 1 element .* or of 3 elements",
+        ),
+        (lambda a: (*a[:4], torch.tensor([[1, 2, 3]])), r"start must be an int64 tensor .* got Long of shape \[1, 3\]"),
+        (lambda a: (*a[:4], torch.tensor([1.0])), "start must be an int64 tensor"),
+        (lambda a: (*a[:4], torch.tensor([0, 9, 1])), r"start must be in \[0, 8\].* got 9 \(row 1\)"),
+        (lambda a: (*a[:4], torch.tensor([0, 1, -2])), r"start must be in \[0, 8\].* got -2 \(row 2\)"),
         (lambda a: (*a[:4], torch.tensor([9])), r"start must be in \[0, 8\] so that its 4 token\(s\) fit .* got 9"),
         (lambda a: (*a[:4], torch.tensor([-1])), r"start must be in \[0, 8\].* got -1"),
     ],
@@ -96,14 +138,16 @@ def test_start_out_of_range_is_refused_even_for_an_empty_write(tokens):
 @pytest.mark.cuda
 @requires_gpu
 @pytest.mark.parametrize("tokens", [4, 0])
-def test_cuda_start_out_of_range_trips_the_device_side_assert(tokens):
+@pytest.mark.parametrize("start", [[9], [0, 9]], ids=["one", "per-row"])
+def test_cuda_start_out_of_range_trips_the_device_side_assert(tokens, start):
     """On CUDA `start` is checked by the kernel (no host sync per call), also when there is nothing to
-    write. A device-side assert leaves the process's CUDA context unusable, so it runs in its own process."""
+    write, and a row's own start with one per row. A device-side assert leaves the process's CUDA context
+    unusable, so it runs in its own process."""
     script = f"""
 import torch, torchkvops
 cache = torch.zeros(2, 2, 4, 2, 8, 4, device="cuda")
 key = torch.ones(2, 2, {tokens}, 4, device="cuda")
-torchkvops.ops.write_kv_(cache, key, key.clone(), 0, torch.tensor([9], device="cuda"))
+torchkvops.ops.write_kv_(cache, key, key.clone(), 0, torch.tensor({start}, device="cuda"))
 torch.cuda.synchronize()
 """
     root = str(pathlib.Path(__file__).resolve().parents[1])

@@ -76,14 +76,35 @@ def write_kv_(cache: Tensor, key: Tensor, value: Tensor, layer: int, start: Tens
     """Store one layer's keys and values in a whole KV buffer, in place.
 
     `cache` is `[layers, 2, rows, kv_heads, max_tokens, head_dim]`; `key` and `value` are
-    `[r, kv_heads, q, head_dim]` with r <= rows; `start` is a 1-element int64 tensor on the cache's
-    device. Afterwards `cache[layer, 0, :r, :, start:start+q] == key` (index 1 for `value`). Pass the
-    whole buffer: under torch.compile the write stays one in-place call on it. Every argument is
-    checked before anything is written; on CUDA, `start` stays on the device and the kernel checks its
-    range (an out-of-range start writes nothing and raises a device-side assert, as torch's own
-    indexing kernels do) instead of syncing with the host on every call.
+    `[r, kv_heads, q, head_dim]` with r <= rows; `start` is an int64 tensor on the cache's device, of 1
+    element (where every row starts) or of r elements (where each row starts: rows of one batch at
+    different columns). Afterwards `cache[layer, 0, i, :, start[i]:start[i]+q] == key[i]` for every
+    i < r (index 1 for `value`). Pass the whole buffer: under torch.compile the write stays one in-place
+    call on it. Every argument is checked before anything is written; on CUDA, `start` stays on the
+    device and the kernel checks its range (an out-of-range start writes nothing of its row and raises a
+    device-side assert, as torch's own indexing kernels do) instead of syncing with the host on every call.
     """
     torch.ops.torchkvops.write_kv_.default(cache, key, value, layer, start)
+
+
+@torch.library.register_fake("torchkvops::write_kv_")
+def _write_kv_fake(cache: Tensor, key: Tensor, value: Tensor, layer: int, start: Tensor) -> None:
+    """The shape checks the kernels make (the range of `start` is a value, checked by the kernels)."""
+    torch._check(
+        cache.dim() == 6 and cache.shape[1] == 2,
+        lambda: f"write_kv_: cache must be [layers, 2, rows, kv_heads, max_tokens, head_dim], got {tuple(cache.shape)}",
+    )
+    torch._check(
+        key.dim() == 4 and key.shape == value.shape,
+        lambda: "write_kv_: key and value must both be [rows, kv_heads, tokens, head_dim]",
+    )
+    torch._check(
+        start.numel() == 1 or (start.dim() == 1 and start.shape[0] == key.shape[0]),
+        lambda: (
+            f"write_kv_: start must hold 1 element or one per row of key ({key.shape[0]}), got {tuple(start.shape)}"
+        ),
+    )
+    torch._check(start.dtype == torch.long, lambda: f"write_kv_: start must be int64, got {start.dtype}")
 
 
 _MERGE_OUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)

@@ -33,9 +33,11 @@ def repeat_kv_cache(cache: Tensor, repeats: int) -> Tensor:
 
 
 def write_kv_(cache: Tensor, key: Tensor, value: Tensor, layer: int, start: Tensor) -> None:
-    rows, tokens, first = key.shape[0], key.shape[2], int(start.reshape(()))
-    cache[layer, 0, :rows, :, first : first + tokens] = key
-    cache[layer, 1, :rows, :, first : first + tokens] = value
+    rows, tokens = key.shape[0], key.shape[2]
+    starts = start.reshape(-1).tolist() * (rows if start.numel() == 1 else 1)
+    for row, first in enumerate(starts):
+        cache[layer, 0, row, :, first : first + tokens] = key[row]
+        cache[layer, 1, row, :, first : first + tokens] = value[row]
 
 
 def merge_attention_states(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> tuple[Tensor, Tensor]:

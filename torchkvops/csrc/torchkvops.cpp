@@ -18,9 +18,10 @@ TORCH_LIBRARY(torchkvops, m) {
   m.def("repeat_kv_cache_(Tensor(a!) cache, int batch, int repeats, int num_tokens) -> ()");
   // Functional: cache.repeat_interleave(repeats, dim=-4) as a new contiguous tensor.
   m.def("repeat_kv_cache(Tensor cache, int repeats) -> Tensor");
-  // In place: cache[layer, 0, :r, :, start:start+q] = key and cache[layer, 1, ...] = value, where key
-  // and value are [r, kv_heads, q, head_dim] and cache is [layers, 2, rows, kv_heads, max_tokens,
-  // head_dim]. `start` is a 1-element int64 tensor, so a compiled decode step never recompiles on it.
+  // In place: cache[layer, 0, i, :, start[i]:start[i]+q] = key[i] and cache[layer, 1, ...] = value[i] for
+  // every i < r, where key and value are [r, kv_heads, q, head_dim] and cache is [layers, 2, rows, kv_heads,
+  // max_tokens, head_dim]. `start` is an int64 tensor of 1 element (every row's) or r (one per row), so a
+  // compiled decode step never recompiles on it.
   // Taking the whole buffer (not a per-layer view) keeps Inductor from rewriting the buffer around
   // the write.
   m.def("write_kv_(Tensor(a!) cache, Tensor key, Tensor value, int layer, Tensor start) -> ()");

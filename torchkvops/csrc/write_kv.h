@@ -6,25 +6,28 @@
 #include <c10/util/Exception.h>
 
 #include <cstdint>
+#include <string>
 
 #include "macros.h"
 
 namespace torchkvops {
 
-// key/value [rows, kv_heads, tokens, head_dim] go to cache[layer, 0/1, :rows, :, start:start+tokens].
-// Strides in elements; passed by value to CUDA.
+// key/value [rows, kv_heads, tokens, head_dim] go to cache[layer, 0/1, r, :, start[r]:start[r]+tokens] for
+// each row r < rows, where `start` holds one position for every row (1 element) or one per row (rows
+// elements). Strides in elements; passed by value to CUDA.
 struct KVWritePlan {
   int64_t rows = 0, heads = 0, tokens = 0, head_dim = 0;
+  int64_t start_stride = 0;        // 0: one start for every row; 1: start[r] is row r's
   int64_t src_strides[2][4] = {};  // [key, value][row, head, token, dim]
   int64_t dst_strides[4] = {};     // cache strides at dims 2..5 (row, head, token, dim)
   int64_t dst_kv_stride = 0;       // cache.stride(1): K -> V
   int64_t max_tokens = 0;          // cache.size(4): `start + tokens` may not exceed it
 
   // Run `run` of 2 * rows * heads * tokens (one head_dim vector: K runs first, then V): whether it
-  // is K (0) or V (1), and its first element's offset in key/value and in the layer's cache, in
-  // elements, for a write starting at position `first`.
-  TORCHKVOPS_HOST_DEVICE inline int64_t run_offsets(int64_t run, int64_t first, int64_t* src_off,
-                                                    int64_t* dst_off) const {
+  // is K (0) or V (1), its row, and its first element's offset in key/value and in the layer's cache, in
+  // elements, for a write whose rows start at `start` (start[row * start_stride]).
+  TORCHKVOPS_HOST_DEVICE inline int64_t run_offsets(int64_t run, const int64_t* start, int64_t* src_off,
+                                                    int64_t* dst_off, int64_t* row) const {
     const int64_t t = run % tokens;
     run /= tokens;
     const int64_t h = run % heads;
@@ -32,9 +35,16 @@ struct KVWritePlan {
     const int64_t r = run % rows;
     const int64_t kv = run / rows;
     const int64_t* ss = src_strides[kv];
+    *row = r;
     *src_off = r * ss[0] + h * ss[1] + t * ss[2];
-    *dst_off = kv * dst_kv_stride + r * dst_strides[0] + h * dst_strides[1] + (first + t) * dst_strides[2];
+    *dst_off =
+        kv * dst_kv_stride + r * dst_strides[0] + h * dst_strides[1] + (start[r * start_stride] + t) * dst_strides[2];
     return kv;
+  }
+
+  // Whether a start position leaves room for the write's tokens.
+  TORCHKVOPS_HOST_DEVICE inline bool start_fits(int64_t first) const {
+    return first >= 0 && first <= max_tokens - tokens;
   }
 };
 
@@ -57,9 +67,12 @@ inline KVWritePlan check_write_kv_args(const at::Tensor& cache, const at::Tensor
   TORCH_CHECK_VALUE(key.device() == cache.device() && value.device() == cache.device(), op,
                     ": key and value must be on the cache's device ", cache.device(), ", got ", key.device(), " and ",
                     value.device());
-  TORCH_CHECK_VALUE(start.numel() == 1 && start.scalar_type() == at::kLong && start.device() == cache.device(), op,
-                    ": start must be a 1-element int64 tensor on the cache's device, got ", start.scalar_type(), " of ",
-                    start.numel(), " elements on ", start.device());
+  TORCH_CHECK_VALUE((start.numel() == 1 || (start.dim() == 1 && start.numel() == key.size(0))) &&
+                        start.scalar_type() == at::kLong && start.device() == cache.device(),
+                    op, ": start must be an int64 tensor on the cache's device of 1 element (every row) or of ",
+                    key.size(0), " elements (one per row of key), got ", start.scalar_type(), " of shape ",
+                    start.sizes(), " on ", start.device());
+  TORCH_CHECK_VALUE(start.numel() == 1 || start.is_contiguous(), op, ": a per-row start must be contiguous");
   KVWritePlan plan;
   plan.rows = key.size(0);
   plan.heads = key.size(1);
@@ -72,15 +85,18 @@ inline KVWritePlan check_write_kv_args(const at::Tensor& cache, const at::Tensor
   }
   plan.dst_kv_stride = cache.stride(1);
   plan.max_tokens = cache.size(4);
+  plan.start_stride = start.numel() == 1 ? 0 : 1;
   return plan;
 }
 
-// The start position's range, for kernels that can read it on the host (the CPU one). On CUDA it lives
-// on the device and the kernel checks it instead (reading it here would cost a sync per call).
-inline void check_write_kv_start(int64_t first, const KVWritePlan& plan) {
-  TORCH_CHECK_VALUE(first >= 0 && first <= plan.max_tokens - plan.tokens, "write_kv_: start must be in [0, ",
-                    plan.max_tokens - plan.tokens, "] so that its ", plan.tokens, " token(s) fit the cache's ",
-                    plan.max_tokens, " positions, got ", first);
+// The start positions' range, for kernels that can read them on the host (the CPU one). On CUDA they live
+// on the device and the kernel checks them instead (reading them here would cost a sync per call).
+inline void check_write_kv_start(const int64_t* start, int64_t count, const KVWritePlan& plan) {
+  for (int64_t i = 0; i < count; ++i) {
+    TORCH_CHECK_VALUE(plan.start_fits(start[i]), "write_kv_: start must be in [0, ", plan.max_tokens - plan.tokens,
+                      "] so that its ", plan.tokens, " token(s) fit the cache's ", plan.max_tokens, " positions, got ",
+                      start[i], count > 1 ? " (row " + std::to_string(i) + ")" : std::string());
+  }
 }
 
 }  // namespace torchkvops

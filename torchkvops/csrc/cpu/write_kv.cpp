@@ -17,8 +17,8 @@ constexpr int64_t kMinRunsPerTask = 512;
 void write_kv_cpu_(at::Tensor& cache, const at::Tensor& key, const at::Tensor& value, int64_t layer,
                    const at::Tensor& start) {
   const KVWritePlan p = check_write_kv_args(cache, key, value, layer, start);
-  const int64_t first = start.data_ptr<int64_t>()[0];
-  check_write_kv_start(first, p);
+  const int64_t* first = start.data_ptr<int64_t>();
+  check_write_kv_start(first, start.numel(), p);
   const int64_t elem = static_cast<int64_t>(cache.element_size());
   char* dst_base = static_cast<char*>(cache.data_ptr()) + layer * cache.stride(0) * elem;
   const char* src_base[2] = {static_cast<const char*>(key.data_ptr()), static_cast<const char*>(value.data_ptr())};
@@ -26,8 +26,8 @@ void write_kv_cpu_(at::Tensor& cache, const at::Tensor& key, const at::Tensor& v
   const int64_t runs = 2 * p.rows * p.heads * p.tokens;
   at::parallel_for(0, runs, kMinRunsPerTask, [&](int64_t begin, int64_t end) {
     for (int64_t run = begin; run < end; ++run) {
-      int64_t src_off, dst_off;
-      const int64_t kv = p.run_offsets(run, first, &src_off, &dst_off);
+      int64_t src_off, dst_off, row;
+      const int64_t kv = p.run_offsets(run, first, &src_off, &dst_off, &row);
       const int64_t* ss = p.src_strides[kv];
       const char* src = src_base[kv] + src_off * elem;
       char* dst = dst_base + dst_off * elem;

@@ -1,8 +1,9 @@
 // CUDA kernel of write_kv_: one launch writes a layer's K and V (as vLLM's reshape_and_cache does),
 // on the current stream, with no host sync and no allocation, so a decode step can be captured in a
-// CUDA graph. `start` stays on the device: every thread reads it and checks the range before writing,
-// so an out-of-range start writes nothing and raises a device-side assert, as torch's own indexing
-// kernels do with device-resident indices (a host-side check would cost a sync per call).
+// CUDA graph. `start` (one position, or one per row) stays on the device: each thread reads its row's and
+// checks the range before writing, so an out-of-range start writes nothing of its row and raises a
+// device-side assert, as torch's own indexing kernels do with device-resident indices (a host-side check
+// would cost a sync per call).
 #include <ATen/core/Tensor.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -29,18 +30,30 @@ __global__ void write_kv_kernel(
     const char* __restrict__ key,       // [rows, heads, tokens, head_dim]
     const char* __restrict__ value,     // same shape as key
     char* __restrict__ layer_cache,     // cache[layer]: [2, rows', heads, max_tokens, head_dim]
-    const int64_t* __restrict__ start,  // [1]
+    const int64_t* __restrict__ start,  // [1] or [rows]
     int64_t elem, int64_t vecs_per_run, int64_t items) {
-  const int64_t first = *start;
-  const bool in_range = first >= 0 && first <= p.max_tokens - p.tokens;
-  CUDA_KERNEL_ASSERT(in_range && "write_kv_: start + tokens must fit the cache's max_tokens");
-  if (!in_range) return;
+  if (p.start_stride == 0) {  // one start for every row: checked once, before anything is written
+    const bool in_range = p.start_fits(*start);
+    CUDA_KERNEL_ASSERT(in_range && "write_kv_: start + tokens must fit the cache's max_tokens");
+    if (!in_range) return;
+  } else if (items == 0) {  // nothing to write: each row's start is still checked, as on the CPU
+    for (int64_t r = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; r < p.rows;
+         r += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+      CUDA_KERNEL_ASSERT(p.start_fits(start[r]) && "write_kv_: start + tokens must fit the cache's max_tokens");
+    }
+    return;
+  }
   const int64_t elems_per_vec = static_cast<int64_t>(sizeof(Vec)) / elem;
   for (int64_t item = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; item < items;
        item += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t v = item % vecs_per_run;
-    int64_t src_off, dst_off;
-    const int64_t kv = p.run_offsets(item / vecs_per_run, first, &src_off, &dst_off);
+    int64_t src_off, dst_off, row;
+    const int64_t kv = p.run_offsets(item / vecs_per_run, start, &src_off, &dst_off, &row);
+    if (p.start_stride != 0) {
+      const bool in_range = p.start_fits(start[row]);
+      CUDA_KERNEL_ASSERT(in_range && "write_kv_: start + tokens must fit the cache's max_tokens");
+      if (!in_range) continue;
+    }
     const int64_t d = v * elems_per_vec;  // first element of this Vec within head_dim
     const char* src = (kv == 0 ? key : value) + (src_off + d * p.src_strides[kv][3]) * elem;
     char* dst = layer_cache + (dst_off + d * p.dst_strides[3]) * elem;
