@@ -86,12 +86,14 @@ class DecodeBatch:
         *,
         keys: Tensor,
         positions: Tensor,
+        columns: Tensor,
         bias: Tensor,
         live: Tensor | None = None,
     ) -> None:
         """Rows `rows` (device int64; None: every row) start the samples `samples` (their output rows:
         host int64 [k]): `keys` [k] their sampling keys, `positions` [k] the position of the token each
-        feeds first, `bias` [k, the decode buffer's columns] (additive) what each sees, `live` [k] (bool,
+        feeds first, `columns` [k] the decode buffer's column each writes first, `bias` [k, the decode
+        buffer's columns] (additive) what each sees, `live` [k] (bool,
         optional) False for rows that have ended before they start (filler rows, rows an extend leaves
         alone), which only ever hold the pad id. Their first token is drawn from `first_logits` [k, vocab]."""
         s, pad_id = self.state, self.decoder.pad_id
@@ -99,6 +101,7 @@ class DecodeBatch:
         index = slice(None) if every else rows
         s.bias[index, 0, 0] = bias.to(s.bias.dtype)
         s.position_ids[index, 0] = positions.to(s.position_ids.device)
+        s.column[index] = columns.to(s.column.device)
         s.finished[index] = False if live is None else ~live.to(s.finished.device, torch.bool)
         s.keys[index] = keys.to(s.keys.device)
         s.step[index] = 0

@@ -8,7 +8,7 @@ rows' `finished` flags to a policy:
 - the streaming batch's refill (`torchkvops.rollout.streaming`): retire ended rows, admit waiting samples
   into them, compact the tail once nothing waits.
 
-A step feeds every row's last token, writes its K/V at `write_pos`, samples the next token with the
+A step feeds every row's last token, writes its K/V at the row's own `column`, samples the next token with the
 `sample_tokens` operator (`sample_tokens_with_logprobs` when log-probabilities are asked for) and
 records it; it reads and updates only tensors that keep their addresses for the whole rollout (the
 decode state, the KV buffers, the model's parameters) and never syncs with the host, so on CUDA it is
@@ -83,18 +83,20 @@ class DecodeStep:
 
     def bind(self, state: DecodeState) -> None:
         self.state = state
-        # Built once per rollout, not per step: the same tensors every step.
-        self.kwargs = self.adapter.forward_kwargs(self.cache, state.bias, state.position_ids, self.cache.write_pos)
+        self.cache.columns = state.column  # where each row's K and V go (RolloutKVCache.update)
+        # Built once per rollout, not per step: the same tensors every step. HF's cache_position: the first
+        # row's column (every row's in a call that starts them together; models read it for masks we pass).
+        self.kwargs = self.adapter.forward_kwargs(self.cache, state.bias, state.position_ids, state.column[:1])
 
     def __call__(self) -> None:
-        s, cache = self.state, self.cache
-        s.bias.index_fill_(-1, cache.write_pos, 0.0)  # the key written this step becomes visible
+        s = self.state
+        s.bias.scatter_(-1, s.column.view(-1, 1, 1, 1), 0.0)  # the key each row writes this step becomes visible
         logits = self.adapter.model(input_ids=s.tokens, **self.kwargs).logits[:, -1, :]
         self.draw(logits)
         s.position_ids.add_(1)
-        # The decode buffer is a ring: a streaming batch's rows start at other columns (each row spans at
-        # most its length, so it never meets its own keys); a call that starts every row at once never wraps.
-        cache.write_pos.add_(1).remainder_(cache.decode_kv.shape[4])
+        # A live row never passes the buffer's last column (its length covers the row's tokens); a row that
+        # has ended may decode on as filler until the batch stops or retires it: it stays on the last column.
+        s.column.add_(1).clamp_(max=s.shape.mask_len - 1)
 
     def draw(self, logits: Tensor) -> None:
         """Sample every row's next token from its logits [rows, vocab] (with its log-probability when
@@ -274,10 +276,11 @@ class Decoder:
             first_logits,
             keys=row_keys(seed, row_ids.to(batch.state.keys.device, torch.long)),
             positions=positions,
+            columns=torch.full((rows,), write_start, dtype=torch.long),
             bias=visible_bias(visible, shape.mask_len),
             live=live,
         )
-        self.cache.start_decode(write_start)
+        self.cache.start_decode()
         return batch
 
     def initial_plan(self, ended: Tensor) -> compaction.Plan | None:
@@ -364,7 +367,7 @@ class Decoder:
         for t, dims in dynamic:
             merged.setdefault(id(t), (t, set()))[1].update(dims)
         dynamic = [(t, tuple(sorted(dims))) for t, dims in merged.values()]
-        addresses = tuple(t.data_ptr() for t, _ in dynamic) + cache.position_addresses()
+        addresses = tuple(t.data_ptr() for t, _ in dynamic)
         key = (
             state.shape,
             self.layout.name,

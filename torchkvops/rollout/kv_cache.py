@@ -14,8 +14,9 @@ stores a step's K and V. Two layouts (`RolloutConfig.kv_sharing`):
 Two phases, chosen by the caller:
 - prefill: the prompt's K/V (positions [0, P)) go into the prompt rows, and attention uses those K/V
   directly (no padding to the buffer's length);
-- decode: each step writes one position at `write_pos` for every row, and attention reads the whole,
-  statically shaped decode buffer of that layer, masked by the caller.
+- decode: each step writes one position for every row, at the row's own column (`columns`, the decode
+  state's, bound by the decode step), and attention reads the whole, statically shaped decode buffer of
+  that layer, masked by the caller.
 
 All views are carved out of one flat allocation that is kept while it is big enough, and every view is
 contiguous, so compiled graphs see the same strides for the same shapes.
@@ -73,8 +74,8 @@ class RolloutKVCache(Cache):
         # the current views: where decode writes and reads (a compacted batch's, or the home ones).
         self._home: list[Tensor] = []
         self._current: list[Tensor] = []
-        # Where the next decode step writes; a tensor, so that graphs never re-specialize on it.
-        self.write_pos = torch.zeros(1, dtype=torch.long, device=self.device)
+        # Where the next decode step writes each row: the decode state's `column` [rows], bound by the step.
+        self.columns: Tensor | None = None
         self._prefill_start = torch.zeros(1, dtype=torch.long, device=self.device)
         self.phase = "prefill"  # "prefill", "extend" (Rollout.extend's forward over appended tokens), "decode"
         self._extend_start = 0
@@ -197,15 +198,9 @@ class RolloutKVCache(Cache):
         self._storage = self._work = self.layout = None
         self._home = self._current = []
         self.extend_prompt_of_row = None
-        # Made anew (see Rollout.release: a caller's inference_mode may have made these).
-        self.write_pos = torch.zeros(1, dtype=torch.long, device=self.device)
+        # Made anew (see Rollout.release: a caller's inference_mode may have made it).
         self._prefill_start = torch.zeros(1, dtype=torch.long, device=self.device)
-
-    def position_addresses(self) -> tuple[int, int]:
-        """Where the position tensors a decode step reads by address live (`write_pos`, and
-        `_prefill_start`): part of a decode graph's key, since `release()` (also run when the buffers
-        must grow) makes them anew."""
-        return self.write_pos.data_ptr(), self._prefill_start.data_ptr()
+        self.columns = None
 
     @property
     def allocated_bytes(self) -> int:
@@ -231,9 +226,8 @@ class RolloutKVCache(Cache):
         self._prefill_start.fill_(first_position)
         self.extend_prompt_of_row = prompt_of_row
 
-    def start_decode(self, first_position: int) -> None:
+    def start_decode(self) -> None:
         self.phase = "decode"
-        self.write_pos.fill_(first_position)
 
     def expand_prompts(self, batch: int, repeats: int, num_tokens: int) -> None:
         """Copy layout: rows [0, batch) hold the prompts; make rows [0, batch*repeats) hold them, in
@@ -245,7 +239,7 @@ class RolloutKVCache(Cache):
         if self.phase == "decode":
             # No Python checks here (prefill made them for this model): a step is what a graph replays.
             kv = self.decode_kv
-            write_kv_(kv, key_states, value_states, layer_idx, self.write_pos)
+            write_kv_(kv, key_states, value_states, layer_idx, self.columns)
             return kv[layer_idx, 0], kv[layer_idx, 1]
         self._check_layout(key_states, value_states, layer_idx)
         if self.phase == "prefill":
@@ -267,7 +261,9 @@ class RolloutKVCache(Cache):
             )
 
     def get_seq_length(self, layer_idx: int = 0):
-        return {"decode": self.write_pos[0], "extend": self._extend_start}.get(self.phase, 0)
+        return {"decode": self.columns[0] if self.columns is not None else 0, "extend": self._extend_start}.get(
+            self.phase, 0
+        )
 
     def get_mask_sizes(self, query_length, layer_idx: int = 0) -> tuple[int, int]:
         """Asked only when the model builds its own mask, which happens in an unpadded prefill (decode

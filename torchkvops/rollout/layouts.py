@@ -137,18 +137,16 @@ class CopyLayout:
             return home.clone()
         return home
 
-    def seat(self, batch, cache, home, row_mask: Tensor, rows: Tensor, samples: Tensor, write: int) -> Tensor:
+    def seat(self, batch, cache, home, row_mask: Tensor, rows: Tensor, samples: Tensor) -> Tensor:
         """Give rows `rows` (device int64) the prompt at `home` (its samples `samples`): each row's copy of
-        the prompt goes to the decode buffer's columns that end where the next step writes (`write`; the
-        buffer is a ring). Returns the rows' attention bias over the decode buffer ([rows, columns])."""
-        columns = cache.decode_kv.shape[4]
+        the prompt goes to the decode buffer's first columns, where a call's rows hold it (each row then
+        writes from `first_column` on). Returns the rows' attention bias over the decode buffer ([rows,
+        columns])."""
         prompt_len = row_mask.shape[1]
-        ring = (write - prompt_len + torch.arange(prompt_len, device=rows.device)) % columns
         for layer in range(cache.decode_kv.shape[0]):
-            rows_kv = home[layer].expand(-1, rows.numel(), -1, -1, -1)  # [2, rows, heads, P, head_dim]
-            cache.decode_kv[layer][:, rows[:, None], :, ring[None, :]] = rows_kv.permute(1, 3, 0, 2, 4)
-        visible = torch.full((rows.numel(), columns), float("-inf"), device=rows.device)
-        visible[:, ring] = torch.where(row_mask, 0.0, float("-inf"))
+            cache.decode_kv[layer][:, rows, :, :prompt_len] = home[layer].expand(-1, rows.numel(), -1, -1, -1)
+        visible = torch.full((rows.numel(), cache.decode_kv.shape[4]), float("-inf"), device=rows.device)
+        visible[:, :prompt_len] = torch.where(row_mask, 0.0, float("-inf"))
         return visible
 
     def release_rows(self, batch, rows: list[int]) -> None:
@@ -238,7 +236,7 @@ class PrefixLayout(CopyLayout):
     def keep_apart(self, home, scratch):
         return home  # a prompt slot of the batch's own cache
 
-    def seat(self, batch, cache, home, row_mask: Tensor, rows: Tensor, samples: Tensor, write: int) -> Tensor:
+    def seat(self, batch, cache, home, row_mask: Tensor, rows: Tensor, samples: Tensor) -> Tensor:
         """Rows `rows` read prompt slot `home`: each takes the query slot of its sample. Their own
         buffers start empty."""
         batch.seat_in_slots(rows, home, samples % self.samples)

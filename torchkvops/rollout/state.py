@@ -59,6 +59,13 @@ class DecodeState:
         _Field("tokens", "row", lambda s: (s.rows, 1), doc="the token fed next"),
         _Field("position_ids", "row", lambda s: (s.rows, 1)),
         _Field(
+            "column",
+            "row",
+            lambda s: (s.rows,),
+            doc="the decode buffer's column the row writes next: each row its own (rows of one batch start "
+            "at other columns after a packed turn, or when a streaming batch admits them)",
+        ),
+        _Field(
             "bias",
             "row",
             lambda s: (s.rows, 1, 1, s.mask_len),

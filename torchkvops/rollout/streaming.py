@@ -5,9 +5,8 @@ to whole prompts' samples) whose KV buffers are sized for those rows only. At ev
 (every FINISHED_CHECK_INTERVAL steps, the host sync decode makes anyway) the rows whose samples have
 ended are copied out to their places in the output, and waiting samples take them: a prompt is
 prefilled once for its N samples, into a small scratch cache, and its samples start as rows free up, in
-any free rows (copy layout: each row gets the prompt's KV in the columns that end at the batch's current
-write column, the decode buffer being a ring, and the KV of a prompt whose samples still wait for rows is
-kept apart; prefix layout: the prompt's KV goes into a free prompt slot, held until all its samples have
+any free rows (copy layout: each row gets the prompt's KV in its first columns and writes after them, at
+its own columns, and the KV of a prompt whose samples still wait for rows is kept apart; prefix layout: the prompt's KV goes into a free prompt slot, held until all its samples have
 ended, and its samples' rows read it through the compacted prefix layout's query slots). Decode goes on
 with one batch, one decode shape (one CUDA graph). Once no prompt waits, the rows still decoding are
 compacted in place as compaction compacts them.
@@ -69,8 +68,7 @@ class Refill:
         self.layout, self.cache = batch.layout, batch.cache
         self.seed, self.row_ids, self.live, self.compacts = seed, row_ids, live, compacts
         self.samples = self.layout.samples
-        self.first_column = self.layout.first_column(prompt_mask.shape[1])
-        self.write = self.first_column  # the column the next step writes (the decode buffer is a ring)
+        self.first_column = self.layout.first_column(prompt_mask.shape[1])  # where an admitted row writes first
         self.waiting = list(range(prompt_mask.shape[0]))
         # Prompts prefilled whose samples have not all started (rows free up one by one): where their KV
         # waits (layouts.place_prompts), their first logits and mask, and the samples still to start.
@@ -79,7 +77,6 @@ class Refill:
         self.peak_pending_bytes = 0  # the KV of prompts waiting for rows apart from the batch, at most
 
     def on_check(self, batch: DecodeBatch, finished: Tensor, steps: int) -> bool:
-        self.write = (self.first_column + steps) % self.cache.decode_kv.shape[4]
         self.refill(finished.tolist(), steps)
         if self.waiting or self.pending:
             return False
@@ -125,13 +122,14 @@ class Refill:
         device = logits.device
         new_rows, global_rows = torch.tensor(rows, device=device), torch.tensor(samples, device=device)
         row_mask = mask.bool().expand(len(rows), -1)  # [rows', P]
-        bias = self.layout.seat(self.batch, self.cache, home, row_mask, new_rows, global_rows, self.write)
+        bias = self.layout.seat(self.batch, self.cache, home, row_mask, new_rows, global_rows)
         self.batch.admit(
             new_rows,
             samples,
             logits.expand(len(rows), -1).contiguous(),
             keys=row_keys(self.seed, self.row_ids[global_rows]),
             positions=row_mask.sum(dim=1),
+            columns=torch.full((len(rows),), self.first_column, dtype=torch.long),
             bias=bias,
             live=self.live[global_rows],
         )
@@ -187,7 +185,7 @@ def stream(
         output=(responses, logprobs),
     )
     batch.clear()
-    cache.start_decode(layout.first_column(prompt_len))  # the column the next step writes, as without a budget
+    cache.start_decode()
     live = torch.ones(prompts * n, dtype=torch.bool, device=device) if live is None else live.to(device, torch.bool)
     policy = Refill(
         batch, prefill, prompt_mask, scratch, seed=seed, row_ids=row_ids.to(device), live=live, compacts=compacts
