@@ -61,10 +61,9 @@ def test_tool_turns_are_served_from_the_kept_kv_and_equal_hf(layout):
         out = model.generate(ids, attention_mask=mask, **KWARGS)
         assert torch.equal(out, hf(twin, ids, mask)), turn
         profile = handle.last_profile()
-        widest = max(len(s) for s in suffixes) + 1  # each row's last token and its tool answer
-        # The call's rows' chunks only: the rollout's other rows are left out (batches of up to 8 rows
-        # are compacted to exactly their live rows).
-        assert profile.prefill_tokens == len(rows) * widest
+        # The call's rows' chunks only (each its last token and its tool answer), packed without padding;
+        # the rollout's other rows compute nothing.
+        assert profile.prefill_tokens == sum(1 + len(s) for s in suffixes)
         # Reused: each row's tokens after padding but its last (fed again), whose KV was kept.
         assert profile.reused_tokens == int(mask.sum()) - sum(len(s) for s in suffixes) - len(rows)
 

@@ -132,9 +132,9 @@ def test_extend_reports_what_it_computed_and_what_it_reused(device):
     appended = [[5, 6, 7], [], None, [8]]
     out = rollout.extend(out, appended)
     profile = rollout.get_last_profile()
-    # The live rows' chunks (its last token + appended, left-padded); the finished row is left out (a
-    # batch of up to 8 rows compacts to exactly its live rows).
-    assert profile.prefill_tokens == 3 * (1 + 3)
+    # The live rows' chunks (each its last token + appended), packed without padding; the finished row
+    # computes nothing.
+    assert profile.prefill_tokens == (1 + 3) + (1 + 0) + (1 + 1)
     real = mask.sum(dim=1).repeat_interleave(2).tolist()  # the prompts' tokens
     # Reused: each live row's prompt and its 6 tokens but the last (fed again with the appended ones).
     assert profile.reused_tokens == sum(real[r] + 6 - 1 for r in (0, 1, 3))

@@ -39,6 +39,8 @@ NOTES = {
     "prefill_ms": "the prefill stage (hf: the call's first forward)",
     "decode_ms": "the decode stage (hf: the call's other forwards and sampling)",
     "total_ms": "the whole turn, as the caller sees it (median over rounds)",
+    "turn_tokens_over_appended": "reuse: the positions the turns after the first computed over the tokens they "
+    "appended (each row's chunk is its last token + its appended tokens, packed without padding)",
 }
 
 
@@ -50,6 +52,9 @@ class TurnsCase:
     turns: int  # K
     response_length: int  # R
     append_length: int  # T
+    # "fixed": every row appends T tokens; "uniform": each row a length drawn from [1, T] (tool answers of
+    # different lengths: what a padded turn would pad to the longest)
+    append_profile: str = "fixed"
 
     @property
     def rows(self) -> int:
@@ -77,11 +82,17 @@ class _ForwardTimes:
 
 
 def appended_tokens(case: TurnsCase, vocab: int, seed: int) -> list[list[Tensor]]:
-    """[turn][row]: the tokens appended after each turn but the last, random ids in [3, vocab)."""
+    """[turn][row]: the tokens appended after each turn but the last, random ids in [3, vocab), of
+    case.append_length tokens each or (the "uniform" profile) of a length drawn from [1, append_length]."""
     g = torch.Generator().manual_seed(seed + 1)
+
+    def length() -> int:
+        if case.append_profile == "fixed" or case.append_length == 0:
+            return case.append_length
+        return int(torch.randint(1, case.append_length + 1, (1,), generator=g))
+
     return [
-        [torch.randint(3, vocab, (case.append_length,), generator=g) for _ in range(case.rows)]
-        for _ in range(case.turns - 1)
+        [torch.randint(3, vocab, (length(),), generator=g) for _ in range(case.rows)] for _ in range(case.turns - 1)
     ]
 
 
@@ -223,8 +234,11 @@ def measure(
     reuse = result["modes"].get("reuse")
     if reuse is not None:
         first_prompts = case.prompts * case.prompt_length
-        appended_total = (case.turns - 1) * case.rows * case.append_length
+        appended_total = sum(a.numel() for turn in appended for a in turn)
         result["prefill_tokens_over_prompts_and_appended"] = reuse["prefill_tokens"] / (first_prompts + appended_total)
+        if appended_total:  # what the turns after the first computed, over what they appended
+            turn_tokens = sum(t["prefill_tokens"] for t in reuse["turns"][1:])
+            result["turn_tokens_over_appended"] = turn_tokens / appended_total
         for other in ("no-reuse", "hf"):
             if other in result["modes"]:
                 result[f"speedup_over_{other}"] = result["modes"][other]["total_ms"] / reuse["total_ms"]
@@ -240,7 +254,12 @@ def format_table(result: dict) -> str:
                 f"{r['total_ms']:>9.1f}"
             )
         lines.append(f"{mode:<9} {'all':>4} {m['prefill_tokens']:>11} {'':>10} {'':>9} {m['total_ms']:>9.1f}")
-    for key in ("prefill_tokens_over_prompts_and_appended", "speedup_over_no-reuse", "speedup_over_hf"):
+    for key in (
+        "prefill_tokens_over_prompts_and_appended",
+        "turn_tokens_over_appended",
+        "speedup_over_no-reuse",
+        "speedup_over_hf",
+    ):
         if key in result:
             lines.append(f"{key}: {result[key]:.3f}")
     return "\n".join(lines)

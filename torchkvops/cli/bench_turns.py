@@ -35,6 +35,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--turns", type=int_in(1), default=4, help="turns K (generate calls per row)")
     p.add_argument("--response-length", type=int_in(1), default=32, help="tokens R generated per row and turn")
     p.add_argument("--append-length", type=int_in(0), default=64, help="tokens T appended per row after a turn")
+    p.add_argument(
+        "--append-profile",
+        choices=["fixed", "uniform"],
+        default="fixed",
+        help="fixed: every row appends T tokens; uniform: each row a length drawn from [1, T] (tool answers of "
+        "different lengths)",
+    )
     p.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES), help="the modes, in this order")
     p.add_argument("--temperature", type=float, default=1.0, help="0 is greedy")
     p.add_argument("--warmup", type=int_in(0), default=1, help="untimed rounds")
@@ -76,6 +83,7 @@ def execute(args: argparse.Namespace) -> int:
         args.turns,
         args.response_length,
         args.append_length,
+        args.append_profile,
     )
     print(
         f"B={case.prompts} N={case.samples} P={case.prompt_length} K={case.turns} "

@@ -565,7 +565,7 @@ def run_extension(call: Call, rollout: Rollout, rows: list[int], appended: list[
     `appended[i]` (hf.generate_reuse): one `Rollout.extend` in which the rollout's other rows generate
     nothing; the call's rows decode on from their kept KV."""
     plan, input_ids = call.plan, call.input_ids
-    per_row: list[Tensor | None] = [None] * rollout.history.visible.shape[0]
+    per_row: list[Tensor | None] = [None] * rollout.history.rows
     for r, tokens in zip(rows, appended):
         per_row[r] = tokens
     previous = rollout.history.output

@@ -300,6 +300,20 @@ class ModelAdapter:
             kwargs["logits_to_keep"] = 1
         return kwargs
 
+    def packed_logits(
+        self, cache, ids: torch.Tensor, positions: torch.Tensor, columns: torch.Tensor, last: torch.Tensor
+    ):
+        """One forward over packed tokens `ids` [T] (several rows' chunks in one sequence; their attention is
+        the rollout's, which reads its own mask: the model gets a placeholder 4-D mask, which it passes
+        through); returns the logits at the packed indices `last` [L] only: [L, vocab]."""
+        kwargs = self.forward_kwargs(
+            cache, ids.new_zeros((1, 1, ids.numel(), 1), dtype=self.dtype), positions[None], columns
+        )
+        if self.takes_logits_to_keep:
+            kwargs["logits_to_keep"] = last
+            return self.model(input_ids=ids[None], **kwargs).logits[0]
+        return self.model(input_ids=ids[None], **kwargs).logits[0, last]
+
     def last_logits(self, cache, input_ids, attention_mask, position_ids, cache_position) -> torch.Tensor:
         """One forward; returns the logits of the last position only: [rows, vocab]."""
         kwargs = self.forward_kwargs(cache, attention_mask, position_ids, cache_position)

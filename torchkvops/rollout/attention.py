@@ -18,6 +18,11 @@ see `decode_attention`), so every attention layer of any supported decoder-only 
 The kernel is torch's own fused attention that also returns the log-sum-exp (`torchkvops.fused_attention`:
 the CPU flash kernel on CPU, the memory-efficient kernel on CUDA, plain matmul + softmax elsewhere). Masks are additive biases
 ([rows, 1, 1, keys], 0 or -inf, in the model's dtype), kept and updated by the decode loop.
+
+A turn of `Rollout.extend` runs one forward over every row's chunk packed into one sequence (no padding
+in the model's projections and MLPs: `torchkvops.rollout.turns`); its attention (`PackedTurnAttention`)
+lays each live row's queries out against that row's own KV (and in the prefix layout its prompt's), with
+a mask of what each query may see, and packs the outputs back.
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ import dataclasses
 import threading
 from collections.abc import Iterator
 
+import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -34,7 +41,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from .. import ops
 from ..fused_attention import attend
 
-__all__ = ["NAME", "DecodeAttention", "decode_attention"]
+__all__ = ["NAME", "DecodeAttention", "PackedTurnAttention", "decode_attention"]
 
 NAME = "torchkvops"
 
@@ -65,14 +72,47 @@ class DecodeAttention:
         self.slot_rows, self.row_prompt, self.row_sample = state.slot_rows, state.row_prompt, state.row_sample
 
 
-_active: DecodeAttention | None = None
+@dataclasses.dataclass
+class PackedTurnAttention:
+    """What the attention layers need during a turn's packed forward (`Rollout.extend`): the packed
+    tokens are the live rows' chunks in row order. Each layer's K and V were written to the decode buffer
+    at each token's row and column (RolloutKVCache.update) before the attention reads that buffer."""
+
+    rows: Tensor  # [L] the live rows: their rows of the decode buffer, in order
+    slots: Tensor  # [L, C] the packed index of each live row's j-th chunk token (past its chunk: its last)
+    token_slot: Tensor  # [T] each packed token's place in the [L * C] slots (to pack the outputs back)
+    keys: int  # the decode buffer's columns read: up to the longest live row's chunk end
+    allowed: Tensor  # [L, 1, C, keys'] bool: what each query sees (the prefix layout: its prompt's KV first)
+    prompt_kv: Tensor | None = None  # prefix layout: [layers, 2, prompts, kv_heads, P', head_dim]
+    prompt_of_row: Tensor | None = None  # prefix layout: [L] each live row's prompt
+
+    def attend(self, module: nn.Module, query: Tensor, key: Tensor, value: Tensor, scaling) -> Tensor:
+        """query [1, heads, T, head_dim] (the packed tokens); key, value: the layer's decode buffer [rows,
+        kv_heads, columns, head_dim]. Returns [1, T, heads, head_dim]."""
+        live, chunk = self.slots.shape
+        heads, head_dim = query.shape[1], query.shape[3]
+        q = query[0].transpose(0, 1)[self.slots].permute(0, 2, 1, 3)  # [L, heads, C, head_dim]
+        k = key.index_select(0, self.rows)[:, :, : self.keys]
+        v = value.index_select(0, self.rows)[:, :, : self.keys]
+        if self.prompt_kv is not None:
+            layer = self.prompt_kv[module.layer_idx]
+            k = torch.cat([layer[0].index_select(0, self.prompt_of_row), k], dim=2)
+            v = torch.cat([layer[1].index_select(0, self.prompt_of_row), v], dim=2)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=self.allowed, scale=scaling, enable_gqa=k.shape[1] != heads
+        )  # [L, heads, C, head_dim]
+        out = out.permute(0, 2, 1, 3).reshape(live * chunk, heads, head_dim)[self.token_slot]
+        return out[None]
+
+
+_active: DecodeAttention | PackedTurnAttention | None = None
 # One decode at a time per process: `_active` is one global (a thread-local would break torch.compile's
 # full graph), and two models decoding in two threads would otherwise read each other's context.
 _decode_lock = threading.RLock()
 
 
 @contextlib.contextmanager
-def decode_attention(model: nn.Module, context: DecodeAttention) -> Iterator[None]:
+def decode_attention(model: nn.Module, context: DecodeAttention | PackedTurnAttention) -> Iterator[None]:
     """Route the model's attention through `torchkvops_attention` with `context` for the block.
 
     The switch is on the model's config, which every attention layer reads at each call, so it holds
@@ -118,6 +158,8 @@ def torchkvops_attention(
                 f"torchkvops: this model's attention uses {unsupported!r}, which the rollout's "
                 "decode attention does not support"
             )
+    if isinstance(context, PackedTurnAttention):
+        return context.attend(module, query, key, value, scaling), None
     rows, heads, q_len, head_dim = query.shape
     kv_heads = key.shape[1]
     group = heads // kv_heads

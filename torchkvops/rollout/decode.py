@@ -252,14 +252,15 @@ class Decoder:
         *,
         visible: Tensor,
         positions: Tensor,
-        write_start: int,
+        write_start: int | Tensor,
         max_new_tokens: int,
         prompt_visible: Tensor | None = None,
     ) -> DecodeBatch:
         """A batch of every row of a call, each row's first token sampled from `first_logits` [rows,
         vocab]. What each row sees: `visible` [rows, C] (bool) over the decode buffer's first C columns,
         and in the prefix layout `prompt_visible` [prompts, P'] over its prompt's KV; `positions` [rows]:
-        the position of the token each row feeds first; decode writes from column `write_start` on.
+        the position of the token each row feeds first; decode writes from column `write_start` on (one
+        for every row, or [rows]: each row's own).
         `live` [rows] (bool, optional): False for rows that have ended before they start."""
         rows = first_logits.shape[0]
         prompts = 0 if prompt_visible is None else prompt_visible.shape[0]
@@ -276,7 +277,7 @@ class Decoder:
             first_logits,
             keys=row_keys(seed, row_ids.to(batch.state.keys.device, torch.long)),
             positions=positions,
-            columns=torch.full((rows,), write_start, dtype=torch.long),
+            columns=torch.as_tensor(write_start, dtype=torch.long).expand(rows),
             bias=visible_bias(visible, shape.mask_len),
             live=live,
         )

@@ -26,6 +26,7 @@ from torch import Tensor, nn
 
 from ..models.adapter import ModelAdapter
 from ..utils import left_padding_fault
+from . import attention
 from .config import MIN_TEMPERATURE, RolloutConfig, RolloutOutput  # noqa: F401
 from .decode import FINISHED_CHECK_INTERVAL, MAX_DECODE_STATES, Decoder, DecodeStep, NonFiniteLogitsError  # noqa: F401
 from .kv_cache import RolloutKVCache
@@ -34,7 +35,7 @@ from .lm_head import Float32LMHead
 from .profiling import RolloutProfile, StageTimer
 from .sampling import SamplingParams
 from .streaming import stream, unbudgeted_width
-from .turns import History, check_appended, extend_mask, first_history, history_output, make_turn, record
+from .turns import History, check_appended, first_history, history_output, make_turn, packed_attention, record
 
 __all__ = [
     "Rollout",
@@ -328,7 +329,7 @@ class Rollout:
             max_new_tokens = cfg.max_new_tokens
         if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
             raise ValueError(f"Rollout.extend: max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-        rows = history.visible.shape[0]
+        rows = history.rows
         appended = check_appended(appended, rows, self.adapter.input_vocab, self.device)
         if all(a is None for a in appended):  # every row has finished: nothing to compute
             self._last_profile = None
@@ -337,36 +338,30 @@ class Rollout:
 
     def _extend_stages(self, timer, history: History, appended, max_new_tokens: int, seed: int | None):
         cfg, layout, cache = self.config, self.layout, self.cache
-        n, rows = cfg.samples_per_prompt, history.visible.shape[0]
+        n, rows = cfg.samples_per_prompt, history.rows
         with timer.stage("prompt_expansion"):
-            turn = make_turn(history, appended, self.pad_id)
-            live_positions = torch.where(turn.live, history.last_position + turn.real.sum(dim=1), 0)
+            turn = make_turn(history, appended)
+            live_positions = torch.where(turn.live, history.last_position + turn.lengths, 0)
             self.adapter.check_length(int(live_positions.max()), max_new_tokens)
-            start = history.frontier  # the chunks' first column; decode goes on after them
-            decode_start = start + turn.width
-            cache.grow(round_up(decode_start + max_new_tokens - 1))
+            decode_start = history.frontier + turn.lengths  # each row decodes on after its chunk
+            cache.grow(round_up(int(decode_start.max()) + max_new_tokens - 1))
             prompt_visible = layout.prompt_visible(history.prompt_mask, cache)
-            prompt_of_row = torch.arange(rows, device=self.device) // n
-            mask = extend_mask(history, turn, None if prompt_visible is None else prompt_visible[prompt_of_row])
-            # Rows that generate nothing this turn are left out of its forward and decode when that saves
-            # enough: the others are gathered as compaction gathers them, before the forward.
+            context = packed_attention(
+                history, turn, prompt_visible, None if prompt_visible is None else cache.prompt_kv
+            )
+            # Rows that generate nothing this turn are left out of its decode when that saves enough: the
+            # others are gathered as compaction gathers them, after the forward.
             plan = self._decoder.initial_plan(~turn.live.cpu())
 
         with timer.stage("prefill"):
-            ids, positions, computed = turn.ids, turn.positions, torch.arange(rows, device=self.device)
+            cache.start_extend(turn.row, turn.column)
+            with attention.decode_attention(self.adapter.model, context):
+                live_logits = self.adapter.packed_logits(cache, turn.ids, turn.positions, turn.column, turn.last)
+            logits = live_logits.new_zeros(rows, live_logits.shape[-1])  # rows left out have ended
+            logits[context.rows] = live_logits
             if plan is not None:
                 computed = plan.rows.to(self.device)
                 cache.compact(computed, None if plan.groups is None else plan.groups.to(self.device), computed)
-                ids, positions, mask = ids[computed], positions[computed], mask[computed]
-                if plan.row_group is not None:  # (the prefix layout) each computed row's prompt group
-                    prompt_of_row = plan.row_group.to(self.device)
-            cache.start_extend(start, prompt_of_row)
-            columns = torch.arange(start, decode_start, device=self.device)
-            computed_logits = self.adapter.last_logits(
-                cache, ids, self.adapter.attention_mask(mask), positions, columns
-            )
-            logits = computed_logits.new_zeros(rows, computed_logits.shape[-1])  # rows left out have ended
-            logits[computed] = computed_logits
 
         with timer.stage("decode"):
             decoding = self._decoder.start(
@@ -374,7 +369,7 @@ class Rollout:
                 history.turn_seed() if seed is None else seed,
                 history.row_ids,
                 turn.live,
-                visible=torch.cat([history.visible, turn.real], dim=1),
+                visible=history.visible(cache.home_decode_kv.shape[4], decode_start),
                 positions=live_positions,
                 write_start=decode_start,
                 max_new_tokens=max_new_tokens,
@@ -389,7 +384,7 @@ class Rollout:
             turn_out.response_mask[~turn.live] = 0
             generated = int(turn_out.response_mask.sum())
             reused = int(history.last_position[turn.live].sum())
-            record(history, turn, turn_out, decode_start)
+            record(history, turn, turn_out)
             out = history.output = history_output(history, self.pad_id, RolloutOutput)
         counts = dict(
             generated=generated,
@@ -400,7 +395,7 @@ class Rollout:
             response_length=steps + 1,
             kv_cache_bytes=kv_bytes,
             computed_row_steps=decoding.row_steps,
-            prefill_tokens=ids.numel(),
+            prefill_tokens=turn.tokens,
             reused_tokens=reused,
         )
         return (out, turn_out), counts

@@ -77,9 +77,10 @@ class RolloutKVCache(Cache):
         # Where the next decode step writes each row: the decode state's `column` [rows], bound by the step.
         self.columns: Tensor | None = None
         self._prefill_start = torch.zeros(1, dtype=torch.long, device=self.device)
-        self.phase = "prefill"  # "prefill", "extend" (Rollout.extend's forward over appended tokens), "decode"
-        self._extend_start = 0
-        self.extend_prompt_of_row: Tensor | None = None  # prefix layout, an extend: each row's prompt
+        self.phase = "prefill"  # "prefill", "extend" (Rollout.extend's packed forward over appended tokens), "decode"
+        # An extend's packed tokens: the decode buffer's row and column of each one's K and V ([T] each).
+        self._token_rows: Tensor | None = None
+        self._token_columns: Tensor | None = None
         self.work_used_bytes = 0  # the largest compacted batch's views since the home views were made
 
     @property
@@ -197,7 +198,7 @@ class RolloutKVCache(Cache):
         """Free the buffers; the next `prepare()` allocates new ones."""
         self._storage = self._work = self.layout = None
         self._home = self._current = []
-        self.extend_prompt_of_row = None
+        self._token_rows = self._token_columns = None
         # Made anew (see Rollout.release: a caller's inference_mode may have made it).
         self._prefill_start = torch.zeros(1, dtype=torch.long, device=self.device)
         self.columns = None
@@ -217,14 +218,12 @@ class RolloutKVCache(Cache):
         self.phase = "prefill"
         self._prefill_start.zero_()  # (an extend's forward moved it)
 
-    def start_extend(self, first_position: int, prompt_of_row: Tensor | None) -> None:
-        """A forward over every row's appended tokens (Rollout.extend): they are written to the decode
-        buffer from `first_position` on, and attend to the whole buffer so far (in the prefix layout, to
-        their prompt's KV too: `prompt_of_row` [rows] says whose)."""
+    def start_extend(self, rows: Tensor, columns: Tensor) -> None:
+        """A packed forward over the rows' appended tokens (Rollout.extend): token t's K and V go to the
+        decode buffer's row `rows[t]`, column `columns[t]`; the attention (`attention.PackedTurnAttention`)
+        reads the buffer after the write."""
         self.phase = "extend"
-        self._extend_start = first_position
-        self._prefill_start.fill_(first_position)
-        self.extend_prompt_of_row = prompt_of_row
+        self._token_rows, self._token_columns = rows, columns
 
     def start_decode(self) -> None:
         self.phase = "decode"
@@ -246,9 +245,10 @@ class RolloutKVCache(Cache):
             # Prefill writes positions [0, P) and attends to exactly those, no padding to the buffer.
             write_kv_(self.prompt_kv, key_states, value_states, layer_idx, self._prefill_start)
             return key_states, value_states
-        kv, end = self.decode_kv, self._extend_start + key_states.shape[2]
-        write_kv_(kv, key_states, value_states, layer_idx, self._prefill_start)
-        return self.layout.extend_keys(self, layer_idx, kv[layer_idx, 0, :, :, :end], kv[layer_idx, 1, :, :, :end])
+        kv = self.decode_kv  # packed tokens [1, kv_heads, T, head_dim]: each to its row and column
+        kv[layer_idx, 0][self._token_rows, :, self._token_columns] = key_states[0].transpose(0, 1)
+        kv[layer_idx, 1][self._token_rows, :, self._token_columns] = value_states[0].transpose(0, 1)
+        return kv[layer_idx, 0], kv[layer_idx, 1]
 
     def _check_layout(self, key_states: Tensor, value_states: Tensor, layer_idx: int) -> None:
         kv = self.prompt_kv
@@ -261,9 +261,7 @@ class RolloutKVCache(Cache):
             )
 
     def get_seq_length(self, layer_idx: int = 0):
-        return {"decode": self.columns[0] if self.columns is not None else 0, "extend": self._extend_start}.get(
-            self.phase, 0
-        )
+        return self.columns[0] if self.phase == "decode" and self.columns is not None else 0
 
     def get_mask_sizes(self, query_length, layer_idx: int = 0) -> tuple[int, int]:
         """Asked only when the model builds its own mask, which happens in an unpadded prefill (decode

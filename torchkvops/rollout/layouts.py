@@ -6,8 +6,7 @@
   (`decode_kv`, rows x (R - 1)); the decode attention reads both and merges them (`attention`).
 
 The rest of the engine asks its layout instead of testing the name: the buffers' lengths and rows, which
-index each buffer is gathered by when the batch is compacted, the keys an extend's forward reads, the
-column decode writes first, what a row sees when it starts, the prompt part of a decode shape and of the
+index each buffer is gathered by when the batch is compacted, the column decode writes first, what a row sees when it starts, the prompt part of a decode shape and of the
 attention context, the prompt groups compaction keeps, and where a streaming batch puts a prompt's KV.
 """
 
@@ -65,10 +64,6 @@ class CopyLayout:
     def kv_index(self, rows: Tensor, prompts: Tensor | None) -> tuple[Tensor, ...]:
         """What each buffer keeps when the batch keeps rows `rows` and prompt groups `prompts`."""
         return (rows,)
-
-    def extend_keys(self, cache, layer: int, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
-        """The keys and values an extend's forward attends to, given the decode buffer's so far."""
-        return keys, values
 
     def expand_prompts(self, cache, batch: int, prompt_len: int) -> None:
         """After a shared prefill of `batch` prompts: each prompt's KV in its N rows."""
@@ -167,11 +162,6 @@ class PrefixLayout(CopyLayout):
 
     def kv_index(self, rows: Tensor, prompts: Tensor | None) -> tuple[Tensor, ...]:
         return (prompts, rows)
-
-    def extend_keys(self, cache, layer: int, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
-        """Each row's prompt (`cache`'s extend prompt of each row), then its own positions."""
-        prompts = cache.prompt_kv[layer].index_select(1, cache.extend_prompt_of_row)
-        return torch.cat([prompts[0], keys], dim=2), torch.cat([prompts[1], values], dim=2)
 
     def expand_prompts(self, cache, batch: int, prompt_len: int) -> None:
         """Nothing to copy: the rows read their prompt's KV where prefill wrote it."""

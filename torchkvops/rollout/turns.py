@@ -3,13 +3,14 @@
 An agent's rollout goes on after a tool call: the tool's answer is appended to each row and the model
 decodes again. Every row's KV stays in the rollout's KV buffers after a call (compaction keeps the rows
 that leave at home, `RolloutKVCache.compact`), and `History` records what is where: each row's tokens
-after its prompt (generated and appended), which decode-buffer columns hold their KV, and the position
-of its last token. The last token of a row's history has no KV yet (a decode step feeds the token it
-sampled only at the next step), so a turn computes it again together with the appended tokens: its
-`chunk` is [last token] + appended, one forward for every row over the chunks, left-padded to the longest
-and written to the decode buffer from the first column no call has written (`frontier`). Decode then
-goes on from there, every row at the same column with its own position ids, the columns a row has not
-written (holes) hidden by its attention bias as left padding is.
+after its prompt (generated and appended), its `frontier` (the first decode-buffer column after its
+history's KV: each row's history is contiguous in its own row of the buffer), and the position of its
+last token. The last token of a row's history has no KV yet (a decode step feeds the token it sampled
+only at the next step), so a turn computes it again together with the appended tokens: its `chunk` is
+[last token] + appended. The chunks are packed, without padding, into one sequence (`Turn`): one forward
+over their tokens alone, each token's K and V written at its row's own columns from its frontier on, each
+token attending to its row's history and the chunk before it (`PackedTurn`, read by the rollout's
+attention). Decode then goes on in every row from the column after its chunk, at its own position.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import dataclasses
 import torch
 from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
+
+from .attention import PackedTurnAttention
 
 _SEED_STEP = 0x9E3779B97F4A7C15  # each turn's sampling seed: the first call's plus this times the turn
 _SEED_MASK = 2**63 - 1
@@ -34,15 +37,16 @@ class History:
     tokens: list[Tensor]  # per row: its history after the prompt (int64)
     generated: list[Tensor]  # per row: 1 where the model generated the token, 0 where it was appended
     logprobs: list[Tensor] | None  # per row: each token's log-probability (0 on appended tokens)
-    visible: Tensor  # [rows, frontier] bool: decode-buffer columns that hold a history token's KV
+    first_column: int  # the decode buffer's first column of a row's own KV (the copy layout: after the prompt)
+    frontier: Tensor  # [rows] int64: the first decode-buffer column after each row's history's KV
     last_position: Tensor  # [rows] int64: the position of each row's last token (which has no KV)
     seed: int
     row_ids: Tensor
     turns: int = 1
 
     @property
-    def frontier(self) -> int:
-        return self.visible.shape[1]
+    def rows(self) -> int:
+        return self.frontier.numel()
 
     def last_tokens(self) -> Tensor:
         return torch.stack([t[-1] for t in self.tokens])
@@ -50,41 +54,54 @@ class History:
     def turn_seed(self) -> int:
         return (self.seed + self.turns * _SEED_STEP) & _SEED_MASK
 
+    def visible(self, columns: int, frontier: Tensor | None = None) -> Tensor:
+        """[rows, columns] bool: the decode-buffer columns that hold a history token's KV (up to `frontier`,
+        default the history's): in the copy layout the prompt's tokens first, then every column from the
+        prompt's end up to the frontier."""
+        frontier = self.frontier if frontier is None else frontier
+        index = torch.arange(columns, device=frontier.device)
+        visible = (index >= self.first_column) & (index < frontier[:, None])
+        if self.first_column:
+            samples = self.rows // self.prompt_mask.shape[0]
+            visible[:, : self.first_column] = self.prompt_mask.repeat_interleave(samples, dim=0).bool()
+        return visible
+
 
 def first_history(output, prompt_mask: Tensor, samples: int, first_column: int, seed: int, row_ids: Tensor) -> History:
     """The history after `generate`: each row's response through its first EOS. Its KV sits in the
-    decode buffer from `first_column` on (the copy layout: after the prompt, whose columns are visible
-    where the prompt has a token; the prefix layout: from column 0, the prompt's KV shared by its group)."""
+    decode buffer from `first_column` on (the copy layout: after the prompt, whose columns hold the prompt
+    where it has a token; the prefix layout: from column 0, the prompt's KV shared by its group)."""
     row_mask = prompt_mask.repeat_interleave(samples, dim=0).bool()
     lengths = output.response_mask.sum(dim=1)
-    response_len = output.responses.shape[1]
-    frontier = first_column + response_len - 1
-    columns = torch.arange(frontier, device=row_mask.device)
-    visible = (columns >= first_column) & (columns < first_column + lengths[:, None] - 1)
-    if first_column:
-        visible[:, :first_column] = row_mask
     counts = lengths.tolist()
     tokens = [output.responses[r, :n].clone() for r, n in enumerate(counts)]
     generated = [output.response_mask[r, :n].clone() for r, n in enumerate(counts)]
     logprobs = None if output.logprobs is None else [output.logprobs[r, :n].clone() for r, n in enumerate(counts)]
+    frontier = first_column + lengths - 1
     last_position = row_mask.sum(dim=1) + lengths - 1
     prompts = output.sequences[:, : output.prompt_length].clone()
-    return History(output, prompts, prompt_mask, tokens, generated, logprobs, visible, last_position, seed, row_ids)
+    return History(
+        output, prompts, prompt_mask, tokens, generated, logprobs, first_column, frontier, last_position, seed, row_ids
+    )
 
 
 @dataclasses.dataclass
 class Turn:
-    """One extend call's inputs: each live row's chunk ([last token] + appended), left-padded."""
+    """One extend call's inputs: each live row's chunk ([last token] + appended), packed in row order
+    without padding."""
 
     live: Tensor  # [rows] bool: rows that go on
     appended: list[Tensor | None]  # per row, on the device
-    ids: Tensor  # [rows, C] the chunks, left-padded with pad_id (a dead row: all padding)
-    real: Tensor  # [rows, C] bool: where a chunk has a token
-    positions: Tensor  # [rows, C] each chunk token's position (padding: the row's last position)
+    lengths: Tensor  # [rows] each row's chunk length (0: a row that does not go on)
+    ids: Tensor  # [T] the chunks' tokens
+    row: Tensor  # [T] each token's row
+    column: Tensor  # [T] the decode-buffer column its K and V go to (its row's frontier on)
+    positions: Tensor  # [T] each token's position
+    last: Tensor  # [live rows] the index in the packed tokens of each live row's last token
 
     @property
-    def width(self) -> int:
-        return self.ids.shape[1]
+    def tokens(self) -> int:
+        return self.ids.numel()
 
 
 def check_appended(appended, rows: int, vocab: int | None, device: torch.device) -> list[Tensor | None]:
@@ -138,47 +155,61 @@ def left_pad(rows: list[Tensor], pad_id: int) -> tuple[Tensor, Tensor]:
     return ids.clamp(min=0).masked_fill(~real, pad_id), real
 
 
-def make_turn(history: History, appended: list[Tensor | None], pad_id: int) -> Turn:
+def make_turn(history: History, appended: list[Tensor | None]) -> Turn:
     device = history.last_position.device
     live = torch.tensor([a is not None for a in appended], device=device)
     last = history.last_tokens()
-    chunks = [torch.cat([last[r : r + 1], a]) if a is not None else last.new_zeros(0) for r, a in enumerate(appended)]
-    # Left-padded: every chunk's last token is in the last column, whose logits are the first sample's.
-    ids, real = left_pad(chunks, pad_id)
-    width = ids.shape[1]
-    lengths = real.sum(dim=1)
-    offsets = torch.arange(width, device=device) - (width - lengths[:, None])  # 0 at each chunk's first token
-    positions = torch.where(real, history.last_position[:, None] + offsets, history.last_position[:, None])
-    return Turn(live, appended, ids, real, positions)
+    chunks = [torch.cat([last[r : r + 1], a]) for r, a in enumerate(appended) if a is not None]
+    lengths = torch.tensor([0 if a is None else 1 + a.numel() for a in appended], device=device)
+    ids = torch.cat(chunks)
+    row = torch.repeat_interleave(torch.arange(history.rows, device=device), lengths)
+    ends = torch.cumsum(lengths, 0)
+    offset = torch.arange(ids.numel(), device=device) - (ends - lengths)[row]  # 0 at each chunk's first token
+    column = history.frontier[row] + offset
+    positions = history.last_position[row] + offset
+    return Turn(live, appended, lengths, ids, row, column, positions, ends[live] - 1)
 
 
-def extend_mask(history: History, turn: Turn, prompt_visible: Tensor | None) -> Tensor:
-    """[rows, C, keys] bool: which keys each chunk position attends to. Keys are (prefix layout: the row's
-    prompt, then) the decode buffer's columns up to the frontier, then the chunks. A padding query (and
-    every query of a dead row) sees itself only, so that no softmax row is empty."""
-    width = turn.width
-    query = turn.real[:, :, None]
-    causal = torch.ones(width, width, dtype=torch.bool, device=query.device).tril()
-    chunk = (causal[None] & turn.real[:, None, :] & query) | torch.eye(width, dtype=torch.bool, device=query.device)
-    parts = [history.visible[:, None, :] & query, chunk]
+def packed_attention(
+    history: History, turn: Turn, prompt_visible: Tensor | None = None, prompt_kv: Tensor | None = None
+) -> PackedTurnAttention:
+    """What the turn's packed forward attends to: each live row's chunk token j sees its row's history
+    (`History.visible`) and its chunk's tokens up to j (columns frontier .. frontier + j), and in the prefix
+    layout its prompt's KV (`prompt_visible` [prompts, P'] over `prompt_kv`)."""
+    device = turn.ids.device
+    rows = turn.live.nonzero().flatten()
+    lengths = turn.lengths[rows]
+    chunk = int(lengths.max())  # host sync: the layout's width, once per turn
+    j = torch.arange(chunk, device=device)
+    firsts = torch.cumsum(lengths, 0) - lengths  # each live row's first packed token
+    slots = firsts[:, None] + torch.minimum(j[None, :], lengths[:, None] - 1)
+    live_index = torch.cumsum(turn.live.long(), 0) - 1  # a live row's index among the live rows
+    token_slot = live_index[turn.row] * chunk + (
+        torch.arange(turn.tokens, device=device) - firsts[live_index[turn.row]]
+    )
+    frontier = history.frontier[rows]
+    keys = int((frontier + lengths).max())  # host sync: the columns read, once per turn
+    column = torch.arange(keys, device=device)
+    seen = history.visible(keys)[rows][:, None, :]  # [L, 1, keys]
+    in_chunk = (column[None, None, :] >= frontier[:, None, None]) & (
+        column[None, None, :] <= frontier[:, None, None] + j[None, :, None]
+    )
+    allowed = seen | in_chunk  # [L, C, keys]
+    prompt_of_row = None
     if prompt_visible is not None:
-        parts.insert(0, prompt_visible[:, None, :] & query)
-    return torch.cat(parts, dim=2)
+        samples = history.rows // prompt_visible.shape[0]
+        prompt_of_row = rows // samples
+        allowed = torch.cat([prompt_visible[prompt_of_row][:, None, :].expand(-1, chunk, -1), allowed], dim=2)
+    return PackedTurnAttention(rows, slots, token_slot, keys, allowed[:, None], prompt_kv, prompt_of_row)
 
 
-def record(history: History, turn: Turn, output, first_column: int) -> None:
+def record(history: History, turn: Turn, output) -> None:
     """Append this turn to each live row's history: its appended tokens, then what it generated (through
-    its first EOS), whose KV sits in the decode buffer from `first_column` on."""
+    its first EOS), whose KV sits in the decode buffer after the chunk."""
     live = turn.live
     lengths = torch.where(live, output.response_mask.sum(dim=1), 0)
-    response_len = output.responses.shape[1]
-    chunk_visible = turn.real & live[:, None]
-    columns = torch.arange(response_len - 1, device=live.device)
-    decoded_visible = columns[None] < (lengths[:, None] - 1)
-    history.visible = torch.cat([history.visible, chunk_visible, decoded_visible], dim=1)
-    history.last_position = torch.where(
-        live, history.last_position + turn.real.sum(dim=1) + lengths - 1, history.last_position
-    )
+    history.frontier = torch.where(live, history.frontier + turn.lengths + lengths - 1, history.frontier)
+    history.last_position = torch.where(live, history.last_position + turn.lengths + lengths - 1, history.last_position)
     for r, n in enumerate(lengths.tolist()):
         if turn.appended[r] is None:
             continue
@@ -189,7 +220,6 @@ def record(history: History, turn: Turn, output, first_column: int) -> None:
             zeros = torch.zeros(a.numel(), dtype=torch.float32, device=a.device)
             history.logprobs[r] = torch.cat([history.logprobs[r], zeros, output.logprobs[r, :n]])
     history.turns += 1
-    assert history.frontier == first_column + response_len - 1
 
 
 def history_output(history: History, pad_id: int, output_type):
