@@ -90,6 +90,8 @@ def test_every_address_a_decode_step_reads_is_keyed_or_kept(layout, monkeypatch)
         seed=0,
         eos_token_id=[41, 60, 90],
         return_logprobs=True,
+        min_shared_tokens=4,
+        enable_profiling=True,
     )
     rollout = Rollout(model, config)
     small = prompts(2, 6, seed=0, left_pad=[0, 1])
@@ -97,9 +99,17 @@ def test_every_address_a_decode_step_reads_is_keyed_or_kept(layout, monkeypatch)
     first_call = len(recorder.steps)
     assert first_call > 0
     kept = recorder.unkeyed(0)
-    # A larger call (the buffers grow), an extend past the buffers' length, and the first shape again.
+    # A larger call (the buffers grow), an extend past the buffers' length, a call whose prompts share a
+    # common prefix (computed once; the prefix layout keeps it in a buffer of its own), an extend after it,
+    # and the first shape again.
     larger = rollout.generate(*prompts(3, 40, seed=1, left_pad=[0, 3, 1]))
     rollout.extend(larger, [list(range(3, 40))] * 6, max_new_tokens=12)
+    ids, mask = prompts(3, 30, seed=2, left_pad=[0, 4, 9])
+    for row, pads in enumerate([0, 4, 9]):
+        ids[row, pads : pads + 10] = torch.arange(10, 20)  # a system prompt of 10 tokens in front of each
+    common = rollout.generate(ids, mask)
+    assert rollout.get_last_profile().prefill_tokens == 10 + int(mask.sum()) - 3 * 10  # the system prompt once
+    rollout.extend(common, [[5, 6]] * 6, max_new_tokens=8)
     rollout.generate(*small)
     assert rollout.decode_counters().compactions > 0  # compacted shapes were decoded too
     later = recorder.unkeyed(first_call)

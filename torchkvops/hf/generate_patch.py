@@ -70,6 +70,7 @@ ROLLOUT_OPTIONS = (
     "enable_profiling",
     "compact_finished_rows",
     "max_rows",
+    "min_shared_tokens",
 )
 WEIGHT_OPTIONS = tuple(field.name for field in dataclasses.fields(WeightOptions))
 PATCH_OPTIONS = (*ROLLOUT_OPTIONS, "reuse_kv", *WEIGHT_OPTIONS)

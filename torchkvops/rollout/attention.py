@@ -19,10 +19,11 @@ The kernel is torch's own fused attention that also returns the log-sum-exp (`to
 the CPU flash kernel on CPU, the memory-efficient kernel on CUDA, plain matmul + softmax elsewhere). Masks are additive biases
 ([rows, 1, 1, keys], 0 or -inf, in the model's dtype), kept and updated by the decode loop.
 
-A turn of `Rollout.extend` runs one forward over every row's chunk packed into one sequence (no padding
-in the model's projections and MLPs: `torchkvops.rollout.turns`); its attention (`PackedTurnAttention`)
-lays each live row's queries out against that row's own KV (and in the prefix layout its prompt's), with
-a mask of what each query may see, and packs the outputs back.
+A packed forward runs several rows' chunks as one sequence (no padding in the model's projections and
+MLPs): a turn of `Rollout.extend` (`torchkvops.rollout.turns`), and the prompts after a prefix common to
+all of them. Its attention (`PackedAttention`) lays each live row's queries out against that row's own KV
+(and the shared levels' it reads: in the prefix layout its prompt's, the common prefix's), with a mask of
+what each query may see, and packs the outputs back.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from .. import ops
 from ..fused_attention import attend
 
-__all__ = ["NAME", "DecodeAttention", "PackedTurnAttention", "decode_attention"]
+__all__ = ["NAME", "DecodeAttention", "PackedAttention", "SharedLevel", "packed_attention", "decode_attention"]
 
 NAME = "torchkvops"
 
@@ -60,44 +61,59 @@ class DecodeAttention:
     slot_rows: Tensor | None = None
     row_prompt: Tensor | None = None
     row_sample: Tensor | None = None
+    # Prefix layout with a prefix common to every prompt (torchkvops.rollout.prompts), kept once: every
+    # row's queries, stacked, read it once a step; prompt_kv then holds each prompt's remainder.
+    common_kv: Tensor | None = None  # [layers, 2, 1, kv_heads, L', head_dim]
+    common_bias: Tensor | None = None  # [1, 1, 1, L']
 
-    def load(self, state, prompt_kv: Tensor | None) -> None:
+    def load(self, state, prompt_kv: Tensor | None, common_kv: Tensor | None = None) -> None:
         """Take every field from the decode state being decoded (`torchkvops.rollout.state.DecodeState`) and the KV
-        cache's prompt view (prefix layout; None in the copy layout), in one place: the decoder calls this
-        whenever it starts decoding a state, so the context never holds a mix of two states. The object
-        itself stays the same (a compiled decode step reads it through a global)."""
+        cache's prompt view (prefix layout; None in the copy layout) and common prefix (None: none), in one
+        place: the decoder calls this whenever it starts decoding a state, so the context never holds a mix
+        of two states. The object itself stays the same (a compiled decode step reads it through a global)."""
         prefix = prompt_kv is not None
         self.prompt_kv = prompt_kv
         self.prompt_bias = state.prompt_bias if prefix else None
         self.slot_rows, self.row_prompt, self.row_sample = state.slot_rows, state.row_prompt, state.row_sample
+        self.common_kv = common_kv
+        self.common_bias = state.common_bias if common_kv is not None else None
+
+
+@dataclasses.dataclass(frozen=True)
+class SharedLevel:
+    """KV that several rows of a packed forward read besides their own (in the prefix layout: the prompts',
+    and a prefix common to every prompt): the live rows' reading of it."""
+
+    kv: Tensor  # [layers, 2, n, kv_heads, K', head_dim]
+    of_row: Tensor  # [L] the level's row each live row reads
+    visible: Tensor  # [L, K'] bool: which of its columns each live row sees
 
 
 @dataclasses.dataclass
-class PackedTurnAttention:
-    """What the attention layers need during a turn's packed forward (`Rollout.extend`): the packed
-    tokens are the live rows' chunks in row order. Each layer's K and V were written to the decode buffer
-    at each token's row and column (RolloutKVCache.update) before the attention reads that buffer."""
+class PackedAttention:
+    """What the attention layers need during a packed forward: several rows' chunks in one sequence, in row
+    order (a turn's appended tokens, `Rollout.extend`; the prompts after a prefix common to all). Each
+    layer's K and V were written to the rows' buffer at each token's row and column (RolloutKVCache.update)
+    before the attention reads that buffer; a token attends to its row's columns that `allowed` shows
+    (what the row held before, and its chunk up to itself), after the shared levels' KV it sees."""
 
-    rows: Tensor  # [L] the live rows: their rows of the decode buffer, in order
+    rows: Tensor  # [L] the live rows: their rows of the buffer, in order
     slots: Tensor  # [L, C] the packed index of each live row's j-th chunk token (past its chunk: its last)
     token_slot: Tensor  # [T] each packed token's place in the [L * C] slots (to pack the outputs back)
-    keys: int  # the decode buffer's columns read: up to the longest live row's chunk end
-    allowed: Tensor  # [L, 1, C, keys'] bool: what each query sees (the prefix layout: its prompt's KV first)
-    prompt_kv: Tensor | None = None  # prefix layout: [layers, 2, prompts, kv_heads, P', head_dim]
-    prompt_of_row: Tensor | None = None  # prefix layout: [L] each live row's prompt
+    keys: int  # the buffer's columns read: up to the longest live row's chunk end
+    allowed: Tensor  # [L, 1, C, keys'] bool: the shared levels' columns, then the row's own
+    levels: tuple[SharedLevel, ...] = ()
 
     def attend(self, module: nn.Module, query: Tensor, key: Tensor, value: Tensor, scaling) -> Tensor:
-        """query [1, heads, T, head_dim] (the packed tokens); key, value: the layer's decode buffer [rows,
-        kv_heads, columns, head_dim]. Returns [1, T, heads, head_dim]."""
+        """query [1, heads, T, head_dim] (the packed tokens); key, value: the layer's buffer [rows, kv_heads,
+        columns, head_dim]. Returns [1, T, heads, head_dim]."""
         live, chunk = self.slots.shape
         heads, head_dim = query.shape[1], query.shape[3]
         q = query[0].transpose(0, 1)[self.slots].permute(0, 2, 1, 3)  # [L, heads, C, head_dim]
-        k = key.index_select(0, self.rows)[:, :, : self.keys]
-        v = value.index_select(0, self.rows)[:, :, : self.keys]
-        if self.prompt_kv is not None:
-            layer = self.prompt_kv[module.layer_idx]
-            k = torch.cat([layer[0].index_select(0, self.prompt_of_row), k], dim=2)
-            v = torch.cat([layer[1].index_select(0, self.prompt_of_row), v], dim=2)
+        ks = [level.kv[module.layer_idx, 0].index_select(0, level.of_row) for level in self.levels]
+        vs = [level.kv[module.layer_idx, 1].index_select(0, level.of_row) for level in self.levels]
+        k = torch.cat([*ks, key.index_select(0, self.rows)[:, :, : self.keys]], dim=2)
+        v = torch.cat([*vs, value.index_select(0, self.rows)[:, :, : self.keys]], dim=2)
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=self.allowed, scale=scaling, enable_gqa=k.shape[1] != heads
         )  # [L, heads, C, head_dim]
@@ -105,14 +121,42 @@ class PackedTurnAttention:
         return out[None]
 
 
-_active: DecodeAttention | PackedTurnAttention | None = None
+def packed_attention(
+    live: Tensor, lengths: Tensor, frontier: Tensor, seen: Tensor, levels: tuple[SharedLevel, ...] = ()
+) -> PackedAttention:
+    """The attention of a packed forward (`PackedAttention`) over rows' chunks: `live` [rows] bool (the rows
+    with a chunk), `lengths` [rows] their chunks' lengths, `frontier` [rows] the column each chunk starts
+    at, `seen` [rows, >= keys] bool: the columns each row holds before its chunk (its history). Chunk token j
+    of a row sees what its row held before and its chunk up to j, after the levels it reads."""
+    device = lengths.device
+    rows = live.nonzero().flatten()
+    lengths, frontier = lengths[rows], frontier[rows]
+    chunk = int(lengths.max())  # host sync: the layout's width, once per forward
+    keys = int((frontier + lengths).max())  # host sync: the columns read
+    j = torch.arange(chunk, device=device)
+    firsts = torch.cumsum(lengths, 0) - lengths  # each live row's first packed token
+    slots = firsts[:, None] + torch.minimum(j[None, :], lengths[:, None] - 1)
+    tokens = int(lengths.sum())
+    token_row = torch.repeat_interleave(torch.arange(rows.numel(), device=device), lengths)
+    token_slot = token_row * chunk + (torch.arange(tokens, device=device) - firsts[token_row])
+    column = torch.arange(keys, device=device)
+    in_chunk = (column[None, None, :] >= frontier[:, None, None]) & (
+        column[None, None, :] <= frontier[:, None, None] + j[None, :, None]
+    )
+    allowed = seen[rows][:, None, :keys] | in_chunk  # [L, C, keys]
+    shared = [level.visible[:, None, :].expand(-1, chunk, -1) for level in levels]
+    allowed = torch.cat([*shared, allowed], dim=2)
+    return PackedAttention(rows, slots, token_slot, keys, allowed[:, None], tuple(levels))
+
+
+_active: DecodeAttention | PackedAttention | None = None
 # One decode at a time per process: `_active` is one global (a thread-local would break torch.compile's
 # full graph), and two models decoding in two threads would otherwise read each other's context.
 _decode_lock = threading.RLock()
 
 
 @contextlib.contextmanager
-def decode_attention(model: nn.Module, context: DecodeAttention | PackedTurnAttention) -> Iterator[None]:
+def decode_attention(model: nn.Module, context: DecodeAttention | PackedAttention) -> Iterator[None]:
     """Route the model's attention through `torchkvops_attention` with `context` for the block.
 
     The switch is on the model's config, which every attention layer reads at each call, so it holds
@@ -158,7 +202,7 @@ def torchkvops_attention(
                 f"torchkvops: this model's attention uses {unsupported!r}, which the rollout's "
                 "decode attention does not support"
             )
-    if isinstance(context, PackedTurnAttention):
+    if isinstance(context, PackedAttention):
         return context.attend(module, query, key, value, scaling), None
     rows, heads, q_len, head_dim = query.shape
     kv_heads = key.shape[1]
@@ -191,14 +235,24 @@ def torchkvops_attention(
     lse_p = lse_p.view(prompts, kv_heads, samples, group).transpose(1, 2)
     if slotted:  # each row's prefix part from its slot (prompt, sample): [rows, kv_heads, group, ...], one gather
         prompt, sample = context.row_prompt, context.row_sample
-        out, _ = ops.merge_attention_states(out_p[prompt, sample], lse_p[prompt, sample], out_s, lse_s)
-        return out.reshape(rows, 1, heads, head_dim), None
-    out, _ = ops.merge_attention_states(
-        out_p,
-        lse_p,
-        out_s.view(prompts, samples, kv_heads, group, head_dim),
-        lse_s.view(prompts, samples, kv_heads, group),
-    )
+        out, lse = ops.merge_attention_states(out_p[prompt, sample], lse_p[prompt, sample], out_s, lse_s)
+    else:
+        out, lse = ops.merge_attention_states(
+            out_p,
+            lse_p,
+            out_s.view(prompts, samples, kv_heads, group, head_dim),
+            lse_s.view(prompts, samples, kv_heads, group),
+        )
+    if context.common_kv is not None:
+        # A prefix common to every prompt: every row's queries, stacked, against its one copy (read once).
+        common_k, common_v = context.common_kv[layer, 0], context.common_kv[layer, 1]
+        every = q.transpose(0, 1).reshape(1, kv_heads, rows * group, head_dim)
+        out_c, lse_c = attend(every, common_k, common_v, context.common_bias, scale=scaling)
+        out_c = out_c.view(kv_heads, rows, group, head_dim).transpose(0, 1)
+        lse_c = lse_c.view(kv_heads, rows, group).transpose(0, 1)
+        out, _ = ops.merge_attention_states(
+            out_c, lse_c, out.reshape(rows, kv_heads, group, head_dim), lse.reshape(rows, kv_heads, group)
+        )
     return out.reshape(rows, 1, heads, head_dim), None
 
 

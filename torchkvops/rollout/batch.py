@@ -121,6 +121,12 @@ class DecodeBatch:
             s.prompt_bias.dtype
         )
 
+    def show_common(self, visible: Tensor) -> None:
+        """Prefix layout: every row shows `visible` ([1, common buffer length] bool) of the prefix common
+        to every prompt."""
+        s = self.state
+        s.common_bias[:, 0, 0] = visible_bias(visible, s.shape.common_len).to(s.common_bias.dtype)
+
     def seat_in_slots(self, rows: Tensor, group: int, sample: Tensor) -> None:
         """Prefix layout, a streaming batch: rows `rows` (device int64) read prompt group `group`, each
         through the query slot of its sample `sample` [k]."""

@@ -43,6 +43,10 @@ class RolloutConfig:
     # it decodes max_rows // samples_per_prompt prompts at a time and refills the rows of the prompts whose
     # samples have all ended with waiting prompts (torchkvops.rollout.streaming). Same tokens either way.
     max_rows: int | None = None
+    # A prefix that every prompt of a call begins with (a system prompt), at least this many tokens long, is
+    # computed once; with kv_sharing="prefix" every row's decode reads its KV once a step. None: never
+    # looked for. Same tokens either way (torchkvops.rollout.prompts).
+    min_shared_tokens: int | None = 32
 
     def __post_init__(self):
         def need(ok: bool, field: str, what: str):
@@ -118,6 +122,11 @@ class RolloutConfig:
             "max_rows",
             f"must hold at least one prompt's samples_per_prompt={self.samples_per_prompt} rows (a prompt's "
             "samples decode together)",
+        )
+        need(
+            self.min_shared_tokens is None or (is_int(self.min_shared_tokens) and self.min_shared_tokens >= 1),
+            "min_shared_tokens",
+            "must be None (no common prefix looked for) or an int >= 1",
         )
         need(
             self.lm_head_dtype in (None, torch.float32),

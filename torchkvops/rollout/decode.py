@@ -255,12 +255,14 @@ class Decoder:
         write_start: int | Tensor,
         max_new_tokens: int,
         prompt_visible: Tensor | None = None,
+        common_visible: Tensor | None = None,
     ) -> DecodeBatch:
         """A batch of every row of a call, each row's first token sampled from `first_logits` [rows,
         vocab]. What each row sees: `visible` [rows, C] (bool) over the decode buffer's first C columns,
         and in the prefix layout `prompt_visible` [prompts, P'] over its prompt's KV; `positions` [rows]:
         the position of the token each row feeds first; decode writes from column `write_start` on (one
-        for every row, or [rows]: each row's own).
+        for every row, or [rows]: each row's own); `common_visible` [1, L']: what every row sees of a prefix
+        common to every prompt, kept once (the prefix layout).
         `live` [rows] (bool, optional): False for rows that have ended before they start."""
         rows = first_logits.shape[0]
         prompts = 0 if prompt_visible is None else prompt_visible.shape[0]
@@ -270,6 +272,8 @@ class Decoder:
         batch = DecodeBatch(self, self.state_for(shape), self.layout.batch_map(rows))
         if prompt_visible is not None:
             batch.show_prompts(None, prompt_visible)
+        if common_visible is not None:
+            batch.show_common(common_visible)
         self.step.bind(batch.state)
         batch.admit(
             None,

@@ -27,15 +27,18 @@ from torch import Tensor, nn
 from ..models.adapter import ModelAdapter
 from ..utils import left_padding_fault
 from . import attention
+from .attention import packed_attention
 from .config import MIN_TEMPERATURE, RolloutConfig, RolloutOutput  # noqa: F401
 from .decode import FINISHED_CHECK_INTERVAL, MAX_DECODE_STATES, Decoder, DecodeStep, NonFiniteLogitsError  # noqa: F401
 from .kv_cache import RolloutKVCache
 from .layouts import KV_LENGTH_MULTIPLE, RESPONSE_KV_MULTIPLE, CopyLayout, layout_for, round_up  # noqa: F401
 from .lm_head import Float32LMHead
+from .packing import pack
 from .profiling import RolloutProfile, StageTimer
+from .prompts import common_prefix_length, common_prompts, plain_prompts
 from .sampling import SamplingParams
 from .streaming import stream, unbudgeted_width
-from .turns import History, check_appended, first_history, history_output, make_turn, packed_attention, record
+from .turns import History, check_appended, first_history, history_output, make_turn, record, turn_attention
 
 __all__ = [
     "Rollout",
@@ -259,35 +262,42 @@ class Rollout:
         n, new_tokens = cfg.samples_per_prompt, cfg.max_new_tokens
         rows = batch * n
         with timer.stage("prompt_expansion"):
-            prefill_ids, prefill_mask = input_ids, attention_mask
-            if not cfg.shared_prefill and n > 1:
-                prefill_ids = input_ids.repeat_interleave(n, dim=0)
-                prefill_mask = attention_mask.repeat_interleave(n, dim=0)
-            prefill_positions = (prefill_mask.cumsum(dim=1) - 1).clamp(min=0)
-            prefill_attn = self._prefill_attention_mask(prefill_mask)
+            # A prefix every prompt begins with is computed once (not in the expanded baseline, whose point
+            # is to compute every row's prompt).
+            common = common_prefix_length(
+                input_ids, attention_mask, cfg.min_shared_tokens if cfg.shared_prefill else None
+            )
+            prompts = (
+                common_prompts(input_ids, attention_mask, common, layout.holds_common)
+                if common
+                else plain_prompts(input_ids, attention_mask)
+            )
+            width = int(prompts.ends.max())  # the prompt KV's columns (P without a common prefix)
 
         with timer.stage("prefill"):
-            cache.prepare(layout, batch, rows, layout.kv_lengths(prompt_len, new_tokens))
-            cache.start_prefill()
-            logits = self._prefill_fn(prefill_ids, prefill_attn, prefill_positions)
+            cache.prepare(layout, batch, rows, layout.kv_lengths(width, new_tokens), layout.common_length(common))
+            if common:
+                logits, prefill_tokens = self._prefill_common(prompts)
+            else:
+                logits, prefill_tokens = self._prefill_prompts(input_ids, attention_mask)
 
         with timer.stage("kv_expand"):
             if cfg.shared_prefill and n > 1:
-                layout.expand_prompts(cache, batch, prompt_len)
+                layout.expand_prompts(cache, batch, width)
                 logits = logits.repeat_interleave(n, dim=0)
 
         with timer.stage("decode"):
-            row_mask = attention_mask.repeat_interleave(n, dim=0).bool()
             decoding = self._decoder.start(
                 logits,
                 seed,
                 row_ids,
                 live,
-                visible=layout.decode_visible(row_mask),
-                positions=row_mask.sum(dim=1),
-                write_start=layout.first_column(prompt_len),
+                visible=layout.decode_visible(prompts.columns.repeat_interleave(n, dim=0)),
+                positions=prompts.lengths.repeat_interleave(n),
+                write_start=layout.first_columns(prompts).repeat_interleave(n),
                 max_new_tokens=new_tokens,
-                prompt_visible=layout.prompt_visible(attention_mask, cache),
+                prompt_visible=layout.prompt_visible(prompts.columns, cache),
+                common_visible=layout.common_visible(cache, common),
             )
             steps = self._decoder.run_call(decoding, ended_everywhere)
         kv_bytes = cache.used_bytes
@@ -296,7 +306,7 @@ class Rollout:
             self._decoder.check_nonfinite(decoding)
             out = self._finish(input_ids, decoding.first, steps + 1)
             generated = int(out.response_mask.sum())
-            self._history = first_history(out, attention_mask, n, layout.first_column(prompt_len), seed, row_ids)
+            self._history = first_history(out, prompts, n, layout, seed, row_ids)
             self._streamed = False
         counts = dict(
             generated=generated,
@@ -307,10 +317,45 @@ class Rollout:
             response_length=steps + 1,
             kv_cache_bytes=kv_bytes,
             computed_row_steps=decoding.row_steps,
-            prefill_tokens=prefill_ids.numel(),
+            prefill_tokens=prefill_tokens,
             reused_tokens=0,
         )
         return out, counts
+
+    def _prefill_prompts(self, input_ids: Tensor, attention_mask: Tensor) -> tuple[Tensor, int]:
+        """The prompts as given, one forward over all of them (every row's copy in the expanded baseline):
+        (the last positions' logits [B or B*N, vocab], the positions computed)."""
+        n = self.config.samples_per_prompt
+        if not self.config.shared_prefill and n > 1:
+            input_ids = input_ids.repeat_interleave(n, dim=0)
+            attention_mask = attention_mask.repeat_interleave(n, dim=0)
+        positions = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+        self.cache.start_prefill()
+        logits = self._prefill_fn(input_ids, self._prefill_attention_mask(attention_mask), positions)
+        return logits, input_ids.numel()
+
+    def _prefill_common(self, prompts) -> tuple[Tensor, int]:
+        """The prompts after a prefix common to all of them (`rollout.prompts`): the prefix once (one row),
+        where the layout keeps it, then every prompt's remainder in one packed forward that attends to it:
+        (each prompt's last position's logits [B, vocab], the positions computed)."""
+        cache, layout, common = self.cache, self.layout, prompts.common
+        batch, width = prompts.ids.shape
+        first = width - int(prompts.lengths[0])  # host sync: where prompt 0's tokens start, once per call
+        cache.start_prefill(into=layout.common_buffer(cache))
+        self._prefill_fn(prompts.ids[:1, first : first + common], None, torch.arange(common, device=self.device)[None])
+        layout.share_common(cache, batch, common)
+        start = common if layout.holds_common else 0  # where each remainder's KV starts in its prompt row
+        starts = torch.full((batch,), start, dtype=torch.long, device=self.device)
+        packed = pack(prompts.remainders(), starts, torch.full_like(starts, common))
+        keys = int(prompts.ends.max())
+        seen = torch.arange(keys, device=self.device)[None, :].expand(batch, -1) < start  # the common prefix's columns
+        context = packed_attention(
+            packed.live, packed.lengths, starts, seen, layout.common_levels(cache, batch, common)
+        )
+        cache.start_extend(packed.row, packed.column, into=cache.prompt_kv)
+        with attention.decode_attention(self.adapter.model, context):
+            logits = self.adapter.packed_logits(cache, packed.ids, packed.positions, packed.column, packed.last)
+        return logits, common + packed.tokens
 
     def _extend(
         self, previous: RolloutOutput, appended, max_new_tokens: int | None, seed: int | None = None
@@ -345,10 +390,9 @@ class Rollout:
             self.adapter.check_length(int(live_positions.max()), max_new_tokens)
             decode_start = history.frontier + turn.lengths  # each row decodes on after its chunk
             cache.grow(round_up(int(decode_start.max()) + max_new_tokens - 1))
-            prompt_visible = layout.prompt_visible(history.prompt_mask, cache)
-            context = packed_attention(
-                history, turn, prompt_visible, None if prompt_visible is None else cache.prompt_kv
-            )
+            prompt_visible = layout.prompt_visible(history.prompt_info.columns, cache)
+            live_rows = turn.live.nonzero().flatten()
+            context = turn_attention(history, turn, layout.turn_levels(cache, history.prompt_info, live_rows // n))
             # Rows that generate nothing this turn are left out of its decode when that saves enough: the
             # others are gathered as compaction gathers them, after the forward.
             plan = self._decoder.initial_plan(~turn.live.cpu())
@@ -374,6 +418,7 @@ class Rollout:
                 write_start=decode_start,
                 max_new_tokens=max_new_tokens,
                 prompt_visible=prompt_visible,
+                common_visible=layout.common_visible(cache, history.prompt_info.common),
             )
             steps = self._decoder.run_call(decoding, initial_plan=plan)
         kv_bytes = cache.used_bytes

@@ -9,7 +9,9 @@ stores a step's K and V. Two layouts (`RolloutConfig.kv_sharing`):
   [0, B), `repeat_kv_cache_` copies each prompt to its N rows, decode appends at column P + step.
 - "prefix": the B prompts' KV stays where prefill wrote it, once per prompt (`prompt_kv`, B rows x P
   positions), and each of the B*N rows owns only its response KV (`decode_kv`, R - 1 positions). The
-  decode attention (`torchkvops.rollout.attention`) reads both and merges them; nothing is copied.
+  decode attention (`torchkvops.rollout.attention`) reads both and merges them; nothing is copied. A
+  prefix common to every prompt, computed once (`torchkvops.rollout.prompts`), is kept once too
+  (`common_kv`, one row), apart from the rest: compaction never moves it.
 
 Two phases, chosen by the caller:
 - prefill: the prompt's K/V (positions [0, P)) go into the prompt rows, and attention uses those K/V
@@ -74,6 +76,10 @@ class RolloutKVCache(Cache):
         # the current views: where decode writes and reads (a compacted batch's, or the home ones).
         self._home: list[Tensor] = []
         self._current: list[Tensor] = []
+        # Prefix layout: the KV of a prefix common to every prompt, [layers, 2, 1, kv_heads, L', head_dim]
+        # (None: none this call), in an allocation of its own, kept while it is big enough.
+        self.common_kv: Tensor | None = None
+        self._common_storage: Tensor | None = None
         # Where the next decode step writes each row: the decode state's `column` [rows], bound by the step.
         self.columns: Tensor | None = None
         self._prefill_start = torch.zeros(1, dtype=torch.long, device=self.device)
@@ -102,12 +108,18 @@ class RolloutKVCache(Cache):
         return self._home[-1] if self._home else None
 
     # --- buffer management ---------------------------------------------------------------------
-    def prepare(self, layout, prompts: int, rows: int, lengths: tuple[int, ...]) -> None:
+    def prepare(self, layout, prompts: int, rows: int, lengths: tuple[int, ...], common: int = 0) -> None:
         """Buffers of `layout` for `prompts` prompts and `rows` rows, of `lengths` positions each
-        ([layers, 2, rows of the buffer, kv_heads, positions, head_dim])."""
+        ([layers, 2, rows of the buffer, kv_heads, positions, head_dim]), and `common` positions of a prefix
+        common to every prompt kept once (`common_kv`; 0: none)."""
         shapes = [self.shape.buffer_shape(r, t) for r, t in zip(layout.buffer_rows(prompts, rows), lengths)]
         self._home = self._current = self._views(shapes)
         self.layout = layout
+        self.common_kv = None
+        if common:
+            self._common_storage, (self.common_kv,) = _carve(
+                self._common_storage, [self.shape.buffer_shape(1, common)], self.dtype, self.device
+            )
 
     @property
     def compacted(self) -> bool:
@@ -176,7 +188,9 @@ class RolloutKVCache(Cache):
     def _views(self, shapes: list[tuple[int, ...]]) -> list[Tensor]:
         self.work_used_bytes = 0  # new home views: no compacted batch yet
         if self._storage is None or self._storage.numel() < sum(math.prod(s) for s in shapes):
-            self.release()  # free the old allocation before making the new one
+            # Free the old allocation before making the new one (a common prefix's, apart, stays).
+            self._storage = self._work = None
+            self._home = self._current = []
         self._storage, views = _carve(self._storage, shapes, self.dtype, self.device)
         return views
 
@@ -198,6 +212,7 @@ class RolloutKVCache(Cache):
         """Free the buffers; the next `prepare()` allocates new ones."""
         self._storage = self._work = self.layout = None
         self._home = self._current = []
+        self.common_kv = self._common_storage = None
         self._token_rows = self._token_columns = None
         # Made anew (see Rollout.release: a caller's inference_mode may have made it).
         self._prefill_start = torch.zeros(1, dtype=torch.long, device=self.device)
@@ -211,19 +226,23 @@ class RolloutKVCache(Cache):
     def used_bytes(self) -> int:
         """Bytes of KV storage the home views and the largest compacted batch use (the allocations may
         be larger, from an earlier call)."""
-        return sum(v.numel() * v.element_size() for v in self._home) + self.work_used_bytes
+        common = 0 if self.common_kv is None else self.common_kv.numel() * self.common_kv.element_size()
+        return sum(v.numel() * v.element_size() for v in self._home) + self.work_used_bytes + common
 
     # --- phases --------------------------------------------------------------------------------
-    def start_prefill(self) -> None:
+    def start_prefill(self, into: Tensor | None = None) -> None:
+        """A forward over prompts written from column 0 of `into`'s rows (default: `prompt_kv`; the prefix
+        layout's common prefix goes to `common_kv`), attending to exactly those positions."""
         self.phase = "prefill"
-        self._prefill_start.zero_()  # (an extend's forward moved it)
+        self._into = self.prompt_kv if into is None else into
 
-    def start_extend(self, rows: Tensor, columns: Tensor) -> None:
-        """A packed forward over the rows' appended tokens (Rollout.extend): token t's K and V go to the
-        decode buffer's row `rows[t]`, column `columns[t]`; the attention (`attention.PackedTurnAttention`)
-        reads the buffer after the write."""
+    def start_extend(self, rows: Tensor, columns: Tensor, into: Tensor | None = None) -> None:
+        """A packed forward (`packing`): token t's K and V go to row `rows[t]`, column `columns[t]` of `into`
+        (default: `decode_kv`; the prompts after a common prefix go to `prompt_kv`); the attention
+        (`attention.PackedAttention`) reads that buffer after the write."""
         self.phase = "extend"
         self._token_rows, self._token_columns = rows, columns
+        self._into = self.decode_kv if into is None else into
 
     def start_decode(self) -> None:
         self.phase = "decode"
@@ -243,9 +262,9 @@ class RolloutKVCache(Cache):
         self._check_layout(key_states, value_states, layer_idx)
         if self.phase == "prefill":
             # Prefill writes positions [0, P) and attends to exactly those, no padding to the buffer.
-            write_kv_(self.prompt_kv, key_states, value_states, layer_idx, self._prefill_start)
+            write_kv_(self._into, key_states, value_states, layer_idx, self._prefill_start)
             return key_states, value_states
-        kv = self.decode_kv  # packed tokens [1, kv_heads, T, head_dim]: each to its row and column
+        kv = self._into  # packed tokens [1, kv_heads, T, head_dim]: each to its row and column
         kv[layer_idx, 0][self._token_rows, :, self._token_columns] = key_states[0].transpose(0, 1)
         kv[layer_idx, 1][self._token_rows, :, self._token_columns] = value_states[0].transpose(0, 1)
         return kv[layer_idx, 0], kv[layer_idx, 1]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .attention import SharedLevel
 from .compaction import BatchMap
 from .state import DecodeShape
 
@@ -47,9 +48,39 @@ class CopyLayout:
 
     name = "copy"
     needs_shared_prefill = False  # (the expanded baseline prefills every row's copy: this layout's own)
+    holds_common = True  # a prefix common to every prompt sits in each prompt's rows, before its remainder
 
     def __init__(self, samples: int):
         self.samples = samples
+
+    # --- a prefix common to every prompt (torchkvops.rollout.prompts) ------------------------------------
+    def common_length(self, common: int) -> int:
+        """The positions of the buffer that keeps a common prefix of `common` tokens apart (0: none)."""
+        return 0
+
+    def common_buffer(self, cache) -> Tensor:
+        """Where the common prefix's one row of KV is computed: prompt 0's row here."""
+        return cache.prompt_kv
+
+    def share_common(self, cache, batch: int, common: int) -> None:
+        """After the common prefix was computed once: every prompt's rows hold it (one copy per prompt)."""
+        cache.expand_prompts(1, batch, common)
+
+    def common_levels(self, cache, batch: int, common: int) -> tuple[SharedLevel, ...]:
+        """What the prompts' remainders read besides their own rows: nothing here (their rows hold it)."""
+        return ()
+
+    def common_visible(self, cache, common: int) -> Tensor | None:
+        """The decode attention's view of a common prefix kept once ([1, its buffer's length] bool), or None."""
+        return None
+
+    def first_columns(self, prompts) -> Tensor:
+        """[B] the decode buffer's column each prompt's rows write first: after its prompt's KV."""
+        return prompts.ends
+
+    def turn_levels(self, cache, prompts, prompt_of_row: Tensor) -> tuple[SharedLevel, ...]:
+        """What a turn's live rows (their prompts: `prompt_of_row`) read besides their own rows: nothing."""
+        return ()
 
     # --- the KV buffers -------------------------------------------------------------------------
     def kv_lengths(self, prompt_len: int, new_tokens: int) -> tuple[int, ...]:
@@ -153,6 +184,36 @@ class PrefixLayout(CopyLayout):
 
     name = "prefix"
     needs_shared_prefill = True  # one prompt KV per prompt: what a shared prefill writes
+    holds_common = False  # a common prefix is kept once (cache.common_kv), each prompt's remainder apart
+
+    def common_length(self, common: int) -> int:
+        return round_up(common) if common else 0
+
+    def common_buffer(self, cache) -> Tensor:
+        return cache.common_kv
+
+    def share_common(self, cache, batch: int, common: int) -> None:
+        """Nothing to copy: every row reads the one copy."""
+
+    def _common_visible(self, cache, common: int, rows: int) -> Tensor:
+        index = torch.arange(cache.common_kv.shape[4], device=cache.common_kv.device)
+        return (index < common)[None, :].expand(rows, -1)
+
+    def common_levels(self, cache, batch: int, common: int) -> tuple[SharedLevel, ...]:
+        zeros = torch.zeros(batch, dtype=torch.long, device=cache.common_kv.device)
+        return (SharedLevel(cache.common_kv, zeros, self._common_visible(cache, common, batch)),)
+
+    def common_visible(self, cache, common: int) -> Tensor | None:
+        return None if cache.common_kv is None else self._common_visible(cache, common, 1)
+
+    def first_columns(self, prompts) -> Tensor:
+        return torch.zeros_like(prompts.ends)
+
+    def turn_levels(self, cache, prompts, prompt_of_row: Tensor) -> tuple[SharedLevel, ...]:
+        """The common prefix (kept once), then each live row's prompt."""
+        levels = self.common_levels(cache, prompt_of_row.numel(), prompts.common) if cache.common_kv is not None else ()
+        visible = self.prompt_visible(prompts.columns, cache)[prompt_of_row]
+        return (*levels, SharedLevel(cache.prompt_kv, prompt_of_row, visible))
 
     def kv_lengths(self, prompt_len: int, new_tokens: int) -> tuple[int, ...]:
         return round_up(prompt_len), round_up(new_tokens - 1, RESPONSE_KV_MULTIPLE)
@@ -173,7 +234,9 @@ class PrefixLayout(CopyLayout):
         return row_mask[:, :0]  # the rows' own buffers start empty: the prompts are seen through the prefix part
 
     def prompt_visible(self, prompt_mask: Tensor, cache) -> Tensor:
-        """Every column of each prompt's KV: the prompt's mask, then the buffer's rounding (hidden)."""
+        """Every column of each prompt's KV: the columns that hold its tokens (`prompt_mask` [B, W]: the
+        prompt's mask, or where its remainder after a common prefix sits), then the buffer's rounding
+        (hidden)."""
         visible = torch.zeros(
             prompt_mask.shape[0], cache.prompt_kv.shape[4], dtype=torch.bool, device=prompt_mask.device
         )
@@ -181,18 +244,28 @@ class PrefixLayout(CopyLayout):
         return visible
 
     def decode_shape(self, cache, rows: int, prompts: int, max_new_tokens: int, dtype, logprobs: bool, slots: int = 0):
+        common = 0 if cache.common_kv is None else cache.common_kv.shape[4]
         return DecodeShape(
-            rows, cache.decode_kv.shape[4], max_new_tokens, dtype, prompts, cache.prompt_kv.shape[4], logprobs, slots
+            rows,
+            cache.decode_kv.shape[4],
+            max_new_tokens,
+            dtype,
+            prompts,
+            cache.prompt_kv.shape[4],
+            logprobs,
+            slots,
+            common,
         )
 
     def batch_map(self, rows: int) -> BatchMap:
         return BatchMap(rows, self.samples)
 
     def load_context(self, context, state, cache) -> None:
-        context.load(state, cache.prompt_kv)
+        context.load(state, cache.prompt_kv, cache.common_kv)
 
     def dynamic_tensors(self, state, cache) -> list[tuple[Tensor, tuple[int, ...]]]:
-        return [(cache.prompt_kv, (2, 4)), (state.prompt_bias, (0, 3))]
+        common = [] if cache.common_kv is None else [(cache.common_kv, (4,)), (state.common_bias, (3,))]
+        return [(cache.prompt_kv, (2, 4)), (state.prompt_bias, (0, 3)), *common]
 
     # A streaming batch keeps prompt KV slots, each held until all of its prompt's samples have ended
     # (twice the prompts the rows hold at once, so that prompts whose last samples linger do not keep rows

@@ -33,13 +33,14 @@ class DecodeShape:
     prompt_len: int = 0
     logprobs: bool = False
     slots: int = 0
+    common_len: int = 0  # prefix layout: the positions of a prefix common to every prompt, kept once (0: none)
 
 
 @dataclasses.dataclass(frozen=True)
 class _Field:
     """One tensor of a DecodeState. `per`: what its first dim indexes, and so how compaction moves it:
     "row" (gathered with its row), "prompt" (gathered with its prompt group), "slot" (set from the
-    compaction's plan)."""
+    compaction's plan), "shared" (read by every row: copied whole)."""
 
     name: str
     per: str
@@ -98,6 +99,13 @@ class DecodeState:
             None,
             "prefix layout: the bias over each prompt's shared KV",
         ),
+        _Field(
+            "common_bias",
+            "shared",
+            lambda s: _if(s.common_len > 0, (1, 1, 1, s.common_len)),
+            None,
+            "prefix layout: the bias over a prefix common to every prompt, kept once",
+        ),
         # A compacted prefix-layout batch (slots > 0): the shared-prefix attention's query slots, S per
         # prompt: the row at each slot, and each row's slot as (prompt, sample).
         _Field("slot_rows", "slot", lambda s: _if(s.slots > 0, (s.prompts * s.slots,))),
@@ -138,5 +146,7 @@ class DecodeState:
             src = getattr(self, f.name)
             if src is None or f.per == "slot":
                 continue
-            if f.per == "row" or groups is not None:
+            if f.per == "shared":
+                getattr(new, f.name).copy_(src)
+            elif f.per == "row" or groups is not None:
                 torch.index_select(src, 0, rows if f.per == "row" else groups, out=getattr(new, f.name))

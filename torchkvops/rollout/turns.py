@@ -21,7 +21,9 @@ import torch
 from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
 
-from .attention import PackedTurnAttention
+from .attention import PackedAttention, SharedLevel, packed_attention
+from .packing import Packed, pack
+from .prompts import Prompts
 
 _SEED_STEP = 0x9E3779B97F4A7C15  # each turn's sampling seed: the first call's plus this times the turn
 _SEED_MASK = 2**63 - 1
@@ -34,10 +36,14 @@ class History:
     output: object  # the RolloutOutput it returned: extend takes only that one
     prompts: Tensor  # [rows, P] each row's prompt, left-padded as given
     prompt_mask: Tensor  # [prompts, P] 0/1
+    prompt_info: Prompts  # where the prompts' KV is (a common prefix computed once, its columns)
     tokens: list[Tensor]  # per row: its history after the prompt (int64)
     generated: list[Tensor]  # per row: 1 where the model generated the token, 0 where it was appended
     logprobs: list[Tensor] | None  # per row: each token's log-probability (0 on appended tokens)
-    first_column: int  # the decode buffer's first column of a row's own KV (the copy layout: after the prompt)
+    first_column: (
+        Tensor  # [rows] the decode buffer's first column of each row's own KV (copy layout: after its prompt's)
+    )
+    prompt_columns: Tensor | None  # [rows, W] bool: the columns before it that hold the row's prompt (copy layout)
     frontier: Tensor  # [rows] int64: the first decode-buffer column after each row's history's KV
     last_position: Tensor  # [rows] int64: the position of each row's last token (which has no KV)
     seed: int
@@ -60,48 +66,48 @@ class History:
         prompt's end up to the frontier."""
         frontier = self.frontier if frontier is None else frontier
         index = torch.arange(columns, device=frontier.device)
-        visible = (index >= self.first_column) & (index < frontier[:, None])
-        if self.first_column:
-            samples = self.rows // self.prompt_mask.shape[0]
-            visible[:, : self.first_column] = self.prompt_mask.repeat_interleave(samples, dim=0).bool()
+        visible = (index >= self.first_column[:, None]) & (index < frontier[:, None])
+        if self.prompt_columns is not None:
+            width = min(columns, self.prompt_columns.shape[1])
+            visible[:, :width] |= self.prompt_columns[:, :width]
         return visible
 
 
-def first_history(output, prompt_mask: Tensor, samples: int, first_column: int, seed: int, row_ids: Tensor) -> History:
+def first_history(output, prompts: Prompts, samples: int, layout, seed: int, row_ids: Tensor) -> History:
     """The history after `generate`: each row's response through its first EOS. Its KV sits in the
-    decode buffer from `first_column` on (the copy layout: after the prompt, whose columns hold the prompt
-    where it has a token; the prefix layout: from column 0, the prompt's KV shared by its group)."""
-    row_mask = prompt_mask.repeat_interleave(samples, dim=0).bool()
+    decode buffer from the layout's first column of the row on (the copy layout: after its prompt's, whose
+    columns hold the prompt; the prefix layout: from column 0, the prompt's KV shared by its group)."""
     lengths = output.response_mask.sum(dim=1)
     counts = lengths.tolist()
     tokens = [output.responses[r, :n].clone() for r, n in enumerate(counts)]
     generated = [output.response_mask[r, :n].clone() for r, n in enumerate(counts)]
     logprobs = None if output.logprobs is None else [output.logprobs[r, :n].clone() for r, n in enumerate(counts)]
-    frontier = first_column + lengths - 1
-    last_position = row_mask.sum(dim=1) + lengths - 1
-    prompts = output.sequences[:, : output.prompt_length].clone()
+    first_column = layout.first_columns(prompts).repeat_interleave(samples)
+    prompt_columns = layout.decode_visible(prompts.columns.repeat_interleave(samples, dim=0))
+    last_position = prompts.lengths.repeat_interleave(samples) + lengths - 1
     return History(
-        output, prompts, prompt_mask, tokens, generated, logprobs, first_column, frontier, last_position, seed, row_ids
+        output,
+        output.sequences[:, : output.prompt_length].clone(),
+        prompts.mask,
+        prompts,
+        tokens,
+        generated,
+        logprobs,
+        first_column,
+        prompt_columns if prompt_columns.shape[1] else None,
+        first_column + lengths - 1,
+        last_position,
+        seed,
+        row_ids,
     )
 
 
 @dataclasses.dataclass
-class Turn:
+class Turn(Packed):
     """One extend call's inputs: each live row's chunk ([last token] + appended), packed in row order
-    without padding."""
+    without padding (`packing.Packed`), and what was appended to each row (None: a row that does not go on)."""
 
-    live: Tensor  # [rows] bool: rows that go on
-    appended: list[Tensor | None]  # per row, on the device
-    lengths: Tensor  # [rows] each row's chunk length (0: a row that does not go on)
-    ids: Tensor  # [T] the chunks' tokens
-    row: Tensor  # [T] each token's row
-    column: Tensor  # [T] the decode-buffer column its K and V go to (its row's frontier on)
-    positions: Tensor  # [T] each token's position
-    last: Tensor  # [live rows] the index in the packed tokens of each live row's last token
-
-    @property
-    def tokens(self) -> int:
-        return self.ids.numel()
+    appended: list[Tensor | None] = dataclasses.field(default_factory=list)
 
 
 def check_appended(appended, rows: int, vocab: int | None, device: torch.device) -> list[Tensor | None]:
@@ -156,51 +162,18 @@ def left_pad(rows: list[Tensor], pad_id: int) -> tuple[Tensor, Tensor]:
 
 
 def make_turn(history: History, appended: list[Tensor | None]) -> Turn:
-    device = history.last_position.device
-    live = torch.tensor([a is not None for a in appended], device=device)
     last = history.last_tokens()
-    chunks = [torch.cat([last[r : r + 1], a]) for r, a in enumerate(appended) if a is not None]
-    lengths = torch.tensor([0 if a is None else 1 + a.numel() for a in appended], device=device)
-    ids = torch.cat(chunks)
-    row = torch.repeat_interleave(torch.arange(history.rows, device=device), lengths)
-    ends = torch.cumsum(lengths, 0)
-    offset = torch.arange(ids.numel(), device=device) - (ends - lengths)[row]  # 0 at each chunk's first token
-    column = history.frontier[row] + offset
-    positions = history.last_position[row] + offset
-    return Turn(live, appended, lengths, ids, row, column, positions, ends[live] - 1)
+    chunks = [None if a is None else torch.cat([last[r : r + 1], a]) for r, a in enumerate(appended)]
+    packed = pack(chunks, history.frontier, history.last_position)
+    return Turn(**vars(packed), appended=appended)
 
 
-def packed_attention(
-    history: History, turn: Turn, prompt_visible: Tensor | None = None, prompt_kv: Tensor | None = None
-) -> PackedTurnAttention:
+def turn_attention(history: History, turn: Turn, levels: tuple[SharedLevel, ...] = ()) -> PackedAttention:
     """What the turn's packed forward attends to: each live row's chunk token j sees its row's history
-    (`History.visible`) and its chunk's tokens up to j (columns frontier .. frontier + j), and in the prefix
-    layout its prompt's KV (`prompt_visible` [prompts, P'] over `prompt_kv`)."""
-    device = turn.ids.device
-    rows = turn.live.nonzero().flatten()
-    lengths = turn.lengths[rows]
-    chunk = int(lengths.max())  # host sync: the layout's width, once per turn
-    j = torch.arange(chunk, device=device)
-    firsts = torch.cumsum(lengths, 0) - lengths  # each live row's first packed token
-    slots = firsts[:, None] + torch.minimum(j[None, :], lengths[:, None] - 1)
-    live_index = torch.cumsum(turn.live.long(), 0) - 1  # a live row's index among the live rows
-    token_slot = live_index[turn.row] * chunk + (
-        torch.arange(turn.tokens, device=device) - firsts[live_index[turn.row]]
-    )
-    frontier = history.frontier[rows]
-    keys = int((frontier + lengths).max())  # host sync: the columns read, once per turn
-    column = torch.arange(keys, device=device)
-    seen = history.visible(keys)[rows][:, None, :]  # [L, 1, keys]
-    in_chunk = (column[None, None, :] >= frontier[:, None, None]) & (
-        column[None, None, :] <= frontier[:, None, None] + j[None, :, None]
-    )
-    allowed = seen | in_chunk  # [L, C, keys]
-    prompt_of_row = None
-    if prompt_visible is not None:
-        samples = history.rows // prompt_visible.shape[0]
-        prompt_of_row = rows // samples
-        allowed = torch.cat([prompt_visible[prompt_of_row][:, None, :].expand(-1, chunk, -1), allowed], dim=2)
-    return PackedTurnAttention(rows, slots, token_slot, keys, allowed[:, None], prompt_kv, prompt_of_row)
+    (`History.visible`) and its chunk's tokens up to j, after the shared levels it reads (`levels`: in the
+    prefix layout its prompt's KV, and a prefix common to every prompt's)."""
+    keys = int((history.frontier + turn.lengths).max())  # host sync: the columns read, once per turn
+    return packed_attention(turn.live, turn.lengths, history.frontier, history.visible(keys), levels)
 
 
 def record(history: History, turn: Turn, output) -> None:
