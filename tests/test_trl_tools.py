@@ -26,6 +26,8 @@ from trl import GRPOTrainer  # noqa: E402
 from trl.chat_template_utils import add_response_schema, parse_response  # noqa: E402
 
 import torchkvops  # noqa: E402
+from torchkvops import RolloutConfig  # noqa: E402
+from torchkvops.rollout.prompts import common_prefix_length  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "grpo_trl_tools.py"
@@ -187,7 +189,10 @@ def check_served_calls(run, steps: int):
     for step in range(steps):
         ids, mask, out, profile = calls[step * (1 + ITERATIONS)]
         assert ids.shape[0] == ROWS and profile.reused_tokens == 0
-        assert profile.prefill_tokens == PROMPTS * ids.shape[1]  # each prompt once, not once per row
+        # Each prompt once, not once per row; the chat template's common beginning (its system part) once.
+        unique, unique_mask = ids[:: ROWS // PROMPTS], mask[:: ROWS // PROMPTS]
+        common = common_prefix_length(unique, unique_mask, RolloutConfig().min_shared_tokens)
+        assert profile.prefill_tokens == common + int(unique_mask.sum()) - PROMPTS * common
         for turn in range(1, 1 + ITERATIONS):
             kept = kept_rows(ids, mask, out, eos)
             ids, mask, out, profile = calls[step * (1 + ITERATIONS) + turn]
@@ -196,7 +201,7 @@ def check_served_calls(run, steps: int):
             appended = [len(row) - len(k) for row, k in zip(rows, kept)]
             assert min(appended) > 0
             assert profile.reused_tokens == sum(len(k) - 1 for k in kept)
-            assert profile.prefill_tokens == ROWS * (max(appended) + 1)  # left-padded chunks of last + appended
+            assert profile.prefill_tokens == sum(a + 1 for a in appended)  # each row's last + appended, packed
             assert profile.prefill_tokens < 0.1 * int(mask.sum())
 
 
