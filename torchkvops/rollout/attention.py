@@ -42,14 +42,51 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from .. import ops
 from ..fused_attention import attend
 
-__all__ = ["NAME", "DecodeAttention", "PackedAttention", "SharedLevel", "packed_attention", "decode_attention"]
+__all__ = [
+    "NAME",
+    "PrefillForward",
+    "DecodeAttention",
+    "PackedAttention",
+    "SharedLevel",
+    "packed_attention",
+    "decode_attention",
+]
 
 NAME = "torchkvops"
 
 
 @dataclasses.dataclass
+class PrefillForward:
+    """A forward over prompts with the model's own attention: each layer's K and V go to columns [0, P) of
+    the rows of `into` (the prompts' buffer, or the prefix layout's common prefix's), and the attention
+    reads exactly those (no padding to the buffer's length). One object per rollout, reused: a compiled
+    prefill sees the same one."""
+
+    into: Tensor | None = None  # [layers, 2, rows, kv_heads, max_tokens, head_dim]
+    start: Tensor | None = None  # [1] int64 zero, on the buffer's device
+
+    def bind(self, into: Tensor) -> PrefillForward:
+        self.into = into
+        if self.start is None or self.start.device != into.device:
+            self.start = torch.zeros(1, dtype=torch.long, device=into.device)
+        return self
+
+    def write(self, cache, key: Tensor, value: Tensor, layer: int) -> tuple[Tensor, Tensor]:
+        cache.check_layout(key, value, layer)
+        ops.write_kv_(self.into, key, value, layer, self.start)
+        return key, value
+
+    def seq_length(self) -> int:
+        return 0
+
+
+@dataclasses.dataclass
 class DecodeAttention:
-    """What the attention layers need during one rollout's decode, besides the K/V of this step."""
+    """What the attention layers need during one rollout's decode, besides the K/V of this step: where each
+    row writes it (`kv`, the current decode buffer, at the row's `columns`) and what every row reads."""
+
+    kv: Tensor | None = None  # the decode buffer [layers, 2, rows, kv_heads, T, head_dim]
+    columns: Tensor | None = None  # [rows] the column each row writes this step (the decode state's)
 
     # Prefix layout (None in the copy layout, where each row holds its prompt's KV): rows [i*N, (i+1)*N)
     # answer prompt i, whose KV is prompt_kv[:, :, i].
@@ -66,17 +103,26 @@ class DecodeAttention:
     common_kv: Tensor | None = None  # [layers, 2, 1, kv_heads, L', head_dim]
     common_bias: Tensor | None = None  # [1, 1, 1, L']
 
-    def load(self, state, prompt_kv: Tensor | None, common_kv: Tensor | None = None) -> None:
+    def load(self, state, cache, prefix: bool) -> None:
         """Take every field from the decode state being decoded (`torchkvops.rollout.state.DecodeState`) and the KV
-        cache's prompt view (prefix layout; None in the copy layout) and common prefix (None: none), in one
-        place: the decoder calls this whenever it starts decoding a state, so the context never holds a mix
-        of two states. The object itself stays the same (a compiled decode step reads it through a global)."""
-        prefix = prompt_kv is not None
-        self.prompt_kv = prompt_kv
+        cache's current views (`prefix`: the prefix layout's prompt KV and common prefix too), in one place:
+        the decoder calls this whenever it starts decoding a state or the views change, so the context never
+        holds a mix of two states. The object itself stays the same (a compiled decode step reads it)."""
+        self.kv, self.columns = cache.decode_kv, state.column
+        self.prompt_kv = cache.prompt_kv if prefix else None
         self.prompt_bias = state.prompt_bias if prefix else None
         self.slot_rows, self.row_prompt, self.row_sample = state.slot_rows, state.row_prompt, state.row_sample
-        self.common_kv = common_kv
-        self.common_bias = state.common_bias if common_kv is not None else None
+        self.common_kv = cache.common_kv if prefix else None
+        self.common_bias = state.common_bias if self.common_kv is not None else None
+
+    def write(self, cache, key: Tensor, value: Tensor, layer: int) -> tuple[Tensor, Tensor]:
+        """Each row's K and V at its own column; the layer's whole decode buffer to the attention. No Python
+        checks (prefill made them for this model): a step is what a CUDA graph replays."""
+        ops.write_kv_(self.kv, key, value, layer, self.columns)
+        return self.kv[layer, 0], self.kv[layer, 1]
+
+    def seq_length(self):
+        return self.columns[0]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,11 +144,29 @@ class PackedAttention:
     (what the row held before, and its chunk up to itself), after the shared levels' KV it sees."""
 
     rows: Tensor  # [L] the live rows: their rows of the buffer, in order
+    token_rows: Tensor  # [T] each packed token's row of the buffer
+    token_columns: Tensor  # [T] the column of its row its K and V go to
     slots: Tensor  # [L, C] the packed index of each live row's j-th chunk token (past its chunk: its last)
     token_slot: Tensor  # [T] each packed token's place in the [L * C] slots (to pack the outputs back)
     keys: int  # the buffer's columns read: up to the longest live row's chunk end
     allowed: Tensor  # [L, 1, C, keys'] bool: the shared levels' columns, then the row's own
     levels: tuple[SharedLevel, ...] = ()
+    into: Tensor | None = None  # the rows' buffer [layers, 2, rows, kv_heads, columns, head_dim] (bind)
+
+    def bind(self, into: Tensor) -> PackedAttention:
+        self.into = into
+        return self
+
+    def write(self, cache, key: Tensor, value: Tensor, layer: int) -> tuple[Tensor, Tensor]:
+        """The packed tokens' K and V ([1, kv_heads, T, head_dim]), each to its row and column; the layer's
+        whole buffer to the attention (`attend`)."""
+        cache.check_layout(key, value, layer)
+        self.into[layer, 0][self.token_rows, :, self.token_columns] = key[0].transpose(0, 1)
+        self.into[layer, 1][self.token_rows, :, self.token_columns] = value[0].transpose(0, 1)
+        return self.into[layer, 0], self.into[layer, 1]
+
+    def seq_length(self) -> int:
+        return 0
 
     def attend(self, module: nn.Module, query: Tensor, key: Tensor, value: Tensor, scaling) -> Tensor:
         """query [1, heads, T, head_dim] (the packed tokens); key, value: the layer's buffer [rows, kv_heads,
@@ -121,13 +185,12 @@ class PackedAttention:
         return out[None]
 
 
-def packed_attention(
-    live: Tensor, lengths: Tensor, frontier: Tensor, seen: Tensor, levels: tuple[SharedLevel, ...] = ()
-) -> PackedAttention:
-    """The attention of a packed forward (`PackedAttention`) over rows' chunks: `live` [rows] bool (the rows
-    with a chunk), `lengths` [rows] their chunks' lengths, `frontier` [rows] the column each chunk starts
-    at, `seen` [rows, >= keys] bool: the columns each row holds before its chunk (its history). Chunk token j
-    of a row sees what its row held before and its chunk up to j, after the levels it reads."""
+def packed_attention(packed, frontier: Tensor, seen: Tensor, levels: tuple[SharedLevel, ...] = ()) -> PackedAttention:
+    """The metadata of a packed forward (`PackedAttention`) over `packed` (`packing.Packed`: the rows'
+    chunks, each starting at its row's `frontier` [rows] column), `seen` [rows, >= keys] bool: the columns
+    each row holds before its chunk (its history). Chunk token j of a row sees what its row held before and
+    its chunk up to j, after the levels it reads. Bind it to the rows' buffer (`bind`) before the forward."""
+    live, lengths = packed.live, packed.lengths
     device = lengths.device
     rows = live.nonzero().flatten()
     lengths, frontier = lengths[rows], frontier[rows]
@@ -146,7 +209,7 @@ def packed_attention(
     allowed = seen[rows][:, None, :keys] | in_chunk  # [L, C, keys]
     shared = [level.visible[:, None, :].expand(-1, chunk, -1) for level in levels]
     allowed = torch.cat([*shared, allowed], dim=2)
-    return PackedAttention(rows, slots, token_slot, keys, allowed[:, None], tuple(levels))
+    return PackedAttention(rows, packed.row, packed.column, slots, token_slot, keys, allowed[:, None], tuple(levels))
 
 
 _active: DecodeAttention | PackedAttention | None = None

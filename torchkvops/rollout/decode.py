@@ -83,7 +83,6 @@ class DecodeStep:
 
     def bind(self, state: DecodeState) -> None:
         self.state = state
-        self.cache.columns = state.column  # where each row's K and V go (RolloutKVCache.update)
         # Built once per rollout, not per step: the same tensors every step. HF's cache_position: the first
         # row's column (every row's in a call that starts them together; models read it for masks we pass).
         self.kwargs = self.adapter.forward_kwargs(self.cache, state.bias, state.position_ids, state.column[:1])
@@ -285,7 +284,6 @@ class Decoder:
             bias=visible_bias(visible, shape.mask_len),
             live=live,
         )
-        self.cache.start_decode()
         return batch
 
     def initial_plan(self, ended: Tensor) -> compaction.Plan | None:
@@ -326,6 +324,7 @@ class Decoder:
         steps, limit = 0, policy.max_steps
         self._bound = None  # bound anew for every call: the weights or the cache's positions may be new
         self._bind(batch.state)
+        self.cache.bind(self.context)  # each step's K and V go where the decode context says
         try:
             while limit is None or steps < limit:
                 self._bind(batch.state)  # (again after a compaction)

@@ -113,7 +113,9 @@ class Rollout:
             compacts=cfg.compact_finished_rows,
             graph_extra=self._head32.addresses if self._head32 is not None else tuple,
         )
-        self._prefill_fn = torch.compile(self._prefill, dynamic=True) if self.config.compile else self._prefill
+        # The metadata of a prefill (where its K and V go), one object per cache: a compiled prefill sees it.
+        self._prefill, self._scratch_prefill = attention.PrefillForward(), attention.PrefillForward()
+        self._prefill_fn = torch.compile(self._prefill_forward, dynamic=True) if cfg.compile else self._prefill_forward
 
     # --- public API ----------------------------------------------------------------------------
     def generate(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> RolloutOutput:
@@ -330,7 +332,7 @@ class Rollout:
             input_ids = input_ids.repeat_interleave(n, dim=0)
             attention_mask = attention_mask.repeat_interleave(n, dim=0)
         positions = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
-        self.cache.start_prefill()
+        self.cache.bind(self._prefill.bind(self.cache.prompt_kv))
         logits = self._prefill_fn(input_ids, self._prefill_attention_mask(attention_mask), positions)
         return logits, input_ids.numel()
 
@@ -341,7 +343,7 @@ class Rollout:
         cache, layout, common = self.cache, self.layout, prompts.common
         batch, width = prompts.ids.shape
         first = width - int(prompts.lengths[0])  # host sync: where prompt 0's tokens start, once per call
-        cache.start_prefill(into=layout.common_buffer(cache))
+        cache.bind(self._prefill.bind(layout.common_buffer(cache)))
         self._prefill_fn(prompts.ids[:1, first : first + common], None, torch.arange(common, device=self.device)[None])
         layout.share_common(cache, batch, common)
         start = common if layout.holds_common else 0  # where each remainder's KV starts in its prompt row
@@ -349,10 +351,8 @@ class Rollout:
         packed = pack(prompts.remainders(), starts, torch.full_like(starts, common))
         keys = int(prompts.ends.max())
         seen = torch.arange(keys, device=self.device)[None, :].expand(batch, -1) < start  # the common prefix's columns
-        context = packed_attention(
-            packed.live, packed.lengths, starts, seen, layout.common_levels(cache, batch, common)
-        )
-        cache.start_extend(packed.row, packed.column, into=cache.prompt_kv)
+        context = packed_attention(packed, starts, seen, layout.common_levels(cache, batch, common))
+        cache.bind(context.bind(cache.prompt_kv))
         with attention.decode_attention(self.adapter.model, context):
             logits = self.adapter.packed_logits(cache, packed.ids, packed.positions, packed.column, packed.last)
         return logits, common + packed.tokens
@@ -398,7 +398,7 @@ class Rollout:
             plan = self._decoder.initial_plan(~turn.live.cpu())
 
         with timer.stage("prefill"):
-            cache.start_extend(turn.row, turn.column)
+            cache.bind(context.bind(cache.decode_kv))
             with attention.decode_attention(self.adapter.model, context):
                 live_logits = self.adapter.packed_logits(cache, turn.ids, turn.positions, turn.column, turn.last)
             logits = live_logits.new_zeros(rows, live_logits.shape[-1])  # rows left out have ended
@@ -460,7 +460,7 @@ class Rollout:
                 index = torch.tensor(prompts, device=self.device)
                 ids, mask = input_ids[index], attention_mask[index]
                 scratch.prepare(CopyLayout(1), len(prompts), len(prompts), (prompt_len,))
-                scratch.start_prefill()
+                scratch.bind(self._scratch_prefill.bind(scratch.prompt_kv))
                 positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
                 cache_position = torch.arange(prompt_len, device=self.device)
                 logits = self.adapter.last_logits(
@@ -503,7 +503,7 @@ class Rollout:
         )
         return out, counts
 
-    def _prefill(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor) -> Tensor:
+    def _prefill_forward(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor) -> Tensor:
         cache_position = torch.arange(input_ids.shape[1], device=input_ids.device)
         return self.adapter.last_logits(self.cache, input_ids, attention_mask, position_ids, cache_position)
 

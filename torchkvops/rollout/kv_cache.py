@@ -13,12 +13,9 @@ stores a step's K and V. Two layouts (`RolloutConfig.kv_sharing`):
   prefix common to every prompt, computed once (`torchkvops.rollout.prompts`), is kept once too
   (`common_kv`, one row), apart from the rest: compaction never moves it.
 
-Two phases, chosen by the caller:
-- prefill: the prompt's K/V (positions [0, P)) go into the prompt rows, and attention uses those K/V
-  directly (no padding to the buffer's length);
-- decode: each step writes one position for every row, at the row's own column (`columns`, the decode
-  state's, bound by the decode step), and attention reads the whole, statically shaped decode buffer of
-  that layer, masked by the caller.
+The cache keeps buffers; where a forward's K and V go and what its attention reads is that forward's own
+metadata (`torchkvops.rollout.attention`: `PrefillForward`, `PackedAttention`, `DecodeAttention`), which
+the caller binds (`bind`) before the model runs: `update` hands each layer's K and V to it.
 
 All views are carved out of one flat allocation that is kept while it is big enough, and every view is
 contiguous, so compiled graphs see the same strides for the same shapes.
@@ -33,7 +30,7 @@ from torch import Tensor
 from transformers.cache_utils import Cache
 
 from ..models.adapter import KVShape
-from ..ops import repeat_kv_cache_, write_kv_
+from ..ops import repeat_kv_cache_
 from .compaction import COMPACT_FRACTION
 
 __all__ = ["RolloutKVCache", "KVShape"]
@@ -80,13 +77,7 @@ class RolloutKVCache(Cache):
         # (None: none this call), in an allocation of its own, kept while it is big enough.
         self.common_kv: Tensor | None = None
         self._common_storage: Tensor | None = None
-        # Where the next decode step writes each row: the decode state's `column` [rows], bound by the step.
-        self.columns: Tensor | None = None
-        self._prefill_start = torch.zeros(1, dtype=torch.long, device=self.device)
-        self.phase = "prefill"  # "prefill", "extend" (Rollout.extend's packed forward over appended tokens), "decode"
-        # An extend's packed tokens: the decode buffer's row and column of each one's K and V ([T] each).
-        self._token_rows: Tensor | None = None
-        self._token_columns: Tensor | None = None
+        self.forward = None  # the metadata of the forward running now (bind)
         self.work_used_bytes = 0  # the largest compacted batch's views since the home views were made
 
     @property
@@ -213,10 +204,7 @@ class RolloutKVCache(Cache):
         self._storage = self._work = self.layout = None
         self._home = self._current = []
         self.common_kv = self._common_storage = None
-        self._token_rows = self._token_columns = None
-        # Made anew (see Rollout.release: a caller's inference_mode may have made it).
-        self._prefill_start = torch.zeros(1, dtype=torch.long, device=self.device)
-        self.columns = None
+        self.forward = None
 
     @property
     def allocated_bytes(self) -> int:
@@ -229,23 +217,9 @@ class RolloutKVCache(Cache):
         common = 0 if self.common_kv is None else self.common_kv.numel() * self.common_kv.element_size()
         return sum(v.numel() * v.element_size() for v in self._home) + self.work_used_bytes + common
 
-    # --- phases --------------------------------------------------------------------------------
-    def start_prefill(self, into: Tensor | None = None) -> None:
-        """A forward over prompts written from column 0 of `into`'s rows (default: `prompt_kv`; the prefix
-        layout's common prefix goes to `common_kv`), attending to exactly those positions."""
-        self.phase = "prefill"
-        self._into = self.prompt_kv if into is None else into
-
-    def start_extend(self, rows: Tensor, columns: Tensor, into: Tensor | None = None) -> None:
-        """A packed forward (`packing`): token t's K and V go to row `rows[t]`, column `columns[t]` of `into`
-        (default: `decode_kv`; the prompts after a common prefix go to `prompt_kv`); the attention
-        (`attention.PackedAttention`) reads that buffer after the write."""
-        self.phase = "extend"
-        self._token_rows, self._token_columns = rows, columns
-        self._into = self.decode_kv if into is None else into
-
-    def start_decode(self) -> None:
-        self.phase = "decode"
+    def bind(self, forward) -> None:
+        """The metadata of the forward about to run (what `update` hands each layer's K and V to)."""
+        self.forward = forward
 
     def expand_prompts(self, batch: int, repeats: int, num_tokens: int) -> None:
         """Copy layout: rows [0, batch) hold the prompts; make rows [0, batch*repeats) hold them, in
@@ -254,22 +228,12 @@ class RolloutKVCache(Cache):
 
     # --- the transformers Cache interface ------------------------------------------------------
     def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs):
-        if self.phase == "decode":
-            # No Python checks here (prefill made them for this model): a step is what a graph replays.
-            kv = self.decode_kv
-            write_kv_(kv, key_states, value_states, layer_idx, self.columns)
-            return kv[layer_idx, 0], kv[layer_idx, 1]
-        self._check_layout(key_states, value_states, layer_idx)
-        if self.phase == "prefill":
-            # Prefill writes positions [0, P) and attends to exactly those, no padding to the buffer.
-            write_kv_(self._into, key_states, value_states, layer_idx, self._prefill_start)
-            return key_states, value_states
-        kv = self._into  # packed tokens [1, kv_heads, T, head_dim]: each to its row and column
-        kv[layer_idx, 0][self._token_rows, :, self._token_columns] = key_states[0].transpose(0, 1)
-        kv[layer_idx, 1][self._token_rows, :, self._token_columns] = value_states[0].transpose(0, 1)
-        return kv[layer_idx, 0], kv[layer_idx, 1]
+        """Hand a layer's K and V to the bound forward: it writes them where they go and returns what the
+        model's attention reads."""
+        return self.forward.write(self, key_states, value_states, layer_idx)
 
-    def _check_layout(self, key_states: Tensor, value_states: Tensor, layer_idx: int) -> None:
+    def check_layout(self, key_states: Tensor, value_states: Tensor, layer_idx: int) -> None:
+        """A layer's K and V fit the buffers (made once per forward before decode, which skips it)."""
         kv = self.prompt_kv
         heads, head_dim = key_states.shape[1], key_states.shape[3]
         if (heads, head_dim) != (kv.shape[3], kv.shape[5]) or value_states.shape != key_states.shape:
@@ -280,7 +244,7 @@ class RolloutKVCache(Cache):
             )
 
     def get_seq_length(self, layer_idx: int = 0):
-        return self.columns[0] if self.phase == "decode" and self.columns is not None else 0
+        return 0 if self.forward is None else self.forward.seq_length()
 
     def get_mask_sizes(self, query_length, layer_idx: int = 0) -> tuple[int, int]:
         """Asked only when the model builds its own mask, which happens in an unpadded prefill (decode

@@ -123,7 +123,7 @@ class CopyLayout:
     # --- decode ------------------------------------------------------------------------------------
     def load_context(self, context, state, cache) -> None:
         """Point the decode attention's context at `state` and the cache's current views."""
-        context.load(state, None)
+        context.load(state, cache, prefix=False)
 
     def dynamic_tensors(self, state, cache) -> list[tuple[Tensor, tuple[int, ...]]]:
         """The tensors a decode step reads whose dims vary between calls, besides the state's rows and
@@ -261,7 +261,7 @@ class PrefixLayout(CopyLayout):
         return BatchMap(rows, self.samples)
 
     def load_context(self, context, state, cache) -> None:
-        context.load(state, cache.prompt_kv, cache.common_kv)
+        context.load(state, cache, prefix=True)
 
     def dynamic_tensors(self, state, cache) -> list[tuple[Tensor, tuple[int, ...]]]:
         common = [] if cache.common_kv is None else [(cache.common_kv, (4,)), (state.common_bias, (3,))]

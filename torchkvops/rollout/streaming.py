@@ -185,7 +185,6 @@ def stream(
         output=(responses, logprobs),
     )
     batch.clear()
-    cache.start_decode()
     live = torch.ones(prompts * n, dtype=torch.bool, device=device) if live is None else live.to(device, torch.bool)
     policy = Refill(
         batch, prefill, prompt_mask, scratch, seed=seed, row_ids=row_ids.to(device), live=live, compacts=compacts

@@ -173,7 +173,7 @@ def turn_attention(history: History, turn: Turn, levels: tuple[SharedLevel, ...]
     (`History.visible`) and its chunk's tokens up to j, after the shared levels it reads (`levels`: in the
     prefix layout its prompt's KV, and a prefix common to every prompt's)."""
     keys = int((history.frontier + turn.lengths).max())  # host sync: the columns read, once per turn
-    return packed_attention(turn.live, turn.lengths, history.frontier, history.visible(keys), levels)
+    return packed_attention(turn, history.frontier, history.visible(keys), levels)
 
 
 def record(history: History, turn: Turn, output) -> None:
