@@ -6,6 +6,7 @@ decode shapes; no host sync in the steps; and on CUDA, graphs replayed across ca
 
 import warnings
 
+import conftest
 import pytest
 import torch
 from devices import CUDA
@@ -325,6 +326,7 @@ def test_compiled_decode_gives_the_eager_uncompacted_tokens(llama, compiled_pref
             graphs = counters["stats"]["unique_graphs"]
     # The compacted batch sizes of the second call reuse the graphs of the first (dynamic row dims).
     assert counters["stats"]["unique_graphs"] == graphs
+    assert conftest.compiled(compiled_prefix)  # (else eager is compared with eager)
 
 
 # --- CUDA ----------------------------------------------------------------------------------------

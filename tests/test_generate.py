@@ -3,6 +3,7 @@ row by row, the generation-config precedence, EOS and pad filling, the fallback,
 
 import warnings
 
+import conftest
 import pytest
 import torch
 from models import FAMILIES, prompts
@@ -218,6 +219,7 @@ def test_weights_updated_in_place_are_read_by_the_next_generate(compile):
         train_step(model)
         after = model.generate(ids, attention_mask=mask, **kwargs)
         expected = handle.session.original_generate(ids, attention_mask=mask, **kwargs)
+        assert all(conftest.compiled(r) == compile for r in handle.session.rollouts.values())
     assert not torch.equal(before, expected)  # the step changed the greedy tokens ...
     assert torch.equal(after, expected)  # ... and generate saw it
 

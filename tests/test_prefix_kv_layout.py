@@ -1,6 +1,7 @@
 """kv_sharing="prefix": one copy of each prompt's KV, shared-prefix attention merged with the rows' own
 response KV. The oracle is Hugging Face's greedy generate; seeded sampling must equal kv_sharing="copy"."""
 
+import conftest
 import pytest
 import torch
 from devices import DEVICES
@@ -217,6 +218,7 @@ def test_prefix_compiled_equals_eager(family_models, compiled_prefix, batch, len
         RolloutConfig(samples_per_prompt=2, max_new_tokens=8, eos_token_id=NO_EOS, kv_sharing="prefix"),
     ).generate(ids, mask)
     assert torch.equal(compiled_prefix.generate(ids, mask).sequences, eager.sequences)
+    assert conftest.compiled(compiled_prefix)  # (else eager is compared with eager)
 
 
 def test_decode_restores_the_models_attention_implementation(family_models):

@@ -1,6 +1,7 @@
 """Rollout against Hugging Face's own generate (the oracle), shared against expanded prefill, EOS and
 masks, profiling, compiled decode, and the errors for what is not supported."""
 
+import conftest
 import pytest
 import torch
 from models import FAMILIES, hf_greedy, prompts
@@ -247,6 +248,7 @@ def test_compiled_rollout_gives_the_eager_tokens(llama, compiled_llama, length, 
         llama, RolloutConfig(samples_per_prompt=2, max_new_tokens=10, eos_token_id=NO_EOS, return_logprobs=True)
     ).generate(ids, mask)
     compiled = compiled_llama.generate(ids, mask)
+    assert conftest.compiled(compiled_llama)  # (else eager is compared with eager)
     assert torch.equal(compiled.sequences, eager.sequences)
     torch.testing.assert_close(compiled.logprobs, eager.logprobs, rtol=1e-5, atol=1e-5)  # issue #18
 
@@ -359,6 +361,7 @@ def test_compiled_rollout_survives_many_batch_sizes_and_lengths(llama, compiled_
     for b in range(1, 11):
         ids, mask = prompts(b, 4 + 3 * b, seed=b, left_pad=[b % 3] * b)
         assert torch.equal(compiled_llama.generate(ids, mask).sequences, eager.generate(ids, mask).sequences), b
+    assert conftest.compiled(compiled_llama)
     # Rows and key length are dynamic: at most the size-1 specializations of prefill and decode are new.
     assert counters["stats"]["unique_graphs"] - graphs_before <= 4
 

@@ -2,6 +2,7 @@
 max_rows // N prompts at a time with the rows of finished prompts refilled. The oracle is the same
 rollout without a budget: the same tokens, log-probabilities equal to float rounding, the same shapes."""
 
+import conftest
 import pytest
 import torch
 from devices import DEVICES
@@ -94,7 +95,9 @@ def test_compiled_streaming_equals_eager(llama):
     ids, mask = prompts(3, 6, seed=6, left_pad=[0, 2, 1])
     config = dict(samples_per_prompt=2, max_new_tokens=20, eos_token_id=MANY_EOS, temperature=1.0, seed=2, max_rows=2)
     eager = Rollout(llama, RolloutConfig(**config)).generate(ids, mask)
-    compiled = Rollout(llama, RolloutConfig(compile=True, **config)).generate(ids, mask)
+    rollout = Rollout(llama, RolloutConfig(compile=True, **config))
+    compiled = rollout.generate(ids, mask)
+    assert conftest.compiled(rollout)  # (else eager is compared with eager)
     assert torch.equal(eager.responses, compiled.responses)
 
 

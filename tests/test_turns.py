@@ -5,6 +5,7 @@ history alone: prompt, every earlier turn's response and appended tokens, then t
 
 import math
 
+import conftest
 import pytest
 import torch
 from devices import DEVICES
@@ -238,6 +239,7 @@ def test_compiled_turns_equal_eager_turns(llama):
         out = rollout.generate(ids, mask)
         out = rollout.extend(out, [[5, 6], [7], [], [8, 9, 10]])
         outputs.append(rollout.extend(out, [[11]] * 4))
+        assert conftest.compiled(rollout) == compile  # (else eager is compared with eager)
     assert torch.equal(outputs[0].responses, outputs[1].responses)
     assert torch.equal(outputs[0].response_mask, outputs[1].response_mask)
 

@@ -156,14 +156,17 @@ class NonFiniteLogitsError(RuntimeError):
 class DecodeCounters:
     """What a rollout's decode has built and done so far (for tests and benchmarks, instead of reading
     private attributes): decode states kept (one per decode shape), distinct graph keys met (a shape and
-    the addresses its step reads), CUDA graphs captured and kept, compactions applied, and the key of
-    the last decode."""
+    the addresses its step reads), CUDA graphs captured and kept, compactions applied, the key of the
+    last decode, the steps that ran compiled (compile=True), and the graph keys that run eagerly because
+    their compile or capture failed (Dynamo's recompile limit, a step that syncs)."""
 
     decode_shapes: int
     graph_keys: int
     captured_graphs: int
     compactions: int
     graph_key: tuple | None
+    compiled_steps: int = 0
+    eager_keys: int = 0
 
 
 _KEYS_KEPT = 4096  # DecodeCounters.graph_keys counts among the last this many keys (a bounded record)
@@ -225,8 +228,15 @@ class Decoder:
 
     @property
     def counters(self) -> DecodeCounters:
+        runner = self.runner
         return DecodeCounters(
-            len(self.states), len(self._graph_keys), len(self.runner.graphs), self._compactions, self.runner.key
+            len(self.states),
+            len(self._graph_keys),
+            len(runner.graphs),
+            self._compactions,
+            runner.key,
+            runner.compiled_steps,
+            len(runner.eager_keys),
         )
 
     def release(self) -> None:

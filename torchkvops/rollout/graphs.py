@@ -42,6 +42,7 @@ class DecodeRunner:
         self._stream = None
         self._failed_graphs: list[torch.cuda.CUDAGraph] = []  # see _recover_from_failed_capture
         self.key: tuple | None = None
+        self.compiled_steps = 0  # steps that ran (or were captured) compiled
 
     def start(self, dynamic_tensors: list[tuple[Tensor, tuple[int, ...]]], graph_key: tuple) -> None:
         """Before a rollout's first step: mark the dims that vary between rollouts as dynamic for the
@@ -75,7 +76,9 @@ class DecodeRunner:
         if not self.compiled:
             return self.step()
         try:
-            return self.fn()
+            out = self.fn()
+            self.compiled_steps += 1
+            return out
         except _RecompileLimitHit as e:
             # Dynamo refuses to compile this shape again (its recompile limit, counted over every
             # rollout compiled in this process): never fail a rollout for it; run it eagerly.
