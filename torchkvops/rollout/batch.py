@@ -21,12 +21,13 @@ each group. Nothing outside this class (and the layouts' prompt placement, which
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
 from . import compaction
-from .state import DecodeState
+from .state import DecodeShape, DecodeState
 
 __all__ = ["DecodeBatch", "visible_bias"]
 
@@ -43,18 +44,27 @@ class DecodeBatch:
     """The rows being decoded (module docstring). `keeps_left`: rows that leave at a compaction keep their
     KV and tokens so far (a call's rows, which Rollout.extend may go on with); a streaming batch's rows
     leave by `retire` instead, and its compactions drop only free rows, in place. `output`: where rows'
-    tokens (and log-probabilities) end up, [samples, columns] (default: the first state's own)."""
+    tokens (and log-probabilities) end up, [samples, columns] (default: the first state's own).
+
+    What it is given, and nothing else (it holds no decoder, so it is tested alone): the KV `cache` whose
+    rows move with its rows and the `layout` that says how, the `pad_id` ended rows hold, `states(shape)`
+    (the decode state of a shape: a compacted batch's) and `draw(state, logits)` (each row of `state` draws
+    its next token from `logits`: the decode step's sampler)."""
 
     def __init__(
         self,
-        decoder,
+        cache,
+        layout,
         state: DecodeState,
         batch_map: compaction.BatchMap,
         *,
+        pad_id: int,
+        states: Callable[[DecodeShape], DecodeState],
+        draw: Callable[[DecodeState, Tensor], None],
         keeps_left: bool = True,
         output: tuple[Tensor, Tensor | None] | None = None,
     ):
-        self.decoder, self.cache, self.layout = decoder, decoder.cache, decoder.layout
+        self.cache, self.layout, self.pad_id, self.states, self.draw = cache, layout, pad_id, states, draw
         self.first = self.state = state
         self.map = batch_map
         self.keeps_left = keeps_left
@@ -96,7 +106,7 @@ class DecodeBatch:
         buffer's columns] (additive) what each sees, `live` [k] (bool,
         optional) False for rows that have ended before they start (filler rows, rows an extend leaves
         alone), which only ever hold the pad id. Their first token is drawn from `first_logits` [k, vocab]."""
-        s, pad_id = self.state, self.decoder.pad_id
+        s, pad_id = self.state, self.pad_id
         every = rows is None
         index = slice(None) if every else rows
         s.bias[index, 0, 0] = bias.to(s.bias.dtype)
@@ -139,18 +149,15 @@ class DecodeBatch:
     def _draw(self, rows: Tensor | None, logits: Tensor) -> None:
         """Sample the first token of rows `rows` (None: every row) from `logits`, the other rows left as
         they are."""
-        step, state = self.decoder.step, self.state
-        step.state = state
+        state = self.state
         if rows is None:
-            step.draw(logits)
+            self.draw(state, logits)
             return
-        sub = DecodeState(dataclasses.replace(state.shape, rows=rows.numel(), prompts=0, slots=0), state.tokens.device)
+        sub = DecodeState(
+            dataclasses.replace(state.shape, rows=rows.numel(), prompts=0, slots=0, common_len=0), state.tokens.device
+        )
         state.gather_into(sub, rows, None)
-        step.state = sub
-        try:
-            step.draw(logits)
-        finally:
-            step.state = state
+        self.draw(sub, logits)
         state.scatter_rows_from(sub, rows)
 
     # --- leaves --------------------------------------------------------------------------------------
@@ -167,9 +174,7 @@ class DecodeBatch:
         device = state.tokens.device
         rows = plan.rows.to(device)
         groups = None if plan.groups is None else plan.groups.to(device)
-        new = self.decoder.state_for(
-            dataclasses.replace(state.shape, rows=plan.size, prompts=plan.prompts, slots=plan.slots)
-        )
+        new = self.states(dataclasses.replace(state.shape, rows=plan.size, prompts=plan.prompts, slots=plan.slots))
         state.gather_into(new, rows, groups)
         if plan.slot_rows is not None:
             new.slot_rows.copy_(plan.slot_rows)
@@ -183,7 +188,7 @@ class DecodeBatch:
             self._write_back(tokens)
             # Rows that end here hold the pad id (and log-probability 0) from now on, as in a full batch;
             # the others are written back again later.
-            self.responses[:, tokens:].fill_(self.decoder.pad_id)
+            self.responses[:, tokens:].fill_(self.pad_id)
             if self.logprobs is not None:
                 self.logprobs[:, tokens:].zero_()
         self.map.apply(plan)

@@ -247,6 +247,27 @@ class Decoder:
         self._bound = None
         self.context = attention.DecodeAttention()
 
+    def batch(self, state: DecodeState, batch_map: compaction.BatchMap, **options) -> DecodeBatch:
+        """A batch over `state` with this decoder's cache, layout, pad id, states and sampler."""
+        return DecodeBatch(
+            self.cache,
+            self.layout,
+            state,
+            batch_map,
+            pad_id=self.pad_id,
+            states=self.state_for,
+            draw=self.draw,
+            **options,
+        )
+
+    def draw(self, state: DecodeState, logits: Tensor) -> None:
+        """Each row of `state` draws its next token from `logits` [rows, vocab] (the decode step's sampler)."""
+        previous, self.step.state = self.step.state, state
+        try:
+            self.step.draw(logits)
+        finally:
+            self.step.state = previous
+
     def state_for(self, shape: DecodeShape) -> DecodeState:
         """The decode state of this shape, kept (least recently used dropped past MAX_DECODE_STATES)."""
         return self.states.put(shape, self.states.get(shape) or DecodeState(shape, self.adapter.device))
@@ -278,7 +299,7 @@ class Decoder:
         shape = self.layout.decode_shape(
             self.cache, rows, prompts, max_new_tokens, self.adapter.dtype, self.step.logprobs
         )
-        batch = DecodeBatch(self, self.state_for(shape), self.layout.batch_map(rows))
+        batch = self.batch(self.state_for(shape), self.layout.batch_map(rows))
         if prompt_visible is not None:
             batch.show_prompts(None, prompt_visible)
         if common_visible is not None:

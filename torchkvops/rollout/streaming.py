@@ -177,12 +177,8 @@ def stream(
     )
     responses = torch.full((prompts * n, max_new_tokens), decoder.pad_id, dtype=torch.long, device=device)
     logprobs = torch.zeros(prompts * n, max_new_tokens, device=device) if decoder.step.logprobs else None
-    batch = DecodeBatch(
-        decoder,
-        decoder.state_for(shape),
-        layout.stream_map(rows, prompt_slots),
-        keeps_left=False,
-        output=(responses, logprobs),
+    batch = decoder.batch(
+        decoder.state_for(shape), layout.stream_map(rows, prompt_slots), keeps_left=False, output=(responses, logprobs)
     )
     batch.clear()
     live = torch.ones(prompts * n, dtype=torch.bool, device=device) if live is None else live.to(device, torch.bool)
