@@ -12,6 +12,8 @@ OUT_DIR/rank<r>.pt. Scenarios:
   then a training step.
 - "eos_one_rank": synced generation where only rank 0's call has EOS ids, gathered once and per step.
 - "multi_root": every decoder layer fully_shard-ed, the model not; the first call on the fresh model.
+- "common_prefix_one_rank": synced generation where only rank 0's prompts begin with a common prefix
+  (a system prompt), gathered per step and once.
 - "hooks": FSDP2 with a bf16 mixed-precision policy: how many of FSDP's forward hooks run inside decode
   steps (what a CUDA graph would capture) with the weights gathered once and per step; the dtype the
   rollout's KV cache is built in, by patch_generate and by a Rollout made before the gather.
@@ -165,6 +167,22 @@ def main() -> None:
         result["served_again"] = rollouts[0] - 1
         handle.undo()
         result["expected"] = type(model).generate(model, ids, **kwargs)
+        result["loss"] = training_step(model, torch.cat([ids, ids.flip(1)], dim=1))
+    elif scenario == "common_prefix_one_rank":
+        model = sharded_llama()
+        ids, mask = inputs(rank, falls_back=False)
+        if rank == 0:  # a system prompt of 5 tokens in front of each of rank 0's prompts
+            starts = (mask == 0).sum(dim=1)
+            for row, start in enumerate(starts.tolist()):
+                ids[row, start : start + 5] = torch.arange(20, 25)
+        kwargs = greedy(mask, max_new_tokens=6)
+        result["expected"] = type(model).generate(model, ids, **kwargs)
+        for mode in ("per_step", "once"):
+            handle = torchkvops.patch_generate(model, gather_weights=mode, min_shared_tokens=4)
+            before = rollouts[0]
+            result[f"got_{mode}"] = model.generate(ids, **kwargs)
+            result[f"served_{mode}"] = rollouts[0] - before
+            handle.undo()
         result["loss"] = training_step(model, torch.cat([ids, ids.flip(1)], dim=1))
     elif scenario == "hooks":
         hooks_scenario(result, rank, rollouts)

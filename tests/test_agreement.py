@@ -46,6 +46,17 @@ def test_synced_generation_with_eos_ids_on_one_rank_only_gives_hfs_tokens(tmp_pa
         assert torch.isfinite(r["loss"])
 
 
+def test_a_common_prefix_on_one_rank_keeps_the_ranks_in_step(tmp_path):
+    """Synced generation where only rank 0's prompts begin with a common prefix: a rollout in lockstep
+    prefills as every rank does (a common prefix computed once is one more forward, and per step every
+    forward is FSDP's gathers), so both ranks are served with HF's tokens, gathered per step and once."""
+    for r in run(scenario="common_prefix_one_rank", out=tmp_path):
+        for mode in ("per_step", "once"):
+            assert r[f"served_{mode}"] == 1, (r["rank"], mode)
+            assert torch.equal(r[f"got_{mode}"], r["expected"]), (r["rank"], mode)
+        assert torch.isfinite(r["loss"])
+
+
 def test_a_model_with_several_fsdp_roots_is_gathered_and_served_from_its_first_call(tmp_path):
     for r in run(scenario="multi_root", out=tmp_path):
         assert r["warnings"] == [], r["warnings"]

@@ -264,11 +264,12 @@ class Rollout:
         n, new_tokens = cfg.samples_per_prompt, cfg.max_new_tokens
         rows = batch * n
         with timer.stage("prompt_expansion"):
-            # A prefix every prompt begins with is computed once (not in the expanded baseline, whose point
-            # is to compute every row's prompt).
-            common = common_prefix_length(
-                input_ids, attention_mask, cfg.min_shared_tokens if cfg.shared_prefill else None
-            )
+            # A prefix every prompt begins with is computed once: not in the expanded baseline, whose point
+            # is to compute every row's prompt, nor in lockstep with other processes (`ended_everywhere`),
+            # whose forwards may be collectives (FSDP's per-step gathers): a common prefix adds a forward
+            # where one process's prompts have one and another's do not.
+            look = cfg.shared_prefill and ended_everywhere is None
+            common = common_prefix_length(input_ids, attention_mask, cfg.min_shared_tokens if look else None)
             prompts = (
                 common_prompts(input_ids, attention_mask, common, layout.holds_common)
                 if common
