@@ -212,3 +212,28 @@ def emulated_cuda_branch(masked_rows: str = "nan"):
             yield emulator
 
     return context()
+
+
+def recording_bias_copies():
+    """A context in which every bias fused_attention's CUDA branch prepares is recorded: the list it yields
+    gets, per bias, whether it was copied (for the kernels' alignment) rather than passed as it is."""
+    import contextlib
+
+    from torchkvops import fused_attention
+
+    @contextlib.contextmanager
+    def context():
+        original, copied = fused_attention._cuda_bias, []
+
+        def spy(bias, heads, queries):
+            view = original(bias, heads, queries)
+            copied.append(view.data_ptr() != bias.data_ptr())
+            return view
+
+        fused_attention._cuda_bias = spy
+        try:
+            yield copied
+        finally:
+            fused_attention._cuda_bias = original
+
+    return context()

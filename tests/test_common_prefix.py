@@ -131,9 +131,7 @@ def test_a_row_budget_streams_with_the_same_tokens(llama):
 def test_decode_on_the_emulated_cuda_attention_reads_the_common_prefix_aligned(llama, kv_sharing):
     """The three-level decode attention through fused_attention's CUDA branch against the emulated
     memory-efficient kernels: the CPU kernels' samples, no bias copied for alignment."""
-    from mem_eff_emulator import emulated_cuda_branch
-
-    from torchkvops import fused_attention
+    from mem_eff_emulator import emulated_cuda_branch, recording_bias_copies
 
     ids, mask = system_prompts(3, [3, 6, 2], seed=6)
     config = RolloutConfig(
@@ -148,16 +146,7 @@ def test_decode_on_the_emulated_cuda_attention_reads_the_common_prefix_aligned(l
     )
     expected = Rollout(llama, config).generate(ids, mask)
     rollout = Rollout(llama, config)
-    copied = []
-    cuda_bias = fused_attention._cuda_bias
-
-    def spy(bias, heads, queries):
-        view = cuda_bias(bias, heads, queries)
-        copied.append(view.data_ptr() != bias.data_ptr())
-        return view
-
-    with emulated_cuda_branch("zero") as emulator, pytest.MonkeyPatch.context() as patch:
-        patch.setattr(fused_attention, "_cuda_bias", spy)
+    with emulated_cuda_branch("zero") as emulator, recording_bias_copies() as copied:
         got = rollout.generate(ids, mask)
     assert emulator.calls and copied and not any(copied)
     assert torch.equal(got.sequences, expected.sequences)

@@ -552,9 +552,7 @@ def test_decode_on_the_emulated_cuda_attention_gives_the_cpu_tokens(llama, kv_sh
     kernels (tests/mem_eff_emulator.py: layouts, alignment checks, masked rows as torch before and after
     its fix): the same samples as the CPU kernels, with compaction, and no bias ever copied for alignment
     (the rollout sizes its buffers for the kernels)."""
-    from mem_eff_emulator import emulated_cuda_branch
-
-    from torchkvops import fused_attention
+    from mem_eff_emulator import emulated_cuda_branch, recording_bias_copies
 
     config = RolloutConfig(
         samples_per_prompt=3,
@@ -568,16 +566,7 @@ def test_decode_on_the_emulated_cuda_attention_gives_the_cpu_tokens(llama, kv_sh
     ids, mask = prompts(3, 9, seed=2, left_pad=[0, 2, 5])
     expected = Rollout(llama, config).generate(ids, mask)
     rollout = Rollout(llama, config)
-    copied = []
-    cuda_bias = fused_attention._cuda_bias
-
-    def spy(bias, heads, queries):
-        view = cuda_bias(bias, heads, queries)
-        copied.append(view.data_ptr() != bias.data_ptr())
-        return view
-
-    with emulated_cuda_branch(masked_rows) as emulator, pytest.MonkeyPatch.context() as patch:
-        patch.setattr(fused_attention, "_cuda_bias", spy)
+    with emulated_cuda_branch(masked_rows) as emulator, recording_bias_copies() as copied:
         got = rollout.generate(ids, mask)
     assert emulator.calls and rollout.decode_counters().compactions > 0
     assert copied and not any(copied)
