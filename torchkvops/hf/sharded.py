@@ -291,14 +291,15 @@ def _gather_plan(model: nn.Module, device: torch.device | None) -> _GatherPlan |
 class GatherVote:
     """One process's say in whether a call gathers: `units` (it has weights to gather), `allowed` (its
     gather_weights is not "per_step"), `why_not` (why its weights would not fit, None: they fit), `once`
-    (it demands a gather). Sent to the others as `ints()`, combined by an elementwise MIN."""
+    (it demands a gather). Sent to the others as `ints()`, combined by an elementwise MIN. `plan`: how this
+    process would gather (None: its model is not sharded), which a decision to gather carries on."""
 
     units: bool
     allowed: bool
     why_not: str | None
     once: bool
-    engine: str = "FSDP"
     mode: str = "auto"
+    plan: _GatherPlan | None = None
 
     def ints(self) -> list[int]:
         return [int(self.units), int(self.allowed), int(self.why_not is None), -int(self.once)]
@@ -320,18 +321,19 @@ def vote(
     _check_mode(mode)
     plan = _gather_plan(model, device)
     if plan is None or plan.units == 0:
-        return GatherVote(False, mode != "per_step", None, mode == "once", mode=mode)
+        return GatherVote(False, mode != "per_step", None, mode == "once", mode, plan)
     why_not = None if mode == "per_step" else _fits(plan.need, extra_bytes, budget_bytes, plan.device)
-    return GatherVote(True, mode != "per_step", why_not, mode == "once", plan.engine, mode)
+    return GatherVote(True, mode != "per_step", why_not, mode == "once", mode, plan)
 
 
 @dataclasses.dataclass(frozen=True)
 class Settled:
-    """What every process decided for a call: `gather` (gather once), else `why_not` (None when there was
-    nothing to gather)."""
+    """What every process decided for a call: `gather` (gather once, as `plan` says), else `why_not` (None
+    when there was nothing to gather)."""
 
     gather: bool
     why_not: str | None = None
+    plan: _GatherPlan | None = None
 
 
 def settle(local: GatherVote, everyone: list[int]) -> Settled:
@@ -343,7 +345,7 @@ def settle(local: GatherVote, everyone: list[int]) -> Settled:
     if not units:
         return Settled(False)
     if allowed and fits:
-        return Settled(True)
+        return Settled(True, plan=local.plan)
     if local.why_not is not None:
         why_not = local.why_not
     elif not allowed:
@@ -354,7 +356,7 @@ def settle(local: GatherVote, everyone: list[int]) -> Settled:
         raise ValueError(f"torchkvops: gather_weights='once' (on at least one process), but {why_not}")
     if local.mode == "auto":
         warnings.warn(
-            f"torchkvops: decode gathers the sharded weights at every step ({local.engine}'s own hooks), "
+            f"torchkvops: decode gathers the sharded weights at every step ({local.plan.engine}'s own hooks), "
             f"because {why_not}; raise gather_budget_bytes or pass gather_weights='per_step' to silence this",
             RuntimeWarning,
             stacklevel=4,
@@ -399,8 +401,8 @@ def gathered_weights(
     _check_mode(mode)
     if settled is None:
         local = vote(model, mode, budget_bytes, extra_bytes, device)
-        settled = _settle_here(local, device or _device_of(model)) if is_sharded(model) else Settled(False)
-    plan = _gather_plan(model, device) if settled.gather else None
+        settled = Settled(False) if local.plan is None else _settle_here(local, local.plan.device)
+    plan = settled.plan if settled.gather else None
     if plan is None or plan.units == 0:
         yield Gathered()
         return
@@ -409,11 +411,6 @@ def gathered_weights(
         if plan.device.type == "cuda":
             torch.cuda.synchronize(plan.device)
         yield Gathered(plan.units, plan.need, (time.perf_counter() - start) * 1e3)
-
-
-def _device_of(model: nn.Module) -> torch.device:
-    first = next(model.parameters(), None)
-    return first.device if first is not None else torch.device("cpu")
 
 
 # --- each engine's gather ------------------------------------------------------------------------------
