@@ -25,9 +25,9 @@ import statistics
 
 import torch
 from torch import Tensor, nn
+from torch.nn.utils.rnn import pad_sequence
 
 from ..rollout import Rollout, RolloutConfig
-from ..rollout.turns import left_pad
 from .metrics import Clock
 
 __all__ = ["TurnsCase", "MODES", "measure", "format_table", "NOTES"]
@@ -97,8 +97,11 @@ def appended_tokens(case: TurnsCase, vocab: int, seed: int) -> list[list[Tensor]
 
 
 def _left_pad(rows: list[Tensor], pad_id: int) -> tuple[Tensor, Tensor]:
-    ids, real = left_pad(rows, pad_id)
-    return ids, real.long()
+    """1-D token id tensors as one left-padded batch: (ids [rows, longest] with pad_id before each row, its
+    0/1 mask)."""
+    ids = pad_sequence([r.flip(0) for r in rows], batch_first=True, padding_value=-1).flip(1)
+    real = ids >= 0
+    return ids.clamp(min=0).masked_fill(~real, pad_id), real.long()
 
 
 def _config(case: TurnsCase, samples: int, temperature: float, seed: int) -> RolloutConfig:

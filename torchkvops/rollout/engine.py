@@ -113,8 +113,8 @@ class Rollout:
             compacts=cfg.compact_finished_rows,
             graph_extra=self._head32.addresses if self._head32 is not None else tuple,
         )
-        # The metadata of a prefill (where its K and V go), one object per cache: a compiled prefill sees it.
-        self._prefill, self._scratch_prefill = attention.PrefillForward(), attention.PrefillForward()
+        # Where a prefill's K and V go (its forward's metadata), one object per cache: a compiled prefill sees it.
+        self._prefill_kv, self._scratch_prefill_kv = attention.PrefillForward(), attention.PrefillForward()
         self._prefill_fn = torch.compile(self._prefill_forward, dynamic=True) if cfg.compile else self._prefill_forward
 
     # --- public API ----------------------------------------------------------------------------
@@ -275,7 +275,7 @@ class Rollout:
                 if common
                 else plain_prompts(input_ids, attention_mask)
             )
-            width = int(prompts.ends.max())  # the prompt KV's columns (P without a common prefix)
+            width = prompts.width
 
         with timer.stage("prefill"):
             cache.prepare(layout, batch, rows, layout.kv_lengths(width, new_tokens), layout.common_length(common))
@@ -333,7 +333,7 @@ class Rollout:
             input_ids = input_ids.repeat_interleave(n, dim=0)
             attention_mask = attention_mask.repeat_interleave(n, dim=0)
         positions = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
-        self.cache.bind(self._prefill.bind(self.cache.prompt_kv))
+        self.cache.bind(self._prefill_kv.bind(self.cache.prompt_kv))
         logits = self._prefill_fn(input_ids, self._prefill_attention_mask(attention_mask), positions)
         return logits, input_ids.numel()
 
@@ -342,16 +342,15 @@ class Rollout:
         where the layout keeps it, then every prompt's remainder in one packed forward that attends to it:
         (each prompt's last position's logits [B, vocab], the positions computed)."""
         cache, layout, common = self.cache, self.layout, prompts.common
-        batch, width = prompts.ids.shape
-        first = width - int(prompts.lengths[0])  # host sync: where prompt 0's tokens start, once per call
-        cache.bind(self._prefill.bind(layout.common_buffer(cache)))
+        batch, length = prompts.ids.shape
+        first = length - int(prompts.lengths[0])  # host sync: where prompt 0's tokens start, once per call
+        cache.bind(self._prefill_kv.bind(layout.common_buffer(cache)))
         self._prefill_fn(prompts.ids[:1, first : first + common], None, torch.arange(common, device=self.device)[None])
         layout.share_common(cache, batch, common)
         start = common if layout.holds_common else 0  # where each remainder's KV starts in its prompt row
         starts = torch.full((batch,), start, dtype=torch.long, device=self.device)
         packed = pack(prompts.remainders(), starts, torch.full_like(starts, common))
-        keys = int(prompts.ends.max())
-        seen = torch.arange(keys, device=self.device)[None, :].expand(batch, -1) < start  # the common prefix's columns
+        seen = torch.arange(prompts.width, device=self.device)[None, :].expand(batch, -1) < start  # the common prefix
         context = packed_attention(packed, starts, seen, layout.common_levels(cache, batch, common))
         cache.bind(context.bind(cache.prompt_kv))
         with attention.decode_attention(self.adapter.model, context):
@@ -461,7 +460,7 @@ class Rollout:
                 index = torch.tensor(prompts, device=self.device)
                 ids, mask = input_ids[index], attention_mask[index]
                 scratch.prepare(CopyLayout(1), len(prompts), len(prompts), (prompt_len,))
-                scratch.bind(self._scratch_prefill.bind(scratch.prompt_kv))
+                scratch.bind(self._scratch_prefill_kv.bind(scratch.prompt_kv))
                 positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
                 cache_position = torch.arange(prompt_len, device=self.device)
                 logits = self.adapter.last_logits(

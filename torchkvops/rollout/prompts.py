@@ -33,6 +33,11 @@ class Prompts:
     ends: Tensor  # [B] the first column after each prompt's KV (copy layout: where its rows decode first)
 
     @property
+    def width(self) -> int:
+        """The prompt KV's columns: P as given, the longest remainder's end after a common prefix."""
+        return self.columns.shape[1]
+
+    @property
     def lengths(self) -> Tensor:
         """[B] each prompt's real tokens: the position of its first generated token."""
         return self.mask.sum(dim=1)

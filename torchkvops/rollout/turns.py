@@ -9,8 +9,8 @@ last token. The last token of a row's history has no KV yet (a decode step feeds
 only at the next step), so a turn computes it again together with the appended tokens: its `chunk` is
 [last token] + appended. The chunks are packed, without padding, into one sequence (`Turn`): one forward
 over their tokens alone, each token's K and V written at its row's own columns from its frontier on, each
-token attending to its row's history and the chunk before it (`PackedTurn`, read by the rollout's
-attention). Decode then goes on in every row from the column after its chunk, at its own position.
+token attending to its row's history and the chunk before it (`attention.PackedAttention`, read by the
+rollout's attention). Decode then goes on in every row from the column after its chunk, at its own position.
 """
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ class History:
 
     output: object  # the RolloutOutput it returned: extend takes only that one
     prompts: Tensor  # [rows, P] each row's prompt, left-padded as given
-    prompt_mask: Tensor  # [prompts, P] 0/1
     prompt_info: Prompts  # where the prompts' KV is (a common prefix computed once, its columns)
     tokens: list[Tensor]  # per row: its history after the prompt (int64)
     generated: list[Tensor]  # per row: 1 where the model generated the token, 0 where it was appended
@@ -53,6 +52,11 @@ class History:
     @property
     def rows(self) -> int:
         return self.frontier.numel()
+
+    @property
+    def prompt_mask(self) -> Tensor:
+        """[prompts, P] 0/1: each prompt's mask, as given."""
+        return self.prompt_info.mask
 
     def last_tokens(self) -> Tensor:
         return torch.stack([t[-1] for t in self.tokens])
@@ -88,7 +92,6 @@ def first_history(output, prompts: Prompts, samples: int, layout, seed: int, row
     return History(
         output,
         output.sequences[:, : output.prompt_length].clone(),
-        prompts.mask,
         prompts,
         tokens,
         generated,
@@ -151,14 +154,6 @@ def check_appended(appended, rows: int, vocab: int | None, device: torch.device)
                     )
                 offset -= a.numel()
     return out
-
-
-def left_pad(rows: list[Tensor], pad_id: int) -> tuple[Tensor, Tensor]:
-    """1-D token id tensors (on one device) as one left-padded batch: (ids [rows, longest] with pad_id
-    before each row, where [rows, longest] bool: True on the rows' tokens)."""
-    ids = pad_sequence([r.flip(0) for r in rows], batch_first=True, padding_value=-1).flip(1)
-    real = ids >= 0
-    return ids.clamp(min=0).masked_fill(~real, pad_id), real
 
 
 def make_turn(history: History, appended: list[Tensor | None]) -> Turn:
