@@ -100,6 +100,17 @@ def greedy(mask, eos_token_id=None, synced_gpus=None, max_new_tokens=8) -> dict:
     )
 
 
+def served_per_step_and_once(model, ids, kwargs, result: dict, rollouts: list[int], **options) -> None:
+    """patch_generate(model, gather_weights=mode, **options) for mode "per_step" then "once", one call each:
+    its tokens in result["got_<mode>"], the rollouts it ran in result["served_<mode>"]."""
+    for mode in ("per_step", "once"):
+        handle = torchkvops.patch_generate(model, gather_weights=mode, **options)
+        before = rollouts[0]
+        result[f"got_{mode}"] = model.generate(ids, **kwargs)
+        result[f"served_{mode}"] = rollouts[0] - before
+        handle.undo()
+
+
 def unused_token(model, rank: int) -> int:
     """A token id that neither rank's greedy output contains (synced HF generate, no EOS): an EOS id that
     never ends a row, so that unsynced calls run as many forwards on every rank (HF's own generate would
@@ -145,12 +156,7 @@ def main() -> None:
         kwargs = dict(attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=0)
         kwargs["eos_token_id"] = EOS if rank == 0 else None
         result["expected"] = type(model).generate(model, ids, **kwargs)
-        for mode in ("per_step", "once"):
-            handle = torchkvops.patch_generate(model, gather_weights=mode)
-            before = rollouts[0]
-            result[f"got_{mode}"] = model.generate(ids, **kwargs)
-            result[f"served_{mode}"] = rollouts[0] - before
-            handle.undo()
+        served_per_step_and_once(model, ids, kwargs, result, rollouts)
         result["loss"] = training_step(model, torch.cat([ids, ids.flip(1)], dim=1))
     elif scenario == "multi_root":
         model = layers_sharded()
@@ -177,12 +183,7 @@ def main() -> None:
                 ids[row, start : start + 5] = torch.arange(20, 25)
         kwargs = greedy(mask, max_new_tokens=6)
         result["expected"] = type(model).generate(model, ids, **kwargs)
-        for mode in ("per_step", "once"):
-            handle = torchkvops.patch_generate(model, gather_weights=mode, min_shared_tokens=4)
-            before = rollouts[0]
-            result[f"got_{mode}"] = model.generate(ids, **kwargs)
-            result[f"served_{mode}"] = rollouts[0] - before
-            handle.undo()
+        served_per_step_and_once(model, ids, kwargs, result, rollouts, min_shared_tokens=4)
         result["loss"] = training_step(model, torch.cat([ids, ids.flip(1)], dim=1))
     elif scenario == "hooks":
         hooks_scenario(result, rank, rollouts)
