@@ -13,7 +13,16 @@ C ...) after a warm-up, medians reported:
               baseline, "the same shapes whose prompts share no system prompt"
 
 Per mode: prefill positions computed, prefill ms, decode ms (and per step), whole call ms, KV bytes; the
-ratios of shared against the others. On this CPU (llama-small shape, fp32, 2 threads):
+ratios of shared against the others.
+
+The loss pass (`--parts loss`): GRPO's forward + backward through `patch_forward` (log-probabilities of
+the completions as GRPOTrainer computes them: logits_to_keep, TRL's selective_log_softmax) on the rows a trainer builds from such a rollout: each prompt
+left-padded to the longest (questions of Q - 8 * (i % 4) tokens: the system prompt sits at a different
+column in each prompt's rows), G rows of C completion tokens each. Modes, interleaved: "shared" (the
+system prompt common to all: computed once, then each prompt, then the completions), "distinct" (the
+same shapes, no common prefix: each prompt computed once per group). Tokens computed and medians.
+
+On this CPU (llama-small shape, fp32, 2 threads):
 
     .venv/bin/python benchmarks/bench_system_prompt.py --output out/system_prompt.json
 """
@@ -23,11 +32,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import time
 
 import torch
 
+import torchkvops
 from torchkvops import Rollout, RolloutConfig
 from torchkvops.models import build_model
+from torchkvops.models.forward_modes import disable_dropout
 
 MODES = ("shared", "unshared", "distinct")
 
@@ -42,6 +54,70 @@ def prompts(batch: int, system: int, question: int, vocab: int, shared: bool, se
     return torch.cat([head.expand(batch, -1), tails], dim=1)
 
 
+def trainer_rows(args, vocab: int, shared: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B * G, S + Q + C] ids and mask: prompt i's question has Q - 8 * (i % 4) tokens, left-padded."""
+    g = torch.Generator().manual_seed(3)
+    base = prompts(args.prompts, args.system_length, args.question_length, vocab, shared, 1 if shared else 2)
+    rows_ids, rows_mask = [], []
+    width = base.shape[1]
+    for i in range(args.prompts):
+        pad = 8 * (i % 4)
+        prompt = torch.cat([torch.zeros(pad, dtype=torch.long), base[i, : width - pad]])
+        real = torch.cat([torch.zeros(pad, dtype=torch.long), torch.ones(width - pad, dtype=torch.long)])
+        for _ in range(args.samples):
+            completion = torch.randint(3, vocab, (args.completion_length,), generator=g)
+            rows_ids.append(torch.cat([prompt, completion]))
+            rows_mask.append(torch.cat([real, torch.ones_like(completion)]))
+    return torch.stack(rows_ids), torch.stack(rows_mask)
+
+
+def completion_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """What GRPOTrainer computes from the logits: TRL's selective_log_softmax where TRL is installed."""
+    try:
+        from trl.trainer.utils import selective_log_softmax
+    except ImportError:
+        return logits.log_softmax(-1).gather(-1, tokens[..., None])[..., 0]
+    return selective_log_softmax(logits, tokens)
+
+
+def loss_pass(model, args) -> dict:
+    disable_dropout(model)
+    model.train()
+    vocab, c = model.config.vocab_size, args.completion_length
+    batches = {mode: trainer_rows(args, vocab, mode == "shared") for mode in ("shared", "distinct")}
+    times: dict[str, list[float]] = {mode: [] for mode in batches}
+    tokens = {}
+    with torchkvops.patch_forward(model) as handle:
+        for round_ in range(args.warmup + args.rounds):
+            for mode, (ids, mask) in batches.items():
+                model.zero_grad(set_to_none=True)
+                before = handle.stats.computed_tokens
+                start = time.perf_counter()
+                logits = model(input_ids=ids, attention_mask=mask, logits_to_keep=c + 1).logits
+                (-completion_logprobs(logits[:, :-1], ids[:, -c:]).sum()).backward()
+                elapsed = time.perf_counter() - start
+                tokens[mode] = handle.stats.computed_tokens - before
+                if round_ >= args.warmup:
+                    times[mode].append(elapsed * 1e3)
+    ideal = args.system_length + args.prompts * (args.question_length + args.samples * c)
+    table = {mode: {"tokens": tokens[mode], "ms": statistics.median(times[mode])} for mode in batches}
+    table["rows_tokens"] = batches["shared"][0].numel()
+    table["tokens_over_ideal"] = tokens["shared"] / ideal
+    table["speedup_over_distinct"] = table["distinct"]["ms"] / table["shared"]["ms"]
+    print(
+        f"loss pass (forward + backward): B={args.prompts} x G={args.samples} rows of S={args.system_length} + "
+        f"Q<={args.question_length} + C={c}, medians of {args.rounds} rounds"
+    )
+    for mode in batches:
+        print(f"{mode:<9} tokens {table[mode]['tokens']:>7} {table[mode]['ms']:>9.1f} ms")
+    print(
+        f"shared: {table['speedup_over_distinct']:.2f}x distinct; tokens computed "
+        f"{table['tokens_over_ideal']:.3f}x (S + B x (Q + G x C)); token ratio "
+        f"{tokens['distinct'] / tokens['shared']:.2f}"
+    )
+    return table
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model-shape", default="llama-small")
@@ -50,7 +126,9 @@ def main() -> None:
     p.add_argument("--question-length", type=int, default=64, help="Q")
     p.add_argument("--samples", type=int, default=8, help="N")
     p.add_argument("--response-length", type=int, default=64, help="R")
+    p.add_argument("--completion-length", type=int, default=128, help="C (the loss pass)")
     p.add_argument("--kv-sharing", nargs="+", default=["prefix", "copy"])
+    p.add_argument("--parts", nargs="+", choices=["rollout", "loss"], default=["rollout", "loss"])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--threads", type=int, default=2)
@@ -65,7 +143,7 @@ def main() -> None:
         "distinct": prompts(args.prompts, args.system_length, args.question_length, vocab, False, 2),
     }
     results = {}
-    for layout in args.kv_sharing:
+    for layout in args.kv_sharing if "rollout" in args.parts else []:
         base = dict(
             samples_per_prompt=args.samples,
             max_new_tokens=args.response_length,
@@ -120,6 +198,8 @@ def main() -> None:
             f"shared: {table['speedup_over_unshared']:.2f}x unshared, {table['speedup_over_distinct']:.2f}x distinct; "
             f"prefill positions {table['prefill_tokens_over_ideal']:.3f}x (S + B x Q)"
         )
+    if "loss" in args.parts:
+        results["loss_pass"] = loss_pass(model, args)
     if args.output:
         with open(args.output, "w") as f:
             json.dump({"args": vars(args), "results": results}, f, indent=2)

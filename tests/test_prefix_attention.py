@@ -86,3 +86,50 @@ def test_shared_prefix_attention_matches_dense_attention(groups, rows, prefix, s
         (v_suf.grad, dv[:, :, prefix:]),
     ):
         torch.testing.assert_close(got.cpu().double(), want, **tol)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kv_heads", [1, 2])
+def test_a_common_prefix_then_groups_then_rows_match_dense_attention(kv_heads, device):
+    """Three levels (a system prompt common to every row wherever its left padding puts it, each group's
+    prompt, each row's completion), packed by pack_layout: forward and backward against dense masked
+    causal attention over each row in float64, the rows read from the packed tokens they share."""
+    from torchkvops.training.prefix_attention import packed_attention
+    from torchkvops.training.prefix_groups import Grouping, PrefixGroup, pack_layout
+
+    g = torch.Generator().manual_seed(0)
+    pads, common, length = torch.tensor([0, 0, 0, 2, 2, 1, 1, 1, 1]), 5, 14
+    rows, heads, dim = len(pads), 4, 8
+    allowed = torch.arange(length)[None] >= pads[:, None]
+    allowed[1, -2:] = allowed[4, -1] = False  # right padding of some completions
+    groups = [PrefixGroup((0, 1, 2), 6), PrefixGroup((3, 4), 7), PrefixGroup((5, 6, 7, 8), 6)]
+    grouping = Grouping(groups, length, common, pads.numpy())
+    context = emulated_cuda_branch if device == "emulated" else contextlib.nullcontext
+    device = "cpu" if device == "emulated" else device
+    layout = pack_layout(grouping, allowed.to(device))
+    assert layout.tokens == common + (6 + 3 * 3) + (7 + 2 * 2) + (6 + 4 * 3)
+
+    def rand(h):
+        return torch.randn(1, h, layout.tokens, dim, generator=g, dtype=torch.float64)
+
+    q, k, v = rand(heads), rand(kv_heads), rand(kv_heads)
+    leaves = [t.to(device, torch.float32).requires_grad_() for t in (q, k, v)]
+    with context():
+        out = packed_attention(*leaves, layout, None)
+    out = out[0].cpu().double()  # [T, H, D]
+
+    reference_inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+
+    def per_row(t):  # [1, h, T, D] -> [rows, h, length, D]: each row's tokens, from the packed ones
+        return t[0][:, layout.dest.cpu()].unflatten(1, (rows, length)).transpose(0, 1)
+
+    reference = dense_causal_attention(*(per_row(t) for t in reference_inputs), allowed)  # [rows, H, L, D]
+    got = out[layout.dest.cpu()].view(rows, length, heads, dim).transpose(1, 2)
+    real = allowed[:, None, :, None]
+    torch.testing.assert_close(got * real, reference * real, rtol=1e-4, atol=1e-5)
+    # A gradient on each real query's output of each row; a shared token's is the sum over its rows.
+    grad = torch.randn(reference.shape, generator=g, dtype=torch.float64) * real
+    with context():
+        (got * grad).sum().backward()
+    for got_grad, want in zip(leaves, torch.autograd.grad(reference, reference_inputs, grad)):
+        torch.testing.assert_close(got_grad.grad.cpu().double(), want, rtol=1e-4, atol=1e-5)

@@ -6,7 +6,13 @@ import numpy as np
 import pytest
 import torch
 
-from torchkvops.training.prefix_groups import PrefixGroup, find_prefix_groups, grouping_keys
+from torchkvops.training.prefix_groups import (
+    PrefixGroup,
+    common_prefix,
+    find_prefix_groups,
+    grouping_keys,
+    plan_grouping,
+)
 
 
 def keys(rows):
@@ -54,3 +60,51 @@ def test_padding_ids_count_and_so_do_position_ids():
     assert PrefixGroup((0, 3), 3) in groups and all(1 not in g.rows or len(g.rows) == 1 for g in groups)
     positions = torch.tensor([[0, 0, 1, 2], [0, 0, 5, 6], [0, 1, 2, 3], [0, 0, 5, 6]])
     assert PrefixGroup((0, 3), 2) in find_prefix_groups(grouping_keys(ids, mask, positions), 1)
+
+
+def test_a_common_prefix_is_found_from_each_rows_first_real_column():
+    """Rows of different left padding that all start with the same real tokens (a system prompt): the run
+    ends where one row differs or has padding."""
+    ids = torch.tensor([[0, 0, 7, 8, 9, 1, 2], [7, 8, 9, 1, 5, 5, 5], [0, 7, 8, 9, 1, 3, 3], [0, 7, 8, 9, 0, 0, 0]])
+    mask = (ids != 0).long()
+    common, starts = common_prefix(grouping_keys(ids, mask, None), mask.bool().numpy())
+    assert common == 3 and starts.tolist() == [2, 0, 1, 1]  # row 3's fourth real column is padding
+    assert common_prefix(grouping_keys(ids[:3], mask[:3], None), mask[:3].bool().numpy())[0] == 4
+    no_real = mask.clone()
+    no_real[3] = 0
+    assert common_prefix(grouping_keys(ids, no_real, None), no_real.bool().numpy())[0] == 0
+
+
+def trainer_batch(pads, system, own, completions, seed=0):
+    """One left-padded prompt per group (`pads[i]` padding, then `system`, then `own` tokens of its own),
+    each followed by its group's completions (`completions` rows of 3 tokens that differ at once)."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for p in pads:
+        prompt = [0] * p + system + torch.randint(10, 99, (own - p,), generator=g).tolist()
+        rows += [prompt + torch.randint(100, 199, (3,), generator=g).tolist() for _ in range(completions)]
+    ids = torch.tensor(rows)
+    return ids, (ids != 0).long()
+
+
+def test_each_prompts_rows_nest_under_a_system_prompt_common_to_all_whatever_their_padding():
+    """The grouping of a trainer's batch: the system prompt computed once, then each prompt's rows as a
+    group (never two prompts joined by their equal padding), fewer tokens than groups per prompt alone."""
+    system = [5, 6, 7, 8, 9, 10]
+    ids, mask = trainer_batch(pads=[0, 2, 1, 2], system=system, own=5, completions=3)
+    real = mask.bool().numpy()
+    keys = grouping_keys(ids, mask, None)
+    flat = plan_grouping(keys, None, real, min_shared=2)
+    nested = plan_grouping(keys, keys, real, min_shared=2)
+    assert nested.common == len(system)
+    assert nested.starts.tolist() == [0] * 3 + [2] * 3 + [1] * 3 + [2] * 3
+    # Each prompt's 3 rows form a group that shares its padding and own tokens: 2 + 5 - 2 columns.
+    assert sorted(g.rows for g in nested.groups) == [(0, 1, 2), (3, 4, 5), (6, 7, 8), (9, 10, 11)]
+    assert all(g.prefix == 5 for g in nested.groups)
+    assert nested.tokens == 6 + 4 * (5 + 3 * 3)
+    # Without nesting, the best partition joins the two prompts of equal padding by their padding and
+    # system prompt (8 columns, 6 rows) and computes the system prompt three times.
+    assert flat.common == 0 and sorted(g.rows for g in flat.groups)[1] == (3, 4, 5, 9, 10, 11)
+    assert flat.tokens == 2 * (11 + 3 * 3) + (8 + 6 * 6) > nested.tokens
+    # Below min_shared, no common prefix.
+    assert plan_grouping(keys, keys, real, min_shared=7).common == 0

@@ -41,18 +41,21 @@ def no_dropout_train(model):
     return model.train()
 
 
-def batch(group_sizes, arrangement="adjacent", padded=True, prompt_length=12, completion_length=6, seed=0):
+def batch(group_sizes, arrangement="adjacent", padded=True, prompt_length=12, completion_length=6, seed=0, system=0):
     """GRPO's layout: one prompt per group (left-padded when `padded`), each of its rows followed by its own
     completion (right-padded when `padded`, so completions differ in length; the first two completions of
     a group start alike, so that group's shared prefix runs past the prompt). Rows are ordered by group
     ("adjacent", as TRL), by sample ("interleaved", as verl) or as two halves of one sample per group
     each ("halves", DPO's chosen and rejected rows; groups of 2). Returns ids, mask, labels on every real
-    token after the first (the plain forward's loss then reads no padding position)."""
+    token after the first (the plain forward's loss then reads no padding position). `system` > 0: every
+    prompt's real tokens start with the same `system` tokens (a system prompt), after its own padding."""
     g = torch.Generator().manual_seed(seed)
+    system_prompt = torch.randint(3, VOCAB, (system,), generator=torch.Generator().manual_seed(seed + 1))
     rows = []  # (group, sample, ids, mask)
     for i, n in enumerate(group_sizes):
         pads = i % 3 if padded else 0
         prompt = torch.randint(3, VOCAB, (prompt_length,), generator=g)
+        prompt[pads : pads + system] = system_prompt
         first = torch.randint(3, VOCAB, (completion_length,), generator=g)
         for j in range(n):
             completion = torch.randint(3, VOCAB, (completion_length,), generator=g)
@@ -139,6 +142,33 @@ def test_outputs_and_gradients_equal_the_plain_forward(family_models, family, ar
     assert len(calls) == model.config.num_hidden_layers
     assert handle.stats.computed_tokens < handle.stats.row_tokens == ids.numel()
     assert_same(shared, plain, mask)
+
+
+# With a system prompt, the work saved beyond groups per prompt: the system prompt once instead of once per
+# group, for families whose results depend on positions counted from a row's first real token (rotary
+# embeddings: the plain forward numbers columns, but only their differences count; OPT numbers real
+# tokens); none for GPT-2 (learned absolute positions: rows of different padding differ there).
+SYSTEM_PROMPT_SHARED = {"gpt2": False, "opt": True, "llama": True, "qwen3": True, "mistral": True}
+
+
+@pytest.mark.parametrize("arrangement", ["adjacent", "interleaved"])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_a_system_prompt_common_to_every_prompt_is_computed_once(family_models, family, arrangement):
+    """Prompts of different left padding that start with the same 8 tokens: outputs and gradients are
+    the plain forward's, and the tokens computed are those of the same batch with a system prompt of its
+    own per prompt, less (prompts - 1) x 8."""
+    model = no_dropout_train(family_models[family])
+    sizes, system = [4, 2, 3], 8
+    ids, mask, labels = batch(sizes, arrangement, prompt_length=16, system=system)
+    plain = run(model, ids, mask, labels)
+    with torchkvops.patch_forward(model, min_shared_tokens=4) as handle:
+        shared = run(model, ids, mask, labels)
+        computed = handle.stats.computed_tokens
+        run(model, *batch(sizes, arrangement, prompt_length=16, seed=1))  # each prompt its own first tokens
+        own = handle.stats.computed_tokens - computed
+    assert handle.stats.shared_calls == 2
+    assert_same(shared, plain, mask)
+    assert computed == own - (len(sizes) - 1) * system * SYSTEM_PROMPT_SHARED[family]
 
 
 def test_qwen2_too():

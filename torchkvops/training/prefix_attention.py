@@ -11,7 +11,9 @@ over the n original rows then splits into three parts, each one call of torch's 
   suffix   each row's S suffix queries attend causally to its own S suffix keys
 
 and the cross and suffix parts of a suffix query are merged with their log-sum-exps
-(`merge_attention_states`). The cost is p*p/2 + n*S*(p + S/2) scores per group instead of the plain
+(`merge_attention_states`). A prefix common to every group (a system prompt: `PackedLayout.common`) is a
+level above: its queries attend causally to it once, and every group's prefix and suffix queries attend
+to it as one more folded part (`context_attention`: own keys causally, then each context wholly). The cost is p*p/2 + n*S*(p + S/2) scores per group instead of the plain
 forward's n*(p+S)^2/2, and nothing of size (p + n*S)^2 is ever built.
 
 Backward is exact too, the way ring and cascade attention do it: the gradient of a softmax over the
@@ -48,7 +50,15 @@ from torch import Tensor
 from .. import ops
 from ..fused_attention import MASKED_KEY_BIAS, attend, attend_backward
 
-__all__ = ["Bucket", "PackedLayout", "packed_attention", "shared_prefix_attention", "SERVED_DEVICES"]
+__all__ = [
+    "Bucket",
+    "PackedLayout",
+    "packed_attention",
+    "shared_prefix_attention",
+    "causal_attention",
+    "context_attention",
+    "SERVED_DEVICES",
+]
 
 SERVED_DEVICES = ("cpu", "cuda")
 
@@ -76,7 +86,10 @@ class PackedLayout:
 
     `src[t]` is the flat index (row * length + column) in the [rows, length] batch of packed token t;
     `dest[i]` is the packed token that computes flat position i of the batch (a shared prefix token
-    serves every row of its group). `token_mask[t]` is the attention-mask bit of packed token t."""
+    serves every row of its group). `token_mask[t]` is the attention-mask bit of packed token t.
+    `common` > 0: the packed sequence starts with that many tokens common to every row (a system prompt,
+    wherever left padding puts it in each row), which every bucket's tokens attend to before their own;
+    a bucket's `prefix` is then what its groups share after it."""
 
     buckets: tuple[Bucket, ...]
     src: Tensor  # [T] int64
@@ -85,11 +98,21 @@ class PackedLayout:
     rows: int
     length: int
     blind_queries: Tensor | None = None  # [T] bool: queries whose every key is padding (None: no such query)
+    common: int = 0
     _biases: dict = dataclasses.field(default_factory=dict, repr=False)
 
     @property
     def tokens(self) -> int:
         return int(self.src.numel())
+
+    def common_bias(self, dtype: torch.dtype) -> Tensor:
+        """The common tokens' additive key bias [1, 1, 1, common] in `dtype`, built once per dtype."""
+        key = ("common", dtype)
+        if key not in self._biases:
+            allowed = self.token_mask[: self.common]
+            values = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+            self._biases[key] = values.masked_fill(~allowed, MASKED_KEY_BIAS).view(1, 1, 1, -1)
+        return self._biases[key]
 
     def biases(self, index: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """Bucket `index`'s additive key biases in `dtype`, built once per dtype (every layer reuses them):
@@ -130,79 +153,108 @@ def _unfold(t: Tensor, groups: int, rows: int, heads: int) -> Tensor:
     return t.view(groups, kv_heads, n, per_kv, s, *t.shape[3:]).transpose(1, 2)
 
 
-class _SharedPrefixAttention(torch.autograd.Function):
-    """One bucket: (prefix outputs [G, H, p, D], suffix outputs [G*n, H, S, D])."""
+class _CausalAttention(torch.autograd.Function):
+    """Causal attention of q [X, H, M, D] over its own keys [X, Hkv, M, D] with a key bias [X, 1, 1, M]."""
 
     @staticmethod
-    def forward(ctx, q_pre, k_pre, v_pre, q_suf, k_suf, v_suf, bias_pre, bias_suf, scale):
-        groups, heads = q_pre.shape[0], q_pre.shape[1]
-        out_pre, lse_pre = attend(q_pre, k_pre, v_pre, bias_pre, causal=True, scale=scale)
-        rows, s = q_suf.shape[0], q_suf.shape[2]
-        if s == 0:
-            out_suf = q_suf.new_empty(q_suf.shape)
-            lse_suf = q_suf.new_empty(q_suf.shape[:3], dtype=torch.float32)
+    def forward(ctx, q, k, v, bias, scale):
+        if q.shape[2] == 0:  # no query: nothing to compute (the kernels want one)
+            out, lse = q.new_zeros(q.shape), q.new_zeros(q.shape[:3], dtype=torch.float32)
         else:
-            kv_heads = k_pre.shape[1]
-            folded = _fold(q_suf, groups, kv_heads)
-            out_x, lse_x = attend(folded, k_pre, v_pre, bias_pre, scale=scale)
-            out_s, lse_s = attend(q_suf, k_suf, v_suf, bias_suf, causal=True, scale=scale)
-            n, per_kv = rows // groups, heads // kv_heads
-            split = (groups, n, kv_heads, per_kv, s)
-            out_suf, lse_suf = ops.merge_attention_states(
-                _unfold(out_x, groups, rows, heads),
-                _unfold(lse_x, groups, rows, heads),
-                out_s.view(*split, -1),
-                lse_s.reshape(split),
-            )
-            out_suf, lse_suf = out_suf.view(q_suf.shape), lse_suf.view(q_suf.shape[:3])
+            out, lse = attend(q, k, v, bias, causal=True, scale=scale)
         ctx.scale = scale
-        ctx.save_for_backward(
-            q_pre, k_pre, v_pre, q_suf, k_suf, v_suf, bias_pre, bias_suf, out_pre, lse_pre, out_suf, lse_suf
-        )
-        return out_pre, out_suf
+        ctx.save_for_backward(q, k, v, bias, out, lse)
+        return out
 
     @staticmethod
-    def backward(ctx, grad_pre, grad_suf):
-        q_pre, k_pre, v_pre, q_suf, k_suf, v_suf, bias_pre, bias_suf, out_pre, lse_pre, out_suf, lse_suf = (
-            ctx.saved_tensors
-        )
-        scale = ctx.scale
-        dq_pre, dk_pre, dv_pre = attend_backward(
-            grad_pre.contiguous(), q_pre, k_pre, v_pre, bias_pre, causal=True, scale=scale, out=out_pre, lse=lse_pre
-        )
-        if q_suf.shape[2] == 0:
-            return (
-                dq_pre,
-                dk_pre,
-                dv_pre,
-                torch.zeros_like(q_suf),
-                torch.zeros_like(k_suf),
-                torch.zeros_like(v_suf),
-                None,
-                None,
-                None,
+    def backward(ctx, grad):
+        q, k, v, bias, out, lse = ctx.saved_tensors
+        if q.shape[2] == 0:
+            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), None, None
+        dq, dk, dv = attend_backward(grad.contiguous(), q, k, v, bias, causal=True, scale=ctx.scale, out=out, lse=lse)
+        return dq, dk, dv, None, None
+
+
+class _ContextAttention(torch.autograd.Function):
+    """Rows [B, H, S, D] that attend causally to their own keys and wholly to the keys of every context
+    before them: a context of G groups serves rows [i*B/G, (i+1)*B/G) with its group i's keys
+    [G, Hkv, L, D] (key bias [G, 1, 1, L]), read once for all of them (the queries folded). Each part is
+    one fused attention call; the parts are merged by their log-sum-exps, and each part's backward is its
+    kernel's own given the merged output and log-sum-exp (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, scale, groups, q, k, v, bias, *contexts):
+        rows, heads, s = q.shape[:3]
+        ctx.scale, ctx.groups = scale, groups
+        if s == 0:  # no query: nothing to compute (the kernels want one)
+            ctx.save_for_backward(q, k, v, *contexts)
+            return q.new_zeros(q.shape)
+        out, lse = attend(q, k, v, bias, causal=True, scale=scale)
+        for g, (k_x, v_x, bias_x) in zip(groups, _triples(contexts)):
+            kv_heads = k_x.shape[1]
+            out_x, lse_x = attend(_fold(q, g, kv_heads), k_x, v_x, bias_x, scale=scale)
+            split = (g, rows // g, kv_heads, heads // kv_heads, s)
+            out, lse = ops.merge_attention_states(
+                _unfold(out_x, g, rows, heads), _unfold(lse_x, g, rows, heads), out.view(*split, -1), lse.reshape(split)
             )
-        groups, kv_heads = q_pre.shape[0], k_pre.shape[1]
-        grad_suf = grad_suf.contiguous()
-        # Cross part: the folded queries against the prefix K/V, with the merged output and lse.
-        dq_x, dk_x, dv_x = attend_backward(
-            _fold(grad_suf, groups, kv_heads),
-            _fold(q_suf, groups, kv_heads),
-            k_pre,
-            v_pre,
-            bias_pre,
-            causal=False,
-            scale=scale,
-            out=_fold(out_suf, groups, kv_heads),
-            lse=_fold(lse_suf, groups, kv_heads),
-        )
-        # Suffix part: each row against its own keys, causally, with the same merged output and lse.
-        dq_s, dk_s, dv_s = attend_backward(
-            grad_suf, q_suf, k_suf, v_suf, bias_suf, causal=True, scale=scale, out=out_suf, lse=lse_suf
-        )
-        rows, heads = q_suf.shape[0], q_suf.shape[1]
-        dq_suf = dq_s + _unfold(dq_x, groups, rows, heads).reshape(q_suf.shape)
-        return dq_pre, dk_pre + dk_x, dv_pre + dv_x, dq_suf, dk_s, dv_s, None, None, None
+            out, lse = out.view(q.shape), lse.view(q.shape[:3])
+        ctx.save_for_backward(q, k, v, bias, out, lse, *contexts)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        if grad.shape[2] == 0:
+            q, k, v, *contexts = ctx.saved_tensors
+            zeros = [None if i % 3 == 2 else torch.zeros_like(t) for i, t in enumerate(contexts)]
+            return None, None, torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), None, *zeros
+        q, k, v, bias, out, lse, *contexts = ctx.saved_tensors
+        scale, grad = ctx.scale, grad.contiguous()
+        rows, heads = q.shape[:2]
+        dq, dk, dv = attend_backward(grad, q, k, v, bias, causal=True, scale=scale, out=out, lse=lse)
+        context_grads = []
+        for g, (k_x, v_x, bias_x) in zip(ctx.groups, _triples(contexts)):
+            kv_heads = k_x.shape[1]
+            dq_x, dk_x, dv_x = attend_backward(
+                _fold(grad, g, kv_heads),
+                _fold(q, g, kv_heads),
+                k_x,
+                v_x,
+                bias_x,
+                causal=False,
+                scale=scale,
+                out=_fold(out, g, kv_heads),
+                lse=_fold(lse, g, kv_heads),
+            )
+            dq = dq + _unfold(dq_x, g, rows, heads).reshape(q.shape)
+            context_grads += [dk_x, dv_x, None]
+        return None, None, dq, dk, dv, None, *context_grads
+
+
+def _triples(flat: tuple) -> list[tuple]:
+    return [tuple(flat[i : i + 3]) for i in range(0, len(flat), 3)]
+
+
+def causal_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scale: float | None = None) -> Tensor:
+    """Causal attention of q [X, H, M, D] over k, v [X, Hkv, M, D] with a key bias [X, 1, 1, M]
+    (0 or MASKED_KEY_BIAS, q's dtype), differentiable. M may be 0."""
+    return _CausalAttention.apply(q, k, v, bias, scale)
+
+
+def context_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    bias: Tensor,
+    contexts: list[tuple[Tensor, Tensor, Tensor]],
+    scale: float | None = None,
+) -> Tensor:
+    """Attention of rows that continue shared contexts, differentiable: q [B, H, S, D] attends causally
+    to its own k, v [B, Hkv, S, D] (bias [B, 1, 1, S]) and wholly to each context's (k, v, bias)
+    ([G, Hkv, L, D], [G, 1, 1, L]; G divides B, and context group i is that of rows [i*B/G, (i+1)*B/G)).
+    Contexts with no key are skipped. S may be 0."""
+    contexts = [c for c in contexts if c[0].shape[2]]
+    groups = tuple(c[0].shape[0] for c in contexts)
+    return _ContextAttention.apply(scale, groups, q, k, v, bias, *(t for c in contexts for t in c))
 
 
 def shared_prefix_attention(
@@ -223,7 +275,8 @@ def shared_prefix_attention(
     bias_suf [G*n, 1, 1, S]: additive key biases (0 or MASKED_KEY_BIAS) in q's dtype.
     Returns (out_pre [G, H, p, D], out_suf [G*n, H, S, D]): what causal attention over each row
     [prefix, suffix] gives at those positions. S may be 0 (rows identical to the end)."""
-    return _SharedPrefixAttention.apply(q_pre, k_pre, v_pre, q_suf, k_suf, v_suf, bias_pre, bias_suf, scale)
+    out_pre = causal_attention(q_pre, k_pre, v_pre, bias_pre, scale)
+    return out_pre, context_attention(q_suf, k_suf, v_suf, bias_suf, [(k_pre, v_pre, bias_pre)], scale)
 
 
 def packed_attention(query: Tensor, key: Tensor, value: Tensor, layout: PackedLayout, scale: float | None) -> Tensor:
@@ -231,7 +284,13 @@ def packed_attention(query: Tensor, key: Tensor, value: Tensor, layout: PackedLa
     [1, Hkv, T, D] in `layout`'s token order -> [1, T, H, D] (what attention functions return)."""
     q, k, v = query[0], key[0], value[0]  # [H, T, D]
     heads, dim = q.shape[0], q.shape[-1]
-    pieces = []
+    pieces, common = [], []
+    if layout.common:
+        c = layout.common
+        q_c, k_c, v_c = (t[None, :, :c] for t in (q, k, v))  # [1, h, common, D]
+        bias_c = layout.common_bias(q.dtype)
+        pieces.append(causal_attention(q_c, k_c, v_c, bias_c, scale)[0].transpose(0, 1))
+        common = [(k_c, v_c, bias_c)]
     for index, b in enumerate(layout.buckets):
         mid, end = b.offset + b.groups * b.prefix, b.offset + b.tokens
 
@@ -242,8 +301,12 @@ def packed_attention(query: Tensor, key: Tensor, value: Tensor, layout: PackedLa
             return t[:, mid:end].unflatten(1, (b.groups * b.rows, b.suffix)).transpose(0, 1)
 
         bias_pre, bias_suf = layout.biases(index, q.dtype)
-        out_pre, out_suf = shared_prefix_attention(
-            prefix(q), prefix(k), prefix(v), suffix(q), suffix(k), suffix(v), bias_pre, bias_suf, scale
+        if common:  # each group's prefix continues the common tokens
+            out_pre = context_attention(prefix(q), prefix(k), prefix(v), bias_pre, common, scale)
+        else:
+            out_pre = causal_attention(prefix(q), prefix(k), prefix(v), bias_pre, scale)
+        out_suf = context_attention(
+            suffix(q), suffix(k), suffix(v), bias_suf, common + [(prefix(k), prefix(v), bias_pre)], scale
         )
         pieces.append(out_pre.transpose(1, 2).reshape(-1, heads, dim))
         pieces.append(out_suf.transpose(1, 2).reshape(-1, heads, dim))

@@ -29,7 +29,15 @@ from torch import Tensor
 
 from .prefix_attention import Bucket, PackedLayout
 
-__all__ = ["PrefixGroup", "grouping_keys", "find_prefix_groups", "pack_layout"]
+__all__ = [
+    "PrefixGroup",
+    "Grouping",
+    "grouping_keys",
+    "find_prefix_groups",
+    "common_prefix",
+    "plan_grouping",
+    "pack_layout",
+]
 
 _PADDING_FLAG = 2**31  # token ids are below 2**31: padding and real columns never share a key
 
@@ -102,30 +110,100 @@ def find_prefix_groups(keys: np.ndarray, min_shared: int) -> list[PrefixGroup]:
     return sorted(groups, key=lambda g: g.rows[0])
 
 
-def pack_layout(groups: list[PrefixGroup], length: int, attention_mask: Tensor) -> PackedLayout:
-    """The packed sequence for `groups` of a [rows, length] batch: groups of the same (size, prefix)
-    form one bucket, whose attention runs batched."""
+@dataclasses.dataclass(frozen=True)
+class Grouping:
+    """How a forward's rows are computed: `groups` of rows that share a prefix and, when `common` > 0,
+    `common` tokens before them that every row shares, from its column `starts[row]` on (its first real
+    one). With a common prefix, the groups' columns are the rows' own with the common ones taken out
+    (`length - common` of them: the left padding, then what follows the common tokens)."""
+
+    groups: list[PrefixGroup]
+    length: int
+    common: int = 0
+    starts: np.ndarray | None = None
+
+    @property
+    def tokens(self) -> int:
+        """Tokens the packed sequence computes."""
+        own = self.length - self.common
+        return self.common + sum(g.prefix + len(g.rows) * (own - g.prefix) for g in self.groups)
+
+
+def common_prefix(keys: np.ndarray, real: np.ndarray) -> tuple[int, np.ndarray]:
+    """(c, starts): the longest run of real tokens that every row has from its first real column on
+    (`starts`), the same ids there (and positions, when the keys hold them). 0 when some row has no
+    real token."""
+    rows, length = real.shape
+    if not real.any(axis=1).all():
+        return 0, np.zeros(rows, dtype=np.int64)
+    starts = real.argmax(axis=1)
+    width = length - int(starts.max())
+    columns = starts[:, None] + np.arange(width)  # [rows, width]: each row's columns from its first real one
+    aligned = keys[np.arange(rows)[:, None], columns].reshape(rows, width, -1)
+    agree = (aligned == aligned[:1]).all(axis=(0, 2)) & real[np.arange(rows)[:, None], columns].all(axis=0)
+    return (int(agree.argmin()) if not agree.all() else width), starts
+
+
+def _own_columns(length: int, common: int, starts: np.ndarray) -> np.ndarray:
+    """[rows, length - common]: each row's columns with its `common` ones from starts[row] taken out."""
+    own = np.arange(length - common)[None, :]
+    return own + common * (own >= starts[:, None])
+
+
+def plan_grouping(keys: np.ndarray, nested_keys: np.ndarray | None, real: np.ndarray, min_shared: int) -> Grouping:
+    """The cheaper of: groups of rows that share a prefix (`find_prefix_groups` over `keys`); and, when
+    `nested_keys` are given (keys under which a token's result depends only on the tokens before it
+    from the row's first real one: positions numbered from there, or given), a prefix of at least
+    `min_shared` real tokens common to every row, computed once, with the groups found over what is
+    left of each row (so that, say, each prompt's rows share their prompt after a system prompt common
+    to all, whatever left padding each prompt has)."""
+    length = keys.shape[1]
+    flat = Grouping(find_prefix_groups(keys, min_shared), length)
+    if nested_keys is None or keys.shape[0] < 2:
+        return flat
+    common, starts = common_prefix(nested_keys, real)
+    if common < min_shared:
+        return flat
+    rest = nested_keys[np.arange(keys.shape[0])[:, None], _own_columns(length, common, starts)]
+    nested = Grouping(find_prefix_groups(rest, min_shared), length, common, starts)
+    return nested if nested.tokens < flat.tokens else flat
+
+
+def pack_layout(grouping: Grouping, attention_mask: Tensor) -> PackedLayout:
+    """The packed sequence for a [rows, length] batch: the common tokens (if any), then the groups;
+    groups of the same (size, prefix) form one bucket, whose attention runs batched."""
+    groups, length, common = grouping.groups, grouping.length, grouping.common
     rows = sum(len(g.rows) for g in groups)
+    starts = np.zeros(rows, dtype=np.int64) if grouping.starts is None else grouping.starts
+    columns = _own_columns(length, common, starts)  # [rows, own]: the columns the groups compute
+    own = length - common
     by_shape: dict[tuple[int, int], list[PrefixGroup]] = {}
     for g in groups:
         by_shape.setdefault((len(g.rows), g.prefix), []).append(g)
     buckets, src_parts = [], []
     dest = np.empty((rows, length), dtype=np.int64)
-    offset = 0
+    if common:  # the common tokens: the first row's, serving every row
+        first = groups[0].rows[0]
+        src_parts.append(first * length + starts[first] + np.arange(common))
+        dest[np.arange(rows)[:, None], starts[:, None] + np.arange(common)] = np.arange(common)
+    offset = common
     for (n, prefix), members in sorted(by_shape.items()):
-        suffix = length - prefix
+        suffix = own - prefix
         bucket = Bucket(offset=offset, groups=len(members), rows=n, prefix=prefix, suffix=suffix)
         member_rows = np.array([g.rows for g in members], dtype=np.int64)  # [groups, n]
-        # Prefix tokens: each group's first row, columns [0, prefix).
-        src_parts.append((member_rows[:, :1] * length + np.arange(prefix)).reshape(-1))
-        dest[member_rows, :prefix] = (
+        # Prefix tokens: each group's first row, its first `prefix` own columns.
+        leaders = member_rows[:, 0]
+        src_parts.append((leaders[:, None] * length + columns[leaders, :prefix]).reshape(-1))
+        dest[member_rows[:, :, None], columns[member_rows, :prefix]] = (
             offset + np.arange(len(members))[:, None, None] * prefix + np.arange(prefix)[None, None, :]
         )
-        # Suffix tokens: every row, columns [prefix, length).
+        # Suffix tokens: every row, its own columns from `prefix` on.
         suffix_start = offset + len(members) * prefix
-        src_parts.append((member_rows[:, :, None] * length + prefix + np.arange(suffix)).reshape(-1))
+        src_parts.append((member_rows[:, :, None] * length + columns[member_rows, prefix:]).reshape(-1))
         slot = np.arange(len(members) * n).reshape(len(members), n)
-        dest[member_rows, prefix:] = suffix_start + slot[:, :, None] * suffix + np.arange(suffix)
+        dest[member_rows[:, :, None], columns[member_rows, prefix:]] = (
+            suffix_start + slot[:, :, None] * suffix + np.arange(suffix)
+        )
         buckets.append(bucket)
         offset += bucket.tokens
     device = attention_mask.device
@@ -141,4 +219,5 @@ def pack_layout(groups: list[PrefixGroup], length: int, attention_mask: Tensor) 
         rows=rows,
         length=length,
         blind_queries=None if bool(sees_a_key.all()) else ~sees_a_key,
+        common=common,
     )

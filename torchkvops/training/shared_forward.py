@@ -6,7 +6,10 @@
 After generation, GRPO-style trainers run the model over every row's prompt + completion up to three
 times (old-policy and reference log-probabilities, then the policy's loss), and each prompt sits in G
 rows. With the patch, the model's backbone finds the rows that share a prefix (`prefix_groups`), packs
-each shared prefix once followed by its rows' own suffixes into one sequence, runs its own layers over
+each shared prefix once followed by its rows' own suffixes into one sequence (and, when every row starts
+with the same real tokens, a system prompt, wherever each row's left padding puts them, those once before
+all the groups: positions are then numbered from each row's first real token for families whose results
+depend on differences of positions only, see FAMILIES), runs its own layers over
 that (embeddings, norms and MLPs act per token; every attention layer calls `prefix_attention`, which
 knows the groups), and scatters the hidden states back to the [rows, length, hidden] layout. The LM
 head, `logits_to_keep`, `labels` and TRL's fused log-prob head then work unchanged, and outputs and
@@ -58,7 +61,7 @@ from ..models.forward_modes import active_dropout, autocast_dtype, disable_dropo
 from ..models.precision import compute_dtype
 from ..utils import PatchHandle, WarnOnce
 from .prefix_attention import SERVED_DEVICES, PackedLayout, packed_attention
-from .prefix_groups import find_prefix_groups, grouping_keys, pack_layout
+from .prefix_groups import grouping_keys, pack_layout, plan_grouping
 from .trl_head import compact_fused_head, uses_trl_fused_head
 
 __all__ = ["patch_forward", "ForwardPatch", "SharedForwardConfig", "SharedForwardStats", "disable_dropout", "NAME"]
@@ -68,14 +71,17 @@ _LAYOUT_KWARG = "torchkvops_packed_layout"  # the keyword that carries the layou
 _STATE_ATTR = "_torchkvops_shared_forward"
 
 # Model families served, and how their backbone numbers positions when the caller passes none:
-# "column" = the column index (arange over the padded row), "mask" = OPT's cumsum(mask) - 1.
+# "column" = the column index (arange over the padded row), "mask" = OPT's cumsum(mask) - 1, "relative" =
+# the column index too, read only through rotary embeddings, whose scores depend on differences of
+# positions alone: numbered from each row's first real token instead, a prefix common to rows with
+# different left padding has the same positions in each, and is computed once.
 FAMILIES = {
     "gpt2": "column",
     "opt": "mask",
-    "llama": "column",
-    "mistral": "column",
-    "qwen2": "column",
-    "qwen3": "column",
+    "llama": "relative",
+    "mistral": "relative",
+    "qwen2": "relative",
+    "qwen3": "relative",
 }
 # Attention implementations whose results the shared path reproduces (all exact attention).
 SERVED_ATTENTION = ("eager", "sdpa", "flash_attention_2", "flash_attention_3")
@@ -256,8 +262,19 @@ def _plan(backbone: nn.Module, state: _PatchState, args: tuple, kwargs: dict):
         mask = arguments.get("attention_mask")
         mask = torch.ones_like(input_ids, dtype=torch.bool) if mask is None else mask.bool()
         given = arguments.get("position_ids")
-        groups = find_prefix_groups(grouping_keys(input_ids, mask, given), state.config.min_shared_tokens)
-        if all(len(g.rows) == 1 for g in groups):
+        numbering = FAMILIES[backbone.config.model_type]
+        # Keys under which a token's result depends only on the row from its first real token on: the
+        # positions the forward will use, where they are not a function of the mask from there.
+        nested_positions = (
+            given if given is not None else _column_positions(input_ids) if numbering == "column" else None
+        )
+        grouping = plan_grouping(
+            grouping_keys(input_ids, mask, given),
+            grouping_keys(input_ids, mask, nested_positions),
+            mask.cpu().numpy(),
+            state.config.min_shared_tokens,
+        )
+        if not grouping.common and all(len(g.rows) == 1 for g in grouping.groups):
             reason = (
                 f"no rows that share a prefix of at least min_shared_tokens={state.config.min_shared_tokens} columns"
             )
@@ -265,17 +282,32 @@ def _plan(backbone: nn.Module, state: _PatchState, args: tuple, kwargs: dict):
         state.stats.fallback_calls += 1
         state.warn_once(reason)
         return None
-    return arguments, pack_layout(groups, input_ids.shape[1], mask), _plain_positions(backbone, input_ids, mask, given)
+    relative = grouping.common and given is None and numbering == "relative"
+    positions = _relative_positions(mask) if relative else _plain_positions(numbering, input_ids, mask, given)
+    return arguments, pack_layout(grouping, mask), positions
 
 
-def _plain_positions(backbone: nn.Module, input_ids: Tensor, mask: Tensor, given: Tensor | None) -> Tensor:
+def _column_positions(input_ids: Tensor) -> Tensor:
+    rows, length = input_ids.shape
+    return torch.arange(length, device=input_ids.device).expand(rows, length)
+
+
+def _plain_positions(numbering: str, input_ids: Tensor, mask: Tensor, given: Tensor | None) -> Tensor:
     """[rows, length]: the position of every token as the plain forward numbers it."""
     rows, length = input_ids.shape
     if given is not None:
         return given.expand(rows, length)
-    if FAMILIES[backbone.config.model_type] == "mask":  # OPT: cumsum(mask) - 1 at real tokens, -1 at padding
+    if numbering == "mask":  # OPT: cumsum(mask) - 1 at real tokens, -1 at padding
         return mask.long().cumsum(1) * mask - 1
-    return torch.arange(length, device=input_ids.device).expand(rows, length)
+    return _column_positions(input_ids)
+
+
+def _relative_positions(mask: Tensor) -> Tensor:
+    """[rows, length]: columns numbered from each row's first real token (0 on the left padding before
+    it, whose queries see no key and whose keys no query sees)."""
+    columns = torch.arange(mask.shape[1], device=mask.device)
+    first = mask.long().argmax(dim=1, keepdim=True)
+    return (columns - first).clamp(min=0)
 
 
 def _plain_reason(backbone: nn.Module, arguments: dict) -> str | None:
