@@ -24,7 +24,7 @@ def make_batch(keeps_left: bool = True, output=None):
     layout = CopyLayout(2)
     cache.prepare(layout, 4, ROWS, (COLUMNS,))
     for r in range(ROWS):
-        cache.decode_kv[:, :, r] = float(r)
+        cache.groups[0].decode_kv[:, :, r] = float(r)
     states = {}
 
     def state_for(shape: DecodeShape) -> DecodeState:
@@ -97,7 +97,7 @@ def test_compaction_moves_each_row_with_its_state_its_kv_and_keeps_the_tokens_of
     assert batch.rows == 4 and batch.map.original.tolist() == kept.tolist() == [0, 2, 4, 6]
     for name, value in before.items():
         assert torch.equal(getattr(batch.state, name), value[kept]), name
-    assert torch.equal(batch.cache.decode_kv[0, 0, :, 0, 0, 0], kept.float())  # each row's KV came along
+    assert torch.equal(batch.cache.groups[0].decode_kv[0, 0, :, 0, 0, 0], kept.float())  # each row's KV came along
     # The rows that left keep their two tokens (then the pad id) in the output, in their own rows.
     assert batch.responses[1, :2].tolist() == [4, 1] and batch.responses[1, 2:].eq(PAD).all()
 
@@ -141,4 +141,4 @@ def test_finish_puts_every_row_home_in_output_order():
         [10, 1, 0],
     ]
     assert not batch.cache.compacted  # the KV of every row is back in its home row
-    assert torch.equal(batch.cache.decode_kv[0, 0, :, 0, 0, 0], torch.arange(ROWS).float())
+    assert torch.equal(batch.cache.groups[0].decode_kv[0, 0, :, 0, 0, 0], torch.arange(ROWS).float())

@@ -89,8 +89,8 @@ def test_samples_and_logprobs_equal_the_rollout_without_a_common_prefix(llama, k
     torch.testing.assert_close(a.logprobs, b.logprobs, rtol=1e-4, atol=1e-5)
     assert shared.decode_counters().compactions > 0
     if kv_sharing == "prefix":
-        assert shared.cache.common_kv is not None and shared.cache.common_kv.shape[2] == 1  # one copy
-        assert plain.cache.common_kv is None
+        assert shared.cache.common_views is not None and shared.cache.common_views.rows == 1  # one copy
+        assert plain.cache.common_views is None
 
 
 @pytest.mark.parametrize("kv_sharing", ["copy", "prefix"])

@@ -183,31 +183,32 @@ def test_kv_compaction_gathers_the_rows_and_keeps_every_row_at_home(layout):
         cache.prepare(CopyLayout(3), 4, 12, (10,))
     else:
         cache.prepare(PrefixLayout(3), 4, 12, (16, 8))
-    cache.prompt_kv.copy_(torch.randn(cache.prompt_kv.shape))
-    cache.decode_kv.copy_(torch.randn(cache.decode_kv.shape))
-    home_prompt, home_decode = cache.prompt_kv, cache.decode_kv
-    prompt_kv, expected = cache.prompt_kv.clone(), cache.decode_kv.clone()
+    (group,) = cache.groups  # every layer's KV: one group
+    group.prompt_kv.copy_(torch.randn(group.prompt_kv.shape))
+    group.decode_kv.copy_(torch.randn(group.decode_kv.shape))
+    home_prompt, home_decode = group.prompt_kv, group.decode_kv
+    prompt_kv, expected = group.prompt_kv.clone(), group.decode_kv.clone()
     rows, groups = torch.tensor([11, 3, 4, 0, 7]), torch.tensor([1, 3])
     cache.compact(rows, groups if layout == "prefix" else None, torch.arange(12))
-    assert torch.equal(cache.decode_kv, expected[:, :, rows])
+    assert torch.equal(group.decode_kv, expected[:, :, rows])
     if layout == "prefix":
-        assert torch.equal(cache.prompt_kv, prompt_kv[:, :, groups])
-    assert cache.decode_kv.is_contiguous() and cache.prompt_kv.is_contiguous()
+        assert torch.equal(group.prompt_kv, prompt_kv[:, :, groups])
+    assert group.decode_kv.is_contiguous() and group.prompt_kv.is_contiguous()
     assert torch.equal(home_decode, expected)  # the rows that left are still at home
     # Decode writes a column of the compacted rows, then compacts again to three of them.
-    written = torch.randn(cache.decode_kv[..., 5, :].shape)
-    cache.decode_kv[..., 5, :] = written
+    written = torch.randn(group.decode_kv[..., 5, :].shape)
+    group.decode_kv[..., 5, :] = written
     expected[:, :, rows, :, 5] = written
     rows2, groups2 = torch.tensor([4, 0, 2]), torch.tensor([0, 1])
     cache.compact(rows2, groups2 if layout == "prefix" else None, rows)
-    assert torch.equal(cache.decode_kv, expected[:, :, rows[rows2]])
+    assert torch.equal(group.decode_kv, expected[:, :, rows[rows2]])
     if layout == "prefix":
-        assert torch.equal(cache.prompt_kv, prompt_kv[:, :, groups[groups2]])
-    written = torch.randn(cache.decode_kv[..., 6, :].shape)
-    cache.decode_kv[..., 6, :] = written
+        assert torch.equal(group.prompt_kv, prompt_kv[:, :, groups[groups2]])
+    written = torch.randn(group.decode_kv[..., 6, :].shape)
+    group.decode_kv[..., 6, :] = written
     expected[:, :, rows[rows2], :, 6] = written
     cache.finish_decode(rows[rows2])
-    assert cache.decode_kv is home_decode and cache.prompt_kv is home_prompt
+    assert group.decode_kv is home_decode and group.prompt_kv is home_prompt
     assert torch.equal(home_decode, expected)
     if layout == "prefix":  # (in the copy layout the prompts are the decode buffer's first columns)
         assert torch.equal(home_prompt, prompt_kv)

@@ -164,9 +164,9 @@ def test_variable_length_prompts_across_calls_reuse_the_buffer(llama):
     long_ids, long_mask = prompts(2, 20, seed=10)
     short_ids, short_mask = prompts(1, 5, seed=11)
     r.generate(long_ids, long_mask)
-    storage = r.cache.decode_kv.untyped_storage().data_ptr()
+    storage = r.cache.groups[0].decode_kv.untyped_storage().data_ptr()
     short = r.generate(short_ids, short_mask)
-    assert r.cache.decode_kv.untyped_storage().data_ptr() == storage  # smaller request: same allocation
+    assert r.cache.groups[0].decode_kv.untyped_storage().data_ptr() == storage  # smaller request: same allocation
     assert torch.equal(short.responses, hf_greedy(llama, short_ids, short_mask, 6).repeat_interleave(2, dim=0))
 
 
@@ -176,7 +176,7 @@ def test_release_frees_the_buffer(llama):
     first = r.generate(ids, mask)
     assert r.cache.allocated_bytes > 0
     r.release()
-    assert r.cache.allocated_bytes == 0 and r.cache.decode_kv is None
+    assert r.cache.allocated_bytes == 0 and r.cache.decode_views is None
     assert torch.equal(r.generate(ids, mask).responses, first.responses)  # usable again afterwards
 
 

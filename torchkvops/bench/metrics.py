@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ..rollout.kv_cache import KVShape
+from ..models.adapter import CacheSpec
 from .stats import summarize
 
 __all__ = [
@@ -100,9 +100,9 @@ def model_weight_bytes(model: nn.Module) -> int:
 
 
 def kv_bytes_per_token(model: nn.Module) -> int:
-    """layers x (K, V) x kv_heads x head_dim x the bytes of the model's dtype."""
-    shape = KVShape.from_config(model.config)
-    return shape.layers * 2 * shape.kv_heads * shape.head_dim * next(model.parameters()).element_size()
+    """layers x (K, V) x kv_heads x head_dim x the bytes of the model's dtype, summed over the KV cache's
+    groups."""
+    return CacheSpec.from_config(model.config).values_per_token * next(model.parameters()).element_size()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,17 +1,19 @@
 """What torchkvops knows about a Hugging Face causal LM, below the rollout engine that uses it.
 
-adapter.py reads a model (its KV shape, cache argument, attention implementation, the wrappers around it)
-and refuses what the rollout cannot run; forward_modes.py reads the dropout and autocast its forward
-applies; shapes.py builds named model shapes with random weights (`build_model`, nothing downloaded),
-the benchmarks' and demos' models.
+adapter.py reads a model (its KV cache's groups and their shapes, cache argument, attention
+implementation, the wrappers around it) and refuses what the rollout cannot run; forward_modes.py reads
+the dropout and autocast its forward applies; shapes.py builds named model shapes with random weights
+(`build_model`, nothing downloaded), the benchmarks' and demos' models.
 """
 
-from .adapter import KVShape, ModelAdapter, is_peft_model, model_state, unwrap_model
+from .adapter import CacheSpec, GroupSpec, KVShape, ModelAdapter, is_peft_model, model_state, unwrap_model
 from .shapes import MODEL_SHAPES, build_model, model_config
 
 __all__ = [
     "ModelAdapter",
     "KVShape",
+    "CacheSpec",
+    "GroupSpec",
     "model_state",
     "unwrap_model",
     "is_peft_model",

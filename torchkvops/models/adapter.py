@@ -4,6 +4,7 @@ and `past_key_values` in older ones."""
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 
 import torch
@@ -11,7 +12,16 @@ from torch import nn
 
 from .precision import compute_dtype
 
-__all__ = ["ModelAdapter", "KVShape", "model_state", "unwrap_model", "is_peft_model"]
+__all__ = [
+    "ModelAdapter",
+    "KVShape",
+    "GroupSpec",
+    "CacheSpec",
+    "FULL_ATTENTION",
+    "model_state",
+    "unwrap_model",
+    "is_peft_model",
+]
 
 _ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention"}
 # The parameter dtypes the rollout computes in (those its sampling operator takes logits in).
@@ -36,6 +46,63 @@ class KVShape:
 
     def buffer_shape(self, rows: int, tokens: int) -> tuple[int, ...]:
         return (self.layers, 2, rows, self.kv_heads, tokens, self.head_dim)
+
+
+# The kinds of cache group (`GroupSpec.kind`): what a group's layers store, and so how its rows are
+# expanded, gathered and extended (`torchkvops.rollout.cache_groups`). Today every layer is full attention.
+FULL_ATTENTION = "full_attention"
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupSpec:
+    """Layers whose KV one cache group stores: one kind, one number of KV heads and head size."""
+
+    kind: str
+    layers: tuple[int, ...]  # the model layers, in order
+    kv_heads: int
+    head_dim: int
+
+    @property
+    def shape(self) -> KVShape:
+        return KVShape(len(self.layers), self.kv_heads, self.head_dim)
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheSpec:
+    """What the rollout's KV cache holds for a model: its cache groups, and which layer's KV each layer's
+    attention reads (`reads[l]`: l itself, whose KV its group stores; or an earlier layer whose KV it
+    shares, as gemma3n's `kv_shared_layer_index` says: such a layer is in no group and writes no KV)."""
+
+    groups: tuple[GroupSpec, ...]
+    reads: tuple[int, ...]  # one entry per model layer
+
+    def __post_init__(self):
+        stored = [layer for group in self.groups for layer in group.layers]
+        if len(set(stored)) != len(stored):
+            raise ValueError(f"torchkvops: a layer is in two cache groups: {self.groups}")
+        for layer, source in enumerate(self.reads):
+            if (source == layer) != (layer in stored) or source not in stored:
+                raise ValueError(
+                    f"torchkvops: layer {layer} reads layer {source}'s KV, but the cache groups store "
+                    f"layers {sorted(stored)}: a layer stores its own KV or reads a stored layer's"
+                )
+
+    @classmethod
+    def single(cls, shape: KVShape) -> CacheSpec:
+        """One full-attention group of every layer."""
+        layers = tuple(range(shape.layers))
+        return cls((GroupSpec(FULL_ATTENTION, layers, shape.kv_heads, shape.head_dim),), layers)
+
+    @classmethod
+    def from_config(cls, config) -> CacheSpec:
+        """The cache groups a model's config asks for: the one place a new kind of layer adds its groups.
+        Every model served today is full attention in every layer, one shape: one group."""
+        return cls.single(KVShape.from_config(config))
+
+    @property
+    def values_per_token(self) -> int:
+        """The K and V elements one position of one row holds, over every stored layer."""
+        return sum(len(g.layers) * 2 * g.kv_heads * g.head_dim for g in self.groups)
 
 
 def _as_id_list(value) -> list[int]:
@@ -210,7 +277,7 @@ class ModelAdapter:
         self.takes_attention_mask = "attention_mask" in params
         self.takes_logits_to_keep = "logits_to_keep" in params
         self.model, self.config = model, config
-        self.kv_shape = KVShape.from_config(config)
+        self.cache_spec = CacheSpec.from_config(config)  # the KV cache's groups
         self.max_positions = getattr(config, "max_position_embeddings", None)
         # PEFT's tuner layers (LoRA's Linear, ...), whose active adapters a decode graph depends on.
         self._tuner_layers = [

@@ -41,6 +41,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .. import ops
 from ..fused_attention import attend
+from .cache_groups import KVViews, layer_kv, layer_slot
 
 __all__ = [
     "NAME",
@@ -58,14 +59,14 @@ NAME = "torchkvops"
 @dataclasses.dataclass
 class PrefillForward:
     """A forward over prompts with the model's own attention: each layer's K and V go to columns [0, P) of
-    the rows of `into` (the prompts' buffer, or the prefix layout's common prefix's), and the attention
-    reads exactly those (no padding to the buffer's length). One object per rollout, reused: a compiled
-    prefill sees the same one."""
+    the rows of `into` (every cache group's prompts' buffer, or the prefix layout's common prefix's), and
+    the attention reads exactly those (no padding to the buffer's length). One object per rollout, reused:
+    a compiled prefill sees the same one."""
 
-    into: Tensor | None = None  # [layers, 2, rows, kv_heads, max_tokens, head_dim]
-    start: Tensor | None = None  # [1] int64 zero, on the buffer's device
+    into: KVViews | None = None  # per group [group layers, 2, rows, kv_heads, max_tokens, head_dim]
+    start: Tensor | None = None  # [1] int64 zero, on the buffers' device
 
-    def bind(self, into: Tensor) -> PrefillForward:
+    def bind(self, into: KVViews) -> PrefillForward:
         self.into = into
         if self.start is None or self.start.device != into.device:
             self.start = torch.zeros(1, dtype=torch.long, device=into.device)
@@ -73,8 +74,14 @@ class PrefillForward:
 
     def write(self, cache, key: Tensor, value: Tensor, layer: int) -> tuple[Tensor, Tensor]:
         cache.check_layout(key, value, layer)
-        ops.write_kv_(self.into, key, value, layer, self.start)
+        buffer, index = layer_slot(self.into, layer)
+        ops.write_kv_(buffer, key, value, index, self.start)
         return key, value
+
+    def read(self, cache, key: Tensor, layer: int) -> tuple[Tensor, Tensor]:
+        """A layer that reads another layer's KV: that layer's, at this forward's rows and columns."""
+        kv = layer_kv(self.into, layer)[:, : key.shape[0], :, : key.shape[2]]
+        return kv[0], kv[1]
 
     def seq_length(self) -> int:
         return 0
@@ -85,12 +92,12 @@ class DecodeAttention:
     """What the attention layers need during one rollout's decode, besides the K/V of this step: where each
     row writes it (`kv`, the current decode buffer, at the row's `columns`) and what every row reads."""
 
-    kv: Tensor | None = None  # the decode buffer [layers, 2, rows, kv_heads, T, head_dim]
+    kv: KVViews | None = None  # the decode buffers: per group [group layers, 2, rows, kv_heads, T, head_dim]
     columns: Tensor | None = None  # [rows] the column each row writes this step (the decode state's)
 
     # Prefix layout (None in the copy layout, where each row holds its prompt's KV): rows [i*N, (i+1)*N)
-    # answer prompt i, whose KV is prompt_kv[:, :, i].
-    prompt_kv: Tensor | None = None  # [layers, 2, B, kv_heads, P, head_dim]
+    # answer prompt i, whose KV is row i of prompt_kv's buffers.
+    prompt_kv: KVViews | None = None  # per group [group layers, 2, B, kv_heads, P, head_dim]
     prompt_bias: Tensor | None = None  # [B, 1, 1, P]: 0 where prompt i has a token, -inf elsewhere
     # Prefix layout of a compacted batch (torchkvops.rollout.compaction): rows need not come N per prompt; the
     # queries of prompt i are the rows slot_rows[i*S : (i+1)*S] ([B * S]), and row r reads its prefix
@@ -100,7 +107,7 @@ class DecodeAttention:
     row_sample: Tensor | None = None
     # Prefix layout with a prefix common to every prompt (torchkvops.rollout.prompts), kept once: every
     # row's queries, stacked, read it once a step; prompt_kv then holds each prompt's remainder.
-    common_kv: Tensor | None = None  # [layers, 2, 1, kv_heads, L', head_dim]
+    common_kv: KVViews | None = None  # per group [group layers, 2, 1, kv_heads, L', head_dim]
     common_bias: Tensor | None = None  # [1, 1, 1, L']
 
     def load(self, state, cache, prefix: bool) -> None:
@@ -108,18 +115,24 @@ class DecodeAttention:
         cache's current views (`prefix`: the prefix layout's prompt KV and common prefix too), in one place:
         the decoder calls this whenever it starts decoding a state or the views change, so the context never
         holds a mix of two states. The object itself stays the same (a compiled decode step reads it)."""
-        self.kv, self.columns = cache.decode_kv, state.column
-        self.prompt_kv = cache.prompt_kv if prefix else None
+        self.kv, self.columns = cache.decode_views, state.column
+        self.prompt_kv = cache.prompt_views if prefix else None
         self.prompt_bias = state.prompt_bias if prefix else None
         self.slot_rows, self.row_prompt, self.row_sample = state.slot_rows, state.row_prompt, state.row_sample
-        self.common_kv = cache.common_kv if prefix else None
+        self.common_kv = cache.common_views if prefix else None
         self.common_bias = state.common_bias if self.common_kv is not None else None
 
     def write(self, cache, key: Tensor, value: Tensor, layer: int) -> tuple[Tensor, Tensor]:
         """Each row's K and V at its own column; the layer's whole decode buffer to the attention. No Python
         checks (prefill made them for this model): a step is what a CUDA graph replays."""
-        ops.write_kv_(self.kv, key, value, layer, self.columns)
-        return self.kv[layer, 0], self.kv[layer, 1]
+        buffer, index = layer_slot(self.kv, layer)
+        ops.write_kv_(buffer, key, value, index, self.columns)
+        return buffer[index, 0], buffer[index, 1]
+
+    def read(self, cache, key: Tensor, layer: int) -> tuple[Tensor, Tensor]:
+        """A layer that reads another layer's KV: that layer's whole decode buffer."""
+        kv = layer_kv(self.kv, layer)
+        return kv[0], kv[1]
 
     def seq_length(self):
         return self.columns[0]
@@ -130,7 +143,7 @@ class SharedLevel:
     """KV that several rows of a packed forward read besides their own (in the prefix layout: the prompts',
     and a prefix common to every prompt): the live rows' reading of it."""
 
-    kv: Tensor  # [layers, 2, n, kv_heads, K', head_dim]
+    kv: KVViews  # per group [group layers, 2, n, kv_heads, K', head_dim]
     of_row: Tensor  # [L] the level's row each live row reads
     visible: Tensor  # [L, K'] bool: which of its columns each live row sees
 
@@ -151,9 +164,9 @@ class PackedAttention:
     keys: int  # the buffer's columns read: up to the longest live row's chunk end
     allowed: Tensor  # [L, 1, C, keys'] bool: the shared levels' columns, then the row's own
     levels: tuple[SharedLevel, ...] = ()
-    into: Tensor | None = None  # the rows' buffer [layers, 2, rows, kv_heads, columns, head_dim] (bind)
+    into: KVViews | None = None  # the rows' buffers: per group [group layers, 2, rows, kv_heads, columns, head_dim]
 
-    def bind(self, into: Tensor) -> PackedAttention:
+    def bind(self, into: KVViews) -> PackedAttention:
         self.into = into
         return self
 
@@ -161,9 +174,15 @@ class PackedAttention:
         """The packed tokens' K and V ([1, kv_heads, T, head_dim]), each to its row and column; the layer's
         whole buffer to the attention (`attend`)."""
         cache.check_layout(key, value, layer)
-        self.into[layer, 0][self.token_rows, :, self.token_columns] = key[0].transpose(0, 1)
-        self.into[layer, 1][self.token_rows, :, self.token_columns] = value[0].transpose(0, 1)
-        return self.into[layer, 0], self.into[layer, 1]
+        kv = layer_kv(self.into, layer)
+        kv[0][self.token_rows, :, self.token_columns] = key[0].transpose(0, 1)
+        kv[1][self.token_rows, :, self.token_columns] = value[0].transpose(0, 1)
+        return kv[0], kv[1]
+
+    def read(self, cache, key: Tensor, layer: int) -> tuple[Tensor, Tensor]:
+        """A layer that reads another layer's KV: that layer's whole buffer (`attend` reads its rows)."""
+        kv = layer_kv(self.into, layer)
+        return kv[0], kv[1]
 
     def seq_length(self) -> int:
         return 0
@@ -174,8 +193,8 @@ class PackedAttention:
         live, chunk = self.slots.shape
         heads, head_dim = query.shape[1], query.shape[3]
         q = query[0].transpose(0, 1)[self.slots].permute(0, 2, 1, 3)  # [L, heads, C, head_dim]
-        ks = [level.kv[module.layer_idx, 0].index_select(0, level.of_row) for level in self.levels]
-        vs = [level.kv[module.layer_idx, 1].index_select(0, level.of_row) for level in self.levels]
+        kvs = [layer_kv(level.kv, module.layer_idx).index_select(1, level.of_row) for level in self.levels]
+        ks, vs = [kv[0] for kv in kvs], [kv[1] for kv in kvs]
         k = torch.cat([*ks, key.index_select(0, self.rows)[:, :, : self.keys]], dim=2)
         v = torch.cat([*vs, value.index_select(0, self.rows)[:, :, : self.keys]], dim=2)
         out = F.scaled_dot_product_attention(
@@ -281,7 +300,7 @@ def torchkvops_attention(
         return out.reshape(rows, 1, heads, head_dim), None
 
     # B and N from shapes, not Python ints: a compiled decode then keeps them symbolic (no recompile).
-    prompts = context.prompt_kv.shape[2]
+    prompts = context.prompt_kv.buffers[0].shape[2]
     slotted = context.slot_rows is not None
     samples = (context.slot_rows.shape[0] if slotted else rows) // prompts
     layer = module.layer_idx
@@ -289,7 +308,8 @@ def torchkvops_attention(
     stacked = q.index_select(0, context.slot_rows) if slotted else q
     stacked = stacked.view(prompts, samples, kv_heads, group, head_dim).transpose(1, 2)
     stacked = stacked.reshape(prompts, kv_heads, samples * group, head_dim)
-    prefix_k, prefix_v = context.prompt_kv[layer, 0], context.prompt_kv[layer, 1]
+    prompt_kv = layer_kv(context.prompt_kv, layer)
+    prefix_k, prefix_v = prompt_kv[0], prompt_kv[1]
     out_p, lse_p = attend(stacked, prefix_k, prefix_v, context.prompt_bias, scale=scaling)
     # Suffix: each row's own response KV, written up to and including this step.
     out_s, lse_s = attend(q, key, value, attention_mask, scale=scaling)
@@ -308,7 +328,8 @@ def torchkvops_attention(
         )
     if context.common_kv is not None:
         # A prefix common to every prompt: every row's queries, stacked, against its one copy (read once).
-        common_k, common_v = context.common_kv[layer, 0], context.common_kv[layer, 1]
+        common_kv = layer_kv(context.common_kv, layer)
+        common_k, common_v = common_kv[0], common_kv[1]
         every = q.transpose(0, 1).reshape(1, kv_heads, rows * group, head_dim)
         out_c, lse_c = attend(every, common_k, common_v, context.common_bias, scale=scaling)
         out_c = out_c.view(kv_heads, rows, group, head_dim).transpose(0, 1)

@@ -389,13 +389,14 @@ class Decoder:
         """Point the step, the attention context and the runner's graph key at `state` and the KV cache's
         current views (again only when the state or the views changed)."""
         cache = self.cache
-        views = (id(cache.decode_kv), id(cache.prompt_kv))
+        views = tuple(id(t) for v in (cache.decode_views, cache.prompt_views) for t in v.buffers)
         if self._bound is state and self._bound_views == views:
             return
         self._bound, self._bound_views = state, views
         self.step.bind(state)
         self.layout.load_context(self.context, state, cache)
-        dynamic = [(t, (0,)) for t in state.tensors()] + [(state.bias, (0, 3)), (cache.decode_kv, (2, 4))]
+        dynamic = [(t, (0,)) for t in state.tensors()] + [(state.bias, (0, 3))]
+        dynamic += [(t, (2, 4)) for t in cache.decode_views.buffers]
         dynamic += self.layout.dynamic_tensors(state, cache)
         # Once per tensor, with every dim it was listed with (rows, and for some the key length).
         merged: dict[int, tuple[Tensor, set[int]]] = {}

@@ -28,6 +28,7 @@ from ..models.adapter import ModelAdapter
 from ..utils import left_padding_fault
 from . import attention
 from .attention import packed_attention
+from .cache_groups import KVViews
 from .config import MIN_TEMPERATURE, RolloutConfig, RolloutOutput  # noqa: F401
 from .decode import FINISHED_CHECK_INTERVAL, MAX_DECODE_STATES, Decoder, DecodeStep, NonFiniteLogitsError  # noqa: F401
 from .kv_cache import RolloutKVCache
@@ -79,7 +80,7 @@ class Rollout:
         self.adapter = ModelAdapter(model)
         self.model = model
         self.device, self.dtype = self.adapter.device, self.adapter.dtype
-        self.cache = RolloutKVCache(self.adapter.kv_shape, self.dtype, self.device)
+        self.cache = RolloutKVCache(self.adapter.cache_spec, self.dtype, self.device)
         self.eos_ids = self.adapter.eos_ids(self.config.eos_token_id)
         self.pad_id = self.adapter.pad_id(self.config.pad_token_id, self.eos_ids)
         self._check_special_ids()
@@ -333,7 +334,7 @@ class Rollout:
             input_ids = input_ids.repeat_interleave(n, dim=0)
             attention_mask = attention_mask.repeat_interleave(n, dim=0)
         positions = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
-        self.cache.bind(self._prefill_kv.bind(self.cache.prompt_kv))
+        self.cache.bind(self._prefill_kv.bind(self.cache.prompt_views))
         logits = self._prefill_fn(input_ids, self._prefill_attention_mask(attention_mask), positions)
         return logits, input_ids.numel()
 
@@ -352,7 +353,7 @@ class Rollout:
         packed = pack(prompts.remainders(), starts, torch.full_like(starts, common))
         seen = torch.arange(prompts.width, device=self.device)[None, :].expand(batch, -1) < start  # the common prefix
         context = packed_attention(packed, starts, seen, layout.common_levels(cache, batch, common))
-        cache.bind(context.bind(cache.prompt_kv))
+        cache.bind(context.bind(cache.prompt_views))
         with attention.decode_attention(self.adapter.model, context):
             logits = self.adapter.packed_logits(cache, packed.ids, packed.positions, packed.column, packed.last)
         return logits, common + packed.tokens
@@ -398,7 +399,7 @@ class Rollout:
             plan = self._decoder.initial_plan(~turn.live.cpu())
 
         with timer.stage("prefill"):
-            cache.bind(context.bind(cache.decode_kv))
+            cache.bind(context.bind(cache.decode_views))
             with attention.decode_attention(self.adapter.model, context):
                 live_logits = self.adapter.packed_logits(cache, turn.ids, turn.positions, turn.column, turn.last)
             logits = live_logits.new_zeros(rows, live_logits.shape[-1])  # rows left out have ended
@@ -413,7 +414,7 @@ class Rollout:
                 history.turn_seed() if seed is None else seed,
                 history.row_ids,
                 turn.live,
-                visible=history.visible(cache.home_decode_kv.shape[4], decode_start),
+                visible=history.visible(cache.home_decode_views.tokens, decode_start),
                 positions=live_positions,
                 write_start=decode_start,
                 max_new_tokens=max_new_tokens,
@@ -453,20 +454,20 @@ class Rollout:
         self._history, self._streamed = None, True
         with timer.stage("decode"):  # prefills (once per prompt) happen as rows free up: within decode
             if self._scratch is None:
-                self._scratch = RolloutKVCache(self.adapter.kv_shape, self.dtype, self.device)
+                self._scratch = RolloutKVCache(self.adapter.cache_spec, self.dtype, self.device)
             scratch = self._scratch
 
-            def prefill(prompts: list[int]) -> tuple[Tensor, Tensor, Tensor]:
+            def prefill(prompts: list[int]) -> tuple[KVViews, Tensor, Tensor]:
                 index = torch.tensor(prompts, device=self.device)
                 ids, mask = input_ids[index], attention_mask[index]
                 scratch.prepare(CopyLayout(1), len(prompts), len(prompts), (prompt_len,))
-                scratch.bind(self._scratch_prefill_kv.bind(scratch.prompt_kv))
+                scratch.bind(self._scratch_prefill_kv.bind(scratch.prompt_views))
                 positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
                 cache_position = torch.arange(prompt_len, device=self.device)
                 logits = self.adapter.last_logits(
                     scratch, ids, self._prefill_attention_mask(mask), positions, cache_position
                 )
-                return scratch.prompt_kv, logits, mask  # (the next prefill overwrites the scratch cache)
+                return scratch.prompt_views, logits, mask  # (the next prefill overwrites the scratch cache)
 
             done = stream(
                 self._decoder,

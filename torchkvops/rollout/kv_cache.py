@@ -1,24 +1,29 @@
 """The rollout's KV cache: preallocated buffers reused across rollouts, presented to Hugging Face models
 as a `Cache`.
 
-Buffers are `[layers, 2, rows, kv_heads, tokens, head_dim]` (K at index 0, V at 1), so one
-`repeat_kv_cache_` call expands every layer's prompt KV at once and one `write_kv_` call per layer
-stores a step's K and V. Two layouts (`RolloutConfig.kv_sharing`):
+The cache is a list of cache groups (`torchkvops.rollout.cache_groups.CacheGroup`, built from the model's
+`CacheSpec`: today one full-attention group of every layer), each with its own buffers and shape:
+`[group layers, 2, rows, kv_heads, tokens, head_dim]` (K at index 0, V at 1), so one `repeat_kv_cache_`
+call per group expands its layers' prompt KV and one `write_kv_` call per layer stores a step's K and V.
+Every operation on the buffers (prepare, compact, finish_decode, grow, expand_prompts) runs once per
+group. Two layouts (`RolloutConfig.kv_sharing`), each group's buffers laid out alike:
 
 - "copy": one buffer of B*N rows x (P + R - 1) positions. Prefill writes the B prompts into rows
   [0, B), `repeat_kv_cache_` copies each prompt to its N rows, decode appends at column P + step.
-- "prefix": the B prompts' KV stays where prefill wrote it, once per prompt (`prompt_kv`, B rows x P
-  positions), and each of the B*N rows owns only its response KV (`decode_kv`, R - 1 positions). The
+- "prefix": the B prompts' KV stays where prefill wrote it, once per prompt (`prompt_views`, B rows x P
+  positions), and each of the B*N rows owns only its response KV (`decode_views`, R - 1 positions). The
   decode attention (`torchkvops.rollout.attention`) reads both and merges them; nothing is copied. A
   prefix common to every prompt, computed once (`torchkvops.rollout.prompts`), is kept once too
-  (`common_kv`, one row), apart from the rest: compaction never moves it.
+  (`common_views`, one row), apart from the rest: compaction never moves it.
 
 The cache keeps buffers; where a forward's K and V go and what its attention reads is that forward's own
 metadata (`torchkvops.rollout.attention`: `PrefillForward`, `PackedAttention`, `DecodeAttention`), which
-the caller binds (`bind`) before the model runs: `update` hands each layer's K and V to it.
+the caller binds (`bind`) before the model runs, to a buffer of every group (`KVViews`): `update` hands
+each layer's K and V to it, and the metadata finds the layer's group and index in the views. A layer that
+reads another layer's KV (`CacheSpec.reads`) writes none: `update` hands it the other layer's.
 
-All views are carved out of one flat allocation that is kept while it is big enough, and every view is
-contiguous, so compiled graphs see the same strides for the same shapes.
+All views of every group are carved out of one flat allocation that is kept while it is big enough, and
+every view is contiguous, so compiled graphs see the same strides (and addresses) for the same shapes.
 """
 
 from __future__ import annotations
@@ -29,11 +34,11 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import Cache
 
-from ..models.adapter import KVShape
-from ..ops import repeat_kv_cache_
+from ..models.adapter import CacheSpec, KVShape
+from .cache_groups import CacheGroup, KVViews, make_group
 from .compaction import COMPACT_FRACTION
 
-__all__ = ["RolloutKVCache", "KVShape"]
+__all__ = ["RolloutKVCache", "KVShape", "CacheSpec"]
 
 
 def _carve(
@@ -52,100 +57,135 @@ def _carve(
     return storage, views
 
 
-def _gather_rows(src: Tensor, rows: Tensor, dst: Tensor) -> None:
-    """dst[l] = src[l][:, rows] for every layer l, in increasing l (see RolloutKVCache.compact)."""
-    for layer in range(src.shape[0]):
-        dst[layer].copy_(src[layer].index_select(1, rows))
+def _per_group(views: list[Tensor], groups: int) -> list[list[Tensor]]:
+    """A flat list of views, group after group (as `_flat` lists their shapes), back into one list per group."""
+    n = len(views) // groups
+    return [views[g * n : (g + 1) * n] for g in range(groups)]
+
+
+def _flat(shapes: list[list[tuple[int, ...]]]) -> list[tuple[int, ...]]:
+    """Every group's buffer shapes, group after group: the order of the views in an allocation."""
+    return [shape for group in shapes for shape in group]
 
 
 class RolloutKVCache(Cache):
-    """Static KV buffers reused across rollouts; `prepare()` sizes them for a layout
-    (torchkvops.rollout.layouts), `release()` frees them. The buffers are one per entry of the layout's
-    `kv_lengths`: `prompt_kv` is the first and `decode_kv` the last (one and the same in the copy layout)."""
+    """Static KV buffers reused across rollouts, one set per cache group (`groups`); `prepare()` sizes them
+    for a layout (torchkvops.rollout.layouts), `release()` frees them. Each group's buffers are one per entry
+    of the layout's `kv_lengths`: the prompts' buffer is the first and the decode buffer the last (one and the
+    same in the copy layout); `prompt_views` and `decode_views` are that buffer of every group."""
 
-    def __init__(self, shape: KVShape, dtype: torch.dtype, device: torch.device):
+    def __init__(self, spec: CacheSpec | KVShape, dtype: torch.dtype, device: torch.device):
         super().__init__(layers=[])
-        self.shape, self.dtype, self.device = shape, dtype, torch.device(device)
-        self._storage: Tensor | None = None  # flat; the home views are carved out of it
+        self.spec = spec if isinstance(spec, CacheSpec) else CacheSpec.single(spec)
+        self.dtype, self.device = dtype, torch.device(device)
+        self.groups: tuple[CacheGroup, ...] = tuple(make_group(g) for g in self.spec.groups)
+        stored = {layer: (g, i) for g, group in enumerate(self.groups) for i, layer in enumerate(group.layers)}
+        # Each model layer's slot: (group, index in it) of the KV its attention reads (KVViews.slots).
+        self.slots: tuple[tuple[int, int], ...] = tuple(stored[source] for source in self.spec.reads)
+        self._storage: Tensor | None = None  # flat; every group's home views are carved out of it
         self._work: Tensor | None = None  # flat; a compacted batch's views are carved out of it
+        self._common_storage: Tensor | None = None  # flat; a common prefix's views, kept while big enough
         self.layout = None  # the layout object the buffers are prepared for
-        # Home views: every row of the call, where its KV stays after the call (for Rollout.extend); and
-        # the current views: where decode writes and reads (a compacted batch's, or the home ones).
-        self._home: list[Tensor] = []
-        self._current: list[Tensor] = []
-        # Prefix layout: the KV of a prefix common to every prompt, [layers, 2, 1, kv_heads, L', head_dim]
-        # (None: none this call), in an allocation of its own, kept while it is big enough.
-        self.common_kv: Tensor | None = None
-        self._common_storage: Tensor | None = None
         self.forward = None  # the metadata of the forward running now (bind)
         self.work_used_bytes = 0  # the largest compacted batch's views since the home views were made
 
+    def group_of(self, layer: int) -> tuple[CacheGroup, int]:
+        """The group that holds the KV `layer` reads (its own, or the layer's whose KV it shares), and the
+        index of that KV in the group."""
+        group, index = self.slots[layer]
+        return self.groups[group], index
+
     @property
-    def prompt_kv(self) -> Tensor | None:
+    def shape(self) -> KVShape:
+        """The one group's shape (a cache of one group: every model served today)."""
+        if len(self.groups) != 1:
+            raise ValueError(f"torchkvops: this KV cache has {len(self.groups)} groups, not one shape: {self.groups}")
+        return self.groups[0].shape
+
+    # --- every group's buffer of one kind, for a forward's metadata --------------------------------------
+    def _views(self, views: list[Tensor | None]) -> KVViews | None:
+        return None if not views or views[0] is None else KVViews(tuple(views), self.slots)
+
+    @property
+    def prompt_views(self) -> KVViews | None:
         """Where prefill writes the prompts."""
-        return self._current[0] if self._current else None
+        return self._views([g.prompt_kv for g in self.groups])
 
     @property
-    def decode_kv(self) -> Tensor | None:
+    def decode_views(self) -> KVViews | None:
         """Where decode writes, and what its attention reads."""
-        return self._current[-1] if self._current else None
+        return self._views([g.decode_kv for g in self.groups])
 
     @property
-    def home_prompt_kv(self) -> Tensor | None:
-        return self._home[0] if self._home else None
+    def home_decode_views(self) -> KVViews | None:
+        return self._views([g.home_decode_kv for g in self.groups])
 
     @property
-    def home_decode_kv(self) -> Tensor | None:
-        return self._home[-1] if self._home else None
+    def common_views(self) -> KVViews | None:
+        """Prefix layout: the KV of a prefix common to every prompt, one row (None: none this call)."""
+        return self._views([g.common for g in self.groups])
 
     # --- buffer management ---------------------------------------------------------------------
     def prepare(self, layout, prompts: int, rows: int, lengths: tuple[int, ...], common: int = 0) -> None:
-        """Buffers of `layout` for `prompts` prompts and `rows` rows, of `lengths` positions each
-        ([layers, 2, rows of the buffer, kv_heads, positions, head_dim]), and `common` positions of a prefix
-        common to every prompt kept once (`common_kv`; 0: none)."""
-        shapes = [self.shape.buffer_shape(r, t) for r, t in zip(layout.buffer_rows(prompts, rows), lengths)]
-        self._home = self._current = self._views(shapes)
+        """Buffers of `layout` for `prompts` prompts and `rows` rows, of `lengths` positions each (every
+        group's: [group layers, 2, rows of the buffer, kv_heads, positions, head_dim]), and `common` positions
+        of a prefix common to every prompt kept once (`common_views`; 0: none)."""
+        buffer_rows = layout.buffer_rows(prompts, rows)
+        self._set_home(
+            self._home_views([[g.buffer_shape(r, t) for r, t in zip(buffer_rows, lengths)] for g in self.groups])
+        )
         self.layout = layout
-        self.common_kv = None
+        for g in self.groups:
+            g.common = None
         if common:
-            self._common_storage, (self.common_kv,) = _carve(
-                self._common_storage, [self.shape.buffer_shape(1, common)], self.dtype, self.device
+            self._common_storage, views = _carve(
+                self._common_storage, [g.buffer_shape(1, common) for g in self.groups], self.dtype, self.device
             )
+            for g, view in zip(self.groups, views):
+                g.common = view
+
+    def _set_home(self, views: list[list[Tensor]]) -> None:
+        for g, v in zip(self.groups, views):
+            g.home = g.current = v
 
     @property
     def compacted(self) -> bool:
-        return bool(self._current) and self._current[-1] is not self._home[-1]
+        g = self.groups[0]
+        return bool(g.current) and g.current[-1] is not g.home[-1]
 
     def compact(self, rows: Tensor, prompts: Tensor | None, original: Tensor) -> None:
         """Decode goes on with the decode buffer's rows `rows` (int64, on the buffer's device) and, in the
         prefix layout, the prompts `prompts` only (torchkvops.rollout.compaction); `original` [current rows]
-        is each current row's row in the home views.
+        is each current row's row in the home views. In every group.
 
         Every row's KV is kept for `Rollout.extend`: the compacted batch decodes in a second allocation
         (the work views), so the rows that leave stay in the home views. The first compaction gathers
         from home into the work views; a later one first writes the current rows home (the ones leaving
         would be overwritten), then gathers in place into smaller work views carved from the start of the
-        same allocation: a smaller view's layer l ends where the current view's layer l + 1 begins or
-        before, so no layer is overwritten before it is read (and the prompts, which come first, before
-        the response KV). A compacted shape thus has the same addresses in every call (its CUDA graph
-        replays)."""
+        same allocation: views lie group after group, each group's buffers in the layout's order, and a
+        smaller view's layer l ends where the current view's layer l + 1 begins or before, so gathering in
+        that order (groups, buffers, layers) overwrites nothing before it is read. A compacted shape thus
+        has the same addresses in every call (its CUDA graph replays)."""
         if self.compacted:
             self._write_home(original)
-        self._current = self._gather(self._work_views, rows, prompts)
+        views = self._gather(self._work_views, rows, prompts)
+        for g, v in zip(self.groups, views):
+            g.current = v
 
     def compact_in_place(self, rows: Tensor, prompts: Tensor | None = None) -> None:
         """Decode goes on with rows `rows` only (and in the prefix layout the prompts `prompts`), gathered
         in place into smaller views carved from the start of the same allocation (see compact()'s in-place
         case); what is left behind is not kept (a streaming batch's rows, copied out already)."""
         assert not self.compacted
-        self._home = self._current = self._gather(self._views, rows, prompts)
+        self._set_home(self._gather(self._home_views, rows, prompts))
 
-    def _gather(self, carve, rows: Tensor, prompts: Tensor | None) -> list[Tensor]:
-        """Each current view's kept rows (the layout's index for it), into views that `carve` makes."""
+    def _gather(self, carve, rows: Tensor, prompts: Tensor | None) -> list[list[Tensor]]:
+        """Each group's current views' kept rows (the layout's index for each buffer), into views that
+        `carve` makes; group after group, in the order the views lie in the allocation (compact())."""
         index = self.layout.kv_index(rows, prompts)
-        views = carve([self.shape.buffer_shape(i.numel(), v.shape[4]) for i, v in zip(index, self._current)])
-        for src, i, dst in zip(self._current, index, views):
-            _gather_rows(src, i, dst)
+        views = carve([[g.buffer_shape(i.numel(), v.shape[4]) for i, v in zip(index, g.current)] for g in self.groups])
+        for g, v in zip(self.groups, views):
+            g.gather(index, v)
         return views
 
     def finish_decode(self, original: Tensor | None) -> None:
@@ -153,57 +193,68 @@ class RolloutKVCache(Cache):
         home views current again, so that every row's KV is where `Rollout.extend` looks for it."""
         if self.compacted:
             self._write_home(original)
-        self._current = self._home
+        for g in self.groups:
+            g.current = g.home
 
     def _write_home(self, original: Tensor) -> None:
-        """The current (work) rows' KV into their home rows. The prompts' KV never changes in decode."""
-        home, work = self._home[-1], self._current[-1]
-        for layer in range(home.shape[0]):
-            home[layer].index_copy_(1, original, work[layer])
+        for g in self.groups:
+            g.write_home(original)
 
     def grow(self, decode_tokens: int) -> None:
         """Home views with room for `decode_tokens` positions per row in the decode buffer (Rollout.extend:
-        a longer history), their KV copied over. Not while compacted."""
+        a longer history), their KV copied over, in every group. Not while compacted."""
         assert not self.compacted, "grow() runs on the home views"
-        old, layout = self._home, self.layout
-        if decode_tokens <= old[-1].shape[4]:
+        old, layout = [g.home for g in self.groups], self.layout
+        if decode_tokens <= old[0][-1].shape[4]:
             return
         old_storage, self._storage = self._storage, None  # both live until the copy is done
-        lengths = [v.shape[4] for v in old[:-1]] + [decode_tokens]
-        self._home = self._current = self._views([self.shape.buffer_shape(v.shape[2], t) for v, t in zip(old, lengths)])
+        shapes = [
+            [g.buffer_shape(v.shape[2], v.shape[4]) for v in views[:-1]]
+            + [g.buffer_shape(views[-1].shape[2], decode_tokens)]
+            for g, views in zip(self.groups, old)
+        ]
+        self._set_home(self._home_views(shapes))
         self.layout = layout
-        for src, dst in zip(old, self._home):
-            dst[..., : src.shape[4], :].copy_(src)
+        for g, views in zip(self.groups, old):
+            for src, dst in zip(views, g.home):
+                dst[..., : src.shape[4], :].copy_(src)
         del old_storage
 
-    def _views(self, shapes: list[tuple[int, ...]]) -> list[Tensor]:
+    def _home_views(self, shapes: list[list[tuple[int, ...]]]) -> list[list[Tensor]]:
+        """Views of these shapes (one list per group), from the start of the home allocation."""
         self.work_used_bytes = 0  # new home views: no compacted batch yet
-        if self._storage is None or self._storage.numel() < sum(math.prod(s) for s in shapes):
+        flat = _flat(shapes)
+        if self._storage is None or self._storage.numel() < sum(math.prod(s) for s in flat):
             # Free the old allocation before making the new one (a common prefix's, apart, stays).
             self._storage = self._work = None
-            self._home = self._current = []
-        self._storage, views = _carve(self._storage, shapes, self.dtype, self.device)
-        return views
+            self._set_home([[] for _ in self.groups])
+        self._storage, views = _carve(self._storage, flat, self.dtype, self.device)
+        return _per_group(views, len(self.groups))
 
-    def _work_views(self, shapes: list[tuple[int, ...]]) -> list[Tensor]:
-        if self._work is None or self._work.numel() < sum(math.prod(s) for s in shapes):
+    def _work_views(self, shapes: list[list[tuple[int, ...]]]) -> list[list[Tensor]]:
+        flat = _flat(shapes)
+        if self._work is None or self._work.numel() < sum(math.prod(s) for s in flat):
             # Made once for the largest compacted batch of these home views (every prompt, and
             # COMPACT_FRACTION of the rows), so that compacted shapes keep their addresses from call to
             # call; made only before a call's first compaction, which reads the home views only.
-            rows = int(COMPACT_FRACTION * self._home[-1].shape[2])
-            largest = [tuple(v.shape) for v in self._home[:-1]]
-            largest.append(self.shape.buffer_shape(rows, self._home[-1].shape[4]))
+            largest = []
+            for g in self.groups:
+                decode = g.home[-1]
+                largest += [tuple(v.shape) for v in g.home[:-1]]
+                largest.append(g.buffer_shape(int(COMPACT_FRACTION * decode.shape[2]), decode.shape[4]))
             self._work = None
             self._work, _ = _carve(None, largest, self.dtype, self.device)
-        views = _carve(self._work, shapes, self.dtype, self.device)[1]
+        views = _carve(self._work, flat, self.dtype, self.device)[1]
         self.work_used_bytes = max(self.work_used_bytes, sum(v.numel() * v.element_size() for v in views))
-        return views
+        return _per_group(views, len(self.groups))
 
     def release(self) -> None:
         """Free the buffers; the next `prepare()` allocates new ones."""
         self._storage = self._work = self.layout = None
-        self._home = self._current = []
-        self.common_kv = self._common_storage = None
+        self._set_home([[] for _ in self.groups])
+        for g in self.groups:
+            g.common = None
+        self._common_storage = None
         self.forward = None
 
     @property
@@ -212,10 +263,10 @@ class RolloutKVCache(Cache):
 
     @property
     def used_bytes(self) -> int:
-        """Bytes of KV storage the home views and the largest compacted batch use (the allocations may
-        be larger, from an earlier call)."""
-        common = 0 if self.common_kv is None else self.common_kv.numel() * self.common_kv.element_size()
-        return sum(v.numel() * v.element_size() for v in self._home) + self.work_used_bytes + common
+        """Bytes of KV storage the home views (and common prefix) of every group and the largest compacted
+        batch use (the allocations may be larger, from an earlier call)."""
+        views = [v for g in self.groups for v in (*g.home, *([] if g.common is None else [g.common]))]
+        return sum(v.numel() * v.element_size() for v in views) + self.work_used_bytes
 
     def bind(self, forward) -> None:
         """The metadata of the forward about to run (what `update` hands each layer's K and V to)."""
@@ -223,25 +274,21 @@ class RolloutKVCache(Cache):
 
     def expand_prompts(self, batch: int, repeats: int, num_tokens: int) -> None:
         """Copy layout: rows [0, batch) hold the prompts; make rows [0, batch*repeats) hold them, in
-        repeat_interleave order, with one operator call over every layer's K and V."""
-        repeat_kv_cache_(self.prompt_kv, batch, repeats, num_tokens)
+        repeat_interleave order, with one operator call per group over its every layer's K and V."""
+        for g in self.groups:
+            g.expand_prompts(batch, repeats, num_tokens)
 
     # --- the transformers Cache interface ------------------------------------------------------
     def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs):
         """Hand a layer's K and V to the bound forward: it writes them where they go and returns what the
-        model's attention reads."""
+        model's attention reads. A layer that reads another layer's KV writes none: it gets that layer's."""
+        if self.spec.reads[layer_idx] != layer_idx:
+            return self.forward.read(self, key_states, layer_idx)
         return self.forward.write(self, key_states, value_states, layer_idx)
 
     def check_layout(self, key_states: Tensor, value_states: Tensor, layer_idx: int) -> None:
-        """A layer's K and V fit the buffers (made once per forward before decode, which skips it)."""
-        kv = self.prompt_kv
-        heads, head_dim = key_states.shape[1], key_states.shape[3]
-        if (heads, head_dim) != (kv.shape[3], kv.shape[5]) or value_states.shape != key_states.shape:
-            raise ValueError(
-                f"torchkvops: layer {layer_idx} produced keys {tuple(key_states.shape)} and values "
-                f"{tuple(value_states.shape)}, but the KV buffer holds [rows, {kv.shape[3]} kv_heads, "
-                f"tokens, {kv.shape[5]}]: models with other KV layouts are not supported"
-            )
+        """A layer's K and V fit its group's buffers (made once per forward before decode, which skips it)."""
+        self.group_of(layer_idx)[0].check(key_states, value_states, layer_idx)
 
     def get_seq_length(self, layer_idx: int = 0):
         return 0 if self.forward is None else self.forward.seq_length()
@@ -252,24 +299,25 @@ class RolloutKVCache(Cache):
         return int(query_length), 0
 
     def get_max_cache_shape(self, layer_idx: int = 0) -> int:
-        return -1 if self.decode_kv is None else self.decode_kv.shape[4]
+        decode = self.group_of(layer_idx)[0].decode_kv
+        return -1 if decode is None else decode.shape[4]
 
     def __len__(self) -> int:
-        return self.shape.layers
+        return len(self.spec.reads)
 
     @property
     def is_compileable(self) -> bool:
         return True
 
-    # Per-layer kinds that transformers' mask builders read: every layer is plain full attention.
+    # Per-layer kinds that transformers' mask builders read: every group is plain full attention.
     @property
     def is_sliding(self) -> list[bool]:
-        return [False] * self.shape.layers
+        return [False] * len(self)
 
     @property
     def is_linear(self) -> list[bool]:
-        return [False] * self.shape.layers
+        return [False] * len(self)
 
     @property
     def is_dummy(self) -> list[bool]:
-        return [False] * self.shape.layers
+        return [False] * len(self)

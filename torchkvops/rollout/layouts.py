@@ -2,8 +2,11 @@
 
 - `CopyLayout` ("copy"): one KV buffer of rows x (P + R - 1) positions. Prefill writes the B prompts,
   `repeat_kv_cache_` copies each to its N rows, and decode writes after the prompt.
-- `PrefixLayout` ("prefix"): the B prompts' KV once (`prompt_kv`, B x P) and each row's own response KV
-  (`decode_kv`, rows x (R - 1)); the decode attention reads both and merges them (`attention`).
+- `PrefixLayout` ("prefix"): the B prompts' KV once (`prompt_views`, B x P) and each row's own response
+  KV (`decode_views`, rows x (R - 1)); the decode attention reads both and merges them (`attention`).
+
+Every cache group (`cache_groups`) has the layout's buffers; a layout reads and writes them through the
+cache's views of every group (`KVViews`), one group at a time.
 
 The rest of the engine asks its layout instead of testing the name: the buffers' lengths and rows, which
 index each buffer is gathered by when the batch is compacted, the column decode writes first, what a row sees when it starts, the prompt part of a decode shape and of the
@@ -16,6 +19,7 @@ import torch
 from torch import Tensor
 
 from .attention import SharedLevel
+from .cache_groups import KVViews
 from .compaction import BatchMap
 from .state import DecodeShape
 
@@ -58,9 +62,9 @@ class CopyLayout:
         """The positions of the buffer that keeps a common prefix of `common` tokens apart (0: none)."""
         return 0
 
-    def common_buffer(self, cache) -> Tensor:
+    def common_buffer(self, cache) -> KVViews:
         """Where the common prefix's one row of KV is computed: prompt 0's row here."""
-        return cache.prompt_kv
+        return cache.prompt_views
 
     def share_common(self, cache, batch: int, common: int) -> None:
         """After the common prefix was computed once: every prompt's rows hold it (one copy per prompt)."""
@@ -114,7 +118,7 @@ class CopyLayout:
         return None
 
     def decode_shape(self, cache, rows: int, prompts: int, max_new_tokens: int, dtype, logprobs: bool, slots: int = 0):
-        return DecodeShape(rows, cache.decode_kv.shape[4], max_new_tokens, dtype, logprobs=logprobs)
+        return DecodeShape(rows, cache.decode_views.tokens, max_new_tokens, dtype, logprobs=logprobs)
 
     def batch_map(self, rows: int) -> BatchMap:
         """The host-side map of a batch of `rows` rows as a call starts them (N rows per prompt)."""
@@ -149,17 +153,17 @@ class CopyLayout:
         """How many new prompts a streaming batch has room for besides its rows (None: no other bound)."""
         return None
 
-    def place_prompts(self, batch, prompts: list[int], kv: Tensor, mask: Tensor) -> list:
-        """Where each freshly prefilled prompt's KV waits for its rows: here, its own KV (a view of
-        `kv` [layers, 2, prompts, kv_heads, P, head_dim], made a copy by `keep_apart` if rows wait)."""
-        return [kv[:, :, i : i + 1] for i in range(len(prompts))]
+    def place_prompts(self, batch, prompts: list[int], kv: KVViews, mask: Tensor) -> list:
+        """Where each freshly prefilled prompt's KV waits for its rows: here, its own KV (views of `kv`,
+        per group [group layers, 2, prompts, kv_heads, P, head_dim], made a copy by `keep_apart` if rows
+        wait)."""
+        return [kv.narrow_rows(i, 1) for i in range(len(prompts))]
 
-    def keep_apart(self, home, scratch) -> Tensor:
-        """A waiting prompt's KV, copied out of the scratch cache the next prefill overwrites."""
-        if (
-            scratch.prompt_kv is not None
-            and home.untyped_storage().data_ptr() == scratch.prompt_kv.untyped_storage().data_ptr()
-        ):
+    def keep_apart(self, home: KVViews, scratch) -> KVViews:
+        """A waiting prompt's KV, copied out of the scratch cache the next prefill overwrites (every
+        group's views lie in one allocation: the first group's tells)."""
+        views = scratch.prompt_views
+        if views is not None and _storage(home) == _storage(views):
             return home.clone()
         return home
 
@@ -168,10 +172,11 @@ class CopyLayout:
         the prompt goes to the decode buffer's first columns, where a call's rows hold it (each row then
         writes from `first_column` on). Returns the rows' attention bias over the decode buffer ([rows,
         columns])."""
-        prompt_len = row_mask.shape[1]
-        for layer in range(cache.decode_kv.shape[0]):
-            cache.decode_kv[layer][:, rows, :, :prompt_len] = home[layer].expand(-1, rows.numel(), -1, -1, -1)
-        visible = torch.full((rows.numel(), cache.decode_kv.shape[4]), float("-inf"), device=rows.device)
+        prompt_len, decode = row_mask.shape[1], cache.decode_views
+        for dst, src in zip(decode.buffers, home.buffers):
+            for layer in range(dst.shape[0]):
+                dst[layer][:, rows, :, :prompt_len] = src[layer].expand(-1, rows.numel(), -1, -1, -1)
+        visible = torch.full((rows.numel(), decode.tokens), float("-inf"), device=rows.device)
         visible[:, :prompt_len] = torch.where(row_mask, 0.0, float("-inf"))
         return visible
 
@@ -184,36 +189,40 @@ class PrefixLayout(CopyLayout):
 
     name = "prefix"
     needs_shared_prefill = True  # one prompt KV per prompt: what a shared prefill writes
-    holds_common = False  # a common prefix is kept once (cache.common_kv), each prompt's remainder apart
+    holds_common = False  # a common prefix is kept once (cache.common_views), each prompt's remainder apart
 
     def common_length(self, common: int) -> int:
         return round_up(common) if common else 0
 
-    def common_buffer(self, cache) -> Tensor:
-        return cache.common_kv
+    def common_buffer(self, cache) -> KVViews:
+        return cache.common_views
 
     def share_common(self, cache, batch: int, common: int) -> None:
         """Nothing to copy: every row reads the one copy."""
 
     def _common_visible(self, cache, common: int, rows: int) -> Tensor:
-        index = torch.arange(cache.common_kv.shape[4], device=cache.common_kv.device)
+        views = cache.common_views
+        index = torch.arange(views.tokens, device=views.device)
         return (index < common)[None, :].expand(rows, -1)
 
     def common_levels(self, cache, batch: int, common: int) -> tuple[SharedLevel, ...]:
-        zeros = torch.zeros(batch, dtype=torch.long, device=cache.common_kv.device)
-        return (SharedLevel(cache.common_kv, zeros, self._common_visible(cache, common, batch)),)
+        views = cache.common_views
+        zeros = torch.zeros(batch, dtype=torch.long, device=views.device)
+        return (SharedLevel(views, zeros, self._common_visible(cache, common, batch)),)
 
     def common_visible(self, cache, common: int) -> Tensor | None:
-        return None if cache.common_kv is None else self._common_visible(cache, common, 1)
+        return None if cache.common_views is None else self._common_visible(cache, common, 1)
 
     def first_columns(self, prompts) -> Tensor:
         return torch.zeros_like(prompts.ends)
 
     def turn_levels(self, cache, prompts, prompt_of_row: Tensor) -> tuple[SharedLevel, ...]:
         """The common prefix (kept once), then each live row's prompt."""
-        levels = self.common_levels(cache, prompt_of_row.numel(), prompts.common) if cache.common_kv is not None else ()
+        levels = (
+            self.common_levels(cache, prompt_of_row.numel(), prompts.common) if cache.common_views is not None else ()
+        )
         visible = self.prompt_visible(prompts.columns, cache)[prompt_of_row]
-        return (*levels, SharedLevel(cache.prompt_kv, prompt_of_row, visible))
+        return (*levels, SharedLevel(cache.prompt_views, prompt_of_row, visible))
 
     def kv_lengths(self, prompt_len: int, new_tokens: int) -> tuple[int, ...]:
         return round_up(prompt_len), round_up(new_tokens - 1, RESPONSE_KV_MULTIPLE)
@@ -238,20 +247,20 @@ class PrefixLayout(CopyLayout):
         prompt's mask, or where its remainder after a common prefix sits), then the buffer's rounding
         (hidden)."""
         visible = torch.zeros(
-            prompt_mask.shape[0], cache.prompt_kv.shape[4], dtype=torch.bool, device=prompt_mask.device
+            prompt_mask.shape[0], cache.prompt_views.tokens, dtype=torch.bool, device=prompt_mask.device
         )
         visible[:, : prompt_mask.shape[1]] = prompt_mask.bool()
         return visible
 
     def decode_shape(self, cache, rows: int, prompts: int, max_new_tokens: int, dtype, logprobs: bool, slots: int = 0):
-        common = 0 if cache.common_kv is None else cache.common_kv.shape[4]
+        common = 0 if cache.common_views is None else cache.common_views.tokens
         return DecodeShape(
             rows,
-            cache.decode_kv.shape[4],
+            cache.decode_views.tokens,
             max_new_tokens,
             dtype,
             prompts,
-            cache.prompt_kv.shape[4],
+            cache.prompt_views.tokens,
             logprobs,
             slots,
             common,
@@ -264,8 +273,9 @@ class PrefixLayout(CopyLayout):
         context.load(state, cache, prefix=True)
 
     def dynamic_tensors(self, state, cache) -> list[tuple[Tensor, tuple[int, ...]]]:
-        common = [] if cache.common_kv is None else [(cache.common_kv, (4,)), (state.common_bias, (3,))]
-        return [(cache.prompt_kv, (2, 4)), (state.prompt_bias, (0, 3)), *common]
+        common = cache.common_views
+        common = [] if common is None else [*((t, (4,)) for t in common.buffers), (state.common_bias, (3,))]
+        return [*((t, (2, 4)) for t in cache.prompt_views.buffers), (state.prompt_bias, (0, 3)), *common]
 
     # A streaming batch keeps prompt KV slots, each held until all of its prompt's samples have ended
     # (twice the prompts the rows hold at once, so that prompts whose last samples linger do not keep rows
@@ -285,12 +295,14 @@ class PrefixLayout(CopyLayout):
     def prompts_admittable(self, batch) -> int | None:
         return sum(1 for p in batch.map.group_prompt if p is None)
 
-    def place_prompts(self, batch, prompts: list[int], kv: Tensor, mask: Tensor) -> list:
-        """Each prompt's KV into a free prompt slot, shown to its rows by its mask; the slots."""
+    def place_prompts(self, batch, prompts: list[int], kv: KVViews, mask: Tensor) -> list:
+        """Each prompt's KV into a free prompt slot (in every cache group), shown to its rows by its mask;
+        the slots."""
         m = batch.map
         free = [g for g, p in enumerate(m.group_prompt) if p is None][: len(prompts)]
         index = torch.tensor(free, device=kv.device)
-        batch.cache.prompt_kv[..., : kv.shape[4], :].index_copy_(2, index, kv)
+        for dst, src in zip(batch.cache.prompt_views.buffers, kv.buffers):
+            dst[..., : src.shape[4], :].index_copy_(2, index, src)
         batch.show_prompts(index, mask.bool())
         for g, prompt in zip(free, prompts):
             m.group_prompt[g], m.group_left[g] = prompt, self.samples
@@ -303,7 +315,7 @@ class PrefixLayout(CopyLayout):
         """Rows `rows` read prompt slot `home`: each takes the query slot of its sample. Their own
         buffers start empty."""
         batch.seat_in_slots(rows, home, samples % self.samples)
-        return torch.full((rows.numel(), cache.decode_kv.shape[4]), float("-inf"), device=rows.device)
+        return torch.full((rows.numel(), cache.decode_views.tokens), float("-inf"), device=rows.device)
 
     def release_rows(self, batch, rows: list[int]) -> None:
         """A prompt slot is free once all of its samples have ended."""
@@ -313,6 +325,11 @@ class PrefixLayout(CopyLayout):
             m.group_left[g] -= 1
             if m.group_left[g] == 0:
                 m.group_prompt[g] = None
+
+
+def _storage(views: KVViews) -> int:
+    """The address of the allocation the views are carved from."""
+    return views.buffers[0].untyped_storage().data_ptr()
 
 
 LAYOUTS = {layout.name: layout for layout in (CopyLayout, PrefixLayout)}

@@ -8,7 +8,7 @@ samples), and taken when it is at least `min_shared_tokens` long. It is computed
 tokens), then each prompt's remainder, packed without padding (`packing`), attends to it and to itself.
 Where the layouts keep it: the copy layout writes it into every prompt's rows, each prompt's remainder
 right after it (no padding between: each row's columns are its own, `Prompts.columns`); the prefix layout
-keeps it once (`RolloutKVCache.common_kv`), read by every row's decode at every step, and each prompt's
+keeps it once (`RolloutKVCache.common_views`), read by every row's decode at every step, and each prompt's
 remainder in its prompt row.
 """
 

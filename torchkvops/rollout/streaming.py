@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from .batch import DecodeBatch
+from .cache_groups import KVViews
 from .decode import FINISHED_CHECK_INTERVAL, Decoder
 from .sampling import row_keys
 
@@ -114,7 +115,7 @@ class Refill:
                 self.pending.pop(0)
         # What still waits for rows keeps its prompt's KV apart from the scratch cache.
         self.pending = [(self.layout.keep_apart(home, self.scratch), *rest) for home, *rest in self.pending]
-        held = sum(home.numel() * home.element_size() for home, *_ in self.pending if isinstance(home, Tensor))
+        held = sum(home.nbytes for home, *_ in self.pending if isinstance(home, KVViews))
         self.peak_pending_bytes = max(self.peak_pending_bytes, held)
 
     def start(self, home, logits: Tensor, mask: Tensor, samples: list[int], rows: list[int]) -> None:
@@ -143,9 +144,10 @@ class Refill:
             self.batch.compact(plan, 0)
 
 
-# The prompts at these indices prefilled once: (their KV [layers, 2, prompts, kv_heads, P, head_dim], a
-# view of the scratch cache the next prefill overwrites; their first logits [prompts, vocab]; their mask).
-Prefill = Callable[[list[int]], tuple[Tensor, Tensor, Tensor]]
+# The prompts at these indices prefilled once: (their KV, per cache group [group layers, 2, prompts, kv_heads,
+# P, head_dim], views of the scratch cache the next prefill overwrites; their first logits [prompts, vocab];
+# their mask).
+Prefill = Callable[[list[int]], tuple[KVViews, Tensor, Tensor]]
 
 
 def stream(

@@ -1,0 +1,153 @@
+"""Cache groups: the rollout's KV cache is a list of groups of layers, each with its own buffers and
+shape (`torchkvops.models.adapter.CacheSpec`, built from the model: today one full-attention group of
+every layer).
+
+A group (`CacheGroup`) stores the KV of its layers, `[group layers, 2, rows, kv_heads, tokens, head_dim]`
+per buffer of the layout (`torchkvops.rollout.layouts`), and its kind says how its rows are expanded,
+gathered and written home (`GROUP_KINDS`: a new kind is one class there). A forward's metadata
+(`torchkvops.rollout.attention`) addresses a buffer of every group at once through `KVViews`: one tensor
+per group, and each model layer's slot (its group and its index in it), the slot of the layer whose KV
+it reads (its own; for a layer that shares an earlier layer's KV, that layer's).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from ..models.adapter import FULL_ATTENTION, GroupSpec
+from ..ops import repeat_kv_cache_
+
+__all__ = ["CacheGroup", "KVViews", "GROUP_KINDS", "make_group", "layer_kv", "layer_slot"]
+
+
+class KVViews(NamedTuple):
+    """One buffer of every cache group (a layout's prompt, decode or common prefix buffer), and where each
+    model layer's KV is in them. A tuple, so that a compiled graph that reads it guards on its tensors and
+    constants only."""
+
+    buffers: tuple[Tensor, ...]  # one per group: [group layers, 2, rows, kv_heads, tokens, head_dim]
+    slots: tuple[tuple[int, int], ...]  # per model layer: (group, index in the group) of the KV it reads
+
+    @property
+    def rows(self) -> int:
+        return self.buffers[0].shape[2]
+
+    @property
+    def tokens(self) -> int:
+        """The buffer's positions (every group's, full attention)."""
+        return self.buffers[0].shape[4]
+
+    @property
+    def device(self) -> torch.device:
+        return self.buffers[0].device
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers)
+
+    def narrow_rows(self, start: int, length: int) -> KVViews:
+        """Rows [start, start + length) of every group's buffer (views)."""
+        return KVViews(tuple(b.narrow(2, start, length) for b in self.buffers), self.slots)
+
+    def clone(self) -> KVViews:
+        return KVViews(tuple(b.clone() for b in self.buffers), self.slots)
+
+
+def layer_slot(views: KVViews, layer: int) -> tuple[Tensor, int]:
+    """The whole buffer of the group that holds the KV `layer` reads, and its index in it (what a mutating
+    operator takes: the whole buffer, the slicing inside the kernel)."""
+    group, index = views.slots[layer]
+    return views.buffers[group], index
+
+
+def layer_kv(views: KVViews, layer: int) -> Tensor:
+    """The KV `layer` reads: [2, rows, kv_heads, tokens, head_dim] (K at 0, V at 1)."""
+    group, index = views.slots[layer]
+    return views.buffers[group][index]
+
+
+class CacheGroup:
+    """The KV of a group of layers of one kind and one shape: its buffers, as views the cache carves out of
+    its allocation (`torchkvops.rollout.kv_cache.RolloutKVCache`), and what its kind does to their rows.
+    This class is full attention: every position of every row is kept."""
+
+    kind = FULL_ATTENTION
+
+    def __init__(self, spec: GroupSpec):
+        assert spec.kind == self.kind, (spec.kind, self.kind)
+        self.layers, self.shape = spec.layers, spec.shape
+        # One view per buffer of the layout: `home` where every row's KV stays after the call (for
+        # Rollout.extend), `current` where decode writes and reads (a compacted batch's, or the home ones).
+        self.home: list[Tensor] = []
+        self.current: list[Tensor] = []
+        self.common: Tensor | None = None  # a prefix common to every prompt, kept once (one row), or None
+
+    def __repr__(self) -> str:
+        s = self.shape
+        return f"{type(self).__name__}(layers={self.layers}, kv_heads={s.kv_heads}, head_dim={s.head_dim})"
+
+    def buffer_shape(self, rows: int, tokens: int) -> tuple[int, ...]:
+        return self.shape.buffer_shape(rows, tokens)
+
+    # The layout's first and last buffers (one and the same in the copy layout).
+    @property
+    def prompt_kv(self) -> Tensor | None:
+        """Where prefill writes the prompts."""
+        return self.current[0] if self.current else None
+
+    @property
+    def decode_kv(self) -> Tensor | None:
+        """Where decode writes, and what its attention reads."""
+        return self.current[-1] if self.current else None
+
+    @property
+    def home_prompt_kv(self) -> Tensor | None:
+        return self.home[0] if self.home else None
+
+    @property
+    def home_decode_kv(self) -> Tensor | None:
+        return self.home[-1] if self.home else None
+
+    def gather(self, index: tuple[Tensor, ...], views: list[Tensor]) -> None:
+        """views[b][l] = current[b][l][:, index[b]] for each buffer b and layer l, in increasing b and l:
+        the order in which they lie in the allocation (see RolloutKVCache.compact: an in-place gather reads
+        each layer before anything overwrites it)."""
+        for src, rows, dst in zip(self.current, index, views):
+            for layer in range(src.shape[0]):
+                dst[layer].copy_(src[layer].index_select(1, rows))
+
+    def write_home(self, original: Tensor) -> None:
+        """The current (work) rows' KV into their home rows (`original`: each one's home row). The prompts'
+        KV never changes in decode."""
+        home, work = self.home[-1], self.current[-1]
+        for layer in range(home.shape[0]):
+            home[layer].index_copy_(1, original, work[layer])
+
+    def expand_prompts(self, batch: int, repeats: int, num_tokens: int) -> None:
+        """Rows [0, batch) of the prompts' buffer hold the prompts: make rows [0, batch*repeats) hold them,
+        in repeat_interleave order, with one operator call over the group's every layer's K and V."""
+        repeat_kv_cache_(self.current[0], batch, repeats, num_tokens)
+
+    def check(self, key: Tensor, value: Tensor, layer: int) -> None:
+        """A layer's K and V fit the group's buffers."""
+        heads, head_dim = key.shape[1], key.shape[3]
+        s = self.shape
+        if (heads, head_dim) != (s.kv_heads, s.head_dim) or value.shape != key.shape:
+            raise ValueError(
+                f"torchkvops: layer {layer} produced keys {tuple(key.shape)} and values {tuple(value.shape)}, "
+                f"but its KV buffer holds [rows, {s.kv_heads} kv_heads, tokens, {s.head_dim}]: models with "
+                "other KV layouts are not supported"
+            )
+
+
+# Each kind of group, by GroupSpec.kind: a sliding window's or a recurrent state's group is one more class.
+GROUP_KINDS: dict[str, type[CacheGroup]] = {FULL_ATTENTION: CacheGroup}
+
+
+def make_group(spec: GroupSpec) -> CacheGroup:
+    if spec.kind not in GROUP_KINDS:
+        raise ValueError(f"torchkvops: no cache group of kind {spec.kind!r}; the rollout keeps {sorted(GROUP_KINDS)}")
+    return GROUP_KINDS[spec.kind](spec)
