@@ -17,21 +17,19 @@ import torch
 
 from torchkvops.models import MODEL_SHAPES, model_config
 from torchkvops.rollout import kv_lengths
-from torchkvops.rollout.kv_cache import KVShape, RolloutKVCache
+from torchkvops.models.adapter import CacheSpec
+from torchkvops.rollout.kv_cache import RolloutKVCache
+from torchkvops.rollout.layouts import layout_for
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def kv_bytes(
-    shape: KVShape, dtype: torch.dtype, layout: str, prompts: int, samples: int, prompt_len: int, response_len: int
+    shape: CacheSpec, dtype: torch.dtype, layout: str, prompts: int, samples: int, prompt_len: int, response_len: int
 ) -> int:
     cache = RolloutKVCache(shape, dtype, torch.device("meta"))
     rows = prompts * samples
-    lengths = kv_lengths(layout, prompt_len, response_len)
-    if layout == "copy":
-        cache.prepare_copy(rows, *lengths)
-    else:
-        cache.prepare_prefix(prompts, lengths[0], rows, lengths[1])
+    cache.prepare(layout_for(layout, samples), prompts, rows, kv_lengths(layout, prompt_len, response_len))
     return cache.used_bytes
 
 
@@ -54,7 +52,7 @@ def main() -> None:
     p.add_argument("--response-length", type=int, default=64)
     p.add_argument("--samples-per-prompt", type=int, nargs="+", default=[4, 16, 64])
     args = p.parse_args()
-    shape = KVShape.from_config(model_config(args.model_shape))
+    shape = CacheSpec.from_config(model_config(args.model_shape))
     budget = int(args.budget_gib * 2**30)
     print(
         f"{args.model_shape}, {args.dtype}, KV budget {args.budget_gib:g} GiB, P={args.prompt_length}, "
