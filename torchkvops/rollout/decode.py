@@ -1,11 +1,12 @@
-"""The decode loop: `Decoder` runs statically shaped steps over a `DecodeBatch` until its policy says stop.
+"""The decode loop: `Decoder` runs statically shaped steps over a `DecodeBatch` until its scheduler says stop.
 
 One loop serves every call: steps (eager, compiled or replayed from CUDA graphs, `graphs.DecodeRunner`),
 and every FINISHED_CHECK_INTERVAL steps the all-ended check, the one host sync of decode, which hands the
-rows' `finished` flags to a policy:
+rows' `finished` flags to a scheduler (`torchkvops.rollout.scheduler`) and carries out the decisions it
+returns (`Decoder.apply`: retire, prefill and start through the call's admission, compact, stop):
 - `UntilEnded` (generate, extend): stop when every row has ended (on every process, with a collective),
   else compact the batch when enough rows have ended (`torchkvops.rollout.compaction`);
-- the streaming batch's refill (`torchkvops.rollout.streaming`): retire ended rows, admit waiting samples
+- `Refill` (a streaming batch, `torchkvops.rollout.streaming`): retire ended rows, admit waiting samples
   into them, compact the tail once nothing waits.
 
 A step feeds every row's last token, writes its K/V at the row's own `column`, samples the next token with the
@@ -42,13 +43,13 @@ from .batch import DecodeBatch, visible_bias
 from .graphs import DecodeRunner
 from .kv_cache import RolloutKVCache
 from .sampling import SamplingParams, row_keys, sample, sample_with_logprobs
+from .scheduler import Decisions, UntilEnded
 from .state import DecodeShape, DecodeState
 
 __all__ = [
     "DecodeStep",
     "Decoder",
     "DecodeCounters",
-    "UntilEnded",
     "NonFiniteLogitsError",
     "FINISHED_CHECK_INTERVAL",
     "MAX_DECODE_STATES",
@@ -59,6 +60,8 @@ FINISHED_CHECK_INTERVAL = 8
 # Decode states (and so decode graphs) kept for this many distinct decode shapes: with compaction, a
 # rollout configuration of R rows has up to 8 + 4 log2(R / 8) of them (torchkvops.rollout.compaction).
 MAX_DECODE_STATES = 48
+# Carries out a scheduler's prefills and starts on the batch (a streaming batch's `streaming.Admission`).
+Admit = Callable[[DecodeBatch, Decisions], None]
 
 
 class DecodeStep:
@@ -170,28 +173,6 @@ class DecodeCounters:
 
 
 _KEYS_KEPT = 4096  # DecodeCounters.graph_keys counts among the last this many keys (a bounded record)
-
-
-class UntilEnded:
-    """The policy of a call (generate, extend): decode until every row has max_new_tokens tokens or has
-    ended (on every process, with `ended_everywhere`: a collective), compacting the batch as rows end
-    (`compacts`) while a check interval of steps is left."""
-
-    def __init__(self, max_new_tokens: int, compacts: bool, ended_everywhere: Callable[[bool], bool] | None = None):
-        self.max_steps = max_new_tokens - 1  # the first token is sampled from prefill's logits
-        self.compacts, self.ended_everywhere = compacts, ended_everywhere
-
-    def on_check(self, batch: DecodeBatch, finished: Tensor, steps: int) -> bool:
-        ended = bool(finished.all())
-        if self.ended_everywhere is not None:
-            ended = self.ended_everywhere(ended)
-        if ended:
-            return True
-        if self.compacts and self.max_steps - steps >= FINISHED_CHECK_INTERVAL:
-            plan = batch.plan(finished)
-            if plan is not None:
-                batch.compact(plan, steps + 1)
-        return False
 
 
 class Decoder:
@@ -338,21 +319,24 @@ class Decoder:
         if initial_plan is not None:
             batch.compact(initial_plan, 1, cache_gathered=True)
             batch.row_steps = initial_plan.size  # only the kept rows' first token was computed
-        policy = UntilEnded(batch.first.shape.max_new_tokens, self.compacts, ended_everywhere)
+        scheduler = UntilEnded(
+            batch.first.shape.max_new_tokens, self.compacts, FINISHED_CHECK_INTERVAL, ended_everywhere
+        )
         # Without EOS ids no row ends early and a rollout alone skips the checks; in lockstep it checks all
         # the same: the check is a collective, and another process's rows may end (its call has EOS ids).
         checks = self.step.eos is not None or ended_everywhere is not None
-        steps = self.run(batch, policy, checks=checks)
+        steps = self.run(batch, scheduler, checks=checks)
         batch.finish(steps + 1)
         return steps
 
     # --- the loop --------------------------------------------------------------------------------
-    def run(self, batch: DecodeBatch, policy, checks: bool = True) -> int:
-        """Decode steps over `batch` until `policy.max_steps` steps (None: no bound) or until the policy's
-        `on_check(batch, finished, steps)` says stop at an all-ended check (every FINISHED_CHECK_INTERVAL
-        steps, when `checks`). Returns the step count. Raises NonFiniteLogitsError at the first check after
-        a live row's logits could not be sampled from."""
-        steps, limit = 0, policy.max_steps
+    def run(self, batch: DecodeBatch, scheduler, admission: Admit | None = None, checks: bool = True) -> int:
+        """Decode steps over `batch` until `scheduler.max_steps` steps (None: no bound) or until its decisions
+        at an all-ended check (every FINISHED_CHECK_INTERVAL steps, when `checks`) say stop
+        (torchkvops.rollout.scheduler); `admission` carries out the prefills and starts it decides. Returns
+        the step count. Raises NonFiniteLogitsError at the first check after a live row's logits could not
+        be sampled from."""
+        steps, limit = 0, scheduler.max_steps
         self._bound = None  # bound anew for every call: the weights or the cache's positions may be new
         self._bind(batch.state)
         self.cache.bind(self.context)  # each step's K and V go where the decode context says
@@ -369,15 +353,28 @@ class Decoder:
                 if not checks or steps % FINISHED_CHECK_INTERVAL:
                     continue
                 # Host sync: reads `finished` (and the non-finite record) every few steps to stop early,
-                # to compact and to refill; the policy adds no other.
+                # to compact and to refill; the scheduler adds no other.
                 flags = torch.stack([batch.state.finished.long(), batch.state.nonfinite_step]).cpu()
                 _raise_on_nonfinite(flags[1])
-                if policy.on_check(batch, flags[0].bool(), steps):
+                decisions = scheduler.decide(batch.map.original.tolist(), flags[0].bool().tolist(), steps)
+                if self.apply(batch, decisions, admission):
                     break
         finally:
             self._compactions += batch.compactions
             batch.compactions = 0
         return steps
+
+    @staticmethod
+    def apply(batch: DecodeBatch, decisions: Decisions, admission: Admit | None = None) -> bool:
+        """Carry out a scheduler's decisions on `batch`, in their order; whether to stop."""
+        batch.retire(decisions.retire)
+        if decisions.prefill or decisions.start:
+            admission(batch, decisions)
+        if decisions.compact is not None:
+            plan = batch.plan(torch.tensor(decisions.compact))
+            if plan is not None:
+                batch.compact(plan, decisions.compact_tokens)
+        return decisions.stop
 
     def check_nonfinite(self, batch: DecodeBatch) -> None:
         """After a call, in sampling: raise NonFiniteLogitsError if any live row met logits it could not

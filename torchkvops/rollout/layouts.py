@@ -149,10 +149,6 @@ class CopyLayout:
         batch_map.original.fill_(-1)
         return batch_map
 
-    def prompts_admittable(self, batch) -> int | None:
-        """How many new prompts a streaming batch has room for besides its rows (None: no other bound)."""
-        return None
-
     def place_prompts(self, batch, prompts: list[int], kv: KVViews, mask: Tensor) -> list:
         """Where each freshly prefilled prompt's KV waits for its rows: here, its own KV (views of `kv`,
         per group [group layers, 2, prompts, kv_heads, P, head_dim], made a copy by `keep_apart` if rows
@@ -291,9 +287,6 @@ class PrefixLayout(CopyLayout):
         batch_map.group, batch_map.groups = torch.zeros(rows, dtype=torch.long), prompt_slots
         batch_map.group_prompt, batch_map.group_left = [None] * prompt_slots, [0] * prompt_slots
         return batch_map
-
-    def prompts_admittable(self, batch) -> int | None:
-        return sum(1 for p in batch.map.group_prompt if p is None)
 
     def place_prompts(self, batch, prompts: list[int], kv: KVViews, mask: Tensor) -> list:
         """Each prompt's KV into a free prompt slot (in every cache group), shown to its rows by its mask;

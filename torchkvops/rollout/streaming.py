@@ -29,8 +29,9 @@ from .batch import DecodeBatch
 from .cache_groups import KVViews
 from .decode import FINISHED_CHECK_INTERVAL, Decoder
 from .sampling import row_keys
+from .scheduler import Decisions, Refill
 
-__all__ = ["Streamed", "Refill", "stream", "unbudgeted_width"]
+__all__ = ["Streamed", "Admission", "stream", "unbudgeted_width"]
 
 
 @dataclasses.dataclass
@@ -54,68 +55,39 @@ def unbudgeted_width(lengths: list[int], max_new_tokens: int, has_eos: bool) -> 
     return min(max_new_tokens, check + 1)
 
 
-class Refill:
-    """The decode policy of a streaming batch (module docstring): at each all-ended check, the rows whose
-    samples have ended leave with their tokens, waiting samples take them (prompts prefilled once, as
-    rows free up), and decode stops once nothing waits or decodes; once nothing waits, the tail is
-    compacted (`compacts`)."""
+class Admission:
+    """What a streaming batch's scheduler (`scheduler.Refill`) decides, carried out: prompts prefilled once
+    (`prefill`, into the scratch cache) and placed where the layout keeps them until their samples have
+    rows (`layouts.place_prompts`; a prompt whose samples still wait keeps its KV apart from the scratch
+    cache, which the next prefill overwrites), and samples started in free rows (`layouts.seat` and
+    `DecodeBatch.admit`)."""
 
-    max_steps = None  # rows join later: only the policy stops
-
-    def __init__(
-        self, batch: DecodeBatch, prefill: Prefill, prompt_mask: Tensor, scratch, *, seed, row_ids, live, compacts
-    ):
-        self.batch, self.prefill, self.prompt_mask, self.scratch = batch, prefill, prompt_mask, scratch
+    def __init__(self, batch: DecodeBatch, prefill: Prefill, prompt_mask: Tensor, scratch, *, seed, row_ids, live):
+        self.batch, self.prefill, self.scratch = batch, prefill, scratch
         self.layout, self.cache = batch.layout, batch.cache
-        self.seed, self.row_ids, self.live, self.compacts = seed, row_ids, live, compacts
-        self.samples = self.layout.samples
+        self.seed, self.row_ids, self.live = seed, row_ids, live
         self.first_column = self.layout.first_column(prompt_mask.shape[1])  # where an admitted row writes first
-        self.waiting = list(range(prompt_mask.shape[0]))
-        # Prompts prefilled whose samples have not all started (rows free up one by one): where their KV
-        # waits (layouts.place_prompts), their first logits and mask, and the samples still to start.
-        self.pending: list[tuple[object, Tensor, Tensor, list[int]]] = []
-        self.refills = 0  # prompts admitted after the start
+        # Prompts prefilled whose samples have not all started: where their KV waits, their first logits and
+        # mask, and how many of their samples have not started.
+        self.pending: dict[int, tuple[object, Tensor, Tensor, int]] = {}
         self.peak_pending_bytes = 0  # the KV of prompts waiting for rows apart from the batch, at most
 
-    def on_check(self, batch: DecodeBatch, finished: Tensor, steps: int) -> bool:
-        self.refill(finished.tolist(), steps)
-        if self.waiting or self.pending:
-            return False
-        if len(batch.free_rows()) == batch.rows:
-            return True  # every sample has ended
-        if self.compacts:
-            self.compact_tail()
-        return False
-
-    def refill(self, ended: list[bool], steps: int) -> None:
-        """Retire the rows whose samples have ended, then give the free rows to waiting samples: the next
-        sample of a prompt prefilled already, else of the next waiting prompt, prefilled once (its other
-        samples start as rows free up; prefix layout: while a prompt KV slot is free)."""
-        batch, n = self.batch, self.samples
-        batch.retire([r for r, s in enumerate(batch.map.original.tolist()) if s >= 0 and ended[r]])
-        free = batch.free_rows()
-        unstarted = sum(len(rest) for *_, rest in self.pending)
-        wanted = -(-max(0, len(free) - unstarted) // n)
-        admittable = self.layout.prompts_admittable(batch)
-        if admittable is not None:
-            wanted = min(wanted, admittable)
-        prompts = [self.waiting.pop(0) for _ in range(min(len(self.waiting), wanted))]
-        if prompts:
-            self.refills += len(prompts) if steps > 0 else 0
-            kv, logits, mask = self.prefill(prompts)
-            homes = self.layout.place_prompts(batch, prompts, kv, mask)
-            for i, prompt in enumerate(prompts):
-                self.pending.append((homes[i], logits[i : i + 1], mask[i : i + 1], [prompt * n + j for j in range(n)]))
-        while free and self.pending:
-            home, logits, mask, rest = self.pending[0]
-            take = rest[: len(free)]
-            self.start(home, logits, mask, take, free[: len(take)])
-            free, rest[:] = free[len(take) :], rest[len(take) :]
-            if not rest:
-                self.pending.pop(0)
-        # What still waits for rows keeps its prompt's KV apart from the scratch cache.
-        self.pending = [(self.layout.keep_apart(home, self.scratch), *rest) for home, *rest in self.pending]
-        held = sum(home.nbytes for home, *_ in self.pending if isinstance(home, KVViews))
+    def __call__(self, batch: DecodeBatch, decisions: Decisions) -> None:
+        if decisions.prefill:
+            kv, logits, mask = self.prefill(decisions.prefill)
+            homes = self.layout.place_prompts(batch, decisions.prefill, kv, mask)
+            for i, prompt in enumerate(decisions.prefill):
+                self.pending[prompt] = (homes[i], logits[i : i + 1], mask[i : i + 1], self.layout.samples)
+        for prompt, samples, rows in decisions.start:
+            home, logits, mask, left = self.pending[prompt]
+            self.start(home, logits, mask, samples, rows)
+            self.pending[prompt] = (home, logits, mask, left - len(samples))
+        self.pending = {
+            prompt: (self.layout.keep_apart(home, self.scratch), *rest)
+            for prompt, (home, *rest) in self.pending.items()
+            if rest[-1]
+        }
+        held = sum(home.nbytes for home, *_ in self.pending.values() if isinstance(home, KVViews))
         self.peak_pending_bytes = max(self.peak_pending_bytes, held)
 
     def start(self, home, logits: Tensor, mask: Tensor, samples: list[int], rows: list[int]) -> None:
@@ -134,14 +106,6 @@ class Refill:
             bias=bias,
             live=self.live[global_rows],
         )
-
-    def compact_tail(self) -> None:
-        """Once no prompt waits: the rows still decoding gathered into a smaller batch, as compaction
-        gathers them (its plan, sizes and rule; the prefix layout keeps the prompt slots that still have
-        a sample, with their query slots), so that the last prompts' ended rows stop costing."""
-        plan = self.batch.plan(self.batch.map.original < 0)
-        if plan is not None:
-            self.batch.compact(plan, 0)
 
 
 # The prompts at these indices prefilled once: (their KV, per cache group [group layers, 2, prompts, kv_heads,
@@ -163,9 +127,9 @@ def stream(
     compacts: bool,
     scratch,
 ) -> Streamed:
-    """Decode every prompt's N rows within `max_rows` rows (module docstring). `prompt_mask` [B, P]: the
-    prompts' masks; `prefill`: prefills prompts by index into `scratch`, the cache admitted prompts are
-    prefilled into."""
+    """Decode every prompt's N rows within `max_rows` rows (module docstring), as `scheduler.Refill`
+    decides. `prompt_mask` [B, P]: the prompts' masks; `prefill`: prefills prompts by index into
+    `scratch`, the cache admitted prompts are prefilled into."""
     layout, cache, device = decoder.layout, decoder.cache, prompt_mask.device
     n = layout.samples
     prompts, prompt_len = prompt_mask.shape
@@ -184,10 +148,11 @@ def stream(
     )
     batch.clear()
     live = torch.ones(prompts * n, dtype=torch.bool, device=device) if live is None else live.to(device, torch.bool)
-    policy = Refill(
-        batch, prefill, prompt_mask, scratch, seed=seed, row_ids=row_ids.to(device), live=live, compacts=compacts
-    )
-    policy.refill([True] * rows, 0)
-    steps = decoder.run(batch, policy)
-    kv_bytes = batch_bytes + scratch.allocated_bytes + policy.peak_pending_bytes
-    return Streamed(responses, logprobs, steps, batch.row_steps, policy.refills, kv_bytes)
+    admission = Admission(batch, prefill, prompt_mask, scratch, seed=seed, row_ids=row_ids.to(device), live=live)
+    # A layout that keeps prompts in slots (prefix) bounds the prompts with samples in the batch; one that
+    # gives each row its own copy (copy: 0 slots) does not.
+    scheduler = Refill(prompts, n, prompt_slots=prompt_slots or None, compacts=compacts)
+    decoder.apply(batch, scheduler.decide(batch.map.original.tolist(), [True] * rows, 0), admission)
+    steps = decoder.run(batch, scheduler, admission)
+    kv_bytes = batch_bytes + scratch.allocated_bytes + admission.peak_pending_bytes
+    return Streamed(responses, logprobs, steps, batch.row_steps, scheduler.refills, kv_bytes)
