@@ -1,10 +1,12 @@
 """The rollout engine: prefill each unique prompt once, decode its N samples from one KV cache.
 
-engine.py holds `Rollout` and its stages (prefill, expand, decode, collect), config.py `RolloutConfig`;
-decode.py the decode step and the one decode loop (`Decoder`), batch.py the batch whose rows join and
+engine.py holds `Rollout`, calls.py a call's stages (one path for generate, extend and a stream),
+config.py `RolloutConfig`; decode.py the decode step and the one decode loop (`Decoder`), scheduler.py
+what the loop does at each check (retire, admit, compact, stop), batch.py the batch whose rows join and
 leave (`DecodeBatch`), state.py the per-row decode state, graphs.py the CUDA-graph runner; layouts.py the
-two KV layouts as objects, kv_cache.py the static KV buffers; attention.py the attention the model runs
-during decode; compaction.py which rows to keep, streaming.py the refill policy of a row budget, turns.py
+two KV layouts as objects, kv_cache.py and cache_groups.py the static KV buffers, one group of layers at
+a time; attention.py the attention the model runs during decode; compaction.py which rows to keep,
+streaming.py a row budget's batch and its admissions, turns.py
 what extend goes on with; sampling.py, lm_head.py and profiling.py the sampler, the float32 LM head and
 the per-stage timings. docs/architecture.md draws how a call flows through them. It builds on
 the operators (torchkvops.ops, torchkvops.fused_attention) and the model adapter and utilities

@@ -3,12 +3,12 @@
     rollout = Rollout(model, RolloutConfig(samples_per_prompt=4, max_new_tokens=32))
     out = rollout.generate(input_ids, attention_mask=None)   # input_ids: LongTensor [B, P]
 
-A call runs as stages (`torchkvops.rollout.profiling`): prompt expansion (the expanded baseline repeats
-prompts N times; shared prefill does not), prefill (one forward over the prompts, last-position logits
-only), kv_expand (the copy layout: one repeat_kv_cache_ call over the whole KV buffer), decode (the
-decoder's loop over a batch of B*N rows, `torchkvops.rollout.decode`) and post-processing. `extend` goes
-on after a call with appended tokens (`torchkvops.rollout.turns`), and with more rows than
-RolloutConfig.max_rows a call streams them (`torchkvops.rollout.streaming`). With `compile=True` prefill
+A call runs as stages, one path for every kind of call (`torchkvops.rollout.calls`): prompt expansion
+(the expanded baseline repeats prompts N times; shared prefill does not), prefill (one forward over the
+prompts, last-position logits only), kv_expand (the copy layout: one repeat_kv_cache_ call per cache
+group), decode (the decoder's loop over a batch of B*N rows, `torchkvops.rollout.decode`) and
+post-processing. `extend` goes on after a call with appended tokens (`torchkvops.rollout.turns`), and with
+more rows than RolloutConfig.max_rows a call streams them (`torchkvops.rollout.streaming`). With `compile=True` prefill
 and decode are compiled separately: prefill with dynamic shapes, decode with fullgraph=True and dynamic
 row and key-length dims. On CUDA, decode steps are replayed from CUDA graphs (`cuda_graphs=True`).
 docs/architecture.md draws the call flow.
@@ -29,6 +29,7 @@ from ..utils import left_padding_fault
 from . import attention
 from .attention import packed_attention
 from .cache_groups import KVViews
+from .calls import ExtendCall, GenerateCall, StreamCall, run_stages
 from .config import MIN_TEMPERATURE, RolloutConfig, RolloutOutput  # noqa: F401
 from .decode import FINISHED_CHECK_INTERVAL, MAX_DECODE_STATES, Decoder, DecodeStep, NonFiniteLogitsError  # noqa: F401
 from .kv_cache import RolloutKVCache
@@ -36,10 +37,8 @@ from .layouts import KV_LENGTH_MULTIPLE, RESPONSE_KV_MULTIPLE, CopyLayout, layou
 from .lm_head import Float32LMHead
 from .packing import pack
 from .profiling import RolloutProfile, StageTimer
-from .prompts import common_prefix_length, common_prompts, plain_prompts
 from .sampling import SamplingParams
-from .streaming import stream, unbudgeted_width
-from .turns import History, check_appended, first_history, history_output, make_turn, record, turn_attention
+from .turns import History, check_appended
 
 __all__ = [
     "Rollout",
@@ -253,78 +252,8 @@ class Rollout:
                     "must run as many forwards as the others, and refills prefill where rows end)"
                 )
             return self._profiled(lambda timer: self._stream(timer, input_ids, attention_mask, seed, row_ids, live))
-        return self._profiled(
-            lambda timer: self._prefill_and_decode(
-                timer, input_ids, attention_mask, seed, row_ids, live, ended_everywhere
-            )
-        )
-
-    def _prefill_and_decode(self, timer, input_ids, attention_mask, seed, row_ids, live, ended_everywhere):
-        cfg, layout, cache = self.config, self.layout, self.cache
-        batch, prompt_len = input_ids.shape
-        n, new_tokens = cfg.samples_per_prompt, cfg.max_new_tokens
-        rows = batch * n
-        with timer.stage("prompt_expansion"):
-            # A prefix every prompt begins with is computed once: not in the expanded baseline, whose point
-            # is to compute every row's prompt, nor in lockstep with other processes (`ended_everywhere`),
-            # whose forwards may be collectives (FSDP's per-step gathers): a common prefix adds a forward
-            # where one process's prompts have one and another's do not.
-            look = cfg.shared_prefill and ended_everywhere is None
-            common = common_prefix_length(input_ids, attention_mask, cfg.min_shared_tokens if look else None)
-            prompts = (
-                common_prompts(input_ids, attention_mask, common, layout.holds_common)
-                if common
-                else plain_prompts(input_ids, attention_mask)
-            )
-            width = prompts.width
-
-        with timer.stage("prefill"):
-            cache.prepare(layout, batch, rows, layout.kv_lengths(width, new_tokens), layout.common_length(common))
-            if common:
-                logits, prefill_tokens = self._prefill_common(prompts)
-            else:
-                logits, prefill_tokens = self._prefill_prompts(input_ids, attention_mask)
-
-        with timer.stage("kv_expand"):
-            if cfg.shared_prefill and n > 1:
-                layout.expand_prompts(cache, batch, width)
-                logits = logits.repeat_interleave(n, dim=0)
-
-        with timer.stage("decode"):
-            decoding = self._decoder.start(
-                logits,
-                seed,
-                row_ids,
-                live,
-                visible=layout.decode_visible(prompts.columns.repeat_interleave(n, dim=0)),
-                positions=prompts.lengths.repeat_interleave(n),
-                write_start=layout.first_columns(prompts).repeat_interleave(n),
-                max_new_tokens=new_tokens,
-                prompt_visible=layout.prompt_visible(prompts.columns, cache),
-                common_visible=layout.common_visible(cache, common),
-            )
-            steps = self._decoder.run_call(decoding, ended_everywhere)
-        kv_bytes = cache.used_bytes
-
-        with timer.stage("post_processing"):
-            self._decoder.check_nonfinite(decoding)
-            out = self._finish(input_ids, decoding.first, steps + 1)
-            generated = int(out.response_mask.sum())
-            self._history = first_history(out, prompts, n, layout, seed, row_ids)
-            self._streamed = False
-        counts = dict(
-            generated=generated,
-            decode_steps=steps,
-            batch_size=batch,
-            samples_per_prompt=n,
-            prompt_length=prompt_len,
-            response_length=steps + 1,
-            kv_cache_bytes=kv_bytes,
-            computed_row_steps=decoding.row_steps,
-            prefill_tokens=prefill_tokens,
-            reused_tokens=0,
-        )
-        return out, counts
+        call = GenerateCall(self, input_ids, attention_mask, seed, row_ids, live, ended_everywhere)
+        return self._profiled(lambda timer: run_stages(timer, call))
 
     def _prefill_prompts(self, input_ids: Tensor, attention_mask: Tensor) -> tuple[Tensor, int]:
         """The prompts as given, one forward over all of them (every row's copy in the expanded baseline):
@@ -380,129 +309,30 @@ class Rollout:
         if all(a is None for a in appended):  # every row has finished: nothing to compute
             self._last_profile = None
             return previous, None
-        return self._profiled(lambda timer: self._extend_stages(timer, history, appended, max_new_tokens, seed))
-
-    def _extend_stages(self, timer, history: History, appended, max_new_tokens: int, seed: int | None):
-        cfg, layout, cache = self.config, self.layout, self.cache
-        n, rows = cfg.samples_per_prompt, history.rows
-        with timer.stage("prompt_expansion"):
-            turn = make_turn(history, appended)
-            live_positions = torch.where(turn.live, history.last_position + turn.lengths, 0)
-            self.adapter.check_length(int(live_positions.max()), max_new_tokens)
-            decode_start = history.frontier + turn.lengths  # each row decodes on after its chunk
-            cache.grow(round_up(int(decode_start.max()) + max_new_tokens - 1))
-            prompt_visible = layout.prompt_visible(history.prompt_info.columns, cache)
-            live_rows = turn.live.nonzero().flatten()
-            context = turn_attention(history, turn, layout.turn_levels(cache, history.prompt_info, live_rows // n))
-            # Rows that generate nothing this turn are left out of its decode when that saves enough: the
-            # others are gathered as compaction gathers them, after the forward.
-            plan = self._decoder.initial_plan(~turn.live.cpu())
-
-        with timer.stage("prefill"):
-            cache.bind(context.bind(cache.decode_views))
-            with attention.decode_attention(self.adapter.model, context):
-                live_logits = self.adapter.packed_logits(cache, turn.ids, turn.positions, turn.column, turn.last)
-            logits = live_logits.new_zeros(rows, live_logits.shape[-1])  # rows left out have ended
-            logits[context.rows] = live_logits
-            if plan is not None:
-                computed = plan.rows.to(self.device)
-                cache.compact(computed, None if plan.groups is None else plan.groups.to(self.device), computed)
-
-        with timer.stage("decode"):
-            decoding = self._decoder.start(
-                logits,
-                history.turn_seed() if seed is None else seed,
-                history.row_ids,
-                turn.live,
-                visible=history.visible(cache.home_decode_views.tokens, decode_start),
-                positions=live_positions,
-                write_start=decode_start,
-                max_new_tokens=max_new_tokens,
-                prompt_visible=prompt_visible,
-                common_visible=layout.common_visible(cache, history.prompt_info.common),
-            )
-            steps = self._decoder.run_call(decoding, initial_plan=plan)
-        kv_bytes = cache.used_bytes
-
-        with timer.stage("post_processing"):
-            self._decoder.check_nonfinite(decoding)
-            turn_out = self._finish(history.prompts[::n], decoding.first, steps + 1)
-            turn_out.response_mask[~turn.live] = 0
-            generated = int(turn_out.response_mask.sum())
-            reused = int(history.last_position[turn.live].sum())
-            record(history, turn, turn_out)
-            out = history.output = history_output(history, self.pad_id, RolloutOutput)
-        counts = dict(
-            generated=generated,
-            decode_steps=steps,
-            batch_size=rows // n,
-            samples_per_prompt=n,
-            prompt_length=history.prompts.shape[1],
-            response_length=steps + 1,
-            kv_cache_bytes=kv_bytes,
-            computed_row_steps=decoding.row_steps,
-            prefill_tokens=turn.tokens,
-            reused_tokens=reused,
-        )
-        return (out, turn_out), counts
+        call = ExtendCall(self, history, appended, max_new_tokens, seed)
+        return self._profiled(lambda timer: run_stages(timer, call))
 
     def _stream(self, timer, input_ids, attention_mask, seed, row_ids, live):
-        """More rows than RolloutConfig.max_rows: a batch of max_rows rows, refilled as groups end
-        (torchkvops.rollout.streaming). Its rows' KV is not kept for extend()."""
-        cfg = self.config
-        n, prompt_len = cfg.samples_per_prompt, input_ids.shape[1]
-        self._history, self._streamed = None, True
-        with timer.stage("decode"):  # prefills (once per prompt) happen as rows free up: within decode
-            if self._scratch is None:
-                self._scratch = RolloutKVCache(self.adapter.cache_spec, self.dtype, self.device)
-            scratch = self._scratch
+        """More rows than RolloutConfig.max_rows (calls.StreamCall): prompts are prefilled by index into a
+        scratch cache as their samples get rows."""
+        prompt_len = input_ids.shape[1]
+        if self._scratch is None:
+            self._scratch = RolloutKVCache(self.adapter.cache_spec, self.dtype, self.device)
+        scratch = self._scratch
 
-            def prefill(prompts: list[int]) -> tuple[KVViews, Tensor, Tensor]:
-                index = torch.tensor(prompts, device=self.device)
-                ids, mask = input_ids[index], attention_mask[index]
-                scratch.prepare(CopyLayout(1), len(prompts), len(prompts), (prompt_len,))
-                scratch.bind(self._scratch_prefill_kv.bind(scratch.prompt_views))
-                positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
-                cache_position = torch.arange(prompt_len, device=self.device)
-                logits = self.adapter.last_logits(
-                    scratch, ids, self._prefill_attention_mask(mask), positions, cache_position
-                )
-                return scratch.prompt_views, logits, mask  # (the next prefill overwrites the scratch cache)
-
-            done = stream(
-                self._decoder,
-                prefill,
-                attention_mask,
-                seed=seed,
-                row_ids=row_ids,
-                live=live,
-                max_new_tokens=cfg.max_new_tokens,
-                max_rows=cfg.max_rows,
-                compacts=cfg.compact_finished_rows,
-                scratch=scratch,
+        def prefill(prompts: list[int]) -> tuple[KVViews, Tensor, Tensor]:
+            index = torch.tensor(prompts, device=self.device)
+            ids, mask = input_ids[index], attention_mask[index]
+            scratch.prepare(CopyLayout(1), len(prompts), len(prompts), (prompt_len,))
+            scratch.bind(self._scratch_prefill_kv.bind(scratch.prompt_views))
+            positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
+            cache_position = torch.arange(prompt_len, device=self.device)
+            logits = self.adapter.last_logits(
+                scratch, ids, self._prefill_attention_mask(mask), positions, cache_position
             )
-        with timer.stage("post_processing"):
-            # As long as the unbudgeted rollout's output: it would stop at its first all-ended check.
-            lengths = self._response_mask(done.responses).sum(dim=1)
-            lengths = (lengths if live is None else lengths[live.to(lengths.device, torch.bool)]).tolist()
-            width = unbudgeted_width(lengths, cfg.max_new_tokens, self._eos is not None)
-            logprobs = None if done.logprobs is None else done.logprobs[:, :width]
-            out = self._output(input_ids, done.responses[:, :width], logprobs)
-            generated = int(out.response_mask.sum())
-        counts = dict(
-            generated=generated,
-            decode_steps=done.steps,
-            batch_size=input_ids.shape[0],
-            samples_per_prompt=n,
-            prompt_length=prompt_len,
-            response_length=width,
-            kv_cache_bytes=done.kv_bytes,
-            computed_row_steps=done.row_steps,
-            prefill_tokens=input_ids.numel(),
-            reused_tokens=0,
-            refills=done.refills,
-        )
-        return out, counts
+            return scratch.prompt_views, logits, mask  # (the next prefill overwrites the scratch cache)
+
+        return run_stages(timer, StreamCall(self, input_ids, attention_mask, seed, row_ids, live, prefill, scratch))
 
     def _prefill_forward(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor) -> Tensor:
         cache_position = torch.arange(input_ids.shape[1], device=input_ids.device)
