@@ -16,8 +16,8 @@ import argparse
 import torch
 
 from torchkvops.models import MODEL_SHAPES, model_config
-from torchkvops.rollout import kv_lengths
 from torchkvops.models.adapter import CacheSpec
+from torchkvops.rollout import kv_lengths
 from torchkvops.rollout.kv_cache import RolloutKVCache
 from torchkvops.rollout.layouts import layout_for
 
