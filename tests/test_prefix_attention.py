@@ -17,12 +17,16 @@ from torchkvops.training.prefix_attention import shared_prefix_attention
 DEVICES = ["cpu", "emulated", CUDA]
 
 
-def dense_causal_attention(q, k, v, allowed):
-    """Reference in float64: q [R, H, L, D], k, v [R, Hkv, L, D], allowed [R, L] key mask."""
+def dense_causal_attention(q, k, v, allowed, window=None):
+    """Reference in float64: q [R, H, L, D], k, v [R, Hkv, L, D], allowed [R, L] key mask; `window`: a
+    query at column i sees keys at columns j with i - window < j <= i."""
     per_kv = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(per_kv, 1).double(), v.repeat_interleave(per_kv, 1).double()
     length = q.shape[2]
-    visible = torch.ones(length, length, dtype=torch.bool).tril() & allowed[:, None, None, :]
+    causal = torch.ones(length, length, dtype=torch.bool).tril()
+    if window is not None:
+        causal &= ~torch.ones(length, length, dtype=torch.bool).tril(-window)
+    visible = causal & allowed[:, None, None, :]
     scores = (q.double() @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
     return torch.nan_to_num(scores.masked_fill(~visible, float("-inf")).softmax(-1)) @ v
 
@@ -89,11 +93,13 @@ def test_shared_prefix_attention_matches_dense_attention(groups, rows, prefix, s
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("window", [None, 4])
 @pytest.mark.parametrize("kv_heads", [1, 2])
-def test_a_common_prefix_then_groups_then_rows_match_dense_attention(kv_heads, device):
+def test_a_common_prefix_then_groups_then_rows_match_dense_attention(kv_heads, window, device):
     """Three levels (a system prompt common to every row wherever its left padding puts it, each group's
     prompt, each row's completion), packed by pack_layout: forward and backward against dense masked
-    causal attention over each row in float64, the rows read from the packed tokens they share."""
+    causal attention over each row in float64, the rows read from the packed tokens they share; with a
+    sliding window of 4 (counted in each row's own columns) too, which cuts across all three levels."""
     from torchkvops.training.prefix_attention import packed_attention
     from torchkvops.training.prefix_groups import Grouping, PrefixGroup, pack_layout
 
@@ -115,7 +121,7 @@ def test_a_common_prefix_then_groups_then_rows_match_dense_attention(kv_heads, d
     q, k, v = rand(heads), rand(kv_heads), rand(kv_heads)
     leaves = [t.to(device, torch.float32).requires_grad_() for t in (q, k, v)]
     with context():
-        out = packed_attention(*leaves, layout, None)
+        out = packed_attention(*leaves, layout, None, window)
     out = out[0].cpu().double()  # [T, H, D]
 
     reference_inputs = [t.clone().requires_grad_() for t in (q, k, v)]
@@ -123,7 +129,7 @@ def test_a_common_prefix_then_groups_then_rows_match_dense_attention(kv_heads, d
     def per_row(t):  # [1, h, T, D] -> [rows, h, length, D]: each row's tokens, from the packed ones
         return t[0][:, layout.dest.cpu()].unflatten(1, (rows, length)).transpose(0, 1)
 
-    reference = dense_causal_attention(*(per_row(t) for t in reference_inputs), allowed)  # [rows, H, L, D]
+    reference = dense_causal_attention(*(per_row(t) for t in reference_inputs), allowed, window)  # [rows, H, L, D]
     got = out[layout.dest.cpu()].view(rows, length, heads, dim).transpose(1, 2)
     real = allowed[:, None, :, None]
     torch.testing.assert_close(got * real, reference * real, rtol=1e-4, atol=1e-5)

@@ -18,7 +18,7 @@ from devices import per_device
 from mem_eff_emulator import emulated_cuda_branch
 from models import FAMILIES, VOCAB, prompts
 from torch.utils.flop_counter import FlopCounterMode
-from transformers import AttentionInterface, GPT2Config, GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForCausalLM
+from transformers import AttentionInterface, GPT2Config, GPT2LMHeadModel, GPTBigCodeConfig, GPTBigCodeForCausalLM
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 import torchkvops
@@ -485,16 +485,19 @@ def test_another_attention_implementation_falls_back(family_models):
     assert torch.equal(got, expected)
 
 
-def test_rows_longer_than_the_sliding_window_fall_back(family_models):
-    model = family_models["mistral"]  # sliding_window=64
-    ids, mask, _ = batch([2, 2], prompt_length=60, completion_length=8)
-
-    def call(model):
-        with torch.no_grad():
-            return model(input_ids=ids, attention_mask=mask).logits
-
-    expected, got = plain_and_patched(model, call, "longer than the sliding window of 64", min_shared_tokens=4)
-    assert torch.equal(got, expected)
+def test_a_sliding_window_shorter_than_the_rows_masks_within_the_packed_layout(family_models):
+    """Mistral's window of 64 over rows of 72 tokens (the completions' queries lose the prompt's first
+    keys): outputs and gradients are the plain forward's, with and without a system prompt common to every
+    prompt (the window then spans the common level too)."""
+    model = no_dropout_train(family_models["mistral"])
+    assert model.config.sliding_window == 64
+    for system in (0, 16):
+        ids, mask, labels = batch([3, 2], prompt_length=60, completion_length=12, system=system)
+        plain = run(model, ids, mask, labels)
+        with torchkvops.patch_forward(model, min_shared_tokens=4) as handle:
+            shared = run(model, ids, mask, labels)
+        assert handle.stats.shared_calls == 1 and handle.stats.fallback_calls == 0
+        assert_same(shared, plain, mask)
 
 
 def test_rows_that_share_too_little_fall_back(family_models):
@@ -555,9 +558,9 @@ def test_options_are_validated(family_models):
 
 
 def test_unsupported_models_are_refused():
-    tiny = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, vocab_size=VOCAB)
-    with pytest.raises(ValueError, match="model type 'gpt_neox' is not supported"):
-        torchkvops.patch_forward(GPTNeoXForCausalLM(GPTNeoXConfig(**tiny)))
+    bigcode = GPTBigCodeForCausalLM(GPTBigCodeConfig(n_embd=32, n_layer=1, n_head=2, vocab_size=VOCAB))
+    with pytest.raises(ValueError, match="model type 'gpt_bigcode' is not supported: its positions are neither rotary"):
+        torchkvops.patch_forward(bigcode)
     upcast = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=VOCAB, reorder_and_upcast_attn=True))
     with pytest.raises(ValueError, match="reorder_and_upcast_attn"):
         torchkvops.patch_forward(upcast)

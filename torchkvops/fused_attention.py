@@ -25,8 +25,9 @@ training forward's shared-prefix attention (`torchkvops.training.prefix_attentio
   branch's argument preparation, layouts and masking run in the CPU suite.
 - Elsewhere: matmul + softmax in float32 (forward only).
 
-Shapes: q [X, H, M, D], k and v [X, Hkv, L, D] (H a multiple of Hkv), bias [X, 1, 1, L] additive (0 or
-`MASKED_KEY_BIAS`), causal top-left aligned (M == L). The log-sum-exp is float32, natural log.
+Shapes: q [X, H, M, D], k and v [X, Hkv, L, D] (H a multiple of Hkv), bias [X, 1, 1, L] or, where it
+depends on the query (a sliding window), [X, 1, M, L], additive (0 or `MASKED_KEY_BIAS`), causal
+top-left aligned (M == L). The log-sum-exp is float32, natural log.
 """
 
 from __future__ import annotations
@@ -191,17 +192,21 @@ def _in_forward_layout(out: Tensor) -> Tensor:
 
 
 def _cuda_bias(bias: Tensor, heads: int, queries: int) -> Tensor:
-    """[X, 1, 1, L] -> [X, heads, queries, L] as the memory-efficient kernels take it: a broadcast view,
-    of `bias` itself when it starts at a 16-byte boundary and so does each of its rows, else of a padded
-    copy. The start is judged by the storage offset (torch's allocators align every storage's base to
-    at least 64 bytes), which a compiled decode step can read where it cannot read an address."""
-    x, length = bias.shape[0], bias.shape[-1]
-    misaligned = ((bias.storage_offset() * bias.element_size()) % _CUDA_BIAS_ALIGNMENT_BYTES) or (
-        x > 1 and (bias.stride(0) * bias.element_size()) % _CUDA_BIAS_ALIGNMENT_BYTES
+    """[X, 1, 1 or queries, L] -> [X, heads, queries, L] as the memory-efficient kernels take it: a
+    broadcast view, of `bias` itself when it starts at a 16-byte boundary and so does each of its rows,
+    else of a padded copy. The start is judged by the storage offset (torch's allocators align every
+    storage's base to at least 64 bytes), which a compiled decode step can read where it cannot read an
+    address."""
+    x, rows, length = bias.shape[0], bias.shape[2], bias.shape[-1]
+    aligned = lambda stride: (stride * bias.element_size()) % _CUDA_BIAS_ALIGNMENT_BYTES == 0  # noqa: E731
+    misaligned = (
+        not aligned(bias.storage_offset())
+        or (x > 1 and not aligned(bias.stride(0)))
+        or (rows > 1 and not aligned(bias.stride(2)))
     )
     if misaligned or bias.stride(-1) != 1:
         per_row = _CUDA_BIAS_ALIGNMENT_BYTES // bias.element_size()
-        padded = bias.new_zeros(x, 1, 1, _round_up(max(length, 1), per_row))
+        padded = bias.new_zeros(x, 1, rows, _round_up(max(length, 1), per_row))
         padded[..., :length] = bias
         bias = padded[..., :length]
     return bias.expand(x, heads, queries, length)

@@ -15,6 +15,7 @@ __all__ = [
     "DROPOUT_ATTRIBUTES",
     "ATTENTION_DROPOUT_ATTRIBUTES",
     "dropout_probability",
+    "dropout_attributes",
     "attention_dropout",
     "active_dropout",
     "disable_dropout",
@@ -69,9 +70,16 @@ def attention_dropout(model: nn.Module) -> float:
     return most
 
 
+def dropout_attributes(module: nn.Module) -> list[str]:
+    """The attributes of `module` that may hold a dropout probability it passes to functional dropout:
+    those of DROPOUT_ATTRIBUTES, and any other whose name ends in "dropout" (Seed-OSS's
+    `residual_dropout`): families name them freely, and a missed one silently changes results."""
+    return [a for a in vars(module) if a in DROPOUT_ATTRIBUTES or a.endswith("dropout")]
+
+
 def active_dropout(model: nn.Module) -> str | None:
     """The first dropout the model applies in train mode, named: an nn.Dropout with p > 0, or a float
-    in DROPOUT_ATTRIBUTES that a layer passes to functional dropout; None when there is none."""
+    that a layer keeps for functional dropout (`dropout_attributes`); None when there is none."""
     for name, module in model.named_modules():
         if not module.training:
             continue
@@ -79,7 +87,7 @@ def active_dropout(model: nn.Module) -> str | None:
             if module.p > 0:
                 return f"{name or type(module).__name__} p={module.p}"
             continue
-        for attribute in DROPOUT_ATTRIBUTES:
+        for attribute in dropout_attributes(module):
             value = vars(module).get(attribute)
             p = dropout_probability(value)
             if p is not None and p > 0:
@@ -94,7 +102,7 @@ def disable_dropout(model: nn.Module) -> None:
         if isinstance(module, nn.Dropout):
             module.p = 0.0
             continue
-        for attribute in DROPOUT_ATTRIBUTES:
+        for attribute in dropout_attributes(module):
             value = vars(module).get(attribute)
             if isinstance(value, float) and value > 0:
                 setattr(module, attribute, 0.0)

@@ -99,6 +99,9 @@ class PackedLayout:
     length: int
     blind_queries: Tensor | None = None  # [T] bool: queries whose every key is padding (None: no such query)
     common: int = 0
+    # [T] int64: each token's column counted from its row's first column that the layout aligns rows on
+    # (the first real one when there is a common prefix, else column 0): distances for sliding windows.
+    offsets: Tensor | None = None
     _biases: dict = dataclasses.field(default_factory=dict, repr=False)
 
     @property
@@ -112,6 +115,37 @@ class PackedLayout:
             allowed = self.token_mask[: self.common]
             values = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
             self._biases[key] = values.masked_fill(~allowed, MASKED_KEY_BIAS).view(1, 1, 1, -1)
+        return self._biases[key]
+
+    def window_bias(
+        self,
+        key: tuple,
+        queries: tuple[int, int],
+        keys: tuple[int, int],
+        shape: tuple,
+        per_kv: int | None,
+        window: int,
+        dtype: torch.dtype,
+    ) -> Tensor:
+        """The additive bias of one part of a layer's attention under a sliding window, built once per
+        (part, window, dtype): the packed tokens [queries[0], queries[1]) as [Xq, M] query rows against
+        the keys [keys[0], keys[1]) as [Xk, L] (`shape` = (Xq, M, Xk, L)); a key is seen when it is real
+        and less than `window` columns before the query (transformers' sliding window: q - k < window;
+        the kernel's causal flag, or the keys preceding the queries, bounds it from above). `per_kv`
+        None: each query row against its own keys (Xq == Xk), bias [X, 1, M, L]; else a context part, the
+        query rows folded per key row as `_fold` folds them (`per_kv` query heads per KV head), bias
+        [Xk, 1, Xq/Xk * per_kv * M, L]."""
+        key = (*key, window, dtype)
+        if key not in self._biases:
+            xq, m, xk, length = shape
+            q_off = self.offsets[queries[0] : queries[1]].view(xq, m)
+            k_off = self.offsets[keys[0] : keys[1]].view(xk, length)
+            real = self.token_mask[keys[0] : keys[1]].view(xk, length)
+            if per_kv is not None:
+                q_off = q_off.view(xk, xq // xk, 1, m).expand(-1, -1, per_kv, -1).reshape(xk, -1)
+            allowed = real[:, None, :] & (q_off[:, :, None] - k_off[:, None, :] < window)
+            bias = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, MASKED_KEY_BIAS)
+            self._biases[key] = bias[:, None]
         return self._biases[key]
 
     def biases(self, index: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
@@ -279,35 +313,57 @@ def shared_prefix_attention(
     return out_pre, context_attention(q_suf, k_suf, v_suf, bias_suf, [(k_pre, v_pre, bias_pre)], scale)
 
 
-def packed_attention(query: Tensor, key: Tensor, value: Tensor, layout: PackedLayout, scale: float | None) -> Tensor:
+def packed_attention(
+    query: Tensor, key: Tensor, value: Tensor, layout: PackedLayout, scale: float | None, window: int | None = None
+) -> Tensor:
     """A transformers attention layer's call over a packed sequence: query [1, H, T, D], key/value
-    [1, Hkv, T, D] in `layout`'s token order -> [1, T, H, D] (what attention functions return)."""
+    [1, Hkv, T, D] in `layout`'s token order -> [1, T, H, D] (what attention functions return). `window`:
+    the layer's sliding window (a key is seen only within `window` columns of its query), None: none."""
     q, k, v = query[0], key[0], value[0]  # [H, T, D]
     heads, dim = q.shape[0], q.shape[-1]
-    pieces, common = [], []
-    if layout.common:
-        c = layout.common
+    per_kv = heads // k.shape[0]
+    windowed = window is not None and window < layout.length
+    dtype = q.dtype
+
+    def bias(part: tuple, queries: tuple[int, int], keys: tuple[int, int], shape: tuple, plain: Tensor) -> Tensor:
+        """`plain` (the keys' mask alone), or under a window the part's query-dependent bias (a part whose
+        queries and keys are the same tokens is causal over its own keys; any other is a context)."""
+        if not windowed:
+            return plain
+        folds = None if queries == keys else per_kv
+        return layout.window_bias(part, queries, keys, shape, folds, window, dtype)
+
+    pieces, c = [], layout.common
+    if c:
         q_c, k_c, v_c = (t[None, :, :c] for t in (q, k, v))  # [1, h, common, D]
-        bias_c = layout.common_bias(q.dtype)
-        pieces.append(causal_attention(q_c, k_c, v_c, bias_c, scale)[0].transpose(0, 1))
-        common = [(k_c, v_c, bias_c)]
+        plain_c = layout.common_bias(dtype)
+        own_c = bias(("common",), (0, c), (0, c), (1, c, 1, c), plain_c)
+        pieces.append(causal_attention(q_c, k_c, v_c, own_c, scale)[0].transpose(0, 1))
     for index, b in enumerate(layout.buckets):
-        mid, end = b.offset + b.groups * b.prefix, b.offset + b.tokens
+        start, mid, end = b.offset, b.offset + b.groups * b.prefix, b.offset + b.tokens
+        rows = b.groups * b.rows
 
         def prefix(t: Tensor) -> Tensor:  # [h, groups*prefix, D] -> [groups, h, prefix, D] (a view)
-            return t[:, b.offset : mid].unflatten(1, (b.groups, b.prefix)).transpose(0, 1)
+            return t[:, start:mid].unflatten(1, (b.groups, b.prefix)).transpose(0, 1)
 
         def suffix(t: Tensor) -> Tensor:  # [h, groups*rows*suffix, D] -> [groups*rows, h, suffix, D]
-            return t[:, mid:end].unflatten(1, (b.groups * b.rows, b.suffix)).transpose(0, 1)
+            return t[:, mid:end].unflatten(1, (rows, b.suffix)).transpose(0, 1)
 
-        bias_pre, bias_suf = layout.biases(index, q.dtype)
-        if common:  # each group's prefix continues the common tokens
-            out_pre = context_attention(prefix(q), prefix(k), prefix(v), bias_pre, common, scale)
+        plain_pre, plain_suf = layout.biases(index, dtype)
+        pre, suf = (start, mid), (mid, end)
+        own_pre = bias(("pre", index), pre, pre, (b.groups, b.prefix, b.groups, b.prefix), plain_pre)
+        own_suf = bias(("suf", index), suf, suf, (rows, b.suffix, rows, b.suffix), plain_suf)
+        to_pre = bias(("suf-pre", index), suf, pre, (rows, b.suffix, b.groups, b.prefix), plain_pre)
+        if c:  # each group's prefix continues the common tokens
+            common = (0, c)
+            pre_to_c = bias(("pre-c", index), pre, common, (b.groups, b.prefix, 1, c), plain_c)
+            suf_to_c = bias(("suf-c", index), suf, common, (rows, b.suffix, 1, c), plain_c)
+            out_pre = context_attention(prefix(q), prefix(k), prefix(v), own_pre, [(k_c, v_c, pre_to_c)], scale)
+            contexts = [(k_c, v_c, suf_to_c), (prefix(k), prefix(v), to_pre)]
         else:
-            out_pre = causal_attention(prefix(q), prefix(k), prefix(v), bias_pre, scale)
-        out_suf = context_attention(
-            suffix(q), suffix(k), suffix(v), bias_suf, common + [(prefix(k), prefix(v), bias_pre)], scale
-        )
+            out_pre = causal_attention(prefix(q), prefix(k), prefix(v), own_pre, scale)
+            contexts = [(prefix(k), prefix(v), to_pre)]
+        out_suf = context_attention(suffix(q), suffix(k), suffix(v), own_suf, contexts, scale)
         pieces.append(out_pre.transpose(1, 2).reshape(-1, heads, dim))
         pieces.append(out_suf.transpose(1, 2).reshape(-1, heads, dim))
     out = torch.cat(pieces)[None] if len(pieces) > 1 else pieces[0][None]

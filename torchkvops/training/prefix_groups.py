@@ -207,7 +207,9 @@ def pack_layout(grouping: Grouping, attention_mask: Tensor) -> PackedLayout:
         buckets.append(bucket)
         offset += bucket.tokens
     device = attention_mask.device
-    src = torch.from_numpy(np.concatenate(src_parts)).to(device)
+    flat = np.concatenate(src_parts)
+    src = torch.from_numpy(flat).to(device)
+    offsets = torch.from_numpy(flat % length - starts[flat // length]).to(device)
     mask = attention_mask.bool()
     # A query sees some key once its row has had a real token: the left padding's queries see none.
     sees_a_key = mask.cummax(dim=1).values.reshape(-1)[src]
@@ -220,4 +222,5 @@ def pack_layout(grouping: Grouping, attention_mask: Tensor) -> PackedLayout:
         length=length,
         blind_queries=None if bool(sees_a_key.all()) else ~sees_a_key,
         common=common,
+        offsets=offsets,
     )

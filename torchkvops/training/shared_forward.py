@@ -38,7 +38,7 @@ shared forward (11x the head's work in a GRPO pass on SmolLM2-135M).
 Falls back to the plain forward, with a warning the first time each cause is seen, for anything that
 would change results or that it cannot serve: dropout active in train mode, output_attentions,
 inputs_embeds or other extra inputs, an attention implementation other than eager, sdpa or
-flash-attention, a sliding window shorter than the rows, a device other than CPU or CUDA, or no rows
+flash-attention, attention sinks or logit softcapping, a device other than CPU or CUDA, or no rows
 sharing at least `min_shared_tokens` columns. A forward with a KV cache (use_cache=True or a cache
 argument: generation) runs the model's own forward without a warning; with use_cache left unset the
 shared forward returns no cache.
@@ -56,7 +56,7 @@ import torch
 from torch import Tensor, nn
 from transformers import AttentionInterface, PreTrainedConfig
 
-from ..models.adapter import sliding_window, unwrap_model
+from ..models.adapter import unwrap_model
 from ..models.forward_modes import active_dropout, autocast_dtype, disable_dropout
 from ..models.precision import compute_dtype
 from ..utils import PatchHandle, WarnOnce
@@ -70,19 +70,16 @@ NAME = "torchkvops_shared"  # the attention function's name in transformers' Att
 _LAYOUT_KWARG = "torchkvops_packed_layout"  # the keyword that carries the layout to the attention layers
 _STATE_ATTR = "_torchkvops_shared_forward"
 
-# Model families served, and how their backbone numbers positions when the caller passes none:
-# "column" = the column index (arange over the padded row), "mask" = OPT's cumsum(mask) - 1, "relative" =
-# the column index too, read only through rotary embeddings, whose scores depend on differences of
-# positions alone: numbered from each row's first real token instead, a prefix common to rows with
-# different left padding has the same positions in each, and is computed once.
-FAMILIES = {
-    "gpt2": "column",
-    "opt": "mask",
-    "llama": "relative",
-    "mistral": "relative",
-    "qwen2": "relative",
-    "qwen3": "relative",
-}
+# How a backbone numbers positions when the caller passes none, for the families served without rotary
+# embeddings: "column" = the column index (arange over the padded row; GPT-2's learned absolute
+# positions), "mask" = OPT's cumsum(mask) - 1. Every backbone with rotary embeddings is served too, as
+# "relative": column positions, read only through the rotary embeddings, whose scores depend on
+# differences of positions alone: numbered from each row's first real token instead, a prefix common to
+# rows with different left padding has the same positions in each, and is computed once.
+FAMILIES = {"gpt2": "column", "opt": "mask"}
+# Config fields that make a rotary model read absolute positions besides the rotation (Llama 4's attention
+# temperature on its no-RoPE layers): such a model is served with its own column positions only.
+_ABSOLUTE_POSITION_FIELDS = ("attn_temperature_tuning",)
 # Attention implementations whose results the shared path reproduces (all exact attention).
 SERVED_ATTENTION = ("eager", "sdpa", "flash_attention_2", "flash_attention_3")
 _SERVED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -97,6 +94,8 @@ _HANDLED = {
     "return_dict",
 }
 _CACHE_ARGUMENTS = ("cache", "past_key_values")
+# Arguments that change nothing when False (MoE families pass output_router_logits=False by default).
+_OFF_WHEN_FALSE = {"output_router_logits"}
 # The warning for each cause of a fallback, given once per patch.
 _FALLBACK_WARNING = "torchkvops.patch_forward: {cause}; this forward (and every one with it) runs the plain forward"
 
@@ -181,12 +180,7 @@ def _shared_attention(
         )
     # The backbone checked all of these before packing (see _plain_reason); here they are invariants.
     window = kwargs.get("sliding_window")
-    unserved = {
-        "dropout": dropout if dropout else None,
-        "softcap": kwargs.get("softcap"),
-        "s_aux": kwargs.get("s_aux"),
-        "sliding_window": window if window and window < layout.length else None,
-    }
+    unserved = {"dropout": dropout if dropout else None, "softcap": kwargs.get("softcap"), "s_aux": kwargs.get("s_aux")}
     for name, setting in unserved.items():
         if setting is not None:
             raise RuntimeError(f"torchkvops: shared-prefix attention got {name}={setting!r}, which it cannot serve")
@@ -195,7 +189,7 @@ def _shared_attention(
     dtype = autocast_dtype(query.device.type)
     dtype = query.dtype if dtype is None else dtype
     query, key, value = (t.to(dtype) for t in (query, key, value))
-    return packed_attention(query, key, value, layout, scaling), None
+    return packed_attention(query, key, value, layout, scaling, window), None
 
 
 AttentionInterface.register(NAME, _shared_attention)
@@ -206,6 +200,8 @@ AttentionInterface.register(NAME, _shared_attention)
 class _PatchState:
     config: SharedForwardConfig
     stats: SharedForwardStats
+    numbering: str  # how the backbone numbers positions (position_numbering)
+    unserved: str | None  # what its attention layers do that the shared attention does not (every call plain)
     previous_forward: object  # the backbone's own instance-level forward before the patch, or None
     views: list  # (attention module, its config before the patch)
     warn_once: WarnOnce = dataclasses.field(default_factory=lambda: WarnOnce(_FALLBACK_WARNING))
@@ -251,7 +247,7 @@ def _plan(backbone: nn.Module, state: _PatchState, args: tuple, kwargs: dict):
     for name, parameter in signature.parameters.items():
         if parameter.kind is inspect.Parameter.VAR_KEYWORD:
             arguments.update(arguments.pop(name, {}))
-    reason = _plain_reason(backbone, arguments)
+    reason = _plain_reason(backbone, arguments) or state.unserved
     if reason is None and state.labels_read_blind_queries and backbone.config._attn_implementation == "eager":
         reason = (
             "labels that a left-padding column predicts, under eager attention (its output there is a "
@@ -262,7 +258,7 @@ def _plan(backbone: nn.Module, state: _PatchState, args: tuple, kwargs: dict):
         mask = arguments.get("attention_mask")
         mask = torch.ones_like(input_ids, dtype=torch.bool) if mask is None else mask.bool()
         given = arguments.get("position_ids")
-        numbering = FAMILIES[backbone.config.model_type]
+        numbering = state.numbering
         # Keys under which a token's result depends only on the row from its first real token on: the
         # positions the forward will use, where they are not a function of the mask from there.
         nested_positions = (
@@ -322,7 +318,16 @@ def _plain_reason(backbone: nn.Module, arguments: dict) -> str | None:
         return "use_cache=True (the shared forward keeps no per-row KV cache)"
     if arguments.get("output_attentions", getattr(config, "output_attentions", False)):
         return "output_attentions=True"
-    extra = sorted(name for name, value in arguments.items() if name not in _HANDLED and value is not None)
+    if arguments.get("output_router_logits"):
+        return (
+            "output_router_logits=True (the router's auxiliary loss averages over the tokens computed, which "
+            "a shared prefix makes fewer than the plain forward's)"
+        )
+    extra = sorted(
+        name
+        for name, value in arguments.items()
+        if name not in _HANDLED and value is not None and not (name in _OFF_WHEN_FALSE and value is False)
+    )
     if extra:
         return f"the argument {extra[0]!r}"
     input_ids, mask, positions = (arguments.get(k) for k in ("input_ids", "attention_mask", "position_ids"))
@@ -354,9 +359,15 @@ def _plain_reason(backbone: nn.Module, arguments: dict) -> str | None:
     dtype = compute_dtype(backbone)  # (FSDP's mixed precision: the dtype its gathered weights have)
     if dtype not in _SERVED_DTYPES:
         return f"{dtype} parameters"
-    window = sliding_window(config)
-    if window is not None and input_ids.shape[1] > window:
-        return f"rows of {input_ids.shape[1]} tokens, longer than the sliding window of {window}"
+    return None
+
+
+def _unserved_attention(backbone: nn.Module) -> str | None:
+    """What the model's attention layers pass that the shared attention does not implement yet."""
+    if getattr(backbone.config, "attn_logit_softcapping", None) is not None:
+        return "attention logit softcapping (attn_logit_softcapping)"
+    if any(name.rpartition(".")[2] == "sinks" for name, _ in backbone.named_parameters()):
+        return "attention sinks"
     return None
 
 
@@ -417,11 +428,25 @@ def _attention_modules(backbone: nn.Module) -> list[nn.Module]:
     ]
 
 
+def position_numbering(backbone: nn.Module) -> str | None:
+    """How the backbone numbers positions (see FAMILIES), or None when it is none torchkvops knows."""
+    config = backbone.config
+    known = FAMILIES.get(getattr(config, "model_type", None))
+    if known is not None:
+        return known
+    if not any(type(m).__name__.endswith("RotaryEmbedding") for m in backbone.modules()):
+        return None
+    return "column" if any(getattr(config, f, None) for f in _ABSOLUTE_POSITION_FIELDS) else "relative"
+
+
 def _unsupported_model(backbone: nn.Module) -> str | None:
     config = backbone.config
     model_type = getattr(config, "model_type", None)
-    if model_type not in FAMILIES:
-        return f"model type {model_type!r} is not supported (supported: {', '.join(FAMILIES)})"
+    if position_numbering(backbone) is None:
+        return (
+            f"model type {model_type!r} is not supported: its positions are neither rotary embeddings nor "
+            f"a numbering torchkvops knows ({', '.join(FAMILIES)})"
+        )
     if getattr(config, "add_cross_attention", False):
         return "models with cross-attention are not supported"
     if getattr(config, "reorder_and_upcast_attn", False):
@@ -486,6 +511,8 @@ class ForwardPatch(PatchHandle):
         state = _PatchState(
             config=config,
             stats=self.stats,
+            numbering=position_numbering(backbone),
+            unserved=_unserved_attention(backbone),
             previous_forward=vars(backbone).get("forward"),
             views=[(m, m.config) for m in modules],
         )
