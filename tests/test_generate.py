@@ -362,3 +362,44 @@ def test_bad_inputs_are_named_for_generate_with_the_callers_shapes(llama, ids, m
     passed (not the grouped prompts' shapes, nor a RolloutConfig field)."""
     with pytest.raises(error, match=r"^torchkvops\.generate: " + match):
         torchkvops.generate(llama, ids, attention_mask=mask, max_new_tokens=2, do_sample=False)
+
+
+def test_a_patch_that_fails_midway_leaves_generate_as_it_was(family_models, monkeypatch):
+    """Any error while patching: the original generate stays (calls give HF's tokens), ours is raised."""
+    from torchkvops.hf import generate_patch
+
+    model = family_models["llama"]
+    ids, mask = prompts(2, 6)
+    expected = model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0)
+
+    def broken(self, *args, **kwargs):
+        raise KeyError("boom")
+
+    before = {name: vars(model).get(name) for name in ("generate", generate_patch._SESSION_ATTRIBUTE)}
+    monkeypatch.setattr(generate_patch._Session, "check_model", broken)
+    with pytest.raises(RuntimeError, match=r"patching failed \(KeyError: 'boom'\); the model's generate is left"):
+        torchkvops.patch_generate(model)
+    assert all(vars(model).get(name) is value for name, value in before.items())
+    assert "generate" not in vars(model)  # (no patch was active: the class's generate)
+    got = model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert torch.equal(got, expected)
+
+
+def test_a_model_with_per_layer_attention_shapes_is_refused_not_broken():
+    """gemma4 (per-layer head sizes): transformers raises on its config's global head_dim; the rollout
+    refuses it with a message of ours, and patch_generate patches it, warns once and gives HF's tokens."""
+    from families import tiny_model
+
+    model = tiny_model("gemma4_text")
+    if model is None:
+        pytest.skip("this transformers has no gemma4")
+    with pytest.raises(ValueError, match="attention shapes of its own per layer"):
+        torchkvops.Rollout(model)
+    ids, mask = prompts(2, 6)
+    expected = model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    with pytest.warns(UserWarning, match="attention shapes of its own per layer"):
+        handle = torchkvops.patch_generate(model)
+    with handle, warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # one warning, at patch time
+        got = model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert torch.equal(got, expected)

@@ -128,9 +128,12 @@ class _Session:
             self.failed.clear()
             try:
                 self.adapter, self.refusal = ModelAdapter(model), None
-            except (TypeError, ValueError) as e:
+            except Exception as e:  # noqa: BLE001 (whatever reading the model raised: refused, not broken)
                 self.adapter = None
-                self.refusal = Refusal(f"this model ({str(e).removeprefix('torchkvops: ')})", "model")
+                reason = str(e).removeprefix("torchkvops: ")
+                if not isinstance(e, (TypeError, ValueError)):
+                    reason = f"{type(e).__name__} while reading it: {reason}"
+                self.refusal = Refusal(f"this model ({reason})", "model")
         return self.refusal
 
     def rollout(
@@ -549,15 +552,30 @@ def patch_generate(model: nn.Module, **options) -> GeneratePatch:
             "the handle that patch_generate returned (or leave its `with` block) before patching "
             "again, or keep using that patch"
         )
-    session = _Session(model, dict(options))
-    patched = _PatchedGenerate(model, session, current)
-    session.original_generate = patched.original()
     previous = vars(model).get(_SESSION_ATTRIBUTE)
+    try:
+        session = _Session(model, dict(options))
+        patched = _PatchedGenerate(model, session, current)
+        session.original_generate = patched.original()
+        vars(model)[_SESSION_ATTRIBUTE] = session
+        model.generate = patched
+        refusal = _peft_refusal(model) or session.check_model(unwrap_model(model) if is_peft_model(model) else model)
+        handle = GeneratePatch(model, patched)
+    except Exception as e:
+        # Never a half-patched model: its generate and our session attribute as they were.
+        if current is None:
+            vars(model).pop("generate", None)
+        else:
+            model.generate = current
+        if previous is None:
+            vars(model).pop(_SESSION_ATTRIBUTE, None)
+        else:
+            vars(model)[_SESSION_ATTRIBUTE] = previous
+        raise RuntimeError(
+            f"patch_generate: patching failed ({type(e).__name__}: {e}); the model's generate is left as it was"
+        ) from e
     if previous is not None:
         previous.release()
-    vars(model)[_SESSION_ATTRIBUTE] = session
-    model.generate = patched
-    refusal = _peft_refusal(model) or session.check_model(unwrap_model(model) if is_peft_model(model) else model)
     if refusal:
         session.warn_once(refusal.reason, where="torchkvops.patch_generate", stacklevel=3)
-    return GeneratePatch(model, patched)
+    return handle

@@ -96,8 +96,29 @@ class CacheSpec:
     @classmethod
     def from_config(cls, config) -> CacheSpec:
         """The cache groups a model's config asks for: the one place a new kind of layer adds its groups.
-        Every model served today is full attention in every layer, one shape: one group."""
-        return cls.single(KVShape.from_config(config))
+        Every model served today is attention in every layer, one shape: one group, of every layer that
+        computes its own KV. A layer that reuses an earlier layer's (gemma3n's `kv_sharing_modes`:
+        "reuse" layers read the K and V of the last "store" layer of their own layer type) stores none and
+        reads that layer's."""
+        shape = KVShape.from_config(config)
+        modes = getattr(config, "kv_sharing_modes", None)
+        if not modes or "reuse" not in modes:
+            return cls.single(shape)
+        kinds = getattr(config, "layer_types", None) or ["full_attention"] * len(modes)
+        reads, last_store = [], {}
+        for layer, mode in enumerate(modes):
+            if mode != "reuse":
+                reads.append(layer)
+                if mode == "store":
+                    last_store[kinds[layer]] = layer
+                continue
+            if kinds[layer] not in last_store:
+                raise ValueError(
+                    f"torchkvops: layer {layer} reuses the KV of an earlier {kinds[layer]} layer, but none stores it"
+                )
+            reads.append(last_store[kinds[layer]])
+        stored = tuple(layer for layer, source in enumerate(reads) if source == layer)
+        return cls((GroupSpec(FULL_ATTENTION, stored, shape.kv_heads, shape.head_dim),), tuple(reads))
 
     @property
     def values_per_token(self) -> int:
@@ -147,6 +168,15 @@ _CONFIG_FIELDS = (
 )
 
 
+_PER_LAYER = "per-layer"  # model_state's value of a config field that differs per layer
+
+
+def _per_layer_config(config) -> bool:
+    """A config whose layers have attributes of their own (transformers' heterogeneous configs: gemma4's
+    per-layer head sizes), where a global head_dim or num_key_value_heads is ambiguous."""
+    return getattr(config, "is_heterogeneous", False) is True
+
+
 def model_state(model: nn.Module) -> tuple:
     """Everything a ModelAdapter reads from a model, as a tuple that compares equal while an adapter built
     before (and a rollout built on it) is still right: the attention implementation
@@ -160,7 +190,10 @@ def model_state(model: nn.Module) -> tuple:
     forward = getattr(model, "forward", None)
     fields = []
     for name in _CONFIG_FIELDS:
-        value = getattr(config, name, None)
+        try:
+            value = getattr(config, name, None)
+        except RuntimeError:  # a per-layer attribute of a heterogeneous config (gemma4): not one value
+            value = _PER_LAYER
         fields.append(tuple(value) if isinstance(value, list) else value)
     return (
         id(config),
@@ -246,6 +279,11 @@ class ModelAdapter:
             raise ValueError(
                 f"torchkvops: {type(model).__name__} has layers of type {other}; only models whose every layer "
                 "is attention with a plain per-layer KV cache are supported"
+            )
+        if _per_layer_config(config):
+            raise ValueError(
+                f"torchkvops: {type(model).__name__} has attention shapes of its own per layer (a heterogeneous config: "
+                f"{sorted(config.per_layer_attributes or ())} differ between layers), which the rollout does not serve yet"
             )
         attn = getattr(config, "_attn_implementation", None) or "eager"
         if attn not in _MASK_FORMATS:

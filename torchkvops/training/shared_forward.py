@@ -77,9 +77,13 @@ _STATE_ATTR = "_torchkvops_shared_forward"
 # differences of positions alone: numbered from each row's first real token instead, a prefix common to
 # rows with different left padding has the same positions in each, and is computed once.
 FAMILIES = {"gpt2": "column", "opt": "mask"}
-# Config fields that make a rotary model read absolute positions besides the rotation (Llama 4's attention
-# temperature on its no-RoPE layers): such a model is served with its own column positions only.
+# Rotary models whose scores depend on absolute positions besides their differences, served with their own
+# column positions only (a common prefix is then shared only between rows of the same padding): config
+# fields that say so (Llama 4's attention temperature on its no-RoPE layers), and families that apply a
+# per-dimension norm to q and k after the rotation (HunYuan: its weights scale rotated coordinates).
+# tests/test_coverage.py finds such a family (its norm weights moved off 1).
 _ABSOLUTE_POSITION_FIELDS = ("attn_temperature_tuning",)
+_NORM_AFTER_ROTARY = ("hunyuan_v1_dense", "hunyuan_v1_moe")
 # Attention implementations whose results the shared path reproduces (all exact attention).
 SERVED_ATTENTION = ("eager", "sdpa", "flash_attention_2", "flash_attention_3")
 _SERVED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -436,7 +440,10 @@ def position_numbering(backbone: nn.Module) -> str | None:
         return known
     if not any(type(m).__name__.endswith("RotaryEmbedding") for m in backbone.modules()):
         return None
-    return "column" if any(getattr(config, f, None) for f in _ABSOLUTE_POSITION_FIELDS) else "relative"
+    absolute = config.model_type in _NORM_AFTER_ROTARY or any(
+        getattr(config, f, None) for f in _ABSOLUTE_POSITION_FIELDS
+    )
+    return "column" if absolute else "relative"
 
 
 def _unsupported_model(backbone: nn.Module) -> str | None:

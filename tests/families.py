@@ -1,0 +1,133 @@
+"""Tiny random models of every decoder-only family the coverage table lists (tests/test_coverage.py), built
+from transformers' own config classes (a family the installed transformers lacks is skipped by name).
+
+Each config is the family's defaults made small: 2-4 layers of hidden size 64, 4 query and 2 KV heads of
+16, a vocabulary of VOCAB, MoE layers of 4 experts (2 per token), and where a family alternates layer
+kinds both kinds present (a sliding window of 8: shorter than the rows tested, so a window must mask).
+Weights are drawn with initializer_range 0.2 (norm weights moved off their initial value too), a scale at
+which a wrong mask or position moves logits and gradients well past rounding."""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+VOCAB = 97
+WINDOW = 8
+
+_SMALL = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=256,
+    initializer_range=0.2,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+    tie_word_embeddings=False,
+)
+_MOE = dict(
+    num_experts=4,
+    num_local_experts=4,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    n_shared_experts=1,
+    first_k_dense_replace=0,
+    first_k_dense=0,
+    moe_layer_start_index=0,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+    norm_topk_prob=True,
+)
+_SLIDING = dict(sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"])
+
+# model type -> the fields its tiny config sets beyond _SMALL.
+FAMILIES: dict[str, dict] = {
+    "llama": {},
+    "mistral": {},
+    "qwen2": {},
+    "qwen3": {},
+    "qwen3_moe": _MOE,
+    "mixtral": _MOE,
+    "phi3": {},
+    "olmo2": {},
+    "olmo3": _SLIDING,
+    "smollm3": dict(no_rope_layers=[1, 0]),
+    "glm4": {},
+    "glm4_moe": _MOE,
+    "granite": dict(embedding_multiplier=2.0, attention_multiplier=0.2, residual_multiplier=0.5, logits_scaling=2.0),
+    "cohere2": dict(_SLIDING, layer_types=["sliding_attention", "full_attention"]),
+    "seed_oss": dict(attention_dropout=0.0, residual_dropout=0.0),
+    "ernie4_5": {},
+    "hunyuan_v1_dense": {},
+    "exaone4": _SLIDING,
+    "apertus": {},
+    "ministral3": {},
+    "minimax_m2": _MOE,
+    "gemma3_text": dict(_SLIDING, query_pre_attn_scalar=16),
+    "gemma2": dict(_SLIDING, query_pre_attn_scalar=16, attn_logit_softcapping=5.0, final_logit_softcapping=3.0),
+    "gpt_oss": dict(_MOE, **_SLIDING),
+    "gemma3n_text": dict(
+        _SLIDING,
+        num_kv_shared_layers=2,
+        num_hidden_layers=4,
+        altup_num_inputs=2,
+        laurel_rank=8,
+        hidden_size_per_layer_input=8,
+        vocab_size_per_layer_input=VOCAB,
+        intermediate_size=[96] * 4,
+        activation_sparsity_pattern=[0.0] * 4,
+    ),
+    "gemma4_text": dict(_SLIDING, vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8),
+}
+
+
+def tiny_config(model_type: str):
+    """The family's tiny config, or None when the installed transformers lacks the family."""
+    try:
+        config = AutoConfig.for_model(model_type)
+    except (KeyError, ValueError):
+        return None
+    fields = dict(_SMALL, **FAMILIES[model_type])
+    for name, value in fields.items():
+        if name in ("layer_types",):
+            value = (value * config.num_hidden_layers)[: fields["num_hidden_layers"]]
+        try:
+            settable = hasattr(config, name) or name in _SMALL
+        except RuntimeError:  # a per-layer attribute of a heterogeneous config (gemma4): its defaults stay
+            continue
+        if settable:
+            setattr(config, name, value)
+    if hasattr(config, "layer_types") and config.layer_types is not None:
+        kinds = FAMILIES[model_type].get("layer_types", ["full_attention"])
+        config.layer_types = [kinds[i % len(kinds)] for i in range(config.num_hidden_layers)]
+    if config.is_heterogeneous:  # gemma4: head sizes per layer
+        for i, layer in enumerate(config.per_layer_config):
+            layer.head_dim = 16 if config.layer_types[i] == "sliding_attention" else 32
+    config._attn_implementation = "sdpa"
+    return config
+
+
+def tiny_model(model_type: str, seed: int = 0):
+    config = tiny_config(model_type)
+    if config is None:
+        return None
+    torch.manual_seed(seed)
+    try:
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    except ValueError:  # a family without SDPA support (gemma2, gpt_oss)
+        config._attn_implementation = "eager"
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    # Norm weights away from their initial 1 (or 0): a norm that is the identity hides where it sits (a
+    # QK norm after the rotary embedding makes scores depend on absolute positions only once it is not).
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(seed + 1)) * 0.2)
+    return model.eval()
