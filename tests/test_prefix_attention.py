@@ -17,9 +17,10 @@ from torchkvops.training.prefix_attention import shared_prefix_attention
 DEVICES = ["cpu", "emulated", CUDA]
 
 
-def dense_causal_attention(q, k, v, allowed, window=None):
+def dense_causal_attention(q, k, v, allowed, window=None, sinks=None):
     """Reference in float64: q [R, H, L, D], k, v [R, Hkv, L, D], allowed [R, L] key mask; `window`: a
-    query at column i sees keys at columns j with i - window < j <= i."""
+    query at column i sees keys at columns j with i - window < j <= i; `sinks` [H]: a logit per head that
+    joins every softmax with no value (gpt-oss's eager attention)."""
     per_kv = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(per_kv, 1).double(), v.repeat_interleave(per_kv, 1).double()
     length = q.shape[2]
@@ -28,7 +29,11 @@ def dense_causal_attention(q, k, v, allowed, window=None):
         causal &= ~torch.ones(length, length, dtype=torch.bool).tril(-window)
     visible = causal & allowed[:, None, None, :]
     scores = (q.double() @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
-    return torch.nan_to_num(scores.masked_fill(~visible, float("-inf")).softmax(-1)) @ v
+    scores = scores.masked_fill(~visible, float("-inf"))
+    if sinks is not None:
+        sink = sinks.double()[None, :, None, None].expand(*scores.shape[:3], 1)
+        return torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1] @ v
+    return torch.nan_to_num(scores.softmax(-1)) @ v
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -93,9 +98,10 @@ def test_shared_prefix_attention_matches_dense_attention(groups, rows, prefix, s
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("sinks", [False, True], ids=["", "sinks"])
 @pytest.mark.parametrize("window", [None, 4])
 @pytest.mark.parametrize("kv_heads", [1, 2])
-def test_a_common_prefix_then_groups_then_rows_match_dense_attention(kv_heads, window, device):
+def test_a_common_prefix_then_groups_then_rows_match_dense_attention(kv_heads, window, sinks, device):
     """Three levels (a system prompt common to every row wherever its left padding puts it, each group's
     prompt, each row's completion), packed by pack_layout: forward and backward against dense masked
     causal attention over each row in float64, the rows read from the packed tokens they share; with a
@@ -119,17 +125,23 @@ def test_a_common_prefix_then_groups_then_rows_match_dense_attention(kv_heads, w
         return torch.randn(1, h, layout.tokens, dim, generator=g, dtype=torch.float64)
 
     q, k, v = rand(heads), rand(kv_heads), rand(kv_heads)
+    sink = torch.randn(heads, generator=g, dtype=torch.float64) if sinks else None
     leaves = [t.to(device, torch.float32).requires_grad_() for t in (q, k, v)]
+    sink_leaf = None if sink is None else sink.to(device, torch.float32).requires_grad_()
     with context():
-        out = packed_attention(*leaves, layout, None, window)
+        out = packed_attention(*leaves, layout, None, window, sink_leaf)
     out = out[0].cpu().double()  # [T, H, D]
 
     reference_inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+    if sink is not None:
+        reference_inputs.append(sink.clone().requires_grad_())
 
     def per_row(t):  # [1, h, T, D] -> [rows, h, length, D]: each row's tokens, from the packed ones
         return t[0][:, layout.dest.cpu()].unflatten(1, (rows, length)).transpose(0, 1)
 
-    reference = dense_causal_attention(*(per_row(t) for t in reference_inputs), allowed, window)  # [rows, H, L, D]
+    reference = dense_causal_attention(
+        *(per_row(t) for t in reference_inputs[:3]), allowed, window, None if sink is None else reference_inputs[3]
+    )  # [rows, H, L, D]
     got = out[layout.dest.cpu()].view(rows, length, heads, dim).transpose(1, 2)
     real = allowed[:, None, :, None]
     torch.testing.assert_close(got * real, reference * real, rtol=1e-4, atol=1e-5)
@@ -137,5 +149,6 @@ def test_a_common_prefix_then_groups_then_rows_match_dense_attention(kv_heads, w
     grad = torch.randn(reference.shape, generator=g, dtype=torch.float64) * real
     with context():
         (got * grad).sum().backward()
-    for got_grad, want in zip(leaves, torch.autograd.grad(reference, reference_inputs, grad)):
+    got_leaves = leaves + ([] if sink_leaf is None else [sink_leaf])
+    for got_grad, want in zip(got_leaves, torch.autograd.grad(reference, reference_inputs, grad)):
         torch.testing.assert_close(got_grad.grad.cpu().double(), want, rtol=1e-4, atol=1e-5)

@@ -191,22 +191,24 @@ class _CausalAttention(torch.autograd.Function):
     """Causal attention of q [X, H, M, D] over its own keys [X, Hkv, M, D] with a key bias [X, 1, 1, M]."""
 
     @staticmethod
-    def forward(ctx, q, k, v, bias, scale):
+    def forward(ctx, q, k, v, bias, scale, sinks):
         if q.shape[2] == 0:  # no query: nothing to compute (the kernels want one)
             out, lse = q.new_zeros(q.shape), q.new_zeros(q.shape[:3], dtype=torch.float32)
         else:
-            out, lse = attend(q, k, v, bias, causal=True, scale=scale)
+            out, lse = _with_sinks(*attend(q, k, v, bias, causal=True, scale=scale), sinks)
         ctx.scale = scale
-        ctx.save_for_backward(q, k, v, bias, out, lse)
+        ctx.save_for_backward(q, k, v, bias, out, lse, sinks)
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        q, k, v, bias, out, lse = ctx.saved_tensors
+        q, k, v, bias, out, lse, sinks = ctx.saved_tensors
         if q.shape[2] == 0:
-            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), None, None
-        dq, dk, dv = attend_backward(grad.contiguous(), q, k, v, bias, causal=True, scale=ctx.scale, out=out, lse=lse)
-        return dq, dk, dv, None, None
+            dsinks = None if sinks is None else torch.zeros_like(sinks)
+            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), None, None, dsinks
+        grad = grad.contiguous()
+        dq, dk, dv = attend_backward(grad, q, k, v, bias, causal=True, scale=ctx.scale, out=out, lse=lse)
+        return dq, dk, dv, None, None, _sinks_grad(grad, out, lse, sinks)
 
 
 class _ContextAttention(torch.autograd.Function):
@@ -217,11 +219,11 @@ class _ContextAttention(torch.autograd.Function):
     kernel's own given the merged output and log-sum-exp (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx, scale, groups, q, k, v, bias, *contexts):
+    def forward(ctx, scale, groups, q, k, v, bias, sinks, *contexts):
         rows, heads, s = q.shape[:3]
         ctx.scale, ctx.groups = scale, groups
         if s == 0:  # no query: nothing to compute (the kernels want one)
-            ctx.save_for_backward(q, k, v, *contexts)
+            ctx.save_for_backward(q, k, v, sinks, *contexts)
             return q.new_zeros(q.shape)
         out, lse = attend(q, k, v, bias, causal=True, scale=scale)
         for g, (k_x, v_x, bias_x) in zip(groups, _triples(contexts)):
@@ -232,16 +234,18 @@ class _ContextAttention(torch.autograd.Function):
                 _unfold(out_x, g, rows, heads), _unfold(lse_x, g, rows, heads), out.view(*split, -1), lse.reshape(split)
             )
             out, lse = out.view(q.shape), lse.view(q.shape[:3])
-        ctx.save_for_backward(q, k, v, bias, out, lse, *contexts)
+        out, lse = _with_sinks(out, lse, sinks)
+        ctx.save_for_backward(q, k, v, bias, out, lse, sinks, *contexts)
         return out
 
     @staticmethod
     def backward(ctx, grad):
         if grad.shape[2] == 0:
-            q, k, v, *contexts = ctx.saved_tensors
+            q, k, v, sinks, *contexts = ctx.saved_tensors
             zeros = [None if i % 3 == 2 else torch.zeros_like(t) for i, t in enumerate(contexts)]
-            return None, None, torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), None, *zeros
-        q, k, v, bias, out, lse, *contexts = ctx.saved_tensors
+            dsinks = None if sinks is None else torch.zeros_like(sinks)
+            return None, None, torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), None, dsinks, *zeros
+        q, k, v, bias, out, lse, sinks, *contexts = ctx.saved_tensors
         scale, grad = ctx.scale, grad.contiguous()
         rows, heads = q.shape[:2]
         dq, dk, dv = attend_backward(grad, q, k, v, bias, causal=True, scale=scale, out=out, lse=lse)
@@ -261,17 +265,38 @@ class _ContextAttention(torch.autograd.Function):
             )
             dq = dq + _unfold(dq_x, g, rows, heads).reshape(q.shape)
             context_grads += [dk_x, dv_x, None]
-        return None, None, dq, dk, dv, None, *context_grads
+        return None, None, dq, dk, dv, None, _sinks_grad(grad, out, lse, sinks), *context_grads
+
+
+def _with_sinks(out: Tensor, lse: Tensor, sinks: Tensor | None) -> tuple[Tensor, Tensor]:
+    """Attention sinks (gpt-oss's `s_aux`, [H]): each head's sink logit joins every query's softmax
+    with no value, a part of lse = sink and output 0, merged in: (out, lse) over keys and sink."""
+    if sinks is None:
+        return out, lse
+    total = torch.logaddexp(lse, sinks.float()[None, :, None])
+    return (out.float() * torch.exp(lse - total)[..., None]).to(out.dtype), total
+
+
+def _sinks_grad(grad: Tensor, out: Tensor, lse: Tensor, sinks: Tensor | None) -> Tensor | None:
+    """d loss / d sinks: the sink's weight p = exp(sink - lse) takes -p * O from the output (O the whole
+    output, the sink's value 0), so each head's gradient is -sum over queries of p * rowsum(dO * O)."""
+    if sinks is None:
+        return None
+    weight = torch.exp(sinks.float()[None, :, None] - lse)
+    return -(weight * (grad.float() * out.float()).sum(-1)).sum(dim=(0, 2)).to(sinks.dtype)
 
 
 def _triples(flat: tuple) -> list[tuple]:
     return [tuple(flat[i : i + 3]) for i in range(0, len(flat), 3)]
 
 
-def causal_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scale: float | None = None) -> Tensor:
+def causal_attention(
+    q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scale: float | None = None, sinks: Tensor | None = None
+) -> Tensor:
     """Causal attention of q [X, H, M, D] over k, v [X, Hkv, M, D] with a key bias [X, 1, 1, M]
-    (0 or MASKED_KEY_BIAS, q's dtype), differentiable. M may be 0."""
-    return _CausalAttention.apply(q, k, v, bias, scale)
+    (0 or MASKED_KEY_BIAS, q's dtype), and `sinks` [H] (a logit per head with no value), differentiable.
+    M may be 0."""
+    return _CausalAttention.apply(q, k, v, bias, scale, sinks)
 
 
 def context_attention(
@@ -281,14 +306,15 @@ def context_attention(
     bias: Tensor,
     contexts: list[tuple[Tensor, Tensor, Tensor]],
     scale: float | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """Attention of rows that continue shared contexts, differentiable: q [B, H, S, D] attends causally
     to its own k, v [B, Hkv, S, D] (bias [B, 1, 1, S]) and wholly to each context's (k, v, bias)
     ([G, Hkv, L, D], [G, 1, 1, L]; G divides B, and context group i is that of rows [i*B/G, (i+1)*B/G)).
-    Contexts with no key are skipped. S may be 0."""
+    Contexts with no key are skipped; `sinks` [H]: a logit per head with no value. S may be 0."""
     contexts = [c for c in contexts if c[0].shape[2]]
     groups = tuple(c[0].shape[0] for c in contexts)
-    return _ContextAttention.apply(scale, groups, q, k, v, bias, *(t for c in contexts for t in c))
+    return _ContextAttention.apply(scale, groups, q, k, v, bias, sinks, *(t for c in contexts for t in c))
 
 
 def shared_prefix_attention(
@@ -314,11 +340,18 @@ def shared_prefix_attention(
 
 
 def packed_attention(
-    query: Tensor, key: Tensor, value: Tensor, layout: PackedLayout, scale: float | None, window: int | None = None
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    layout: PackedLayout,
+    scale: float | None,
+    window: int | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """A transformers attention layer's call over a packed sequence: query [1, H, T, D], key/value
     [1, Hkv, T, D] in `layout`'s token order -> [1, T, H, D] (what attention functions return). `window`:
-    the layer's sliding window (a key is seen only within `window` columns of its query), None: none."""
+    the layer's sliding window (a key is seen only within `window` columns of its query), None: none;
+    `sinks` [H]: the layer's attention sinks (a logit per head in every softmax, with no value)."""
     q, k, v = query[0], key[0], value[0]  # [H, T, D]
     heads, dim = q.shape[0], q.shape[-1]
     per_kv = heads // k.shape[0]
@@ -338,7 +371,7 @@ def packed_attention(
         q_c, k_c, v_c = (t[None, :, :c] for t in (q, k, v))  # [1, h, common, D]
         plain_c = layout.common_bias(dtype)
         own_c = bias(("common",), (0, c), (0, c), (1, c, 1, c), plain_c)
-        pieces.append(causal_attention(q_c, k_c, v_c, own_c, scale)[0].transpose(0, 1))
+        pieces.append(causal_attention(q_c, k_c, v_c, own_c, scale, sinks)[0].transpose(0, 1))
     for index, b in enumerate(layout.buckets):
         start, mid, end = b.offset, b.offset + b.groups * b.prefix, b.offset + b.tokens
         rows = b.groups * b.rows
@@ -358,12 +391,12 @@ def packed_attention(
             common = (0, c)
             pre_to_c = bias(("pre-c", index), pre, common, (b.groups, b.prefix, 1, c), plain_c)
             suf_to_c = bias(("suf-c", index), suf, common, (rows, b.suffix, 1, c), plain_c)
-            out_pre = context_attention(prefix(q), prefix(k), prefix(v), own_pre, [(k_c, v_c, pre_to_c)], scale)
+            out_pre = context_attention(prefix(q), prefix(k), prefix(v), own_pre, [(k_c, v_c, pre_to_c)], scale, sinks)
             contexts = [(k_c, v_c, suf_to_c), (prefix(k), prefix(v), to_pre)]
         else:
-            out_pre = causal_attention(prefix(q), prefix(k), prefix(v), own_pre, scale)
+            out_pre = causal_attention(prefix(q), prefix(k), prefix(v), own_pre, scale, sinks)
             contexts = [(prefix(k), prefix(v), to_pre)]
-        out_suf = context_attention(suffix(q), suffix(k), suffix(v), own_suf, contexts, scale)
+        out_suf = context_attention(suffix(q), suffix(k), suffix(v), own_suf, contexts, scale, sinks)
         pieces.append(out_pre.transpose(1, 2).reshape(-1, heads, dim))
         pieces.append(out_suf.transpose(1, 2).reshape(-1, heads, dim))
     out = torch.cat(pieces)[None] if len(pieces) > 1 else pieces[0][None]

@@ -38,7 +38,7 @@ shared forward (11x the head's work in a GRPO pass on SmolLM2-135M).
 Falls back to the plain forward, with a warning the first time each cause is seen, for anything that
 would change results or that it cannot serve: dropout active in train mode, output_attentions,
 inputs_embeds or other extra inputs, an attention implementation other than eager, sdpa or
-flash-attention, attention sinks or logit softcapping, a device other than CPU or CUDA, or no rows
+flash-attention, logit softcapping, a device other than CPU or CUDA, or no rows
 sharing at least `min_shared_tokens` columns. A forward with a KV cache (use_cache=True or a cache
 argument: generation) runs the model's own forward without a warning; with use_cache left unset the
 shared forward returns no cache.
@@ -184,7 +184,7 @@ def _shared_attention(
         )
     # The backbone checked all of these before packing (see _plain_reason); here they are invariants.
     window = kwargs.get("sliding_window")
-    unserved = {"dropout": dropout if dropout else None, "softcap": kwargs.get("softcap"), "s_aux": kwargs.get("s_aux")}
+    unserved = {"dropout": dropout if dropout else None, "softcap": kwargs.get("softcap")}
     for name, setting in unserved.items():
         if setting is not None:
             raise RuntimeError(f"torchkvops: shared-prefix attention got {name}={setting!r}, which it cannot serve")
@@ -193,7 +193,7 @@ def _shared_attention(
     dtype = autocast_dtype(query.device.type)
     dtype = query.dtype if dtype is None else dtype
     query, key, value = (t.to(dtype) for t in (query, key, value))
-    return packed_attention(query, key, value, layout, scaling, window), None
+    return packed_attention(query, key, value, layout, scaling, window, kwargs.get("s_aux")), None
 
 
 AttentionInterface.register(NAME, _shared_attention)
@@ -370,8 +370,6 @@ def _unserved_attention(backbone: nn.Module) -> str | None:
     """What the model's attention layers pass that the shared attention does not implement yet."""
     if getattr(backbone.config, "attn_logit_softcapping", None) is not None:
         return "attention logit softcapping (attn_logit_softcapping)"
-    if any(name.rpartition(".")[2] == "sinks" for name, _ in backbone.named_parameters()):
-        return "attention sinks"
     return None
 
 
