@@ -106,9 +106,12 @@ def tiny_config(model_type: str):
     if hasattr(config, "layer_types") and config.layer_types is not None:
         kinds = FAMILIES[model_type].get("layer_types", ["full_attention"])
         config.layer_types = [kinds[i % len(kinds)] for i in range(config.num_hidden_layers)]
-    if config.is_heterogeneous:  # gemma4: head sizes per layer
-        for i, layer in enumerate(config.per_layer_config):
-            layer.head_dim = 16 if config.layer_types[i] == "sliding_attention" else 32
+    if model_type == "gemma4_text":  # head sizes and KV heads of its own per layer kind
+        sizes = {
+            "sliding_attention": {"head_dim": 16, "num_key_value_heads": 2},
+            "full_attention": {"head_dim": 32, "num_key_value_heads": 1},
+        }
+        config.per_layer_config = {i: sizes[kind] for i, kind in enumerate(config.layer_types)}
     config._attn_implementation = "sdpa"
     return config
 

@@ -53,7 +53,7 @@ EXPECTED = {
     "gemma3n_text": (SERVED, SERVED),
     "gemma2": ("caps its attention logits", "attention logit softcapping"),
     "gpt_oss": ("has attention sinks", SERVED),
-    "gemma4_text": ("attention shapes of its own per layer", "the argument 'logits_to_keep'"),
+    "gemma4_text": (SERVED, SERVED),
 }
 assert set(EXPECTED) == set(FAMILIES)
 # Families whose scores read absolute positions (a norm after the rotary embedding): a system prompt at
@@ -129,9 +129,13 @@ def grpo_batch(groups: int = 3, group_size: int = 3, system: int = 6, prompt: in
     return torch.stack(ids), torch.stack(mask)
 
 
-def forward_and_backward(model, ids, mask):
+def forward_and_backward(model, ids, mask, logits_to_keep=0):
+    """(logits, every parameter's gradient); with `logits_to_keep` (as TRL asks: the completions') the
+    logits only."""
     model.zero_grad(set_to_none=True)
-    logits = model(input_ids=ids, attention_mask=mask).logits
+    logits = model(input_ids=ids, attention_mask=mask, logits_to_keep=logits_to_keep).logits
+    if logits_to_keep:
+        return logits.detach(), {}
     logits.float().log_softmax(-1)[mask.bool()].sum().backward()
     return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
@@ -142,23 +146,27 @@ def test_patch_forward_serves_each_family_with_the_plain_outputs_and_gradients_o
     try:
         verdict = EXPECTED[family][1]
         ids, mask = grpo_batch()
+        real, keep = mask.bool(), 7
         plain_logits, plain_grads = forward_and_backward(model, ids, mask)
+        plain_kept, _ = forward_and_backward(model, ids, mask, keep)
         with (
             torchkvops.patch_forward(model, min_shared_tokens=4) as handle,
             warnings.catch_warnings(record=True) as seen,
         ):
             warnings.simplefilter("always")
             logits, grads = forward_and_backward(model, ids, mask)
+            kept, _ = forward_and_backward(model, ids, mask, keep)
         if verdict != SERVED:
-            assert handle.stats.fallback_calls == 1 and any(verdict in str(w.message) for w in seen)
+            assert handle.stats.fallback_calls == 2 and any(verdict in str(w.message) for w in seen)
             return
-        assert handle.stats.shared_calls == 1 and handle.stats.fallback_calls == 0
+        assert handle.stats.shared_calls == 2 and handle.stats.fallback_calls == 0
         # The system prompt once, each prompt's rest once, each row's completion (HunYuan: each prompt
-        # whole, its scores reading absolute positions).
+        # whole, its scores reading absolute positions), in each of the two forwards.
         groups_alone = 3 * 10 + 9 * 6
-        assert handle.stats.computed_tokens == groups_alone - (0 if family in ABSOLUTE_POSITIONS else 2 * 6)
-        real = mask.bool()
+        shared = groups_alone - (0 if family in ABSOLUTE_POSITIONS else 2 * 6)
+        assert handle.stats.computed_tokens == 2 * shared
         torch.testing.assert_close(logits[real], plain_logits[real], rtol=1e-3, atol=1e-4)
+        torch.testing.assert_close(kept[real[:, -keep:]], plain_kept[real[:, -keep:]], rtol=1e-3, atol=1e-4)
         assert grads.keys() == plain_grads.keys()
         for name, want in plain_grads.items():
             # Where the plain forward's own gradient is finite (gemma3n's tiny config gives NaN there).

@@ -96,15 +96,14 @@ class CacheSpec:
     @classmethod
     def from_config(cls, config) -> CacheSpec:
         """The cache groups a model's config asks for: the one place a new kind of layer adds its groups.
-        Every model served today is attention in every layer, one shape: one group, of every layer that
-        computes its own KV. A layer that reuses an earlier layer's (gemma3n's `kv_sharing_modes`:
-        "reuse" layers read the K and V of the last "store" layer of their own layer type) stores none and
-        reads that layer's."""
-        shape = KVShape.from_config(config)
-        modes = getattr(config, "kv_sharing_modes", None)
-        if not modes or "reuse" not in modes:
-            return cls.single(shape)
-        kinds = getattr(config, "layer_types", None) or ["full_attention"] * len(modes)
+        Every model served today is attention in every layer: one group per KV shape (per-layer head sizes
+        and KV heads, as gemma4's heterogeneous config gives them, make several), of the layers that
+        compute their own KV. A layer that reuses an earlier layer's (gemma3n's and gemma4's
+        `kv_sharing_modes`: "reuse" layers read the K and V of the last "store" layer of their own layer
+        type) stores none and reads that layer's."""
+        shapes = _layer_shapes(config)
+        modes = getattr(config, "kv_sharing_modes", None) or ["own"] * len(shapes)
+        kinds = getattr(config, "layer_types", None) or ["full_attention"] * len(shapes)
         reads, last_store = [], {}
         for layer, mode in enumerate(modes):
             if mode != "reuse":
@@ -117,13 +116,29 @@ class CacheSpec:
                     f"torchkvops: layer {layer} reuses the KV of an earlier {kinds[layer]} layer, but none stores it"
                 )
             reads.append(last_store[kinds[layer]])
-        stored = tuple(layer for layer, source in enumerate(reads) if source == layer)
-        return cls((GroupSpec(FULL_ATTENTION, stored, shape.kv_heads, shape.head_dim),), tuple(reads))
+        by_shape: dict[tuple[int, int], list[int]] = {}
+        for layer, source in enumerate(reads):
+            if source == layer:
+                by_shape.setdefault(shapes[layer], []).append(layer)
+        groups = tuple(GroupSpec(FULL_ATTENTION, tuple(layers), *shape) for shape, layers in by_shape.items())
+        return cls(groups, tuple(reads))
 
     @property
     def values_per_token(self) -> int:
         """The K and V elements one position of one row holds, over every stored layer."""
         return sum(len(g.layers) * 2 * g.kv_heads * g.head_dim for g in self.groups)
+
+
+def _layer_shapes(config) -> list[tuple[int, int]]:
+    """(KV heads, head size) of every layer: its own in a heterogeneous config (gemma4), else the model's."""
+    if _per_layer_config(config):
+        heads = config.num_attention_heads
+        return [
+            (getattr(c, "num_key_value_heads", None) or heads, getattr(c, "head_dim", None) or c.hidden_size // heads)
+            for c in config.per_layer_config
+        ]
+    shape = KVShape.from_config(config)
+    return [(shape.kv_heads, shape.head_dim)] * shape.layers
 
 
 def _as_id_list(value) -> list[int]:
@@ -279,11 +294,6 @@ class ModelAdapter:
             raise ValueError(
                 f"torchkvops: {type(model).__name__} has layers of type {other}; only models whose every layer "
                 "is attention with a plain per-layer KV cache are supported"
-            )
-        if _per_layer_config(config):
-            raise ValueError(
-                f"torchkvops: {type(model).__name__} has attention shapes of its own per layer (a heterogeneous config: "
-                f"{sorted(config.per_layer_attributes or ())} differ between layers), which the rollout does not serve yet"
             )
         attn = getattr(config, "_attn_implementation", None) or "eager"
         if attn not in _MASK_FORMATS:

@@ -96,6 +96,9 @@ _HANDLED = {
     "output_hidden_states",
     "output_attentions",
     "return_dict",
+    # Gemma4's backbone takes the LM head's logits_to_keep to skip the rest of the positions in its KV-shared
+    # layers; the packed forward computes every position (its causal LM slices the hidden states after).
+    "logits_to_keep",
 }
 _CACHE_ARGUMENTS = ("cache", "past_key_values")
 # Arguments that change nothing when False (MoE families pass output_router_logits=False by default).
