@@ -422,7 +422,8 @@ def _prepare(session: _Session, model: nn.Module, args: tuple, kwargs: dict) -> 
     if isinstance(arguments, Refusal):
         return arguments, synced
     # After check_model, session.adapter describes the model as it is now.
-    return session.check_model(model) or check(model, session.adapter, arguments), synced
+    masks_windows = session.options.get("kv_sharing", "copy") == "copy"
+    return session.check_model(model) or check(model, session.adapter, arguments, masks_windows), synced
 
 
 class _PatchedGenerate:

@@ -327,6 +327,10 @@ class ModelAdapter:
         self.model, self.config = model, config
         self.cache_spec = CacheSpec.from_config(config)  # the KV cache's groups
         self.max_positions = getattr(config, "max_position_embeddings", None)
+        # The window of the model's sliding-window layers (None: none), and the kinds of layer it has.
+        self.window = sliding_window(config)
+        kinds = getattr(config, "layer_types", None)
+        self.layer_kinds = set(kinds) if kinds else {"sliding_attention" if self.window else "full_attention"}
         # PEFT's tuner layers (LoRA's Linear, ...), whose active adapters a decode graph depends on.
         self._tuner_layers = [
             m
@@ -337,21 +341,23 @@ class ModelAdapter:
         self.input_vocab = input_vocab(model)
         self.output_vocab = output_vocab(model)
 
-    def check_length(self, prompt_length: int, new_tokens: int) -> None:
-        """Refuse lengths the model's positions (or sliding window) do not cover. The last sampled token is
-        never fed back, so a rollout runs the model at prompt_length + new_tokens - 1 positions (HF's
-        generate serves the same lengths: up to max_position_embeddings + 1 tokens in all)."""
+    def check_length(self, prompt_length: int, new_tokens: int, masks_windows: bool = False) -> None:
+        """Refuse lengths the model's positions (or sliding window, unless the KV layout `masks_windows`) do
+        not cover. The last sampled token is never fed back, so a rollout runs the model at prompt_length +
+        new_tokens - 1 positions (HF's generate serves the same lengths: up to max_position_embeddings + 1
+        tokens in all)."""
         positions = prompt_length + new_tokens - 1
         if self.max_positions is not None and positions > self.max_positions:
             raise ValueError(
                 f"torchkvops: prompt length + max_new_tokens - 1 = {positions} positions exceed the model's "
                 f"{self.max_positions} (max_position_embeddings)"
             )
-        window = sliding_window(self.config)
-        if window is not None and positions > window:
+        window = self.window
+        if window is not None and positions > window and not masks_windows:
             raise ValueError(
                 f"torchkvops: prompt length + max_new_tokens - 1 = {positions} positions exceed the model's sliding "
-                f"window of {window}; sliding-window attention is not supported beyond its window"
+                f"window of {window}; kv_sharing='prefix' serves sliding-window attention only within its window "
+                "(kv_sharing='copy' masks it at any length)"
             )
 
     def eos_ids(self, configured) -> list[int]:
@@ -370,6 +376,23 @@ class ModelAdapter:
             if value is not None:
                 return int(value)
         return eos_ids[0] if eos_ids else 0
+
+    def prefill_mask(self, allowed: torch.Tensor):
+        """The mask of a prefill whose query i is column i of the keys: `attention_mask(allowed)`, and for a
+        model with sliding-window layers whose window the keys outrun, those layers' own (keys less than the
+        window before each query): a {"full_attention", "sliding_attention"} dict when both kinds of layer
+        are there (what transformers' models take in place of building their masks), else the windowed
+        mask alone."""
+        mask = self.attention_mask(allowed)
+        window, keys = self.window, allowed.shape[-1]
+        if window is None or keys <= window:
+            return mask
+        column = torch.arange(keys, device=allowed.device)
+        near = (column[:, None] - column[None, :]) < window  # [q, kv]
+        windowed = self.attention_mask(allowed & near[None])
+        if "full_attention" in self.layer_kinds:
+            return {"full_attention": mask, "sliding_attention": windowed}
+        return windowed
 
     def attention_mask(self, allowed: torch.Tensor) -> torch.Tensor:
         """[rows, q, kv] booleans (True = may attend) -> the [rows, 1, q, kv] mask this model takes."""

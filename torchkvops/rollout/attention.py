@@ -160,6 +160,7 @@ class PackedAttention:
     token_rows: Tensor  # [T] each packed token's row of the buffer
     token_columns: Tensor  # [T] the column of its row its K and V go to
     slots: Tensor  # [L, C] the packed index of each live row's j-th chunk token (past its chunk: its last)
+    query_columns: Tensor  # [L, C] the column of its row each live row's j-th chunk token writes
     token_slot: Tensor  # [T] each packed token's place in the [L * C] slots (to pack the outputs back)
     keys: int  # the buffer's columns read: up to the longest live row's chunk end
     allowed: Tensor  # [L, 1, C, keys'] bool: the shared levels' columns, then the row's own
@@ -187,9 +188,11 @@ class PackedAttention:
     def seq_length(self) -> int:
         return 0
 
-    def attend(self, module: nn.Module, query: Tensor, key: Tensor, value: Tensor, scaling) -> Tensor:
+    def attend(self, module: nn.Module, query: Tensor, key: Tensor, value: Tensor, scaling, window=None) -> Tensor:
         """query [1, heads, T, head_dim] (the packed tokens); key, value: the layer's buffer [rows, kv_heads,
-        columns, head_dim]. Returns [1, T, heads, head_dim]."""
+        columns, head_dim]; `window`: the layer's sliding window (a token sees its row's columns less than
+        `window` before its own; the copy layout, whose rows hold every token they read). Returns [1, T,
+        heads, head_dim]."""
         live, chunk = self.slots.shape
         heads, head_dim = query.shape[1], query.shape[3]
         q = query[0].transpose(0, 1)[self.slots].permute(0, 2, 1, 3)  # [L, heads, C, head_dim]
@@ -197,8 +200,13 @@ class PackedAttention:
         ks, vs = [kv[0] for kv in kvs], [kv[1] for kv in kvs]
         k = torch.cat([*ks, key.index_select(0, self.rows)[:, :, : self.keys]], dim=2)
         v = torch.cat([*vs, value.index_select(0, self.rows)[:, :, : self.keys]], dim=2)
+        allowed = self.allowed
+        if window is not None:
+            shared = allowed.shape[-1] - self.keys
+            near = self.query_columns[:, :, None] - torch.arange(self.keys, device=allowed.device) < window
+            allowed = torch.cat([allowed[..., :shared], allowed[..., shared:] & near[:, None]], dim=-1)
         out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=self.allowed, scale=scaling, enable_gqa=k.shape[1] != heads
+            q, k, v, attn_mask=allowed, scale=scaling, enable_gqa=k.shape[1] != heads
         )  # [L, heads, C, head_dim]
         out = out.permute(0, 2, 1, 3).reshape(live * chunk, heads, head_dim)[self.token_slot]
         return out[None]
@@ -228,7 +236,10 @@ def packed_attention(packed, frontier: Tensor, seen: Tensor, levels: tuple[Share
     allowed = seen[rows][:, None, :keys] | in_chunk  # [L, C, keys]
     shared = [level.visible[:, None, :].expand(-1, chunk, -1) for level in levels]
     allowed = torch.cat([*shared, allowed], dim=2)
-    return PackedAttention(rows, packed.row, packed.column, slots, token_slot, keys, allowed[:, None], tuple(levels))
+    query_columns = frontier[:, None] + j[None, :]
+    return PackedAttention(
+        rows, packed.row, packed.column, slots, query_columns, token_slot, keys, allowed[:, None], tuple(levels)
+    )
 
 
 _active: DecodeAttention | PackedAttention | None = None
@@ -284,8 +295,9 @@ def torchkvops_attention(
                 f"torchkvops: this model's attention uses {unsupported!r}, which the rollout's "
                 "decode attention does not support"
             )
+    window = kwargs.get("sliding_window")  # (this layer's: None for full attention)
     if isinstance(context, PackedAttention):
-        return context.attend(module, query, key, value, scaling), None
+        return context.attend(module, query, key, value, scaling, window), None
     rows, heads, q_len, head_dim = query.shape
     kv_heads = key.shape[1]
     group = heads // kv_heads
@@ -296,6 +308,9 @@ def torchkvops_attention(
         )
     q = query.reshape(rows, kv_heads, group, head_dim)  # the heads of one KV head, as query length
     if context.prompt_kv is None:  # the copy layout: each row's decode buffer holds its prompt too
+        if window is not None:  # keys `window` or more columns before the row's query's own are out of it
+            near = context.columns[:, None] - torch.arange(key.shape[2], device=key.device)[None, :] < window
+            attention_mask = attention_mask.masked_fill(~near[:, None, None, :], float("-inf"))
         out, _ = attend(q, key, value, attention_mask, scale=scaling, with_lse=False)
         return out.reshape(rows, 1, heads, head_dim), None
 

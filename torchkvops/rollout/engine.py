@@ -240,7 +240,7 @@ class Rollout:
         batch, prompt_len = input_ids.shape
         n, new_tokens = cfg.samples_per_prompt, cfg.max_new_tokens
         rows = batch * n
-        self.adapter.check_length(prompt_len, new_tokens)
+        self.adapter.check_length(prompt_len, new_tokens, self.layout.masks_windows)
         if seed is None:
             seed = cfg.seed if cfg.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
         if row_ids is None:
@@ -372,7 +372,7 @@ class Rollout:
         causal = torch.ones(p, p, dtype=torch.bool, device=prompt_mask.device).tril()
         allowed = causal[None] & prompt_mask.bool()[:, None, :]
         allowed |= torch.eye(p, dtype=torch.bool, device=prompt_mask.device)[None]
-        return self.adapter.attention_mask(allowed)
+        return self.adapter.prefill_mask(allowed)
 
     def _check_special_ids(self) -> None:
         """EOS and pad ids must be tokens of this model: a pad id is fed back after EOS, an EOS id

@@ -53,6 +53,11 @@ class CopyLayout:
     name = "copy"
     needs_shared_prefill = False  # (the expanded baseline prefills every row's copy: this layout's own)
     holds_common = True  # a prefix common to every prompt sits in each prompt's rows, before its remainder
+    # Each row's tokens sit in contiguous columns of its own row, in position order, so a sliding window is
+    # a distance in columns: the decode and packed attentions mask keys past it (sliding windows at any
+    # length). The prefix layout reads shared levels whose columns are not the row's: it serves windowed
+    # models only while prompt + response fit in the window.
+    masks_windows = True
 
     def __init__(self, samples: int):
         self.samples = samples
@@ -185,6 +190,7 @@ class PrefixLayout(CopyLayout):
 
     name = "prefix"
     needs_shared_prefill = True  # one prompt KV per prompt: what a shared prefill writes
+    masks_windows = False
     holds_common = False  # a common prefix is kept once (cache.common_views), each prompt's remainder apart
 
     def common_length(self, common: int) -> int:
