@@ -306,22 +306,6 @@ UNSERVABLE = {
         ),
         "multi-head latent attention",
     ),
-    "gpt_oss": (
-        lambda: _tiny(
-            transformers.GptOssForCausalLM,
-            transformers.GptOssConfig,
-            hidden_size=32,
-            intermediate_size=32,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=8,
-            num_local_experts=4,
-            num_experts_per_tok=2,
-            sliding_window=16,
-        ),
-        "attention sinks",
-    ),
     # Layers whose KV has other heads than the config says (as multi-query Falcon's had before
     # transformers 5.2x): nothing in the config says the rollout cannot run it; its first call shows it.
     "kv_heads_unlike_config": (

@@ -272,8 +272,6 @@ def _unsupported_attention(model: nn.Module, config) -> str | None:
         return "caps its attention logits (attn_logit_softcapping)"
     if getattr(config, "kv_lora_rank", None) is not None:
         return "uses multi-head latent attention (keys and values of different sizes)"
-    if any(name.rpartition(".")[2] == "sinks" for name, _ in model.named_parameters()):
-        return "has attention sinks"
     return None
 
 

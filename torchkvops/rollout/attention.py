@@ -188,11 +188,14 @@ class PackedAttention:
     def seq_length(self) -> int:
         return 0
 
-    def attend(self, module: nn.Module, query: Tensor, key: Tensor, value: Tensor, scaling, window=None) -> Tensor:
+    def attend(
+        self, module: nn.Module, query: Tensor, key: Tensor, value: Tensor, scaling, window=None, sinks=None
+    ) -> Tensor:
         """query [1, heads, T, head_dim] (the packed tokens); key, value: the layer's buffer [rows, kv_heads,
         columns, head_dim]; `window`: the layer's sliding window (a token sees its row's columns less than
-        `window` before its own; the copy layout, whose rows hold every token they read). Returns [1, T,
-        heads, head_dim]."""
+        `window` before its own; the copy layout, whose rows hold every token they read); `sinks` [heads]:
+        attention sinks, a logit per head with no value (a zero key and value whose score is the sink).
+        Returns [1, T, heads, head_dim]."""
         live, chunk = self.slots.shape
         heads, head_dim = query.shape[1], query.shape[3]
         q = query[0].transpose(0, 1)[self.slots].permute(0, 2, 1, 3)  # [L, heads, C, head_dim]
@@ -205,8 +208,14 @@ class PackedAttention:
             shared = allowed.shape[-1] - self.keys
             near = self.query_columns[:, :, None] - torch.arange(self.keys, device=allowed.device) < window
             allowed = torch.cat([allowed[..., :shared], allowed[..., shared:] & near[:, None]], dim=-1)
+        mask = allowed
+        if sinks is not None:  # one more key: zero K and V, its score the head's sink through the bias
+            k, v = (torch.cat([t, t.new_zeros(*t.shape[:2], 1, t.shape[3])], dim=2) for t in (k, v))
+            bias = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill(~allowed, float("-inf"))
+            sink = sinks.to(q.dtype)[None, :, None, None].expand(live, heads, chunk, 1)
+            mask = torch.cat([bias.expand(live, heads, chunk, -1), sink], dim=-1)
         out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=allowed, scale=scaling, enable_gqa=k.shape[1] != heads
+            q, k, v, attn_mask=mask, scale=scaling, enable_gqa=k.shape[1] != heads
         )  # [L, heads, C, head_dim]
         out = out.permute(0, 2, 1, 3).reshape(live * chunk, heads, head_dim)[self.token_slot]
         return out[None]
@@ -289,15 +298,16 @@ def torchkvops_attention(
     context = _active
     if context is None:
         raise RuntimeError("torchkvops attention is only used inside a torchkvops rollout's decode")
-    for unsupported in ("softcap", "s_aux", "position_bias"):
+    for unsupported in ("softcap", "position_bias"):
         if kwargs.get(unsupported) is not None:
             raise ValueError(
                 f"torchkvops: this model's attention uses {unsupported!r}, which the rollout's "
                 "decode attention does not support"
             )
     window = kwargs.get("sliding_window")  # (this layer's: None for full attention)
+    sinks = kwargs.get("s_aux")  # [heads]: attention sinks (gpt-oss), a logit per head with no value
     if isinstance(context, PackedAttention):
-        return context.attend(module, query, key, value, scaling, window), None
+        return context.attend(module, query, key, value, scaling, window, sinks), None
     rows, heads, q_len, head_dim = query.shape
     kv_heads = key.shape[1]
     group = heads // kv_heads
@@ -311,8 +321,8 @@ def torchkvops_attention(
         if window is not None:  # keys `window` or more columns before the row's query's own are out of it
             near = context.columns[:, None] - torch.arange(key.shape[2], device=key.device)[None, :] < window
             attention_mask = attention_mask.masked_fill(~near[:, None, None, :], float("-inf"))
-        out, _ = attend(q, key, value, attention_mask, scale=scaling, with_lse=False)
-        return out.reshape(rows, 1, heads, head_dim), None
+        out, lse = attend(q, key, value, attention_mask, scale=scaling, with_lse=sinks is not None)
+        return _with_sinks(out, lse, sinks, kv_heads).reshape(rows, 1, heads, head_dim), None
 
     # B and N from shapes, not Python ints: a compiled decode then keeps them symbolic (no recompile).
     prompts = context.prompt_kv.buffers[0].shape[2]
@@ -349,10 +359,22 @@ def torchkvops_attention(
         out_c, lse_c = attend(every, common_k, common_v, context.common_bias, scale=scaling)
         out_c = out_c.view(kv_heads, rows, group, head_dim).transpose(0, 1)
         lse_c = lse_c.view(kv_heads, rows, group).transpose(0, 1)
-        out, _ = ops.merge_attention_states(
+        out, lse = ops.merge_attention_states(
             out_c, lse_c, out.reshape(rows, kv_heads, group, head_dim), lse.reshape(rows, kv_heads, group)
         )
+    out = _with_sinks(out.reshape(rows, kv_heads, group, head_dim), lse.reshape(rows, kv_heads, group), sinks, kv_heads)
     return out.reshape(rows, 1, heads, head_dim), None
+
+
+def _with_sinks(out: Tensor, lse: Tensor | None, sinks: Tensor | None, kv_heads: int) -> Tensor:
+    """Attention sinks merged in: each head's sink logit joins its softmax with no value, so the output over
+    the keys (out [rows, kv_heads, group, D], its log-sum-exp lse [rows, kv_heads, group]) is scaled by
+    the keys' share exp(lse - logaddexp(lse, sink)). None: no sinks."""
+    if sinks is None:
+        return out
+    sink = sinks.float().view(kv_heads, -1)  # heads in [kv_heads, group] order, as the queries are folded
+    share = torch.exp(lse - torch.logaddexp(lse, sink))
+    return (out.float() * share[..., None]).to(out.dtype)
 
 
 AttentionInterface.register(NAME, torchkvops_attention)
