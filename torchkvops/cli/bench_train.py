@@ -15,6 +15,8 @@ from .model import DTYPE_NAMES, resolve_dtype
 # need no transformers (tests/test_bench_train.py checks that they agree).
 MODEL_POSITIONS = {
     "llama-small": 8192,
+    "gemma3-small": 8192,
+    "gpt-oss-small": 131072,
     "opt-125m": 2048,
     "tiny": 2048,
     "gpt2": 1024,

@@ -73,7 +73,16 @@ __all__ = [
 
 # The names of torchkvops.models.MODEL_SHAPES, spelled out so that parsing needs no transformers
 # (tests/test_cli.py checks that the two agree).
-MODEL_SHAPE_NAMES = ("tiny", "llama-small", "opt-125m", "gpt2", "qwen3-0.6b", "opt-6.7b")
+MODEL_SHAPE_NAMES = (
+    "tiny",
+    "llama-small",
+    "gemma3-small",
+    "gpt-oss-small",
+    "opt-125m",
+    "gpt2",
+    "qwen3-0.6b",
+    "opt-6.7b",
+)
 # torchkvops.bench.cases.MODES and DEFAULT_MODES, spelled out for the same reason (checked by the same test).
 MODE_NAMES = ("expanded", "shared", "prefix", "hf-generate", "hf-static", "shared-nocompact", "prefix-nocompact")
 # torchkvops.bench.lengths.LENGTH_PROFILES, spelled out for the same reason (checked by the same test).

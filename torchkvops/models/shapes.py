@@ -4,7 +4,16 @@
 from __future__ import annotations
 
 import torch
-from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, OPTConfig, PreTrainedConfig, Qwen3Config
+from transformers import (
+    AutoModelForCausalLM,
+    Gemma3TextConfig,
+    GPT2Config,
+    GptOssConfig,
+    LlamaConfig,
+    OPTConfig,
+    PreTrainedConfig,
+    Qwen3Config,
+)
 
 __all__ = ["MODEL_SHAPES", "build_model", "model_config"]
 
@@ -36,6 +45,50 @@ def _llama_small() -> PreTrainedConfig:
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=8192,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+
+
+def _gemma3_small() -> PreTrainedConfig:
+    # llama-small's sizes with Gemma 3's attention: five sliding-window layers (window 512) to one global,
+    # QK norms, query_pre_attn_scalar (Gemma 3 1B's pattern and window, scaled down).
+    return Gemma3TextConfig(
+        vocab_size=8192,
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        query_pre_attn_scalar=64,
+        sliding_window=512,
+        layer_types=["sliding_attention"] * 5 + ["full_attention"],
+        max_position_embeddings=8192,
+        bos_token_id=2,
+        eos_token_id=1,
+        pad_token_id=0,
+    )
+
+
+def _gpt_oss_small() -> PreTrainedConfig:
+    # llama-small's sizes with gpt-oss's attention and MLP: attention sinks, sliding windows of 128 on every
+    # other layer, 4 experts (2 per token) (gpt-oss-20b's pattern, scaled down). Eager attention: gpt-oss
+    # has no SDPA path in transformers.
+    return GptOssConfig(
+        vocab_size=8192,
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=128,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        max_position_embeddings=131072,  # (its YaRN rope: 4096 x 32)
         bos_token_id=1,
         eos_token_id=2,
         pad_token_id=0,
@@ -99,6 +152,8 @@ def _qwen3_0_6b() -> PreTrainedConfig:
 MODEL_SHAPES = {
     "tiny": _tiny,
     "llama-small": _llama_small,
+    "gemma3-small": _gemma3_small,
+    "gpt-oss-small": _gpt_oss_small,
     "opt-125m": _opt_125m,
     "gpt2": _gpt2,
     "qwen3-0.6b": _qwen3_0_6b,
@@ -119,5 +174,9 @@ def build_model(
     config = model_config(shape)
     torch.manual_seed(seed)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        try:
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        except ValueError:  # a family without an SDPA path (gpt-oss): its eager attention
+            torch.manual_seed(seed)
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="eager")
     return model.eval()
