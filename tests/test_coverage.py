@@ -51,7 +51,7 @@ EXPECTED = {
     "minimax_m2": (SERVED, SERVED),
     "gemma3_text": (SERVED, SERVED),
     "gemma3n_text": (SERVED, SERVED),
-    "gemma2": ("caps its attention logits", "attention logit softcapping"),
+    "gemma2": (SERVED, SERVED),
     "gpt_oss": (SERVED, SERVED),
     "gemma4_text": (SERVED, SERVED),
 }

@@ -270,19 +270,6 @@ UNSERVABLE = {
         ),
         "ALiBi",
     ),
-    "gemma2": (
-        lambda: _tiny(
-            transformers.Gemma2ForCausalLM,
-            transformers.Gemma2Config,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=8,
-        ),
-        "attn_logit_softcapping",
-    ),
     "deepseek_v3": (
         lambda: _tiny(
             transformers.DeepseekV3ForCausalLM,

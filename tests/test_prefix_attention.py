@@ -17,7 +17,7 @@ from torchkvops.training.prefix_attention import shared_prefix_attention
 DEVICES = ["cpu", "emulated", CUDA]
 
 
-def dense_causal_attention(q, k, v, allowed, window=None, sinks=None):
+def dense_causal_attention(q, k, v, allowed, window=None, sinks=None, softcap=None):
     """Reference in float64: q [R, H, L, D], k, v [R, Hkv, L, D], allowed [R, L] key mask; `window`: a
     query at column i sees keys at columns j with i - window < j <= i; `sinks` [H]: a logit per head that
     joins every softmax with no value (gpt-oss's eager attention)."""
@@ -29,6 +29,8 @@ def dense_causal_attention(q, k, v, allowed, window=None, sinks=None):
         causal &= ~torch.ones(length, length, dtype=torch.bool).tril(-window)
     visible = causal & allowed[:, None, None, :]
     scores = (q.double() @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     scores = scores.masked_fill(~visible, float("-inf"))
     if sinks is not None:
         sink = sinks.double()[None, :, None, None].expand(*scores.shape[:3], 1)
@@ -98,10 +100,11 @@ def test_shared_prefix_attention_matches_dense_attention(groups, rows, prefix, s
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("softcap", [None, 1.5], ids=["", "softcap"])
 @pytest.mark.parametrize("sinks", [False, True], ids=["", "sinks"])
 @pytest.mark.parametrize("window", [None, 4])
 @pytest.mark.parametrize("kv_heads", [1, 2])
-def test_a_common_prefix_then_groups_then_rows_match_dense_attention(kv_heads, window, sinks, device):
+def test_a_common_prefix_then_groups_then_rows_match_dense_attention(kv_heads, window, sinks, softcap, device):
     """Three levels (a system prompt common to every row wherever its left padding puts it, each group's
     prompt, each row's completion), packed by pack_layout: forward and backward against dense masked
     causal attention over each row in float64, the rows read from the packed tokens they share; with a
@@ -129,7 +132,7 @@ def test_a_common_prefix_then_groups_then_rows_match_dense_attention(kv_heads, w
     leaves = [t.to(device, torch.float32).requires_grad_() for t in (q, k, v)]
     sink_leaf = None if sink is None else sink.to(device, torch.float32).requires_grad_()
     with context():
-        out = packed_attention(*leaves, layout, None, window, sink_leaf)
+        out = packed_attention(*leaves, layout, None, window, sink_leaf, softcap)
     out = out[0].cpu().double()  # [T, H, D]
 
     reference_inputs = [t.clone().requires_grad_() for t in (q, k, v)]
@@ -140,7 +143,11 @@ def test_a_common_prefix_then_groups_then_rows_match_dense_attention(kv_heads, w
         return t[0][:, layout.dest.cpu()].unflatten(1, (rows, length)).transpose(0, 1)
 
     reference = dense_causal_attention(
-        *(per_row(t) for t in reference_inputs[:3]), allowed, window, None if sink is None else reference_inputs[3]
+        *(per_row(t) for t in reference_inputs[:3]),
+        allowed,
+        window,
+        None if sink is None else reference_inputs[3],
+        softcap,
     )  # [rows, H, L, D]
     got = out[layout.dest.cpu()].view(rows, length, heads, dim).transpose(1, 2)
     real = allowed[:, None, :, None]

@@ -26,6 +26,7 @@ SLIDING_FAMILIES = [
     "gemma3n_text",
     "gemma4_text",
     "gpt_oss",  # (attention sinks too, in decode and in a turn's packed forward)
+    "gemma2",  # (capped attention scores too)
     "mistral_every_layer",
 ]
 PROMPT, NEW = 14, 10
@@ -80,7 +81,7 @@ def test_generate_and_a_row_budget_beyond_the_window_give_hfs_tokens(family):
         Rollout(model, RolloutConfig(max_new_tokens=NEW, eos_token_id=[], kv_sharing="prefix")).generate(ids, mask)
 
 
-@pytest.mark.parametrize("family", ["gemma3_text", "gpt_oss", "mistral_every_layer"])
+@pytest.mark.parametrize("family", ["gemma3_text", "gpt_oss", "gemma2", "mistral_every_layer"])
 def test_turns_beyond_the_window_equal_hf_on_each_full_history(family):
     """Two extends with appended chunks of 0-8 tokens (EOS ids: rows of different lengths), each row's new
     tokens against HF's generate on its full history."""

@@ -41,6 +41,7 @@ from torch import Tensor
 
 __all__ = [
     "attend",
+    "attend_softcapped",
     "attend_backward",
     "MASKED_KEY_BIAS",
     "MemoryEfficientKernels",
@@ -129,6 +130,32 @@ def attend(
     scores = scores + bias.float()
     lse = torch.logsumexp(scores, dim=-1)
     out = torch.matmul(torch.exp(scores - lse[..., None]).to(v.dtype), v)
+    return out, lse if with_lse else None
+
+
+def attend_softcapped(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    bias: Tensor,
+    *,
+    softcap: float,
+    causal: bool = False,
+    scale: float | None = None,
+    with_lse: bool = True,
+) -> tuple[Tensor, Tensor | None]:
+    """`attend` with capped scores, softcap * tanh(s / softcap) before the bias (Gemma 2's
+    attn_logit_softcapping), which no fused kernel takes: matmuls and softmax in float32, on any device,
+    differentiable by autograd (the training forward's backward too). bias [X, 1, 1 or M, L]."""
+    heads, m, length = q.shape[1], q.shape[2], k.shape[2]
+    k, v = _repeat_heads(k, heads), _repeat_heads(v, heads)
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    scores = softcap * torch.tanh(scores / softcap) + bias.float()
+    if causal:  # top-left aligned (M == L)
+        above = torch.ones(m, length, dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(above, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.matmul(torch.exp(scores - lse[..., None]), v.float()).to(q.dtype)
     return out, lse if with_lse else None
 
 

@@ -268,8 +268,6 @@ def _unsupported_attention(model: nn.Module, config) -> str | None:
     cache, which the rollout's prefill and decode would silently drop or fail on; None when nothing."""
     if getattr(config, "alibi", False) or getattr(config, "model_type", None) in ("bloom", "mpt"):
         return "adds ALiBi biases to its attention scores"
-    if getattr(config, "attn_logit_softcapping", None) is not None:
-        return "caps its attention logits (attn_logit_softcapping)"
     if getattr(config, "kv_lora_rank", None) is not None:
         return "uses multi-head latent attention (keys and values of different sizes)"
     return None

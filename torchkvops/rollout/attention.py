@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import threading
 from collections.abc import Iterator
 
@@ -40,7 +41,8 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .. import ops
-from ..fused_attention import attend
+from ..fused_attention import attend as _attend
+from ..fused_attention import attend_softcapped
 from .cache_groups import KVViews, layer_kv, layer_slot
 
 __all__ = [
@@ -189,13 +191,21 @@ class PackedAttention:
         return 0
 
     def attend(
-        self, module: nn.Module, query: Tensor, key: Tensor, value: Tensor, scaling, window=None, sinks=None
+        self,
+        module: nn.Module,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        scaling,
+        window=None,
+        sinks=None,
+        softcap=None,
     ) -> Tensor:
         """query [1, heads, T, head_dim] (the packed tokens); key, value: the layer's buffer [rows, kv_heads,
         columns, head_dim]; `window`: the layer's sliding window (a token sees its row's columns less than
         `window` before its own; the copy layout, whose rows hold every token they read); `sinks` [heads]:
-        attention sinks, a logit per head with no value (a zero key and value whose score is the sink).
-        Returns [1, T, heads, head_dim]."""
+        attention sinks, a logit per head with no value (a zero key and value whose score is the sink);
+        `softcap`: Gemma 2's capped scores (float32 matmuls). Returns [1, T, heads, head_dim]."""
         live, chunk = self.slots.shape
         heads, head_dim = query.shape[1], query.shape[3]
         q = query[0].transpose(0, 1)[self.slots].permute(0, 2, 1, 3)  # [L, heads, C, head_dim]
@@ -214,9 +224,17 @@ class PackedAttention:
             bias = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill(~allowed, float("-inf"))
             sink = sinks.to(q.dtype)[None, :, None, None].expand(live, heads, chunk, 1)
             mask = torch.cat([bias.expand(live, heads, chunk, -1), sink], dim=-1)
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, scale=scaling, enable_gqa=k.shape[1] != heads
-        )  # [L, heads, C, head_dim]
+        if softcap is not None:
+            bias = (
+                mask
+                if mask.dtype != torch.bool
+                else torch.zeros(mask.shape, device=q.device).masked_fill(~mask, float("-inf"))
+            )
+            out, _ = attend_softcapped(q, k, v, bias, softcap=softcap, scale=scaling)
+        else:
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, scale=scaling, enable_gqa=k.shape[1] != heads
+            )  # [L, heads, C, head_dim]
         out = out.permute(0, 2, 1, 3).reshape(live * chunk, heads, head_dim)[self.token_slot]
         return out[None]
 
@@ -298,7 +316,7 @@ def torchkvops_attention(
     context = _active
     if context is None:
         raise RuntimeError("torchkvops attention is only used inside a torchkvops rollout's decode")
-    for unsupported in ("softcap", "position_bias"):
+    for unsupported in ("position_bias",):
         if kwargs.get(unsupported) is not None:
             raise ValueError(
                 f"torchkvops: this model's attention uses {unsupported!r}, which the rollout's "
@@ -306,8 +324,13 @@ def torchkvops_attention(
             )
     window = kwargs.get("sliding_window")  # (this layer's: None for full attention)
     sinks = kwargs.get("s_aux")  # [heads]: attention sinks (gpt-oss), a logit per head with no value
+    softcap = kwargs.get("softcap")  # Gemma 2's attn_logit_softcapping: capped scores, no fused kernel
     if isinstance(context, PackedAttention):
-        return context.attend(module, query, key, value, scaling, window, sinks), None
+        return context.attend(module, query, key, value, scaling, window, sinks, softcap), None
+    if softcap is not None:
+        attend = functools.partial(attend_softcapped, softcap=softcap)
+    else:
+        attend = _attend
     rows, heads, q_len, head_dim = query.shape
     kv_heads = key.shape[1]
     group = heads // kv_heads

@@ -48,7 +48,7 @@ import torch
 from torch import Tensor
 
 from .. import ops
-from ..fused_attention import MASKED_KEY_BIAS, attend, attend_backward
+from ..fused_attention import MASKED_KEY_BIAS, attend, attend_backward, attend_softcapped
 
 __all__ = [
     "Bucket",
@@ -286,16 +286,45 @@ def _sinks_grad(grad: Tensor, out: Tensor, lse: Tensor, sinks: Tensor | None) ->
     return -(weight * (grad.float() * out.float()).sum(-1)).sum(dim=(0, 2)).to(sinks.dtype)
 
 
+def _capped_parts(q, k, v, bias, contexts, scale, sinks, softcap) -> Tensor:
+    """`context_attention` (and with no context `causal_attention`) with capped scores: each part by
+    `attend_softcapped` and the parts merged by their log-sum-exps, all in autograd's own ops (no fused
+    kernel, no hand-written backward: the cap changes the scores' gradient). Gemma 2's layers only."""
+    rows, heads, s, dim = q.shape
+    if s == 0:
+        return q.new_zeros(q.shape) + 0 * q.sum()
+    out, lse = attend_softcapped(q, k, v, bias, softcap=softcap, causal=True, scale=scale)
+    outs, lses = [out.float()], [lse]
+    for k_x, v_x, bias_x in contexts:
+        g, kv_heads = k_x.shape[0], k_x.shape[1]
+        out_x, lse_x = attend_softcapped(_fold(q, g, kv_heads), k_x, v_x, bias_x, softcap=softcap, scale=scale)
+        outs.append(_unfold(out_x, g, rows, heads).reshape(rows, heads, s, dim).float())
+        lses.append(_unfold(lse_x, g, rows, heads).reshape(rows, heads, s))
+    if sinks is not None:  # a part with no value
+        lses.append(sinks.float()[None, :, None].expand(rows, heads, s))
+    total = torch.logsumexp(torch.stack(lses), dim=0)
+    merged = sum(torch.exp(l - total)[..., None] * o for o, l in zip(outs, lses))
+    return merged.to(q.dtype)
+
+
 def _triples(flat: tuple) -> list[tuple]:
     return [tuple(flat[i : i + 3]) for i in range(0, len(flat), 3)]
 
 
 def causal_attention(
-    q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scale: float | None = None, sinks: Tensor | None = None
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    bias: Tensor,
+    scale: float | None = None,
+    sinks: Tensor | None = None,
+    softcap: float | None = None,
 ) -> Tensor:
     """Causal attention of q [X, H, M, D] over k, v [X, Hkv, M, D] with a key bias [X, 1, 1, M]
     (0 or MASKED_KEY_BIAS, q's dtype), and `sinks` [H] (a logit per head with no value), differentiable.
-    M may be 0."""
+    M may be 0. `softcap`: scores capped (Gemma 2), computed by `_capped_parts` instead."""
+    if softcap is not None:
+        return _capped_parts(q, k, v, bias, [], scale, sinks, softcap)
     return _CausalAttention.apply(q, k, v, bias, scale, sinks)
 
 
@@ -307,12 +336,16 @@ def context_attention(
     contexts: list[tuple[Tensor, Tensor, Tensor]],
     scale: float | None = None,
     sinks: Tensor | None = None,
+    softcap: float | None = None,
 ) -> Tensor:
     """Attention of rows that continue shared contexts, differentiable: q [B, H, S, D] attends causally
     to its own k, v [B, Hkv, S, D] (bias [B, 1, 1, S]) and wholly to each context's (k, v, bias)
     ([G, Hkv, L, D], [G, 1, 1, L]; G divides B, and context group i is that of rows [i*B/G, (i+1)*B/G)).
-    Contexts with no key are skipped; `sinks` [H]: a logit per head with no value. S may be 0."""
+    Contexts with no key are skipped; `sinks` [H]: a logit per head with no value; `softcap`: scores
+    capped (Gemma 2), computed by `_capped_parts`. S may be 0."""
     contexts = [c for c in contexts if c[0].shape[2]]
+    if softcap is not None:
+        return _capped_parts(q, k, v, bias, contexts, scale, sinks, softcap)
     groups = tuple(c[0].shape[0] for c in contexts)
     return _ContextAttention.apply(scale, groups, q, k, v, bias, sinks, *(t for c in contexts for t in c))
 
@@ -347,11 +380,13 @@ def packed_attention(
     scale: float | None,
     window: int | None = None,
     sinks: Tensor | None = None,
+    softcap: float | None = None,
 ) -> Tensor:
     """A transformers attention layer's call over a packed sequence: query [1, H, T, D], key/value
     [1, Hkv, T, D] in `layout`'s token order -> [1, T, H, D] (what attention functions return). `window`:
     the layer's sliding window (a key is seen only within `window` columns of its query), None: none;
-    `sinks` [H]: the layer's attention sinks (a logit per head in every softmax, with no value)."""
+    `sinks` [H]: the layer's attention sinks (a logit per head in every softmax, with no value); `softcap`:
+    its scores capped (Gemma 2)."""
     q, k, v = query[0], key[0], value[0]  # [H, T, D]
     heads, dim = q.shape[0], q.shape[-1]
     per_kv = heads // k.shape[0]
@@ -371,7 +406,7 @@ def packed_attention(
         q_c, k_c, v_c = (t[None, :, :c] for t in (q, k, v))  # [1, h, common, D]
         plain_c = layout.common_bias(dtype)
         own_c = bias(("common",), (0, c), (0, c), (1, c, 1, c), plain_c)
-        pieces.append(causal_attention(q_c, k_c, v_c, own_c, scale, sinks)[0].transpose(0, 1))
+        pieces.append(causal_attention(q_c, k_c, v_c, own_c, scale, sinks, softcap)[0].transpose(0, 1))
     for index, b in enumerate(layout.buckets):
         start, mid, end = b.offset, b.offset + b.groups * b.prefix, b.offset + b.tokens
         rows = b.groups * b.rows
@@ -391,12 +426,14 @@ def packed_attention(
             common = (0, c)
             pre_to_c = bias(("pre-c", index), pre, common, (b.groups, b.prefix, 1, c), plain_c)
             suf_to_c = bias(("suf-c", index), suf, common, (rows, b.suffix, 1, c), plain_c)
-            out_pre = context_attention(prefix(q), prefix(k), prefix(v), own_pre, [(k_c, v_c, pre_to_c)], scale, sinks)
+            out_pre = context_attention(
+                prefix(q), prefix(k), prefix(v), own_pre, [(k_c, v_c, pre_to_c)], scale, sinks, softcap
+            )
             contexts = [(k_c, v_c, suf_to_c), (prefix(k), prefix(v), to_pre)]
         else:
-            out_pre = causal_attention(prefix(q), prefix(k), prefix(v), own_pre, scale, sinks)
+            out_pre = causal_attention(prefix(q), prefix(k), prefix(v), own_pre, scale, sinks, softcap)
             contexts = [(prefix(k), prefix(v), to_pre)]
-        out_suf = context_attention(suffix(q), suffix(k), suffix(v), own_suf, contexts, scale, sinks)
+        out_suf = context_attention(suffix(q), suffix(k), suffix(v), own_suf, contexts, scale, sinks, softcap)
         pieces.append(out_pre.transpose(1, 2).reshape(-1, heads, dim))
         pieces.append(out_suf.transpose(1, 2).reshape(-1, heads, dim))
     out = torch.cat(pieces)[None] if len(pieces) > 1 else pieces[0][None]

@@ -187,7 +187,7 @@ def _shared_attention(
         )
     # The backbone checked all of these before packing (see _plain_reason); here they are invariants.
     window = kwargs.get("sliding_window")
-    unserved = {"dropout": dropout if dropout else None, "softcap": kwargs.get("softcap")}
+    unserved = {"dropout": dropout if dropout else None}
     for name, setting in unserved.items():
         if setting is not None:
             raise RuntimeError(f"torchkvops: shared-prefix attention got {name}={setting!r}, which it cannot serve")
@@ -196,7 +196,9 @@ def _shared_attention(
     dtype = autocast_dtype(query.device.type)
     dtype = query.dtype if dtype is None else dtype
     query, key, value = (t.to(dtype) for t in (query, key, value))
-    return packed_attention(query, key, value, layout, scaling, window, kwargs.get("s_aux")), None
+    return packed_attention(
+        query, key, value, layout, scaling, window, kwargs.get("s_aux"), kwargs.get("softcap")
+    ), None
 
 
 AttentionInterface.register(NAME, _shared_attention)
@@ -371,8 +373,6 @@ def _plain_reason(backbone: nn.Module, arguments: dict) -> str | None:
 
 def _unserved_attention(backbone: nn.Module) -> str | None:
     """What the model's attention layers pass that the shared attention does not implement yet."""
-    if getattr(backbone.config, "attn_logit_softcapping", None) is not None:
-        return "attention logit softcapping (attn_logit_softcapping)"
     return None
 
 
