@@ -19,6 +19,11 @@ The kernel is torch's own fused attention that also returns the log-sum-exp (`to
 the CPU flash kernel on CPU, the memory-efficient kernel on CUDA, plain matmul + softmax elsewhere). Masks are additive biases
 ([rows, 1, 1, keys], 0 or -inf, in the model's dtype), kept and updated by the decode loop.
 
+What a layer passes beyond q, k, v is honoured: a sliding window (the copy layout, whose row's columns are
+its positions: keys `window` or more columns before the query's own are masked), attention sinks (gpt-oss:
+each head's sink logit merged into its softmax by the keys' log-sum-exp), and Gemma 2's capped scores
+(`fused_attention.attend_softcapped`, float32 matmuls: no fused kernel takes a cap).
+
 A packed forward runs several rows' chunks as one sequence (no padding in the model's projections and
 MLPs): a turn of `Rollout.extend` (`torchkvops.rollout.turns`), and the prompts after a prefix common to
 all of them. Its attention (`PackedAttention`) lays each live row's queries out against that row's own KV
@@ -316,12 +321,11 @@ def torchkvops_attention(
     context = _active
     if context is None:
         raise RuntimeError("torchkvops attention is only used inside a torchkvops rollout's decode")
-    for unsupported in ("position_bias",):
-        if kwargs.get(unsupported) is not None:
-            raise ValueError(
-                f"torchkvops: this model's attention uses {unsupported!r}, which the rollout's "
-                "decode attention does not support"
-            )
+    if kwargs.get("position_bias") is not None:
+        raise ValueError(
+            "torchkvops: this model's attention uses 'position_bias', which the rollout's decode attention does "
+            "not support"
+        )
     window = kwargs.get("sliding_window")  # (this layer's: None for full attention)
     sinks = kwargs.get("s_aux")  # [heads]: attention sinks (gpt-oss), a logit per head with no value
     softcap = kwargs.get("softcap")  # Gemma 2's attn_logit_softcapping: capped scores, no fused kernel
