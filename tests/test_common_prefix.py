@@ -6,7 +6,7 @@ without the common prefix; what prefill computes and what the prefix layout keep
 
 import pytest
 import torch
-from models import FAMILIES, VOCAB, hf_greedy
+from models import FAMILIES, VOCAB, hf_greedy, prompts
 
 import torchkvops
 from torchkvops import Rollout, RolloutConfig
@@ -167,3 +167,39 @@ def test_patch_generate_computes_a_system_prompt_once_with_hfs_tokens(llama):
 def test_bad_min_shared_tokens_names_the_field():
     with pytest.raises(ValueError, match="RolloutConfig.min_shared_tokens must be None .* or an int >= 1"):
         RolloutConfig(min_shared_tokens=0)
+
+
+def decode_cache_lengths(model, run) -> list[int]:
+    """What the KV cache reports as its length (`get_seq_length()`, from which transformers 5's models number
+    the step's cache_position when none is passed) at each one-token (decode) forward of `run()`."""
+    seen = []
+
+    def record(module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        if ids is not None and ids.shape[-1] == 1 and cache is not None:
+            seen.append(int(cache.get_seq_length()))
+
+    handle = model.register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        run()
+    finally:
+        handle.remove()
+    return seen
+
+
+@pytest.mark.parametrize("kv_sharing", ["copy", "prefix"])
+@pytest.mark.parametrize("common", [False, True], ids=["plain", "system-prompt"])
+def test_decode_reports_hfs_cache_length_in_every_layout(llama, kv_sharing, common):
+    """HF's generate feeds decode step s with a cache of P + s positions (P: the padded input's width), which
+    its models number the step's cache_position from; the rollout's cache reports the same in both layouts,
+    with or without a system prompt computed once (where the rows' buffers hold no padding, or only their
+    response: the prefix layout reported the response column)."""
+    ids, mask = system_prompts(3, [4, 1, 7], seed=2) if common else prompts(3, 9, seed=2, left_pad=[0, 3, 5])
+    new = 6
+    expected = decode_cache_lengths(llama, lambda: hf_greedy(llama, ids, mask, new))
+    config = RolloutConfig(
+        samples_per_prompt=2, max_new_tokens=new, eos_token_id=NO_EOS, kv_sharing=kv_sharing, min_shared_tokens=4
+    )
+    got = decode_cache_lengths(llama, lambda: Rollout(llama, config).generate(ids, mask))
+    assert expected == list(range(ids.shape[1], ids.shape[1] + new - 1)) and got == expected

@@ -101,6 +101,7 @@ class DecodeAttention:
 
     kv: KVViews | None = None  # the decode buffers: per group [group layers, 2, rows, kv_heads, T, head_dim]
     columns: Tensor | None = None  # [rows] the column each row writes this step (the decode state's)
+    cache_position: Tensor | None = None  # [1] HF's cache position of this step (the decode state's)
 
     # Prefix layout (None in the copy layout, where each row holds its prompt's KV): rows [i*N, (i+1)*N)
     # answer prompt i, whose KV is row i of prompt_kv's buffers.
@@ -122,7 +123,7 @@ class DecodeAttention:
         cache's current views (`prefix`: the prefix layout's prompt KV and common prefix too), in one place:
         the decoder calls this whenever it starts decoding a state or the views change, so the context never
         holds a mix of two states. The object itself stays the same (a compiled decode step reads it)."""
-        self.kv, self.columns = cache.decode_views, state.column
+        self.kv, self.columns, self.cache_position = cache.decode_views, state.column, state.cache_position
         self.prompt_kv = cache.prompt_views if prefix else None
         self.prompt_bias = state.prompt_bias if prefix else None
         self.slot_rows, self.row_prompt, self.row_sample = state.slot_rows, state.row_prompt, state.row_sample
@@ -142,7 +143,8 @@ class DecodeAttention:
         return kv[0], kv[1]
 
     def seq_length(self):
-        return self.columns[0]
+        """What HF's cache would hold before this step's tokens, in every layout: the input's width + steps."""
+        return self.cache_position[0]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -123,6 +123,11 @@ class DecodeBatch:
         self._draw(rows, first_logits)
         self.row_steps += first_logits.shape[0]
 
+    def set_cache_position(self, position: int) -> None:
+        """HF's cache position of the next decode step (the width of the input HF's generate would have;
+        the step adds one): what the model numbers the step from and the cache reports as its length."""
+        self.state.cache_position.fill_(position)
+
     def show_prompts(self, groups: Tensor | None, visible: Tensor) -> None:
         """Prefix layout: prompt groups `groups` (device int64; None: every group) show `visible`
         ([groups, prompt buffer length] bool) of their shared KV."""

@@ -133,6 +133,7 @@ class GenerateCall(Call):
             positions=prompts.lengths.repeat_interleave(n),
             write_start=layout.first_columns(prompts).repeat_interleave(n),
             max_new_tokens=r.config.max_new_tokens,
+            cache_position=self.counts.prompt_length,  # (the input's width)
             prompt_visible=layout.prompt_visible(prompts.columns, r.cache),
             common_visible=layout.common_visible(r.cache, self.common),
         )
@@ -198,6 +199,8 @@ class ExtendCall(Call):
             positions=self.live_positions,
             write_start=self.decode_start,
             max_new_tokens=self.max_new_tokens,
+            # HF's generate on the full histories, left-padded to the longest: its width.
+            cache_position=int(self.live_positions.max()),  # host sync: one int, once per turn
             prompt_visible=self.prompt_visible,
             common_visible=r.layout.common_visible(cache, history.prompt_info.common),
         )

@@ -86,9 +86,9 @@ class DecodeStep:
 
     def bind(self, state: DecodeState) -> None:
         self.state = state
-        # Built once per rollout, not per step: the same tensors every step. HF's cache_position: the first
-        # row's column (every row's in a call that starts them together; models read it for masks we pass).
-        self.kwargs = self.adapter.forward_kwargs(self.cache, state.bias, state.position_ids, state.column[:1])
+        # Built once per rollout, not per step: the same tensors every step. HF's cache_position: the column
+        # HF's padded layout would feed this step's tokens at (the state's, set when the call starts).
+        self.kwargs = self.adapter.forward_kwargs(self.cache, state.bias, state.position_ids, state.cache_position)
 
     def __call__(self) -> None:
         s = self.state
@@ -96,6 +96,7 @@ class DecodeStep:
         logits = self.adapter.model(input_ids=s.tokens, **self.kwargs).logits[:, -1, :]
         self.draw(logits)
         s.position_ids.add_(1)
+        s.cache_position.add_(1)
         # A live row never passes the buffer's last column (its length covers the row's tokens); a row that
         # has ended may decode on as filler until the batch stops or retires it: it stays on the last column.
         s.column.add_(1).clamp_(max=s.shape.mask_len - 1)
@@ -265,6 +266,7 @@ class Decoder:
         positions: Tensor,
         write_start: int | Tensor,
         max_new_tokens: int,
+        cache_position: int,
         prompt_visible: Tensor | None = None,
         common_visible: Tensor | None = None,
     ) -> DecodeBatch:
@@ -273,7 +275,8 @@ class Decoder:
         and in the prefix layout `prompt_visible` [prompts, P'] over its prompt's KV; `positions` [rows]:
         the position of the token each row feeds first; decode writes from column `write_start` on (one
         for every row, or [rows]: each row's own); `common_visible` [1, L']: what every row sees of a prefix
-        common to every prompt, kept once (the prefix layout).
+        common to every prompt, kept once (the prefix layout); `cache_position`: HF's cache position of the
+        first token decode feeds (the width of the input HF's generate would have: it goes up by one a step).
         `live` [rows] (bool, optional): False for rows that have ended before they start."""
         rows = first_logits.shape[0]
         prompts = 0 if prompt_visible is None else prompt_visible.shape[0]
@@ -296,6 +299,7 @@ class Decoder:
             bias=visible_bias(visible, shape.mask_len),
             live=live,
         )
+        batch.set_cache_position(cache_position)
         return batch
 
     def initial_plan(self, ended: Tensor) -> compaction.Plan | None:

@@ -112,6 +112,13 @@ class DecodeState:
         _Field("row_prompt", "slot", lambda s: _if(s.slots > 0, (s.rows,))),
         _Field("row_sample", "slot", lambda s: _if(s.slots > 0, (s.rows,))),
         _Field(
+            "cache_position",
+            "shared",
+            lambda s: (1,),
+            doc="HF's cache_position of the token fed this step, one for every row: the column HF's padded "
+            "layout holds it in (the input's width + steps), what the cache reports as its length",
+        ),
+        _Field(
             "step",
             "row",
             lambda s: (s.rows,),

@@ -147,6 +147,9 @@ def stream(
         decoder.state_for(shape), layout.stream_map(rows, prompt_slots), keeps_left=False, output=(responses, logprobs)
     )
     batch.clear()
+    # HF's cache position of the first decode step; rows admitted later go on from the batch's (a stream has no
+    # single padded input whose columns they would be).
+    batch.set_cache_position(prompt_len)
     live = torch.ones(prompts * n, dtype=torch.bool, device=device) if live is None else live.to(device, torch.bool)
     admission = Admission(batch, prefill, prompt_mask, scratch, seed=seed, row_ids=row_ids.to(device), live=live)
     # A layout that keeps prompts in slots (prefix) bounds the prompts with samples in the batch; one that
