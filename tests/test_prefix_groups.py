@@ -67,12 +67,12 @@ def test_a_common_prefix_is_found_from_each_rows_first_real_column():
     ends where one row differs or has padding."""
     ids = torch.tensor([[0, 0, 7, 8, 9, 1, 2], [7, 8, 9, 1, 5, 5, 5], [0, 7, 8, 9, 1, 3, 3], [0, 7, 8, 9, 0, 0, 0]])
     mask = (ids != 0).long()
-    common, starts = common_prefix(grouping_keys(ids, mask, None), mask.bool().numpy())
+    common, starts = common_prefix(grouping_keys(ids, mask, None))
     assert common == 3 and starts.tolist() == [2, 0, 1, 1]  # row 3's fourth real column is padding
-    assert common_prefix(grouping_keys(ids[:3], mask[:3], None), mask[:3].bool().numpy())[0] == 4
+    assert common_prefix(grouping_keys(ids[:3], mask[:3], None))[0] == 4
     no_real = mask.clone()
     no_real[3] = 0
-    assert common_prefix(grouping_keys(ids, no_real, None), no_real.bool().numpy())[0] == 0
+    assert common_prefix(grouping_keys(ids, no_real, None))[0] == 0
 
 
 def trainer_batch(pads, system, own, completions, seed=0):
@@ -92,10 +92,9 @@ def test_each_prompts_rows_nest_under_a_system_prompt_common_to_all_whatever_the
     group (never two prompts joined by their equal padding), fewer tokens than groups per prompt alone."""
     system = [5, 6, 7, 8, 9, 10]
     ids, mask = trainer_batch(pads=[0, 2, 1, 2], system=system, own=5, completions=3)
-    real = mask.bool().numpy()
     keys = grouping_keys(ids, mask, None)
-    flat = plan_grouping(keys, None, real, min_shared=2)
-    nested = plan_grouping(keys, keys, real, min_shared=2)
+    flat = plan_grouping(keys, None, min_shared=2)
+    nested = plan_grouping(keys, keys, min_shared=2)
     assert nested.common == len(system)
     assert nested.starts.tolist() == [0] * 3 + [2] * 3 + [1] * 3 + [2] * 3
     # Each prompt's 3 rows form a group that shares its padding and own tokens: 2 + 5 - 2 columns.
@@ -107,4 +106,4 @@ def test_each_prompts_rows_nest_under_a_system_prompt_common_to_all_whatever_the
     assert flat.common == 0 and sorted(g.rows for g in flat.groups)[1] == (3, 4, 5, 9, 10, 11)
     assert flat.tokens == 2 * (11 + 3 * 3) + (8 + 6 * 6) > nested.tokens
     # Below min_shared, no common prefix.
-    assert plan_grouping(keys, keys, real, min_shared=7).common == 0
+    assert plan_grouping(keys, keys, min_shared=7).common == 0

@@ -34,6 +34,7 @@ __all__ = [
     "Grouping",
     "grouping_keys",
     "find_prefix_groups",
+    "real_columns",
     "common_prefix",
     "plan_grouping",
     "pack_layout",
@@ -129,10 +130,16 @@ class Grouping:
         return self.common + sum(g.prefix + len(g.rows) * (own - g.prefix) for g in self.groups)
 
 
-def common_prefix(keys: np.ndarray, real: np.ndarray) -> tuple[int, np.ndarray]:
+def real_columns(keys: np.ndarray) -> np.ndarray:
+    """[rows, length] bool: the columns whose attention-mask bit is 1, read from `grouping_keys`' keys."""
+    return (keys[..., 0] if keys.ndim == 3 else keys) < _PADDING_FLAG
+
+
+def common_prefix(keys: np.ndarray) -> tuple[int, np.ndarray]:
     """(c, starts): the longest run of real tokens that every row has from its first real column on
     (`starts`), the same ids there (and positions, when the keys hold them). 0 when some row has no
     real token."""
+    real = real_columns(keys)
     rows, length = real.shape
     if not real.any(axis=1).all():
         return 0, np.zeros(rows, dtype=np.int64)
@@ -150,7 +157,7 @@ def _own_columns(length: int, common: int, starts: np.ndarray) -> np.ndarray:
     return own + common * (own >= starts[:, None])
 
 
-def plan_grouping(keys: np.ndarray, nested_keys: np.ndarray | None, real: np.ndarray, min_shared: int) -> Grouping:
+def plan_grouping(keys: np.ndarray, nested_keys: np.ndarray | None, min_shared: int) -> Grouping:
     """The cheaper of: groups of rows that share a prefix (`find_prefix_groups` over `keys`); and, when
     `nested_keys` are given (keys under which a token's result depends only on the tokens before it
     from the row's first real one: positions numbered from there, or given), a prefix of at least
@@ -161,7 +168,7 @@ def plan_grouping(keys: np.ndarray, nested_keys: np.ndarray | None, real: np.nda
     flat = Grouping(find_prefix_groups(keys, min_shared), length)
     if nested_keys is None or keys.shape[0] < 2:
         return flat
-    common, starts = common_prefix(nested_keys, real)
+    common, starts = common_prefix(nested_keys)
     if common < min_shared:
         return flat
     rest = nested_keys[np.arange(keys.shape[0])[:, None], _own_columns(length, common, starts)]

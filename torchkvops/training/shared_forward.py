@@ -187,10 +187,8 @@ def _shared_attention(
         )
     # The backbone checked all of these before packing (see _plain_reason); here they are invariants.
     window = kwargs.get("sliding_window")
-    unserved = {"dropout": dropout if dropout else None}
-    for name, setting in unserved.items():
-        if setting is not None:
-            raise RuntimeError(f"torchkvops: shared-prefix attention got {name}={setting!r}, which it cannot serve")
+    if dropout:
+        raise RuntimeError(f"torchkvops: shared-prefix attention got dropout={dropout!r}, which it cannot serve")
     # Under autocast the model's own attention (SDPA, eager's matmuls) runs in the autocast dtype, and
     # its inputs may come in mixed dtypes (RoPE in float32, V straight from a bf16 projection).
     dtype = autocast_dtype(query.device.type)
@@ -210,7 +208,6 @@ class _PatchState:
     config: SharedForwardConfig
     stats: SharedForwardStats
     numbering: str  # how the backbone numbers positions (position_numbering)
-    unserved: str | None  # what its attention layers do that the shared attention does not (every call plain)
     previous_forward: object  # the backbone's own instance-level forward before the patch, or None
     views: list  # (attention module, its config before the patch)
     warn_once: WarnOnce = dataclasses.field(default_factory=lambda: WarnOnce(_FALLBACK_WARNING))
@@ -256,7 +253,7 @@ def _plan(backbone: nn.Module, state: _PatchState, args: tuple, kwargs: dict):
     for name, parameter in signature.parameters.items():
         if parameter.kind is inspect.Parameter.VAR_KEYWORD:
             arguments.update(arguments.pop(name, {}))
-    reason = _plain_reason(backbone, arguments) or state.unserved
+    reason = _plain_reason(backbone, arguments)
     if reason is None and state.labels_read_blind_queries and backbone.config._attn_implementation == "eager":
         reason = (
             "labels that a left-padding column predicts, under eager attention (its output there is a "
@@ -270,15 +267,13 @@ def _plan(backbone: nn.Module, state: _PatchState, args: tuple, kwargs: dict):
         numbering = state.numbering
         # Keys under which a token's result depends only on the row from its first real token on: the
         # positions the forward will use, where they are not a function of the mask from there.
-        nested_positions = (
-            given if given is not None else _column_positions(input_ids) if numbering == "column" else None
+        keys = grouping_keys(input_ids, mask, given)  # (one host copy of the ids and mask, or two for GPT-2)
+        nested_keys = (
+            keys
+            if given is not None or numbering != "column"
+            else grouping_keys(input_ids, mask, _column_positions(input_ids))
         )
-        grouping = plan_grouping(
-            grouping_keys(input_ids, mask, given),
-            grouping_keys(input_ids, mask, nested_positions),
-            mask.cpu().numpy(),
-            state.config.min_shared_tokens,
-        )
+        grouping = plan_grouping(keys, nested_keys, state.config.min_shared_tokens)
         if not grouping.common and all(len(g.rows) == 1 for g in grouping.groups):
             reason = (
                 f"no rows that share a prefix of at least min_shared_tokens={state.config.min_shared_tokens} columns"
@@ -368,11 +363,6 @@ def _plain_reason(backbone: nn.Module, arguments: dict) -> str | None:
     dtype = compute_dtype(backbone)  # (FSDP's mixed precision: the dtype its gathered weights have)
     if dtype not in _SERVED_DTYPES:
         return f"{dtype} parameters"
-    return None
-
-
-def _unserved_attention(backbone: nn.Module) -> str | None:
-    """What the model's attention layers pass that the shared attention does not implement yet."""
     return None
 
 
@@ -520,7 +510,6 @@ class ForwardPatch(PatchHandle):
             config=config,
             stats=self.stats,
             numbering=position_numbering(backbone),
-            unserved=_unserved_attention(backbone),
             previous_forward=vars(backbone).get("forward"),
             views=[(m, m.config) for m in modules],
         )
