@@ -112,9 +112,7 @@ class PackedLayout:
         """The common tokens' additive key bias [1, 1, 1, common] in `dtype`, built once per dtype."""
         key = ("common", dtype)
         if key not in self._biases:
-            allowed = self.token_mask[: self.common]
-            values = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
-            self._biases[key] = values.masked_fill(~allowed, MASKED_KEY_BIAS).view(1, 1, 1, -1)
+            self._biases[key] = _key_bias(self.token_mask[: self.common], dtype).view(1, 1, 1, -1)
         return self._biases[key]
 
     def window_bias(
@@ -144,8 +142,7 @@ class PackedLayout:
             if per_kv is not None:
                 q_off = q_off.view(xk, xq // xk, 1, m).expand(-1, -1, per_kv, -1).reshape(xk, -1)
             allowed = real[:, None, :] & (q_off[:, :, None] - k_off[:, None, :] < window)
-            bias = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, MASKED_KEY_BIAS)
-            self._biases[key] = bias[:, None]
+            self._biases[key] = _key_bias(allowed, dtype)[:, None]
         return self._biases[key]
 
     def biases(self, index: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
@@ -155,17 +152,16 @@ class PackedLayout:
         if key not in self._biases:
             b = self.buckets[index]
             start, mid = b.offset, b.offset + b.groups * b.prefix
-
-            def bias(allowed: Tensor, batch: int) -> Tensor:
-                values = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
-                values = values.masked_fill(~allowed, MASKED_KEY_BIAS)
-                return values.view(batch, 1, 1, -1)
-
             self._biases[key] = (
-                bias(self.token_mask[start:mid], b.groups),
-                bias(self.token_mask[mid : start + b.tokens], b.groups * b.rows),
+                _key_bias(self.token_mask[start:mid], dtype).view(b.groups, 1, 1, -1),
+                _key_bias(self.token_mask[mid : start + b.tokens], dtype).view(b.groups * b.rows, 1, 1, -1),
             )
         return self._biases[key]
+
+
+def _key_bias(allowed: Tensor, dtype: torch.dtype) -> Tensor:
+    """0 where `allowed`, MASKED_KEY_BIAS elsewhere (see the module docstring), in `dtype`, of its shape."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, MASKED_KEY_BIAS)
 
 
 # --- the three parts of a bucket ---------------------------------------------------------------
