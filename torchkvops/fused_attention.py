@@ -42,6 +42,7 @@ from torch import Tensor
 __all__ = [
     "attend",
     "attend_softcapped",
+    "merge_sinks",
     "attend_backward",
     "MASKED_KEY_BIAS",
     "MemoryEfficientKernels",
@@ -131,6 +132,15 @@ def attend(
     lse = torch.logsumexp(scores, dim=-1)
     out = torch.matmul(torch.exp(scores - lse[..., None]).to(v.dtype), v)
     return out, lse if with_lse else None
+
+
+def merge_sinks(out: Tensor, lse: Tensor, sinks: Tensor) -> tuple[Tensor, Tensor]:
+    """Attention sinks (gpt-oss's `s_aux`) merged into an attention's output over its keys `out` [..., D] and
+    their log-sum-exp `lse` [...]: each head's sink logit (`sinks`, broadcast to lse's shape) joins the
+    softmax with no value, so `out` is scaled by the keys' share exp(lse - logaddexp(lse, sink)).
+    Returns (out, the log-sum-exp over keys and sink)."""
+    total = torch.logaddexp(lse, sinks.float())
+    return (out.float() * torch.exp(lse - total)[..., None]).to(out.dtype), total
 
 
 def attend_softcapped(

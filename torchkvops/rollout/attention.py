@@ -47,7 +47,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .. import ops
 from ..fused_attention import attend as _attend
-from ..fused_attention import attend_softcapped
+from ..fused_attention import attend_softcapped, merge_sinks
 from .cache_groups import KVViews, layer_kv, layer_slot
 
 __all__ = [
@@ -226,18 +226,14 @@ class PackedAttention:
             near = self.query_columns[:, :, None] - torch.arange(self.keys, device=allowed.device) < window
             allowed = torch.cat([allowed[..., :shared], allowed[..., shared:] & near[:, None]], dim=-1)
         mask = allowed
+        if sinks is not None or softcap is not None:  # an additive mask, for the sinks' scores or the cap's path
+            mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill(~allowed, float("-inf"))
         if sinks is not None:  # one more key: zero K and V, its score the head's sink through the bias
             k, v = (torch.cat([t, t.new_zeros(*t.shape[:2], 1, t.shape[3])], dim=2) for t in (k, v))
-            bias = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill(~allowed, float("-inf"))
             sink = sinks.to(q.dtype)[None, :, None, None].expand(live, heads, chunk, 1)
-            mask = torch.cat([bias.expand(live, heads, chunk, -1), sink], dim=-1)
+            mask = torch.cat([mask.expand(live, heads, chunk, -1), sink], dim=-1)
         if softcap is not None:
-            bias = (
-                mask
-                if mask.dtype != torch.bool
-                else torch.zeros(mask.shape, device=q.device).masked_fill(~mask, float("-inf"))
-            )
-            out, _ = attend_softcapped(q, k, v, bias, softcap=softcap, scale=scaling)
+            out, _ = attend_softcapped(q, k, v, mask, softcap=softcap, scale=scaling)
         else:
             out = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, scale=scaling, enable_gqa=k.shape[1] != heads
@@ -396,14 +392,10 @@ def torchkvops_attention(
 
 
 def _with_sinks(out: Tensor, lse: Tensor | None, sinks: Tensor | None, kv_heads: int) -> Tensor:
-    """Attention sinks merged in: each head's sink logit joins its softmax with no value, so the output over
-    the keys (out [rows, kv_heads, group, D], its log-sum-exp lse [rows, kv_heads, group]) is scaled by
-    the keys' share exp(lse - logaddexp(lse, sink)). None: no sinks."""
-    if sinks is None:
-        return out
-    sink = sinks.float().view(kv_heads, -1)  # heads in [kv_heads, group] order, as the queries are folded
-    share = torch.exp(lse - torch.logaddexp(lse, sink))
-    return (out.float() * share[..., None]).to(out.dtype)
+    """out [rows, kv_heads, group, D] with the attention sinks [heads] merged in by its log-sum-exp lse
+    [rows, kv_heads, group] (`merge_sinks`; heads in [kv_heads, group] order, as the queries are folded);
+    None: none."""
+    return out if sinks is None else merge_sinks(out, lse, sinks.view(kv_heads, -1))[0]
 
 
 AttentionInterface.register(NAME, torchkvops_attention)

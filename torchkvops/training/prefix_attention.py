@@ -48,7 +48,7 @@ import torch
 from torch import Tensor
 
 from .. import ops
-from ..fused_attention import MASKED_KEY_BIAS, attend, attend_backward, attend_softcapped
+from ..fused_attention import MASKED_KEY_BIAS, attend, attend_backward, attend_softcapped, merge_sinks
 
 __all__ = [
     "Bucket",
@@ -265,12 +265,8 @@ class _ContextAttention(torch.autograd.Function):
 
 
 def _with_sinks(out: Tensor, lse: Tensor, sinks: Tensor | None) -> tuple[Tensor, Tensor]:
-    """Attention sinks (gpt-oss's `s_aux`, [H]): each head's sink logit joins every query's softmax
-    with no value, a part of lse = sink and output 0, merged in: (out, lse) over keys and sink."""
-    if sinks is None:
-        return out, lse
-    total = torch.logaddexp(lse, sinks.float()[None, :, None])
-    return (out.float() * torch.exp(lse - total)[..., None]).to(out.dtype), total
+    """(out [X, H, M, D], lse [X, H, M]) with the attention sinks [H] merged in (`merge_sinks`); None: none."""
+    return (out, lse) if sinks is None else merge_sinks(out, lse, sinks[None, :, None])
 
 
 def _sinks_grad(grad: Tensor, out: Tensor, lse: Tensor, sinks: Tensor | None) -> Tensor | None:
