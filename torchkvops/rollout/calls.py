@@ -20,17 +20,14 @@ what lasts across calls.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 
 import torch
-from torch import Tensor
 
 from . import attention
-from .cache_groups import KVViews
 from .config import RolloutOutput
 from .layouts import round_up
 from .prompts import common_prefix_length, common_prompts, plain_prompts
-from .streaming import stream, unbudgeted_width
+from .streaming import Prefill, stream, unbudgeted_width
 from .turns import History, first_history, history_output, make_turn, record, turn_attention
 
 __all__ = ["Counts", "GenerateCall", "ExtendCall", "StreamCall", "run_stages"]
@@ -72,6 +69,12 @@ class Call:
 
     def post_processing(self):
         raise NotImplementedError
+
+    def count_decode(self, steps: int) -> None:
+        """The counts of a call's batch (`self.decoding`) after `steps` decode steps."""
+        c = self.counts
+        c.decode_steps, c.response_length = steps, steps + 1
+        c.kv_cache_bytes, c.computed_row_steps = self.rollout.cache.used_bytes, self.decoding.row_steps
 
 
 def run_stages(timer, call: Call):
@@ -137,10 +140,7 @@ class GenerateCall(Call):
             prompt_visible=layout.prompt_visible(prompts.columns, r.cache),
             common_visible=layout.common_visible(r.cache, self.common),
         )
-        steps = r._decoder.run_call(self.decoding, self.ended_everywhere)
-        c = self.counts
-        c.decode_steps, c.response_length = steps, steps + 1
-        c.kv_cache_bytes, c.computed_row_steps = r.cache.used_bytes, self.decoding.row_steps
+        self.count_decode(r._decoder.run_call(self.decoding, self.ended_everywhere))
 
     def post_processing(self):
         r = self.rollout
@@ -204,10 +204,7 @@ class ExtendCall(Call):
             prompt_visible=self.prompt_visible,
             common_visible=r.layout.common_visible(cache, history.prompt_info.common),
         )
-        steps = r._decoder.run_call(self.decoding, initial_plan=self.plan)
-        c = self.counts
-        c.decode_steps, c.response_length = steps, steps + 1
-        c.kv_cache_bytes, c.computed_row_steps = cache.used_bytes, self.decoding.row_steps
+        self.count_decode(r._decoder.run_call(self.decoding, initial_plan=self.plan))
 
     def post_processing(self):
         r, history, turn = self.rollout, self.history, self.turn
@@ -223,10 +220,6 @@ class ExtendCall(Call):
         return out, turn_out
 
 
-# Prefills prompts by index into a scratch cache: (their KV, first logits, mask) (streaming.Prefill).
-ScratchPrefill = Callable[[list[int]], tuple[KVViews, Tensor, Tensor]]
-
-
 class StreamCall(Call):
     """More rows than RolloutConfig.max_rows: a batch of max_rows rows, refilled as rows end
     (torchkvops.rollout.streaming). Its prefills (once per prompt) happen as rows free up, within decode;
@@ -234,7 +227,7 @@ class StreamCall(Call):
 
     stages = ("decode",)
 
-    def __init__(self, rollout, input_ids, attention_mask, seed, row_ids, live, prefill: ScratchPrefill, scratch):
+    def __init__(self, rollout, input_ids, attention_mask, seed, row_ids, live, prefill: Prefill, scratch):
         super().__init__(rollout)
         self.input_ids, self.attention_mask = input_ids, attention_mask
         self.seed, self.row_ids, self.live, self.scratch_prefill, self.scratch = seed, row_ids, live, prefill, scratch

@@ -251,8 +251,9 @@ class Rollout:
                     "Rollout: RolloutConfig.max_rows cannot stream the rows of a synced generation (every process "
                     "must run as many forwards as the others, and refills prefill where rows end)"
                 )
-            return self._profiled(lambda timer: self._stream(timer, input_ids, attention_mask, seed, row_ids, live))
-        call = GenerateCall(self, input_ids, attention_mask, seed, row_ids, live, ended_everywhere)
+            call = self._stream_call(input_ids, attention_mask, seed, row_ids, live)
+        else:
+            call = GenerateCall(self, input_ids, attention_mask, seed, row_ids, live, ended_everywhere)
         return self._profiled(lambda timer: run_stages(timer, call))
 
     def _prefill_prompts(self, input_ids: Tensor, attention_mask: Tensor) -> tuple[Tensor, int]:
@@ -312,7 +313,7 @@ class Rollout:
         call = ExtendCall(self, history, appended, max_new_tokens, seed)
         return self._profiled(lambda timer: run_stages(timer, call))
 
-    def _stream(self, timer, input_ids, attention_mask, seed, row_ids, live):
+    def _stream_call(self, input_ids, attention_mask, seed, row_ids, live) -> StreamCall:
         """More rows than RolloutConfig.max_rows (calls.StreamCall): prompts are prefilled by index into a
         scratch cache as their samples get rows."""
         prompt_len = input_ids.shape[1]
@@ -332,7 +333,7 @@ class Rollout:
             )
             return scratch.prompt_views, logits, mask  # (the next prefill overwrites the scratch cache)
 
-        return run_stages(timer, StreamCall(self, input_ids, attention_mask, seed, row_ids, live, prefill, scratch))
+        return StreamCall(self, input_ids, attention_mask, seed, row_ids, live, prefill, scratch)
 
     def _prefill_forward(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor) -> Tensor:
         cache_position = torch.arange(input_ids.shape[1], device=input_ids.device)

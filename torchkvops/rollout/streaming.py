@@ -31,7 +31,7 @@ from .decode import FINISHED_CHECK_INTERVAL, Decoder
 from .sampling import row_keys
 from .scheduler import Decisions, Refill
 
-__all__ = ["Streamed", "Admission", "stream", "unbudgeted_width"]
+__all__ = ["Streamed", "Admission", "Prefill", "stream", "unbudgeted_width"]
 
 
 @dataclasses.dataclass
