@@ -87,24 +87,24 @@ FAMILIES: dict[str, dict] = {
 }
 
 
-def tiny_config(model_type: str):
-    """The family's tiny config, or None when the installed transformers lacks the family."""
+def tiny_config(model_type: str, **overrides):
+    """The family's tiny config (`overrides`: fields set on it last), or None when the installed transformers
+    lacks the family."""
     try:
         config = AutoConfig.for_model(model_type)
     except (KeyError, ValueError):
         return None
-    fields = dict(_SMALL, **FAMILIES[model_type])
+    fields = {**_SMALL, **FAMILIES[model_type], **overrides}
+    kinds = fields.pop("layer_types", None)  # (set below, once the layer count is)
     for name, value in fields.items():
-        if name in ("layer_types",):
-            value = (value * config.num_hidden_layers)[: fields["num_hidden_layers"]]
         try:
             settable = hasattr(config, name) or name in _SMALL
         except RuntimeError:  # a per-layer attribute of a heterogeneous config (gemma4): its defaults stay
             continue
         if settable:
             setattr(config, name, value)
-    if hasattr(config, "layer_types") and config.layer_types is not None:
-        kinds = FAMILIES[model_type].get("layer_types", ["full_attention"])
+    if kinds or getattr(config, "layer_types", None) is not None:
+        kinds = kinds or ["full_attention"]
         config.layer_types = [kinds[i % len(kinds)] for i in range(config.num_hidden_layers)]
     if model_type == "gemma4_text":  # head sizes and KV heads of its own per layer kind
         sizes = {
@@ -116,8 +116,8 @@ def tiny_config(model_type: str):
     return config
 
 
-def tiny_model(model_type: str, seed: int = 0):
-    config = tiny_config(model_type)
+def tiny_model(model_type: str, seed: int = 0, **overrides):
+    config = tiny_config(model_type, **overrides)
     if config is None:
         return None
     torch.manual_seed(seed)

@@ -13,7 +13,6 @@ import pytest
 import torch
 from families import WINDOW, tiny_model
 from test_turns import EOS, run_turns
-from transformers import MistralConfig, MistralForCausalLM
 
 import torchkvops
 from torchkvops import Rollout, RolloutConfig
@@ -34,19 +33,7 @@ PROMPT, NEW = 14, 10
 
 def model_of(family: str):
     if family == "mistral_every_layer":  # no layer types: every layer slides, one mask for all
-        torch.manual_seed(0)
-        config = MistralConfig(
-            vocab_size=97,
-            hidden_size=64,
-            intermediate_size=96,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            sliding_window=WINDOW,
-            initializer_range=0.2,
-            pad_token_id=0,
-        )
-        return MistralForCausalLM(config).eval()
+        return tiny_model("mistral", sliding_window=WINDOW)
     model = tiny_model(family)
     if model is None:
         pytest.skip(f"this transformers has no {family}")
