@@ -50,6 +50,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from ..models.adapter import ModelAdapter, is_peft_model, model_state, peft_refusal, unwrap_model
 from ..rollout.engine import NonFiniteLogitsError, Rollout, RolloutConfig
+from ..rollout.layouts import layout_for
 from ..rollout.profiling import RolloutProfile
 from ..utils import LRU, PatchHandle, WarnOnce
 from .call_weights import WeightOptions, call_weights, gather_vote
@@ -422,8 +423,9 @@ def _prepare(session: _Session, model: nn.Module, args: tuple, kwargs: dict) -> 
     if isinstance(arguments, Refusal):
         return arguments, synced
     # After check_model, session.adapter describes the model as it is now.
-    masks_windows = session.options.get("kv_sharing", "copy") == "copy"
-    return session.check_model(model) or check(model, session.adapter, arguments, masks_windows), synced
+    # (the layout the session's rollouts use decides whether it serves a model beyond its sliding window)
+    layout = layout_for(session.options.get("kv_sharing", RolloutConfig.kv_sharing), 1)
+    return session.check_model(model) or check(model, session.adapter, arguments, layout.masks_windows), synced
 
 
 class _PatchedGenerate:
