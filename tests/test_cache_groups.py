@@ -149,7 +149,9 @@ def test_each_layer_keeps_its_kv_in_its_group_through_expansion_decode_compactio
         ref[layer] = grown.clone()
     # A packed forward (a turn): tokens of rows 1 and 4 at their own columns, into each layer's group.
     token_rows, token_columns = torch.tensor([1, 1, 4]), torch.tensor([columns, columns + 1, columns])
-    unused = dict(slots=None, query_columns=None, token_slot=None, keys=None, allowed=None)  # (attend's)
+    unused = dict(
+        slots=None, query_columns=None, query_positions=None, token_slot=None, keys=None, allowed=None
+    )  # (attend's)
     packed = PackedAttention(torch.tensor([1, 4]), token_rows, token_columns, **unused)
     cache.bind(packed.bind(cache.decode_views))
     for layer in range(5):

@@ -3,7 +3,7 @@ each, initializer_range 0.2), served or refused with a named reason, and where s
 as the oracle:
 
 - `Rollout` (both KV layouts): greedy tokens equal HF's generate on left-padded prompts; a model with a
-  sliding window also beyond it (the copy layout; the prefix layout refuses, naming the copy layout).
+  sliding window also beyond it, in both layouts.
 - `patch_forward`: logits and every parameter's gradient equal the plain forward's, on a GRPO batch
   (left-padded prompts of 3 rows each, right-padded completions) whose prompts share a system prompt
   (computed once, nested) and whose rows are longer than a sliding window (masked within the packed
@@ -101,17 +101,14 @@ def test_the_rollout_serves_each_family_with_hfs_tokens_or_names_why_not(family)
             )[:, ids.shape[1] :]
         out = Rollout(model, config).generate(ids, mask)
         assert torch.equal(out.responses, expected.repeat_interleave(2, dim=0)), kv_sharing
-    if verdict == SERVED and sliding(model):  # beyond the window: the copy layout (tests/test_sliding_window.py)
+    if verdict == SERVED and sliding(model):  # beyond the window, both layouts (tests/test_sliding_window.py)
         longer, mask = left_padded(2, WINDOW + 2)
         expected = model.generate(
             longer, attention_mask=mask, do_sample=False, max_new_tokens=new, eos_token_id=None, pad_token_id=0
         )[:, longer.shape[1] :]
-        out = Rollout(model, RolloutConfig(max_new_tokens=new, eos_token_id=[])).generate(longer, mask)
-        assert torch.equal(out.responses, expected)
-        with pytest.raises(ValueError, match="kv_sharing='prefix' serves sliding-window attention only within"):
-            Rollout(model, RolloutConfig(max_new_tokens=new, eos_token_id=[], kv_sharing="prefix")).generate(
-                longer, mask
-            )
+        for kv_sharing in ("copy", "prefix"):
+            config = RolloutConfig(max_new_tokens=new, eos_token_id=[], kv_sharing=kv_sharing)
+            assert torch.equal(Rollout(model, config).generate(longer, mask).responses, expected), kv_sharing
 
 
 def grpo_batch(groups: int = 3, group_size: int = 3, system: int = 6, prompt: int = 10, completion: int = 6):

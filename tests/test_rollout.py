@@ -305,16 +305,6 @@ def test_too_long_for_the_model_positions(llama):
         r.generate(ids, mask)
 
 
-def test_beyond_a_sliding_window_the_prefix_layout_refuses_and_names_the_copy_layout(family_models):
-    """(The copy layout serves it: tests/test_sliding_window.py.)"""
-    r = Rollout(family_models["mistral"], RolloutConfig(max_new_tokens=10, kv_sharing="prefix"))
-    ids, mask = prompts(1, 60)
-    with pytest.raises(
-        ValueError, match="sliding window of 64; kv_sharing='prefix' serves .*kv_sharing='copy' masks it"
-    ):
-        r.generate(ids, mask)
-
-
 def test_encoder_decoder_is_refused():
     model = BartForConditionalGeneration(
         BartConfig(

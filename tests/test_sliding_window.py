@@ -1,9 +1,10 @@
-"""Sliding-window models at any length in the copy KV layout (`CopyLayout.masks_windows`): the prefill masks
-its sliding layers' keys past the window (a mask per layer kind), decode and a turn's packed forward mask
-the keys of a row that are `window` or more columns before the query's own. The oracle is HF's generate,
-whose sliding layers keep only the window. Tiny models of every served family with sliding layers (window
-8) and a Mistral whose every layer slides; rows of 14 + 10 tokens, three times the window. The prefix
-layout serves them within the window only, and says so."""
+"""Sliding-window models at any length, in both KV layouts: the prefill masks its sliding layers' keys past
+the window (a mask per layer kind); decode and a packed forward (a turn, the prompts after a system prompt)
+mask a row's own keys `window` or more columns before the query's own, and the shared levels' keys (the
+prefix layout's prompt and common prefix, whose columns are not the row's) `window` or more positions
+before it. The oracle is HF's generate, whose sliding layers keep only the window. Tiny models of every
+served family with sliding layers (window 8) and a Mistral whose every layer slides; rows of 14 + 10
+tokens, three times the window."""
 
 from __future__ import annotations
 
@@ -56,23 +57,69 @@ def hf_greedy(model, ids, mask, new):
     return out[:, ids.shape[1] :]
 
 
+@pytest.mark.parametrize("kv_sharing", ["copy", "prefix"])
 @pytest.mark.parametrize("family", SLIDING_FAMILIES)
-def test_generate_and_a_row_budget_beyond_the_window_give_hfs_tokens(family):
+def test_generate_and_a_row_budget_beyond_the_window_give_hfs_tokens(family, kv_sharing):
     model = model_of(family)
     ids, mask = left_padded()
     expected = hf_greedy(model, ids, mask, NEW).repeat_interleave(2, dim=0)
     for max_rows in (None, 4):  # 4: the rows stream through a smaller batch
-        config = RolloutConfig(samples_per_prompt=2, max_new_tokens=NEW, eos_token_id=[], max_rows=max_rows)
+        config = RolloutConfig(
+            samples_per_prompt=2, max_new_tokens=NEW, eos_token_id=[], max_rows=max_rows, kv_sharing=kv_sharing
+        )
         assert torch.equal(Rollout(model, config).generate(ids, mask).responses, expected), max_rows
-    with pytest.raises(ValueError, match="kv_sharing='copy' masks it at any length"):
-        Rollout(model, RolloutConfig(max_new_tokens=NEW, eos_token_id=[], kv_sharing="prefix")).generate(ids, mask)
 
 
+def system_prompted(seed: int):
+    """3 prompts that begin with one 6-token system prompt (kept once: min_shared_tokens=4), left-padded:
+    the system prompt's columns differ from prompt to prompt, so its keys' distance to a query depends on
+    the prompt (windows of 8 reach into it from the first response tokens on)."""
+    g = torch.Generator().manual_seed(seed)
+    system = torch.randint(3, 97, (6,), generator=g)
+    rows = [torch.cat([system, torch.randint(3, 97, (n,), generator=g)]) for n in (8, 3, 5)]
+    ids = torch.zeros(3, 14, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, row in enumerate(rows):
+        ids[i, 14 - row.numel() :], mask[i, 14 - row.numel() :] = row, 1
+    return ids, mask
+
+
+@pytest.mark.parametrize("kv_sharing", ["copy", "prefix"])
 @pytest.mark.parametrize("family", ["gemma3_text", "gpt_oss", "gemma2", "mistral_every_layer"])
-def test_turns_beyond_the_window_equal_hf_on_each_full_history(family):
+def test_a_system_prompt_kept_once_and_ended_rows_beyond_the_window_give_hfs_tokens(family, kv_sharing):
+    """The system prompt computed once (and, in the prefix layout, read by every row from its one copy),
+    EOS ids that end rows at different steps (the batch compacted as they end)."""
+    model = model_of(family)
+    ids, mask = system_prompted(5)
+    free = hf_greedy(model, ids, mask, NEW)
+    eos = [int(free[0, 3]), int(free[2, 6])]  # ends rows of prompts 0 and 2 early
+    with torch.no_grad():
+        expected = model.generate(
+            ids, attention_mask=mask, do_sample=False, max_new_tokens=NEW, eos_token_id=eos, pad_token_id=0
+        )[:, ids.shape[1] :]
+    config = RolloutConfig(
+        samples_per_prompt=2,
+        max_new_tokens=NEW,
+        eos_token_id=eos,
+        pad_token_id=0,
+        kv_sharing=kv_sharing,
+        min_shared_tokens=4,
+        compact_finished_rows=True,
+        enable_profiling=True,
+    )
+    rollout = Rollout(model, config)
+    out = rollout.generate(ids, mask)
+    assert rollout.get_last_profile().prefill_tokens == 6 + 8 + 3 + 5  # the system prompt once
+    got = out.responses[:, : expected.shape[1]]
+    assert torch.equal(got, expected.repeat_interleave(2, dim=0))
+
+
+@pytest.mark.parametrize("kv_sharing", ["copy", "prefix"])
+@pytest.mark.parametrize("family", ["gemma3_text", "gpt_oss", "gemma2", "mistral_every_layer"])
+def test_turns_beyond_the_window_equal_hf_on_each_full_history(family, kv_sharing):
     """Two extends with appended chunks of 0-8 tokens (EOS ids: rows of different lengths), each row's new
     tokens against HF's generate on its full history."""
-    config = RolloutConfig(samples_per_prompt=2, max_new_tokens=NEW, eos_token_id=EOS)
+    config = RolloutConfig(samples_per_prompt=2, max_new_tokens=NEW, eos_token_id=EOS, kv_sharing=kv_sharing)
     run_turns(model_of(family), config, *left_padded(1), turns=2)
 
 
@@ -89,15 +136,19 @@ def test_patch_generate_serves_a_sliding_window_model_beyond_its_window():
     assert torch.equal(got[:, PROMPT:], expected)
 
 
-def test_the_windowed_decode_bias_on_the_emulated_cuda_attention_needs_no_copy():
+@pytest.mark.parametrize("kv_sharing", ["copy", "prefix"])
+def test_the_windowed_decode_bias_on_the_emulated_cuda_attention_needs_no_copy(kv_sharing):
     """Decode beyond the window through fused_attention's CUDA branch against the emulated memory-efficient
-    kernels: the CPU branch's tokens, and the windowed bias (a new [rows, 1, 1, T] tensor each layer)
-    aligned as the kernels read it, never copied."""
+    kernels: the CPU branch's tokens, and the windowed biases (new tensors each layer: [rows, 1, 1, T] over
+    a row's own keys, [prompts, 1, N * group, P] over a shared prompt) aligned as the kernels read them,
+    never copied."""
     from mem_eff_emulator import emulated_cuda_branch, recording_bias_copies
 
     model = model_of("gemma3_text")
     ids, mask = left_padded(3)
-    config = RolloutConfig(samples_per_prompt=2, max_new_tokens=NEW, temperature=1.0, seed=0, eos_token_id=[])
+    config = RolloutConfig(
+        samples_per_prompt=2, max_new_tokens=NEW, temperature=1.0, seed=0, eos_token_id=[], kv_sharing=kv_sharing
+    )
     expected = Rollout(model, config).generate(ids, mask)
     with emulated_cuda_branch("zero") as emulator, recording_bias_copies() as copied:
         got = Rollout(model, config).generate(ids, mask)
@@ -105,13 +156,15 @@ def test_the_windowed_decode_bias_on_the_emulated_cuda_attention_needs_no_copy()
     assert torch.equal(got.sequences, expected.sequences)
 
 
-def test_patch_generate_with_the_prefix_layout_falls_back_beyond_the_window_with_hfs_tokens():
+def test_patch_generate_with_the_prefix_layout_serves_beyond_the_window_with_hfs_tokens():
     model = model_of("gemma3_text")
     ids, mask = left_padded(4)
     expected = hf_greedy(model, ids, mask, NEW)
-    with torchkvops.patch_generate(model, kv_sharing="prefix"):
-        with pytest.warns(UserWarning, match="kv_sharing='prefix' serves sliding-window attention only within"):
+    with torchkvops.patch_generate(model, kv_sharing="prefix", enable_profiling=True) as handle:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)  # served: no fallback warning
             got = model.generate(
                 ids, attention_mask=mask, do_sample=False, max_new_tokens=NEW, eos_token_id=None, pad_token_id=0
             )
+        assert handle.last_profile() is not None  # served by the rollout
     assert torch.equal(got[:, PROMPT:], expected)

@@ -221,10 +221,9 @@ def bind(model: nn.Module, args: tuple, kwargs: dict) -> tuple[Arguments | Refus
     return arguments, synced
 
 
-def check(model: nn.Module, adapter: ModelAdapter, arguments: Arguments, masks_windows: bool = True) -> Call | Refusal:
+def check(model: nn.Module, adapter: ModelAdapter, arguments: Arguments) -> Call | Refusal:
     """The call the rollout serves, else why not, for a model the rollout runs (`adapter`: the model as
-    it is now; `masks_windows`: the rollout's KV layout masks sliding windows at any length, the copy
-    layout's). Checked in order: the call's context, the generation settings, the inputs, the length."""
+    it is now). Checked in order: the call's context, the generation settings, the inputs, the length."""
     refusal = _unsupported_context(model, adapter)
     if refusal:
         return refusal
@@ -239,7 +238,7 @@ def check(model: nn.Module, adapter: ModelAdapter, arguments: Arguments, masks_w
     if isinstance(plan, Refusal):
         return plan
     try:  # the positions (and sliding window) the rollout's KV cache covers
-        adapter.check_length(ids.shape[1], plan.max_new_tokens, masks_windows)
+        adapter.check_length(ids.shape[1], plan.max_new_tokens)
     except ValueError as e:
         return Refusal(f"this length ({str(e).removeprefix('torchkvops: ')})", "length")
     return Call(plan, ids, mask, arguments.synced)

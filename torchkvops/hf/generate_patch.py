@@ -50,7 +50,6 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from ..models.adapter import ModelAdapter, is_peft_model, model_state, peft_refusal, unwrap_model
 from ..rollout.engine import NonFiniteLogitsError, Rollout, RolloutConfig
-from ..rollout.layouts import layout_for
 from ..rollout.profiling import RolloutProfile
 from ..utils import LRU, PatchHandle, WarnOnce
 from .call_weights import WeightOptions, call_weights, gather_vote
@@ -423,9 +422,7 @@ def _prepare(session: _Session, model: nn.Module, args: tuple, kwargs: dict) -> 
     if isinstance(arguments, Refusal):
         return arguments, synced
     # After check_model, session.adapter describes the model as it is now.
-    # (the layout the session's rollouts use decides whether it serves a model beyond its sliding window)
-    layout = layout_for(session.options.get("kv_sharing", RolloutConfig.kv_sharing), 1)
-    return session.check_model(model) or check(model, session.adapter, arguments, layout.masks_windows), synced
+    return session.check_model(model) or check(model, session.adapter, arguments), synced
 
 
 class _PatchedGenerate:

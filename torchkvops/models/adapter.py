@@ -337,23 +337,16 @@ class ModelAdapter:
         self.input_vocab = input_vocab(model)
         self.output_vocab = output_vocab(model)
 
-    def check_length(self, prompt_length: int, new_tokens: int, masks_windows: bool = False) -> None:
-        """Refuse lengths the model's positions (or sliding window, unless the KV layout `masks_windows`) do
-        not cover. The last sampled token is never fed back, so a rollout runs the model at prompt_length +
-        new_tokens - 1 positions (HF's generate serves the same lengths: up to max_position_embeddings + 1
-        tokens in all)."""
+    def check_length(self, prompt_length: int, new_tokens: int) -> None:
+        """Refuse lengths the model's positions do not cover. The last sampled token is never fed back, so a
+        rollout runs the model at prompt_length + new_tokens - 1 positions (HF's generate serves the same
+        lengths: up to max_position_embeddings + 1 tokens in all). A sliding window is no limit: both KV
+        layouts mask the keys past it."""
         positions = prompt_length + new_tokens - 1
         if self.max_positions is not None and positions > self.max_positions:
             raise ValueError(
                 f"torchkvops: prompt length + max_new_tokens - 1 = {positions} positions exceed the model's "
                 f"{self.max_positions} (max_position_embeddings)"
-            )
-        window = self.window
-        if window is not None and positions > window and not masks_windows:
-            raise ValueError(
-                f"torchkvops: prompt length + max_new_tokens - 1 = {positions} positions exceed the model's sliding "
-                f"window of {window}; kv_sharing='prefix' serves sliding-window attention only within its window "
-                "(kv_sharing='copy' masks it at any length)"
             )
 
     def eos_ids(self, configured) -> list[int]:

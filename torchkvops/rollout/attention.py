@@ -46,8 +46,8 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .. import ops
+from ..fused_attention import MASKED_KEY_BIAS, attend_softcapped, merge_sinks
 from ..fused_attention import attend as _attend
-from ..fused_attention import attend_softcapped, merge_sinks
 from .cache_groups import KVViews, layer_kv, layer_slot
 
 __all__ = [
@@ -102,11 +102,13 @@ class DecodeAttention:
     kv: KVViews | None = None  # the decode buffers: per group [group layers, 2, rows, kv_heads, T, head_dim]
     columns: Tensor | None = None  # [rows] the column each row writes this step (the decode state's)
     cache_position: Tensor | None = None  # [1] HF's cache position of this step (the decode state's)
+    positions: Tensor | None = None  # [rows, 1] the position of each row's token this step (the decode state's)
 
     # Prefix layout (None in the copy layout, where each row holds its prompt's KV): rows [i*N, (i+1)*N)
     # answer prompt i, whose KV is row i of prompt_kv's buffers.
     prompt_kv: KVViews | None = None  # per group [group layers, 2, B, kv_heads, P, head_dim]
     prompt_bias: Tensor | None = None  # [B, 1, 1, P]: 0 where prompt i has a token, -inf elsewhere
+    prompt_positions: Tensor | None = None  # [B, P]: the position of each column's token (a window's distance)
     # Prefix layout of a compacted batch (torchkvops.rollout.compaction): rows need not come N per prompt; the
     # queries of prompt i are the rows slot_rows[i*S : (i+1)*S] ([B * S]), and row r reads its prefix
     # attention from sample row_sample[r] of prompt row_prompt[r] ([rows] each).
@@ -124,8 +126,10 @@ class DecodeAttention:
         the decoder calls this whenever it starts decoding a state or the views change, so the context never
         holds a mix of two states. The object itself stays the same (a compiled decode step reads it)."""
         self.kv, self.columns, self.cache_position = cache.decode_views, state.column, state.cache_position
+        self.positions = state.position_ids
         self.prompt_kv = cache.prompt_views if prefix else None
         self.prompt_bias = state.prompt_bias if prefix else None
+        self.prompt_positions = state.prompt_positions if prefix else None
         self.slot_rows, self.row_prompt, self.row_sample = state.slot_rows, state.row_prompt, state.row_sample
         self.common_kv = cache.common_views if prefix else None
         self.common_bias = state.common_bias if self.common_kv is not None else None
@@ -155,6 +159,7 @@ class SharedLevel:
     kv: KVViews  # per group [group layers, 2, n, kv_heads, K', head_dim]
     of_row: Tensor  # [L] the level's row each live row reads
     visible: Tensor  # [L, K'] bool: which of its columns each live row sees
+    positions: Tensor  # [L, K'] the position of the token in each of those columns (a sliding window's distance)
 
 
 @dataclasses.dataclass
@@ -170,6 +175,7 @@ class PackedAttention:
     token_columns: Tensor  # [T] the column of its row its K and V go to
     slots: Tensor  # [L, C] the packed index of each live row's j-th chunk token (past its chunk: its last)
     query_columns: Tensor  # [L, C] the column of its row each live row's j-th chunk token writes
+    query_positions: Tensor  # [L, C] that token's position (a sliding window's distance to the levels' keys)
     token_slot: Tensor  # [T] each packed token's place in the [L * C] slots (to pack the outputs back)
     keys: int  # the buffer's columns read: up to the longest live row's chunk end
     allowed: Tensor  # [L, 1, C, keys'] bool: the shared levels' columns, then the row's own
@@ -210,7 +216,7 @@ class PackedAttention:
     ) -> Tensor:
         """query [1, heads, T, head_dim] (the packed tokens); key, value: the layer's buffer [rows, kv_heads,
         columns, head_dim]; `window`: the layer's sliding window (a token sees its row's columns less than
-        `window` before its own; the copy layout, whose rows hold every token they read); `sinks` [heads]:
+        `window` before its own, and the levels' keys less than `window` positions before it); `sinks` [heads]:
         attention sinks, a logit per head with no value (a zero key and value whose score is the sink);
         `softcap`: Gemma 2's capped scores (float32 matmuls). Returns [1, T, heads, head_dim]."""
         live, chunk = self.slots.shape
@@ -222,9 +228,9 @@ class PackedAttention:
         v = torch.cat([*vs, value.index_select(0, self.rows)[:, :, : self.keys]], dim=2)
         allowed = self.allowed
         if window is not None:
-            shared = allowed.shape[-1] - self.keys
-            near = self.query_columns[:, :, None] - torch.arange(self.keys, device=allowed.device) < window
-            allowed = torch.cat([allowed[..., :shared], allowed[..., shared:] & near[:, None]], dim=-1)
+            own = self.query_columns[:, :, None] - torch.arange(self.keys, device=allowed.device) < window
+            shared = [self.query_positions[:, :, None] - level.positions[:, None, :] < window for level in self.levels]
+            allowed = allowed & torch.cat([*shared, own], dim=-1)[:, None]
         mask = allowed
         if sinks is not None or softcap is not None:  # an additive mask, for the sinks' scores or the cap's path
             mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill(~allowed, float("-inf"))
@@ -268,7 +274,16 @@ def packed_attention(packed, frontier: Tensor, seen: Tensor, levels: tuple[Share
     allowed = torch.cat([*shared, allowed], dim=2)
     query_columns = frontier[:, None] + j[None, :]
     return PackedAttention(
-        rows, packed.row, packed.column, slots, query_columns, token_slot, keys, allowed[:, None], tuple(levels)
+        rows,
+        packed.row,
+        packed.column,
+        slots,
+        query_columns,
+        packed.positions[slots],
+        token_slot,
+        keys,
+        allowed[:, None],
+        tuple(levels),
     )
 
 
@@ -342,10 +357,10 @@ def torchkvops_attention(
             f"kv_heads, got query {tuple(query.shape)} and keys {tuple(key.shape)}"
         )
     q = query.reshape(rows, kv_heads, group, head_dim)  # the heads of one KV head, as query length
+    if window is not None:  # the row's own keys `window` or more columns before its query's own are out of it
+        near = context.columns[:, None] - torch.arange(key.shape[2], device=key.device)[None, :] < window
+        attention_mask = attention_mask.masked_fill(~near[:, None, None, :], MASKED_KEY_BIAS)
     if context.prompt_kv is None:  # the copy layout: each row's decode buffer holds its prompt too
-        if window is not None:  # keys `window` or more columns before the row's query's own are out of it
-            near = context.columns[:, None] - torch.arange(key.shape[2], device=key.device)[None, :] < window
-            attention_mask = attention_mask.masked_fill(~near[:, None, None, :], float("-inf"))
         out, lse = attend(q, key, value, attention_mask, scale=scaling, with_lse=sinks is not None)
         return _with_sinks(out, lse, sinks, kv_heads).reshape(rows, 1, heads, head_dim), None
 
@@ -354,13 +369,18 @@ def torchkvops_attention(
     slotted = context.slot_rows is not None
     samples = (context.slot_rows.shape[0] if slotted else rows) // prompts
     layer = module.layer_idx
+    position = None if window is None else context.positions[:, 0]  # [rows] each row's query's position
     # Prefix: the N rows' queries of each prompt, stacked, against that prompt's KV (read once).
     stacked = q.index_select(0, context.slot_rows) if slotted else q
     stacked = stacked.view(prompts, samples, kv_heads, group, head_dim).transpose(1, 2)
     stacked = stacked.reshape(prompts, kv_heads, samples * group, head_dim)
     prompt_kv = layer_kv(context.prompt_kv, layer)
     prefix_k, prefix_v = prompt_kv[0], prompt_kv[1]
-    out_p, lse_p = attend(stacked, prefix_k, prefix_v, context.prompt_bias, scale=scaling)
+    prompt_bias = context.prompt_bias
+    if window is not None:  # a query's distance to a shared key is in positions: its columns are not the row's
+        stacked_position = (position.index_select(0, context.slot_rows) if slotted else position).view(prompts, samples)
+        prompt_bias = _window_bias(prompt_bias, stacked_position, context.prompt_positions, window, group)
+    out_p, lse_p = attend(stacked, prefix_k, prefix_v, prompt_bias, scale=scaling)
     # Suffix: each row's own response KV, written up to and including this step.
     out_s, lse_s = attend(q, key, value, attention_mask, scale=scaling)
     # Merge, in the rows' layout [B, N, kv_heads, group, ...] (the prefix part as a strided view).
@@ -381,7 +401,11 @@ def torchkvops_attention(
         common_kv = layer_kv(context.common_kv, layer)
         common_k, common_v = common_kv[0], common_kv[1]
         every = q.transpose(0, 1).reshape(1, kv_heads, rows * group, head_dim)
-        out_c, lse_c = attend(every, common_k, common_v, context.common_bias, scale=scaling)
+        common_bias = context.common_bias
+        if window is not None:  # the common prefix's column j holds position j in every prompt
+            columns = torch.arange(common_k.shape[2], device=common_k.device)[None, :]
+            common_bias = _window_bias(common_bias, position[None, :], columns, window, group)
+        out_c, lse_c = attend(every, common_k, common_v, common_bias, scale=scaling)
         out_c = out_c.view(kv_heads, rows, group, head_dim).transpose(0, 1)
         lse_c = lse_c.view(kv_heads, rows, group).transpose(0, 1)
         out, lse = ops.merge_attention_states(
@@ -389,6 +413,17 @@ def torchkvops_attention(
         )
     out = _with_sinks(out.reshape(rows, kv_heads, group, head_dim), lse.reshape(rows, kv_heads, group), sinks, kv_heads)
     return out.reshape(rows, 1, heads, head_dim), None
+
+
+def _window_bias(bias: Tensor, query_positions: Tensor, key_positions: Tensor, window: int, group: int) -> Tensor:
+    """A shared level's bias for stacked queries under a sliding window: `bias` [X, 1, 1, K] (what each of
+    its X rows shows), `query_positions` [X, M] the position of each stacked row's query (each repeated for
+    the `group` heads of a KV head), `key_positions` [X or 1, K] each key's. Keys `window` or more positions
+    back get `MASKED_KEY_BIAS`: a query that sees none of the level keeps a finite log-sum-exp (its part
+    then weighs nothing in the merge). Returns [X, 1, M * group, K]."""
+    far = query_positions[:, :, None] - key_positions[:, None, :] >= window  # [X, M, K]
+    far = far[:, None, :, None, :].expand(-1, -1, -1, group, -1).flatten(2, 3)
+    return bias.masked_fill(far, MASKED_KEY_BIAS)
 
 
 def _with_sinks(out: Tensor, lse: Tensor | None, sinks: Tensor | None, kv_heads: int) -> Tensor:

@@ -128,13 +128,15 @@ class DecodeBatch:
         the step adds one): what the model numbers the step from and the cache reports as its length."""
         self.state.cache_position.fill_(position)
 
-    def show_prompts(self, groups: Tensor | None, visible: Tensor) -> None:
+    def show_prompts(self, groups: Tensor | None, visible: Tensor, first_position: int = 0) -> None:
         """Prefix layout: prompt groups `groups` (device int64; None: every group) show `visible`
-        ([groups, prompt buffer length] bool) of their shared KV."""
+        ([groups, prompt buffer length] bool) of their shared KV, whose first visible column holds the
+        token at position `first_position` (after a common prefix kept apart: its length) and the others
+        the next positions, in column order."""
         s = self.state
-        s.prompt_bias[slice(None) if groups is None else groups, 0, 0] = visible_bias(visible, s.shape.prompt_len).to(
-            s.prompt_bias.dtype
-        )
+        index = slice(None) if groups is None else groups
+        s.prompt_bias[index, 0, 0] = visible_bias(visible, s.shape.prompt_len).to(s.prompt_bias.dtype)
+        s.prompt_positions[index, : visible.shape[1]] = first_position + visible.long().cumsum(dim=1) - 1
 
     def show_common(self, visible: Tensor) -> None:
         """Prefix layout: every row shows `visible` ([1, common buffer length] bool) of the prefix common

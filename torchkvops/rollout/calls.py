@@ -166,7 +166,7 @@ class ExtendCall(Call):
         layout, cache, n = r.layout, r.cache, r.config.samples_per_prompt
         self.turn = turn = make_turn(history, self.appended)
         self.live_positions = torch.where(turn.live, history.last_position + turn.lengths, 0)
-        r.adapter.check_length(int(self.live_positions.max()), self.max_new_tokens, layout.masks_windows)
+        r.adapter.check_length(int(self.live_positions.max()), self.max_new_tokens)
         self.decode_start = history.frontier + turn.lengths  # each row decodes on after its chunk
         cache.grow(round_up(int(self.decode_start.max()) + self.max_new_tokens - 1))
         self.prompt_visible = layout.prompt_visible(history.prompt_info.columns, cache)

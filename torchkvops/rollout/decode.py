@@ -284,10 +284,11 @@ class Decoder:
             self.cache, rows, prompts, max_new_tokens, self.adapter.dtype, self.step.logprobs
         )
         batch = self.batch(self.state_for(shape), self.layout.batch_map(rows))
-        if prompt_visible is not None:
-            batch.show_prompts(None, prompt_visible)
         if common_visible is not None:
             batch.show_common(common_visible)
+        if prompt_visible is not None:
+            common = 0 if common_visible is None else int(common_visible.sum())  # host sync: once per call
+            batch.show_prompts(None, prompt_visible, common)
         self.step.bind(batch.state)
         batch.admit(
             None,

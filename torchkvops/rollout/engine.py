@@ -240,7 +240,7 @@ class Rollout:
         batch, prompt_len = input_ids.shape
         n, new_tokens = cfg.samples_per_prompt, cfg.max_new_tokens
         rows = batch * n
-        self.adapter.check_length(prompt_len, new_tokens, self.layout.masks_windows)
+        self.adapter.check_length(prompt_len, new_tokens)
         if seed is None:
             seed = cfg.seed if cfg.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
         if row_ids is None:

@@ -53,11 +53,6 @@ class CopyLayout:
     name = "copy"
     needs_shared_prefill = False  # (the expanded baseline prefills every row's copy: this layout's own)
     holds_common = True  # a prefix common to every prompt sits in each prompt's rows, before its remainder
-    # Each row's tokens sit in contiguous columns of its own row, in position order, so a sliding window is
-    # a distance in columns: the decode and packed attentions mask keys past it (sliding windows at any
-    # length). The prefix layout reads shared levels whose columns are not the row's: it serves windowed
-    # models only while prompt + response fit in the window.
-    masks_windows = True
 
     def __init__(self, samples: int):
         self.samples = samples
@@ -190,7 +185,6 @@ class PrefixLayout(CopyLayout):
 
     name = "prefix"
     needs_shared_prefill = True  # one prompt KV per prompt: what a shared prefill writes
-    masks_windows = False
     holds_common = False  # a common prefix is kept once (cache.common_views), each prompt's remainder apart
 
     def common_length(self, common: int) -> int:
@@ -210,7 +204,8 @@ class PrefixLayout(CopyLayout):
     def common_levels(self, cache, batch: int, common: int) -> tuple[SharedLevel, ...]:
         views = cache.common_views
         zeros = torch.zeros(batch, dtype=torch.long, device=views.device)
-        return (SharedLevel(views, zeros, self._common_visible(cache, common, batch)),)
+        positions = torch.arange(views.tokens, device=views.device)[None, :].expand(batch, -1)  # column j: position j
+        return (SharedLevel(views, zeros, self._common_visible(cache, common, batch), positions),)
 
     def common_visible(self, cache, common: int) -> Tensor | None:
         return None if cache.common_views is None else self._common_visible(cache, common, 1)
@@ -224,7 +219,8 @@ class PrefixLayout(CopyLayout):
             self.common_levels(cache, prompt_of_row.numel(), prompts.common) if cache.common_views is not None else ()
         )
         visible = self.prompt_visible(prompts.columns, cache)[prompt_of_row]
-        return (*levels, SharedLevel(cache.prompt_views, prompt_of_row, visible))
+        positions = prompts.common + visible.long().cumsum(dim=1) - 1  # (show_prompts' numbering)
+        return (*levels, SharedLevel(cache.prompt_views, prompt_of_row, visible, positions))
 
     def kv_lengths(self, prompt_len: int, new_tokens: int) -> tuple[int, ...]:
         return round_up(prompt_len), round_up(new_tokens - 1, RESPONSE_KV_MULTIPLE)
@@ -277,7 +273,8 @@ class PrefixLayout(CopyLayout):
     def dynamic_tensors(self, state, cache) -> list[tuple[Tensor, tuple[int, ...]]]:
         common = cache.common_views
         common = [] if common is None else [*((t, (4,)) for t in common.buffers), (state.common_bias, (3,))]
-        return [*((t, (2, 4)) for t in cache.prompt_views.buffers), (state.prompt_bias, (0, 3)), *common]
+        prompt = [(state.prompt_bias, (0, 3)), (state.prompt_positions, (0, 1))]
+        return [*((t, (2, 4)) for t in cache.prompt_views.buffers), *prompt, *common]
 
     # A streaming batch keeps prompt KV slots, each held until all of its prompt's samples have ended
     # (twice the prompts the rows hold at once, so that prompts whose last samples linger do not keep rows

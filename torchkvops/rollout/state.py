@@ -100,6 +100,13 @@ class DecodeState:
             "prefix layout: the bias over each prompt's shared KV",
         ),
         _Field(
+            "prompt_positions",
+            "prompt",
+            lambda s: _if(s.prompts > 0, (s.prompts, s.prompt_len)),
+            doc="prefix layout: the position of each column of a prompt's shared KV (what a sliding window "
+            "measures a query's distance to; a hidden column's is never read)",
+        ),
+        _Field(
             "common_bias",
             "shared",
             lambda s: _if(s.common_len > 0, (1, 1, 1, s.common_len)),
