@@ -45,6 +45,27 @@ _MOE = dict(
     norm_topk_prob=True,
 )
 _SLIDING = dict(sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"])
+# Hybrids: recurrent layers before attention ones. Gated DeltaNet (Qwen3.5, Qwen3-Next): 2 key and 4 value
+# heads of 8, a convolution of 4; Mamba2 (Granite 4, Nemotron-H, Falcon-H1): 4 heads of 16, a state of 8,
+# chunks of 8 (shorter than the prompts: the chunked scan's carry is exercised); LFM2: short convolutions.
+_GATED_DELTANET = dict(
+    linear_num_value_heads=4,
+    linear_num_key_heads=2,
+    linear_key_head_dim=8,
+    linear_value_head_dim=8,
+    linear_conv_kernel_dim=4,
+    layer_types=["linear_attention", "full_attention"],
+)
+_MAMBA2 = dict(
+    mamba_n_heads=4,
+    mamba_d_head=16,
+    mamba_d_state=8,
+    mamba_n_groups=1,
+    mamba_d_conv=4,
+    mamba_expand=1,
+    mamba_chunk_size=8,
+    layer_types=["linear_attention", "full_attention"],
+)
 
 # model type -> the fields its tiny config sets beyond _SMALL.
 FAMILIES: dict[str, dict] = {
@@ -84,7 +105,20 @@ FAMILIES: dict[str, dict] = {
         activation_sparsity_pattern=[0.0] * 4,
     ),
     "gemma4_text": dict(_SLIDING, vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8),
+    "qwen3_5_text": _GATED_DELTANET,
+    "qwen3_5_moe_text": dict(_GATED_DELTANET, **_MOE, shared_expert_intermediate_size=32),
+    "qwen3_next": dict(_GATED_DELTANET, **_MOE, shared_expert_intermediate_size=32),
+    "granitemoehybrid": dict(_MAMBA2, **_MOE, shared_intermediate_size=32),
+    "nemotron_h": dict(
+        _MAMBA2, **_MOE, layer_types=["linear_attention", "full_attention", "mlp", "moe"], num_hidden_layers=4
+    ),
+    "falcon_h1": dict(_MAMBA2, mamba_d_ssm=64),  # (each layer "hybrid": Mamba2 beside attention)
+    "lfm2": dict(
+        layer_types=["conv", "full_attention"], conv_L_cache=3, block_ff_dim=96, block_auto_adjust_ff_dim=False
+    ),
 }
+# The hybrids: models with recurrent layers (tests/test_hybrid.py).
+HYBRIDS = ["qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "granitemoehybrid", "nemotron_h", "falcon_h1", "lfm2"]
 
 
 def tiny_config(model_type: str, **overrides):
@@ -105,7 +139,10 @@ def tiny_config(model_type: str, **overrides):
             setattr(config, name, value)
     if kinds or getattr(config, "layer_types", None) is not None:
         kinds = kinds or ["full_attention"]
-        config.layer_types = [kinds[i % len(kinds)] for i in range(config.num_hidden_layers)]
+        try:
+            config.layer_types = [kinds[i % len(kinds)] for i in range(config.num_hidden_layers)]
+        except AttributeError:  # derived, not settable (Falcon-H1: every layer "hybrid")
+            pass
     if model_type == "gemma4_text":  # head sizes and KV heads of its own per layer kind
         sizes = {
             "sliding_attention": {"head_dim": 16, "num_key_value_heads": 2},

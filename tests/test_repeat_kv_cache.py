@@ -431,9 +431,12 @@ def opcheck_samples(device):
         (cache([2, 2, 9, 3, 7, 8], torch.float16), 2, 4, 7),
         (cache([2, 7, 3, 5, 9], torch.bfloat16, "heads_inner"), 3, 2, 1),
         (cache([5, 2, 6, 4], torch.float32, "token_slice"), 1, 5, 6),
+        # A recurrent cache group's states: [layers, 1, rows, 1, 1, width], one "position" per row.
+        (cache([3, 1, 8, 1, 1, 40], torch.bfloat16), 2, 4, 1),
     ]
     functional = [
         (cache([3, 2, 5, 4]), 2),
+        (cache([3, 1, 2, 1, 1, 40]), 4),  # the prefix layout's state expansion (RecurrentGroup.expand_states)
         (cache([2, 3, 2, 5, 4], torch.float16, "heads_inner"), 3),
         (cache([2, 3, 2, 4], torch.float64).requires_grad_(), 2),
         (cache([2, 3, 2, 5, 4], torch.float64, "token_slice").requires_grad_(), 3),

@@ -322,10 +322,11 @@ def test_encoder_decoder_is_refused():
         Rollout(model, RolloutConfig())
 
 
-def test_hybrid_layers_are_refused(llama):
-    llama.config.layer_types = ["full_attention", "linear_attention"]
+def test_layers_of_a_kind_the_rollout_does_not_know_are_refused(llama):
+    """(Recurrent layers are served: tests/test_hybrid.py.)"""
+    llama.config.layer_types = ["full_attention", "chunked_attention"]
     try:
-        with pytest.raises(ValueError, match="linear_attention"):
+        with pytest.raises(ValueError, match="layers of type \\['chunked_attention'\\]"):
             Rollout(llama, RolloutConfig())
     finally:
         del llama.config.layer_types

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from .precision import compute_dtype
+from .recurrent import RECURRENT_LAYER_TYPES, STATELESS_LAYER_TYPES, RowLayout, probe_states
 
 __all__ = [
     "ModelAdapter",
@@ -18,6 +19,7 @@ __all__ = [
     "GroupSpec",
     "CacheSpec",
     "FULL_ATTENTION",
+    "RECURRENT",
     "model_state",
     "unwrap_model",
     "is_peft_model",
@@ -49,18 +51,23 @@ class KVShape:
 
 
 # The kinds of cache group (`GroupSpec.kind`): what a group's layers store, and so how its rows are
-# expanded, gathered and extended (`torchkvops.rollout.cache_groups`). Today every layer is full attention.
+# expanded, gathered and extended (`torchkvops.rollout.cache_groups`): attention layers' KV, or recurrent
+# layers' fixed-size states (a convolution window, a recurrent state: `torchkvops.models.recurrent`).
 FULL_ATTENTION = "full_attention"
+RECURRENT = "recurrent"
 
 
 @dataclasses.dataclass(frozen=True)
 class GroupSpec:
-    """Layers whose KV one cache group stores: one kind, one number of KV heads and head size."""
+    """Layers whose KV (or, kind RECURRENT, states) one cache group stores: one kind, one number of KV heads
+    and head size; a recurrent group's `states` (the fields of each layer's row, `recurrent.StateField`)
+    take `head_dim` elements of the cache's dtype per row (`recurrent.RowLayout.width`) and one KV head."""
 
     kind: str
     layers: tuple[int, ...]  # the model layers, in order
     kv_heads: int
     head_dim: int
+    states: tuple = ()  # RECURRENT: the StateFields of each layer's row
 
     @property
     def shape(self) -> KVShape:
@@ -70,22 +77,34 @@ class GroupSpec:
 @dataclasses.dataclass(frozen=True)
 class CacheSpec:
     """What the rollout's KV cache holds for a model: its cache groups, and which layer's KV each layer's
-    attention reads (`reads[l]`: l itself, whose KV its group stores; or an earlier layer whose KV it
-    shares, as gemma3n's `kv_shared_layer_index` says: such a layer is in no group and writes no KV)."""
+    attention reads (`reads[l]`: l itself, whose KV its group stores; an earlier layer whose KV it shares,
+    as gemma3n's `kv_sharing_modes` say: such a layer is in no attention group and writes no KV; or None:
+    a layer without attention). A recurrent layer's states are in one RECURRENT group (a hybrid layer's
+    too, besides its KV)."""
 
     groups: tuple[GroupSpec, ...]
-    reads: tuple[int, ...]  # one entry per model layer
+    reads: tuple[int | None, ...]  # one entry per model layer
 
     def __post_init__(self):
-        stored = [layer for group in self.groups for layer in group.layers]
-        if len(set(stored)) != len(stored):
-            raise ValueError(f"torchkvops: a layer is in two cache groups: {self.groups}")
+        for kinds in ((FULL_ATTENTION,), (RECURRENT,)):
+            stored = [layer for group in self.groups if group.kind in kinds for layer in group.layers]
+            if len(set(stored)) != len(stored):
+                raise ValueError(f"torchkvops: a layer is in two cache groups of one kind: {self.groups}")
+        stored = {layer for group in self.groups if group.kind == FULL_ATTENTION for layer in group.layers}
         for layer, source in enumerate(self.reads):
+            if source is None:
+                if layer in stored:
+                    raise ValueError(f"torchkvops: layer {layer} has no attention, but a cache group stores its KV")
+                continue
             if (source == layer) != (layer in stored) or source not in stored:
                 raise ValueError(
                     f"torchkvops: layer {layer} reads layer {source}'s KV, but the cache groups store "
                     f"layers {sorted(stored)}: a layer stores its own KV or reads a stored layer's"
                 )
+        # Attention groups first: the buffers' shared properties (positions, device) are read off group 0.
+        kinds = [group.kind for group in self.groups]
+        if kinds and kinds[0] != FULL_ATTENTION or kinds != sorted(kinds, key=lambda k: k == RECURRENT):
+            raise ValueError(f"torchkvops: the attention cache groups come before the recurrent ones: {self.groups}")
 
     @classmethod
     def single(cls, shape: KVShape) -> CacheSpec:
@@ -94,18 +113,22 @@ class CacheSpec:
         return cls((GroupSpec(FULL_ATTENTION, layers, shape.kv_heads, shape.head_dim),), layers)
 
     @classmethod
-    def from_config(cls, config) -> CacheSpec:
+    def from_config(cls, config, states: dict | None = None, dtype: torch.dtype | None = None) -> CacheSpec:
         """The cache groups a model's config asks for: the one place a new kind of layer adds its groups.
-        Every model served today is attention in every layer: one group per KV shape (per-layer head sizes
-        and KV heads, as gemma4's heterogeneous config gives them, make several), of the layers that
-        compute their own KV. A layer that reuses an earlier layer's (gemma3n's and gemma4's
-        `kv_sharing_modes`: "reuse" layers read the K and V of the last "store" layer of their own layer
-        type) stores none and reads that layer's."""
+        Attention layers: one group per KV shape (per-layer head sizes and KV heads, as gemma4's
+        heterogeneous config gives them, make several), of the layers that compute their own KV. A layer
+        that reuses an earlier layer's (gemma3n's and gemma4's `kv_sharing_modes`: "reuse" layers read the
+        K and V of the last "store" layer of their own layer type) stores none and reads that layer's.
+        Recurrent layers (`states`: `recurrent.probe_states` of the model, layer -> LayerStates; None: a
+        model of attention layers only): one RECURRENT group per row layout in `dtype`, the cache's."""
         shapes = _layer_shapes(config)
         modes = getattr(config, "kv_sharing_modes", None) or ["own"] * len(shapes)
         kinds = getattr(config, "layer_types", None) or ["full_attention"] * len(shapes)
         reads, last_store = [], {}
         for layer, mode in enumerate(modes):
+            if states is not None and not states[layer].has_kv:
+                reads.append(None)
+                continue
             if mode != "reuse":
                 reads.append(layer)
                 if mode == "store":
@@ -120,13 +143,38 @@ class CacheSpec:
         for layer, source in enumerate(reads):
             if source == layer:
                 by_shape.setdefault(shapes[layer], []).append(layer)
-        groups = tuple(GroupSpec(FULL_ATTENTION, tuple(layers), *shape) for shape, layers in by_shape.items())
-        return cls(groups, tuple(reads))
+        groups = [GroupSpec(FULL_ATTENTION, tuple(layers), *shape) for shape, layers in by_shape.items()]
+        by_row: dict[tuple, list[int]] = {}
+        for layer, kept in sorted((states or {}).items()):
+            if kept.fields:
+                by_row.setdefault(kept.fields, []).append(layer)
+        for fields, layers in by_row.items():
+            width = RowLayout(fields, dtype or torch.float32).width
+            groups.append(GroupSpec(RECURRENT, tuple(layers), 1, width, fields))
+        return cls(tuple(groups), tuple(reads))
 
     @property
     def values_per_token(self) -> int:
         """The K and V elements one position of one row holds, over every stored layer."""
-        return sum(len(g.layers) * 2 * g.kv_heads * g.head_dim for g in self.groups)
+        return sum(len(g.layers) * 2 * g.kv_heads * g.head_dim for g in self.groups if g.kind == FULL_ATTENTION)
+
+    @property
+    def values_per_row(self) -> int:
+        """The state elements one row holds whatever its length, over every recurrent layer."""
+        return sum(len(g.layers) * g.head_dim for g in self.groups if g.kind == RECURRENT)
+
+
+def _probe(model: nn.Module, cache_kwarg: str, device: torch.device) -> dict:
+    """`recurrent.probe_states`, whatever the model raises named as the reason it is refused."""
+    try:
+        return probe_states(model, cache_kwarg, device)
+    except ValueError:
+        raise
+    except Exception as e:  # noqa: BLE001 (any failure of the probe means: not served)
+        raise ValueError(
+            f"torchkvops: {type(model).__name__}'s recurrent layers' states could not be read from "
+            f"transformers' cache ({type(e).__name__}: {e})"
+        ) from e
 
 
 def _layer_shapes(config) -> list[tuple[int, int]]:
@@ -285,11 +333,12 @@ class ModelAdapter:
                 f"torchkvops: {type(model).__name__} is an encoder-decoder model; only decoder-only causal LMs are supported"
             )
         layer_types = getattr(config, "layer_types", None) or []
-        other = sorted(set(layer_types) - _ATTENTION_LAYER_TYPES)
+        other = sorted(set(layer_types) - _ATTENTION_LAYER_TYPES - RECURRENT_LAYER_TYPES - STATELESS_LAYER_TYPES)
         if other:
             raise ValueError(
-                f"torchkvops: {type(model).__name__} has layers of type {other}; only models whose every layer "
-                "is attention with a plain per-layer KV cache are supported"
+                f"torchkvops: {type(model).__name__} has layers of type {other}; only models whose layers are "
+                "attention with a plain per-layer KV cache or recurrent layers with fixed-size states "
+                f"({', '.join(sorted(RECURRENT_LAYER_TYPES))}) are supported"
             )
         attn = getattr(config, "_attn_implementation", None) or "eager"
         if attn not in _MASK_FORMATS:
@@ -321,7 +370,14 @@ class ModelAdapter:
         self.takes_attention_mask = "attention_mask" in params
         self.takes_logits_to_keep = "logits_to_keep" in params
         self.model, self.config = model, config
-        self.cache_spec = CacheSpec.from_config(config)  # the KV cache's groups
+        # Recurrent layers' states per row, read off one probe forward (none for attention-only models).
+        self.states = None
+        if set(layer_types) - _ATTENTION_LAYER_TYPES:
+            self.states = _probe(model, self.cache_kwarg, self.device)
+        self.cache_spec = CacheSpec.from_config(config, self.states, self.dtype)  # the KV cache's groups
+        # Whether some layer keeps recurrent state: its rows continue only from a forward over whole rows
+        # (no packed forward: a system prompt is prefilled with each prompt, turns are not served).
+        self.has_states = self.cache_spec.values_per_row > 0
         self.max_positions = getattr(config, "max_position_embeddings", None)
         # The window of the model's sliding-window layers (None: none), and the kinds of layer it has.
         self.window = sliding_window(config)

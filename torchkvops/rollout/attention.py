@@ -93,6 +93,11 @@ class PrefillForward:
     def seq_length(self) -> int:
         return 0
 
+    continues = False  # recurrent layers start their rows' states here
+
+    def state_views(self) -> KVViews:
+        return self.into
+
 
 @dataclasses.dataclass
 class DecodeAttention:
@@ -150,6 +155,11 @@ class DecodeAttention:
         """What HF's cache would hold before this step's tokens, in every layout: the input's width + steps."""
         return self.cache_position[0]
 
+    continues = True  # recurrent layers read each row's state and update it in place
+
+    def state_views(self) -> KVViews:
+        return self.kv
+
 
 @dataclasses.dataclass(frozen=True)
 class SharedLevel:
@@ -202,6 +212,13 @@ class PackedAttention:
 
     def seq_length(self) -> int:
         return 0
+
+    @property
+    def continues(self) -> bool:
+        raise ValueError(
+            "torchkvops: a packed forward (a turn of Rollout.extend, prompts after a common prefix) cannot run "
+            "recurrent layers, which need each row's tokens in a sequence of its own"
+        )
 
     def attend(
         self,

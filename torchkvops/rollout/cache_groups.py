@@ -1,13 +1,18 @@
 """Cache groups: the rollout's KV cache is a list of groups of layers, each with its own buffers and
-shape (`torchkvops.models.adapter.CacheSpec`, built from the model: today one full-attention group of
-every layer).
+shape (`torchkvops.models.adapter.CacheSpec`, built from the model: a full-attention group per KV shape,
+and for hybrid models a recurrent group per layout of their layers' states).
 
 A group (`CacheGroup`) stores the KV of its layers, `[group layers, 2, rows, kv_heads, tokens, head_dim]`
 per buffer of the layout (`torchkvops.rollout.layouts`), and its kind says how its rows are expanded,
-gathered and written home (`GROUP_KINDS`: a new kind is one class there). A forward's metadata
-(`torchkvops.rollout.attention`) addresses a buffer of every group at once through `KVViews`: one tensor
-per group, and each model layer's slot (its group and its index in it), the slot of the layer whose KV
-it reads (its own; for a layer that shares an earlier layer's KV, that layer's).
+gathered and written home (`GROUP_KINDS`: a new kind is one class there). A recurrent group
+(`RecurrentGroup`) stores each layer's states, one row of fixed width whatever the length, as
+`[group layers, 1, rows, 1, 1, width]`: the same dims for rows, so expansion (`repeat_kv_cache_`, one
+"position" of `width` values), compaction and writing home are the attention groups' code.
+
+A forward's metadata (`torchkvops.rollout.attention`) addresses a buffer of every group at once through
+`KVViews`: one tensor per group, and each model layer's slot (its group and its index in it), the slot of
+the layer whose KV it reads (its own; for a layer that shares an earlier layer's KV, that layer's), and
+the slot of its states.
 """
 
 from __future__ import annotations
@@ -17,10 +22,10 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from ..models.adapter import FULL_ATTENTION, GroupSpec
-from ..ops import repeat_kv_cache_
+from ..models.adapter import FULL_ATTENTION, RECURRENT, GroupSpec
+from ..ops import repeat_kv_cache, repeat_kv_cache_
 
-__all__ = ["CacheGroup", "KVViews", "GROUP_KINDS", "make_group", "layer_kv", "layer_slot"]
+__all__ = ["CacheGroup", "RecurrentGroup", "KVViews", "GROUP_KINDS", "make_group", "layer_kv", "layer_slot"]
 
 
 class KVViews(NamedTuple):
@@ -29,7 +34,8 @@ class KVViews(NamedTuple):
     constants only."""
 
     buffers: tuple[Tensor, ...]  # one per group: [group layers, 2, rows, kv_heads, tokens, head_dim]
-    slots: tuple[tuple[int, int], ...]  # per model layer: (group, index in the group) of the KV it reads
+    slots: tuple[tuple[int, int] | None, ...]  # per model layer: (group, index in the group) of the KV it reads
+    states: tuple[tuple[int, int] | None, ...] = ()  # per model layer: the slot of its states (recurrent)
 
     @property
     def rows(self) -> int:
@@ -50,10 +56,10 @@ class KVViews(NamedTuple):
 
     def narrow_rows(self, start: int, length: int) -> KVViews:
         """Rows [start, start + length) of every group's buffer (views)."""
-        return KVViews(tuple(b.narrow(2, start, length) for b in self.buffers), self.slots)
+        return KVViews(tuple(b.narrow(2, start, length) for b in self.buffers), self.slots, self.states)
 
     def clone(self) -> KVViews:
-        return KVViews(tuple(b.clone() for b in self.buffers), self.slots)
+        return KVViews(tuple(b.clone() for b in self.buffers), self.slots, self.states)
 
 
 def layer_slot(views: KVViews, layer: int) -> tuple[Tensor, int]:
@@ -143,8 +149,43 @@ class CacheGroup:
             )
 
 
-# Each kind of group, by GroupSpec.kind: a sliding window's or a recurrent state's group is one more class.
-GROUP_KINDS: dict[str, type[CacheGroup]] = {FULL_ATTENTION: CacheGroup}
+class RecurrentGroup(CacheGroup):
+    """The states of a group of recurrent layers of one row layout (`recurrent.RowLayout`): each row's
+    after its tokens so far, whatever their number. Prefill writes the prompts' rows of the first buffer;
+    `expand_prompts` gives each prompt's state to its N rows (the prefix layout's rows read no shared
+    prompt state: they copy it, `expand_states`)."""
+
+    kind = RECURRENT
+
+    def __init__(self, spec: GroupSpec):
+        super().__init__(spec)
+        self.row_layout = None  # set by the cache, which knows its dtype
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(layers={self.layers}, width={self.shape.head_dim})"
+
+    def buffer_shape(self, rows: int, tokens: int) -> tuple[int, ...]:
+        return (len(self.layers), 1, rows, 1, 1, self.shape.head_dim)
+
+    def expand_prompts(self, batch: int, repeats: int, num_tokens: int) -> None:
+        repeat_kv_cache_(self.current[0], batch, repeats, 1)
+
+    def expand_states(self, batch: int, repeats: int) -> None:
+        """Row r of the decode buffer gets row r // repeats of the prompts' buffer (its first `batch` rows)."""
+        prompts, decode = self.current[0], self.current[-1]
+        decode.narrow(2, 0, batch * repeats).copy_(repeat_kv_cache(prompts.narrow(2, 0, batch), repeats))
+
+    def rows(self, views: KVViews, layer: int) -> Tensor:
+        """`layer`'s states in one of the group's buffers (`views`): [rows, width]."""
+        group, index = views.states[layer]
+        return views.buffers[group][index, 0, :, 0, 0]
+
+    def check(self, key: Tensor, value: Tensor, layer: int) -> None:
+        raise AssertionError(f"torchkvops: layer {layer} keeps states, not KV")
+
+
+# Each kind of group, by GroupSpec.kind: a sliding window's group is one more class.
+GROUP_KINDS: dict[str, type[CacheGroup]] = {FULL_ATTENTION: CacheGroup, RECURRENT: RecurrentGroup}
 
 
 def make_group(spec: GroupSpec) -> CacheGroup:

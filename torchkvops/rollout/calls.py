@@ -99,8 +99,9 @@ class GenerateCall(Call):
         # A prefix every prompt begins with is computed once: not in the expanded baseline, whose point is
         # to compute every row's prompt, nor in lockstep with other processes (`ended_everywhere`), whose
         # forwards may be collectives (FSDP's per-step gathers): a common prefix adds a forward where one
-        # process's prompts have one and another's do not.
-        look = cfg.shared_prefill and self.ended_everywhere is None
+        # process's prompts have one and another's do not. Nor for recurrent layers, which cannot run the
+        # remainders' packed forward (each prompt is still computed once).
+        look = cfg.shared_prefill and self.ended_everywhere is None and not self.rollout.adapter.has_states
         ids, mask = self.input_ids, self.attention_mask
         self.common = common_prefix_length(ids, mask, cfg.min_shared_tokens if look else None)
         if self.common:
@@ -121,7 +122,7 @@ class GenerateCall(Call):
 
     def kv_expand(self) -> None:
         r, n = self.rollout, self.rollout.config.samples_per_prompt
-        if r.config.shared_prefill and n > 1:
+        if r.config.shared_prefill and (n > 1 or r.cache.has_states):  # (the prefix layout copies states)
             r.layout.expand_prompts(r.cache, self.counts.batch_size, self.prompts.width)
             self.logits = self.logits.repeat_interleave(n, dim=0)
 

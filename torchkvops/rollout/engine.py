@@ -301,6 +301,11 @@ class Rollout:
                 "Rollout.extend: previous must be the RolloutOutput that this Rollout's last generate() or "
                 "extend() returned (its rows' KV is kept until the next call or release())" + reason
             )
+        if self.adapter.has_states:
+            raise ValueError(
+                f"Rollout.extend: {type(self.adapter.model).__name__} has recurrent layers, whose states a turn's "
+                "packed forward cannot continue; call generate() on the full histories instead"
+            )
         if max_new_tokens is None:
             max_new_tokens = cfg.max_new_tokens
         if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
@@ -369,6 +374,8 @@ class Rollout:
         positions' outputs are never used)."""
         if bool(prompt_mask.all()):
             return None
+        if self.adapter.has_states:  # the model builds every layer's mask, recurrent layers' padding too
+            return prompt_mask
         p = prompt_mask.shape[1]
         causal = torch.ones(p, p, dtype=torch.bool, device=prompt_mask.device).tril()
         allowed = causal[None] & prompt_mask.bool()[:, None, :]

@@ -34,7 +34,8 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import Cache
 
-from ..models.adapter import CacheSpec, KVShape
+from ..models.adapter import FULL_ATTENTION, RECURRENT, CacheSpec, KVShape
+from ..models.recurrent import RowLayout
 from .cache_groups import CacheGroup, KVViews, make_group
 from .compaction import COMPACT_FRACTION
 
@@ -79,9 +80,19 @@ class RolloutKVCache(Cache):
         self.spec = spec if isinstance(spec, CacheSpec) else CacheSpec.single(spec)
         self.dtype, self.device = dtype, torch.device(device)
         self.groups: tuple[CacheGroup, ...] = tuple(make_group(g) for g in self.spec.groups)
-        stored = {layer: (g, i) for g, group in enumerate(self.groups) for i, layer in enumerate(group.layers)}
-        # Each model layer's slot: (group, index in it) of the KV its attention reads (KVViews.slots).
-        self.slots: tuple[tuple[int, int], ...] = tuple(stored[source] for source in self.spec.reads)
+
+        def slots(kind: str) -> dict[int, tuple[int, int]]:
+            groups = enumerate(self.groups)
+            return {layer: (g, i) for g, group in groups if group.kind == kind for i, layer in enumerate(group.layers)}
+
+        stored, kept = slots(FULL_ATTENTION), slots(RECURRENT)
+        # Each model layer's slot: (group, index in it) of the KV its attention reads (KVViews.slots), and of
+        # its states (KVViews.states); None where it has none.
+        self.slots = tuple(None if source is None else stored[source] for source in self.spec.reads)
+        self.state_slots = tuple(kept.get(layer) for layer in range(len(self.spec.reads)))
+        for group in self.groups:
+            if group.kind == RECURRENT:
+                group.row_layout = RowLayout(self.spec.groups[self.groups.index(group)].states, dtype)
         self._storage: Tensor | None = None  # flat; every group's home views are carved out of it
         self._work: Tensor | None = None  # flat; a compacted batch's views are carved out of it
         self._common_storage: Tensor | None = None  # flat; a common prefix's views, kept while big enough
@@ -104,7 +115,7 @@ class RolloutKVCache(Cache):
 
     # --- every group's buffer of one kind, for a forward's metadata --------------------------------------
     def _views(self, views: list[Tensor | None]) -> KVViews | None:
-        return None if not views or views[0] is None else KVViews(tuple(views), self.slots)
+        return None if not views or views[0] is None else KVViews(tuple(views), self.slots, self.state_slots)
 
     @property
     def prompt_views(self) -> KVViews | None:
@@ -278,6 +289,71 @@ class RolloutKVCache(Cache):
         for g in self.groups:
             g.expand_prompts(batch, repeats, num_tokens)
 
+    @property
+    def has_states(self) -> bool:
+        return any(g.kind == RECURRENT for g in self.groups)
+
+    def expand_states(self, batch: int, repeats: int) -> None:
+        """Prefix layout: rows share their prompt's KV, but not its recurrent states, which go on row by
+        row: each of the prompts' `batch` states to its `repeats` rows of the decode buffer, one operator
+        call per recurrent group."""
+        for g in self.groups:
+            if g.kind == RECURRENT:
+                g.expand_states(batch, repeats)
+
+    def seat_states(self, rows: Tensor, slot: int) -> None:
+        """Prefix layout, a streaming batch: rows `rows` (device int64) start from the recurrent states of
+        prompt slot `slot`."""
+        for g in self.groups:
+            if g.kind == RECURRENT:
+                decode, prompts = g.current[-1], g.current[0]
+                decode.index_copy_(2, rows, prompts.narrow(2, slot, 1).expand(-1, -1, rows.numel(), -1, -1, -1))
+
+    # --- recurrent layers' states: transformers' cache interface for them (models/recurrent.py) ------------
+    # The bound forward says where the rows' states are (`state_views`) and whether it continues them
+    # (decode: a state is read and updated in place) or starts them (prefill: none is read, the forward's
+    # final ones are written to its rows).
+    def _state(self, layer_idx: int, kind: str, state_idx: int) -> Tensor:
+        views = self.forward.state_views()
+        group = self.groups[views.states[layer_idx][0]]
+        state = group.row_layout.view(group.rows(views, layer_idx), kind, state_idx)
+        if state is None:
+            raise ValueError(f"torchkvops: layer {layer_idx} keeps no {kind} state {state_idx} (the probe found none)")
+        return state
+
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> Tensor | None:
+        return self._state(layer_idx, "conv", state_idx) if self.forward.continues else None
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> Tensor | None:
+        return self._state(layer_idx, "recurrent", state_idx) if self.forward.continues else None
+
+    def update_conv_state(self, conv_states: Tensor, layer_idx: int, state_idx: int = 0, **kwargs) -> Tensor:
+        """A forward that starts its rows: each keeps the window's last columns of `conv_states` ([rows,
+        channels, tokens]: the convolution's input), zeros before a shorter input, as transformers' cache
+        does. Returns the input (nothing came before it)."""
+        if self.forward.continues:  # decode updates the window in place (causal_conv1d_update)
+            raise AssertionError(f"torchkvops: layer {layer_idx}'s conv state is updated in place in decode")
+        state = self._state(layer_idx, "conv", state_idx)[: conv_states.shape[0]]
+        width = state.shape[-1]
+        kept = conv_states[..., -width:]
+        state[..., : width - kept.shape[-1]].zero_()
+        state[..., width - kept.shape[-1] :].copy_(kept)
+        return conv_states
+
+    def update_recurrent_state(self, recurrent_states: Tensor, layer_idx: int, state_idx: int = 0, **kwargs) -> Tensor:
+        state = self._state(layer_idx, "recurrent", state_idx)[: recurrent_states.shape[0]]
+        state.copy_(recurrent_states)
+        return state
+
+    def is_recording_past(self, layer_idx: int) -> bool:
+        return False  # (no speculative decoding: states are never rolled back)
+
+    def get_recurrent_states_to_keep(self, layer_idx: int | None = None) -> int:
+        return 0
+
+    def increase_count(self, layer_idx: int, state_idx: int) -> None:
+        """(transformers counts tokens per recurrent layer; the rollout's length is its forward's.)"""
+
     # --- the transformers Cache interface ------------------------------------------------------
     def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs):
         """Hand a layer's K and V to the bound forward: it writes them where they go and returns what the
@@ -299,7 +375,7 @@ class RolloutKVCache(Cache):
         return int(query_length), 0
 
     def get_max_cache_shape(self, layer_idx: int = 0) -> int:
-        decode = self.group_of(layer_idx)[0].decode_kv
+        decode = (self.group_of(layer_idx)[0] if self.slots[layer_idx] is not None else self.groups[0]).decode_kv
         return -1 if decode is None else decode.shape[4]
 
     def __len__(self) -> int:
@@ -316,7 +392,7 @@ class RolloutKVCache(Cache):
 
     @property
     def is_linear(self) -> list[bool]:
-        return [False] * len(self)
+        return [slot is not None for slot in self.state_slots]
 
     @property
     def is_dummy(self) -> list[bool]:

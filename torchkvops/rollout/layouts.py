@@ -232,7 +232,9 @@ class PrefixLayout(CopyLayout):
         return (prompts, rows)
 
     def expand_prompts(self, cache, batch: int, prompt_len: int) -> None:
-        """Nothing to copy: the rows read their prompt's KV where prefill wrote it."""
+        """Nothing to copy of the KV: the rows read their prompt's where prefill wrote it. Recurrent layers'
+        states go on row by row: each row gets a copy of its prompt's."""
+        cache.expand_states(batch, self.samples)
 
     def first_column(self, prompt_len: int) -> int:
         return 0
@@ -311,6 +313,7 @@ class PrefixLayout(CopyLayout):
         """Rows `rows` read prompt slot `home`: each takes the query slot of its sample. Their own
         buffers start empty."""
         batch.seat_in_slots(rows, home, samples % self.samples)
+        cache.seat_states(rows, home)
         return torch.full((rows.numel(), cache.decode_views.tokens), float("-inf"), device=rows.device)
 
     def release_rows(self, batch, rows: list[int]) -> None:

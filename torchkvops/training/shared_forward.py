@@ -59,9 +59,11 @@ from transformers import AttentionInterface, PreTrainedConfig
 from ..models.adapter import unwrap_model
 from ..models.forward_modes import active_dropout, autocast_dtype, disable_dropout
 from ..models.precision import compute_dtype
+from ..models.recurrent import RECURRENT_LAYER_TYPES, STATELESS_LAYER_TYPES
 from ..utils import PatchHandle, WarnOnce
 from .prefix_attention import SERVED_DEVICES, PackedLayout, packed_attention
 from .prefix_groups import grouping_keys, pack_layout, plan_grouping
+from .recurrent_segments import packed_recurrent_forward, recurrent_mixers
 from .trl_head import compact_fused_head, uses_trl_fused_head
 
 __all__ = ["patch_forward", "ForwardPatch", "SharedForwardConfig", "SharedForwardStats", "disable_dropout", "NAME"]
@@ -84,6 +86,8 @@ FAMILIES = {"gpt2": "column", "opt": "mask"}
 # tests/test_coverage.py finds such a family (its norm weights moved off 1).
 _ABSOLUTE_POSITION_FIELDS = ("attn_temperature_tuning",)
 _NORM_AFTER_ROTARY = ("hunyuan_v1_dense", "hunyuan_v1_moe")
+# Layer kinds without attention ("hybrid" layers have attention beside a recurrent mixer).
+_NO_ATTENTION_LAYER_TYPES = (RECURRENT_LAYER_TYPES - {"hybrid"}) | STATELESS_LAYER_TYPES
 # Attention implementations whose results the shared path reproduces (all exact attention).
 SERVED_ATTENTION = ("eager", "sdpa", "flash_attention_2", "flash_attention_3")
 _SERVED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -202,6 +206,27 @@ def _shared_attention(
 AttentionInterface.register(NAME, _shared_attention)
 
 
+def _mixer_forward(mixer: nn.Module, previous, hidden_states: Tensor, cache=None, attention_mask=None, **kwargs):
+    """A recurrent layer's forward while patched (set on the module as functools.partial(this, module, its
+    instance-level forward before or None), as the backbone's is): over a packed layout (the keyword the
+    attention layers get, which hybrids' decoder layers pass on to their recurrent layers too) segment by
+    segment (`recurrent_segments`), else its own."""
+    original = previous if previous is not None else functools.partial(type(mixer).forward, mixer)
+    layout: PackedLayout | None = kwargs.pop(_LAYOUT_KWARG, None)
+    if layout is None:
+        return original(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
+    return packed_recurrent_forward(original, hidden_states, layout, **kwargs)
+
+
+def _has_recurrent_layers(config) -> bool:
+    return bool(set(getattr(config, "layer_types", None) or []) & RECURRENT_LAYER_TYPES)
+
+
+def _position_embedding_modules(backbone: nn.Module) -> list[nn.Module]:
+    """Learned position embeddings (an nn.Embedding whose name says positions)."""
+    return [m for n, m in backbone.named_modules() if isinstance(m, nn.Embedding) and "pos" in n.rsplit(".", 1)[-1]]
+
+
 # --- the patched backbone forward -----------------------------------------------------------------
 @dataclasses.dataclass
 class _PatchState:
@@ -210,6 +235,8 @@ class _PatchState:
     numbering: str  # how the backbone numbers positions (position_numbering)
     previous_forward: object  # the backbone's own instance-level forward before the patch, or None
     views: list  # (attention module, its config before the patch)
+    # (recurrent layer's module, its own instance-level forward before the patch or None): hybrids
+    mixers: list = dataclasses.field(default_factory=list)
     warn_once: WarnOnce = dataclasses.field(default_factory=lambda: WarnOnce(_FALLBACK_WARNING))
     # Set by the causal LM's pre-hook for the forward it is running: its labels include a token that a
     # left-padding column predicts (what eager attention gives there, a shared prefix cannot).
@@ -273,6 +300,8 @@ def _plan(backbone: nn.Module, state: _PatchState, args: tuple, kwargs: dict):
             if given is not None or numbering != "column"
             else grouping_keys(input_ids, mask, _column_positions(input_ids))
         )
+        if state.mixers:  # a prefix common to every row is not a run of each row's columns (recurrent_segments)
+            nested_keys = None
         grouping = plan_grouping(keys, nested_keys, state.config.min_shared_tokens)
         if not grouping.common and all(len(g.rows) == 1 for g in grouping.groups):
             reason = (
@@ -430,6 +459,10 @@ def position_numbering(backbone: nn.Module) -> str | None:
     if known is not None:
         return known
     if not any(type(m).__name__.endswith("RotaryEmbedding") for m in backbone.modules()):
+        # A hybrid without position embeddings (Nemotron-H: its recurrent layers order the tokens, its
+        # attention has none) reads no position: the column numbering is as good as any.
+        if _has_recurrent_layers(config) and not _position_embedding_modules(backbone):
+            return "column"
         return None
     absolute = config.model_type in _NORM_AFTER_ROTARY or any(
         getattr(config, f, None) for f in _ABSOLUTE_POSITION_FIELDS
@@ -449,10 +482,17 @@ def _unsupported_model(backbone: nn.Module) -> str | None:
         return "models with cross-attention are not supported"
     if getattr(config, "reorder_and_upcast_attn", False):
         return "GPT-2's reorder_and_upcast_attn is not supported"
+    kinds = getattr(config, "layer_types", None) or []
     layers = getattr(config, "num_hidden_layers", None)
+    # Layers without attention: recurrent ones (a "hybrid" layer has both), Nemotron-H's MLP and MoE blocks.
+    expected = layers - sum(kind in _NO_ATTENTION_LAYER_TYPES for kind in kinds)
     found = len(_attention_modules(backbone))
-    if found != layers:
-        return f"found {found} attention layers in {type(backbone).__name__}, expected num_hidden_layers={layers}"
+    if found != expected:
+        return f"found {found} attention layers in {type(backbone).__name__}, expected {expected} of {layers}"
+    try:
+        recurrent_mixers(backbone)
+    except ValueError as e:
+        return str(e).removeprefix("patch_forward: ")
     return None
 
 
@@ -515,6 +555,10 @@ class ForwardPatch(PatchHandle):
         )
         for m in modules:
             m.config = _ConfigView(m.config)
+        for mixer in recurrent_mixers(backbone).values():
+            previous = vars(mixer).get("forward")
+            state.mixers.append((mixer, previous))
+            mixer.forward = functools.partial(_mixer_forward, mixer, previous)
         setattr(backbone, _STATE_ATTR, state)
         backbone.forward = functools.partial(_shared_backbone_forward, backbone)
         self._hooks = []
@@ -536,6 +580,11 @@ class ForwardPatch(PatchHandle):
             backbone.forward = state.previous_forward
         for module, config in state.views:
             module.config = config
+        for mixer, previous in state.mixers:
+            if previous is None:
+                del mixer.forward
+            else:
+                mixer.forward = previous
         for hook in self._hooks:
             hook.remove()
         delattr(backbone, _STATE_ATTR)

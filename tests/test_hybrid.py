@@ -1,0 +1,254 @@
+"""Hybrid models (recurrent layers beside attention: Gated DeltaNet, Mamba2, short convolutions) in the
+rollout: each prompt's states computed once by the prefill, copied to its N rows (a recurrent cache
+group), continued in place by decode, gathered by compaction, refilled by a row budget's stream.
+
+Oracles: HF's generate (greedy tokens, left-padded prompts of different lengths) and the plain forward
+(the log-probability of every sampled token), on tiny random models of every hybrid family
+(tests/families.py) at two weight scales."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from families import HYBRIDS, VOCAB, tiny_model
+
+import torchkvops
+from torchkvops import Rollout, RolloutConfig
+
+PROMPT, NEW = 12, 10
+
+
+@pytest.fixture(scope="module", params=HYBRIDS)
+def hybrid(request):
+    model = tiny_model(request.param)
+    if model is None:
+        pytest.skip(f"this transformers has no {request.param}")
+    return model
+
+
+def left_padded(seed: int, batch: int = 3):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, VOCAB, (batch, PROMPT), generator=g)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    mask[batch - 1, :5] = 0
+    return ids.masked_fill(mask == 0, 0), mask
+
+
+def hf_greedy(model, ids, mask, new=NEW, eos=None):
+    with torch.no_grad():
+        out = model.generate(
+            ids, attention_mask=mask, do_sample=False, max_new_tokens=new, eos_token_id=eos, pad_token_id=0
+        )
+    return out[:, ids.shape[1] :]
+
+
+def scaled(model, scale: float):
+    """The model with its weights (not its norms) times `scale`: a second weight scale."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.mul_(scale)
+
+
+@pytest.mark.parametrize("kv_sharing", ["copy", "prefix"])
+@pytest.mark.parametrize("scale", [1.0, 2.0])
+def test_greedy_tokens_equal_hfs_with_a_row_budget_too(hybrid, kv_sharing, scale):
+    model = hybrid
+    scaled(model, scale)
+    try:
+        ids, mask = left_padded(0)
+        expected = hf_greedy(model, ids, mask).repeat_interleave(2, dim=0)
+        for max_rows in (None, 4):  # 4: rows stream through a batch smaller than the call's 6
+            config = RolloutConfig(
+                samples_per_prompt=2, max_new_tokens=NEW, eos_token_id=[], kv_sharing=kv_sharing, max_rows=max_rows
+            )
+            assert torch.equal(Rollout(model, config).generate(ids, mask).responses, expected), max_rows
+    finally:
+        scaled(model, 1 / scale)
+
+
+@pytest.mark.parametrize("kv_sharing", ["copy", "prefix"])
+def test_rows_that_end_early_are_compacted_and_the_rest_keep_hfs_tokens(hybrid, kv_sharing):
+    """EOS ids that end some rows after 2-6 tokens: the batch is compacted (every group's rows gathered,
+    the recurrent states with them) and the others go on with HF's tokens."""
+    model = hybrid
+    ids, mask = left_padded(1, batch=4)
+    free = hf_greedy(model, ids, mask)
+    eos = sorted({int(free[0, 2]), int(free[1, 5]), int(free[3, 3])})
+    expected = hf_greedy(model, ids, mask, eos=eos)
+    config = RolloutConfig(
+        samples_per_prompt=2,
+        max_new_tokens=NEW,
+        eos_token_id=eos,
+        pad_token_id=0,
+        kv_sharing=kv_sharing,
+        compact_finished_rows=True,
+        enable_profiling=True,
+    )
+    rollout = Rollout(model, config)
+    out = rollout.generate(ids, mask)
+    assert torch.equal(out.responses[:, : expected.shape[1]], expected.repeat_interleave(2, dim=0))
+    assert bool((out.responses[:, expected.shape[1] :] == 0).all())
+
+
+@pytest.mark.parametrize("kv_sharing", ["copy", "prefix"])
+def test_sampled_tokens_log_probabilities_equal_the_plain_forwards(hybrid, kv_sharing):
+    """Seeded sampling (N=3 rows per prompt from one state each): each sampled token's recorded
+    log-probability is the plain forward's over the prompt and the response, and the samples do not
+    depend on the layout."""
+    model = hybrid
+    ids, mask = left_padded(2)
+    config = RolloutConfig(
+        samples_per_prompt=3,
+        max_new_tokens=NEW,
+        eos_token_id=[],
+        temperature=1.0,
+        seed=3,
+        return_logprobs=True,
+        kv_sharing=kv_sharing,
+    )
+    out = Rollout(model, config).generate(ids, mask)
+    other = "prefix" if kv_sharing == "copy" else "copy"
+    twin = Rollout(model, RolloutConfig(**{**vars(config), "kv_sharing": other})).generate(ids, mask)
+    assert torch.equal(out.responses, twin.responses)
+    rows_mask = torch.cat([mask.repeat_interleave(3, dim=0), torch.ones_like(out.responses)], dim=1)
+    with torch.no_grad():
+        logits = model(input_ids=out.sequences, attention_mask=rows_mask).logits.float()
+    plain = logits[:, PROMPT - 1 : -1].log_softmax(-1).gather(-1, out.responses[..., None])[..., 0]
+    torch.testing.assert_close(out.logprobs, plain, rtol=1e-4, atol=1e-4)
+
+
+def test_extend_is_refused_with_a_clear_error(hybrid):
+    rollout = Rollout(hybrid, RolloutConfig(max_new_tokens=4, eos_token_id=[]))
+    out = rollout.generate(*left_padded(3))
+    with pytest.raises(ValueError, match="has recurrent layers, whose states a turn's packed forward cannot"):
+        rollout.extend(out, [[5, 6]] * out.responses.shape[0])
+
+
+def test_a_system_prompt_is_computed_with_each_prompt(hybrid):
+    """A prefix common to every prompt is not split off (the remainders' packed forward cannot run
+    recurrent layers): each prompt is prefilled whole, once, with HF's tokens."""
+    ids, mask = left_padded(4)
+    ids[:, 5:9] = torch.tensor([7, 8, 9, 10])  # every prompt's real tokens begin with them
+    config = RolloutConfig(
+        samples_per_prompt=2, max_new_tokens=NEW, eos_token_id=[], min_shared_tokens=3, enable_profiling=True
+    )
+    rollout = Rollout(hybrid, config)
+    out = rollout.generate(ids, mask)
+    assert torch.equal(out.responses, hf_greedy(hybrid, ids, mask).repeat_interleave(2, dim=0))
+    assert rollout.get_last_profile().prefill_tokens == ids.numel()
+
+
+@pytest.mark.parametrize("kv_sharing", ["copy", "prefix"])
+def test_patch_generate_serves_hybrids_with_hfs_tokens_call_after_call(hybrid, kv_sharing):
+    """Two calls, the second extending the first's rows (as an agent's next turn): both served (no
+    fallback warning), each with HF's tokens; the second is computed afresh (no KV reuse for recurrent
+    layers)."""
+    model = hybrid
+    ids, mask = left_padded(5)
+    expected = hf_greedy(model, ids, mask)
+    kwargs = dict(do_sample=False, max_new_tokens=NEW, eos_token_id=None, pad_token_id=0)
+    with torchkvops.patch_generate(model, kv_sharing=kv_sharing, enable_profiling=True) as handle:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)
+            first = model.generate(ids, attention_mask=mask, **kwargs)
+            assert torch.equal(first[:, PROMPT:], expected)
+            longer = torch.cat([first, torch.randint(3, VOCAB, (3, 2))], dim=1)
+            longer_mask = torch.cat([mask, torch.ones(3, NEW + 2, dtype=torch.long)], dim=1)
+            second = model.generate(longer, attention_mask=longer_mask, **kwargs)
+        assert handle.last_profile().prefill_tokens == longer.numel()  # served by the rollout, afresh
+    assert torch.equal(second[:, longer.shape[1] :], hf_greedy(model, longer, longer_mask))
+
+
+def test_a_compiled_decode_continues_the_states_in_place_with_hfs_tokens():
+    """torch.compile'd decode steps (fullgraph) read and update every recurrent layer's states in the
+    cache's buffers, whose addresses stay put: HF's tokens in both layouts, one Qwen3.5 model."""
+    model = tiny_model("qwen3_5_text")
+    if model is None:
+        pytest.skip("this transformers has no qwen3_5_text")
+    ids, mask = left_padded(6)
+    expected = hf_greedy(model, ids, mask).repeat_interleave(2, dim=0)
+    for kv_sharing in ("copy", "prefix"):
+        config = RolloutConfig(
+            samples_per_prompt=2, max_new_tokens=NEW, eos_token_id=[], kv_sharing=kv_sharing, compile=True
+        )
+        assert torch.equal(Rollout(model, config).generate(ids, mask).responses, expected), kv_sharing
+
+
+# --- patch_forward: each group's prompt once through every layer, recurrent layers continued per row ------
+def grpo_rows(seed: int):
+    """Rows of 16 columns: a prompt of 9 real tokens (1 pad) in 3 rows with completions of their own (the
+    second right-padded by 2); a prompt of 7 (3 pads) in 2 rows that differ in their last token only (a
+    suffix of one column: a recurrent layer's one-step path continues the group's state); a row alone."""
+    g = torch.Generator().manual_seed(seed)
+
+    def tokens(n):
+        return torch.randint(3, VOCAB, (n,), generator=g)
+
+    zeros = torch.zeros
+    first, second = tokens(9), tokens(7)
+    rows = [torch.cat([zeros(1, dtype=torch.long), first, tokens(6)]) for _ in range(3)]
+    shared = torch.cat([zeros(3, dtype=torch.long), second, tokens(5)])
+    rows += [torch.cat([shared, tokens(1)]) for _ in range(2)]
+    rows.append(torch.cat([zeros(2, dtype=torch.long), tokens(14)]))
+    ids = torch.stack(rows)
+    mask = (ids != 0).long()
+    mask[1, -2:] = 0
+    return ids.masked_fill(mask == 0, 0), mask
+
+
+def loss_pass(model, ids, mask):
+    model.zero_grad(set_to_none=True)
+    logits = model(input_ids=ids, attention_mask=mask).logits
+    logits.float().log_softmax(-1)[mask.bool()].sum().backward()
+    return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("scale", [1.0, 2.0])
+def test_patch_forward_gives_the_plain_logits_and_every_gradient(hybrid, scale):
+    model = hybrid.train()
+    scaled(model, scale)
+    try:
+        ids, mask = grpo_rows(7)
+        real = mask.bool()
+        plain_logits, plain_grads = loss_pass(model, ids, mask)
+        with torchkvops.patch_forward(model, min_shared_tokens=4) as handle:
+            logits, grads = loss_pass(model, ids, mask)
+        assert handle.stats.shared_calls == 1 and handle.stats.fallback_calls == 0
+        assert handle.stats.computed_tokens == (10 + 3 * 6) + (15 + 2 * 1) + 16  # each prompt once
+        torch.testing.assert_close(logits[real], plain_logits[real], rtol=1e-3, atol=1e-4)
+        assert grads.keys() == plain_grads.keys()
+        for name, want in plain_grads.items():
+            scale_of = want.abs().max()
+            torch.testing.assert_close(grads[name], want, rtol=1e-3, atol=1e-5 * scale_of, msg=name)
+    finally:
+        scaled(model, 1 / scale)
+        model.eval()
+
+
+def test_patch_forward_under_gradient_checkpointing_gives_the_plain_gradients():
+    """Recomputation in backward (non-reentrant) reaches the recurrent layers with the packed layout too."""
+    model = tiny_model("qwen3_5_text")
+    if model is None:
+        pytest.skip("this transformers has no qwen3_5_text")
+    model.train()
+    ids, mask = grpo_rows(8)
+    _, plain = loss_pass(model, ids, mask)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    with torchkvops.patch_forward(model, min_shared_tokens=4) as handle:
+        _, grads = loss_pass(model, ids, mask)
+    assert handle.stats.shared_calls == 1
+    for name, want in plain.items():
+        torch.testing.assert_close(grads[name], want, rtol=1e-3, atol=1e-5 * want.abs().max(), msg=name)
+
+
+def test_patch_forward_undo_restores_each_recurrent_layers_forward(hybrid):
+    mixers = [m for m in hybrid.modules() if "forward" in vars(m)]
+    handle = torchkvops.patch_forward(hybrid)
+    patched = [m for m in hybrid.modules() if "forward" in vars(m)]
+    assert len(patched) > len(mixers)
+    handle.undo()
+    assert [m for m in hybrid.modules() if "forward" in vars(m)] == mixers
