@@ -17,6 +17,7 @@ MODEL_POSITIONS = {
     "llama-small": 8192,
     "gemma3-small": 8192,
     "gpt-oss-small": 131072,
+    "qwen3.5-small": 32768,
     "opt-125m": 2048,
     "tiny": 2048,
     "gpt2": 1024,

@@ -78,6 +78,7 @@ MODEL_SHAPE_NAMES = (
     "llama-small",
     "gemma3-small",
     "gpt-oss-small",
+    "qwen3.5-small",
     "opt-125m",
     "gpt2",
     "qwen3-0.6b",

@@ -12,6 +12,7 @@ from transformers import (
     LlamaConfig,
     OPTConfig,
     PreTrainedConfig,
+    Qwen3_5TextConfig,
     Qwen3Config,
 )
 
@@ -95,6 +96,31 @@ def _gpt_oss_small() -> PreTrainedConfig:
     )
 
 
+def _qwen3_5_small() -> PreTrainedConfig:
+    # llama-small's sizes with Qwen3.5's hybrid layers: three Gated DeltaNet layers before each attention
+    # layer (Qwen3.5's pattern), 2 key and 4 value heads of 64 in the linear attention, a convolution of 4,
+    # gated attention output (Qwen3.5's), scaled down.
+    return Qwen3_5TextConfig(
+        vocab_size=8192,
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=64,
+        linear_value_head_dim=64,
+        linear_conv_kernel_dim=4,
+        layer_types=["linear_attention"] * 3 + ["full_attention"],
+        max_position_embeddings=32768,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+
+
 def _opt_125m() -> PreTrainedConfig:
     return OPTConfig(
         vocab_size=50272,
@@ -154,6 +180,7 @@ MODEL_SHAPES = {
     "llama-small": _llama_small,
     "gemma3-small": _gemma3_small,
     "gpt-oss-small": _gpt_oss_small,
+    "qwen3.5-small": _qwen3_5_small,
     "opt-125m": _opt_125m,
     "gpt2": _gpt2,
     "qwen3-0.6b": _qwen3_0_6b,
