@@ -200,6 +200,11 @@ def grpo_rows(seed: int):
     return ids.masked_fill(mask == 0, 0), mask
 
 
+# Gradients agree to float32 rounding of the chunked scans, whose chunks now start at each prompt's end
+# (sums of up to 1e4 here): within 1e-4 of each gradient's largest entry.
+GRAD_ATOL = 1e-4
+
+
 def loss_pass(model, ids, mask):
     model.zero_grad(set_to_none=True)
     logits = model(input_ids=ids, attention_mask=mask).logits
@@ -223,7 +228,7 @@ def test_patch_forward_gives_the_plain_logits_and_every_gradient(hybrid, scale):
         assert grads.keys() == plain_grads.keys()
         for name, want in plain_grads.items():
             scale_of = want.abs().max()
-            torch.testing.assert_close(grads[name], want, rtol=1e-3, atol=1e-5 * scale_of, msg=name)
+            torch.testing.assert_close(grads[name], want, rtol=1e-3, atol=GRAD_ATOL * scale_of, msg=name)
     finally:
         scaled(model, 1 / scale)
         model.eval()
@@ -242,7 +247,7 @@ def test_patch_forward_under_gradient_checkpointing_gives_the_plain_gradients():
         _, grads = loss_pass(model, ids, mask)
     assert handle.stats.shared_calls == 1
     for name, want in plain.items():
-        torch.testing.assert_close(grads[name], want, rtol=1e-3, atol=1e-5 * want.abs().max(), msg=name)
+        torch.testing.assert_close(grads[name], want, rtol=1e-3, atol=GRAD_ATOL * want.abs().max(), msg=name)
 
 
 def test_patch_forward_undo_restores_each_recurrent_layers_forward(hybrid):
@@ -252,3 +257,23 @@ def test_patch_forward_undo_restores_each_recurrent_layers_forward(hybrid):
     assert len(patched) > len(mixers)
     handle.undo()
     assert [m for m in hybrid.modules() if "forward" in vars(m)] == mixers
+
+
+def test_patch_forward_survives_train_and_eval_switches_after_patching(hybrid):
+    """transformers re-kernelizes hub-kernel layers (Qwen3.5's Gated DeltaNet) on train() and eval(), which
+    drops an instance's forward: the patch puts the recurrent layers' back before each packed forward (TRL
+    calls train() every step after the user patched)."""
+    ids, mask = grpo_rows(9)
+    hybrid.train()
+    plain_logits, plain_grads = loss_pass(hybrid, ids, mask)
+    try:
+        with torchkvops.patch_forward(hybrid, min_shared_tokens=4) as handle:
+            hybrid.eval()
+            hybrid.train()
+            logits, grads = loss_pass(hybrid, ids, mask)
+        assert handle.stats.shared_calls == 1
+        torch.testing.assert_close(logits[mask.bool()], plain_logits[mask.bool()], rtol=1e-3, atol=1e-4)
+        for name, want in plain_grads.items():
+            torch.testing.assert_close(grads[name], want, rtol=1e-3, atol=GRAD_ATOL * want.abs().max(), msg=name)
+    finally:
+        hybrid.eval()

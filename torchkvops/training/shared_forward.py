@@ -218,6 +218,17 @@ def _mixer_forward(mixer: nn.Module, previous, hidden_states: Tensor, cache=None
     return packed_recurrent_forward(original, hidden_states, layout, **kwargs)
 
 
+def _install_mixers(state: _PatchState) -> None:
+    """Each recurrent layer's forward patched (`_mixer_forward`), again where something replaced it since:
+    transformers re-kernelizes hub-kernel layers (Gated DeltaNet's) on every train()/eval() switch, which
+    drops an instance's forward."""
+    for i, (mixer, _) in enumerate(state.mixers):
+        current = vars(mixer).get("forward")
+        if not (isinstance(current, functools.partial) and current.func is _mixer_forward):
+            state.mixers[i] = (mixer, current)
+            mixer.forward = functools.partial(_mixer_forward, mixer, current)
+
+
 def _has_recurrent_layers(config) -> bool:
     return bool(set(getattr(config, "layer_types", None) or []) & RECURRENT_LAYER_TYPES)
 
@@ -311,6 +322,7 @@ def _plan(backbone: nn.Module, state: _PatchState, args: tuple, kwargs: dict):
         state.stats.fallback_calls += 1
         state.warn_once(reason)
         return None
+    _install_mixers(state)
     relative = grouping.common and given is None and numbering == "relative"
     positions = _relative_positions(mask) if relative else _plain_positions(numbering, input_ids, mask, given)
     return arguments, pack_layout(grouping, mask), positions
@@ -555,10 +567,8 @@ class ForwardPatch(PatchHandle):
         )
         for m in modules:
             m.config = _ConfigView(m.config)
-        for mixer in recurrent_mixers(backbone).values():
-            previous = vars(mixer).get("forward")
-            state.mixers.append((mixer, previous))
-            mixer.forward = functools.partial(_mixer_forward, mixer, previous)
+        state.mixers = [(mixer, None) for mixer in recurrent_mixers(backbone).values()]
+        _install_mixers(state)
         setattr(backbone, _STATE_ATTR, state)
         backbone.forward = functools.partial(_shared_backbone_forward, backbone)
         self._hooks = []
@@ -581,10 +591,10 @@ class ForwardPatch(PatchHandle):
         for module, config in state.views:
             module.config = config
         for mixer, previous in state.mixers:
-            if previous is None:
-                del mixer.forward
-            else:
+            if previous is not None:
                 mixer.forward = previous
+            elif "forward" in vars(mixer):
+                del mixer.forward
         for hook in self._hooks:
             hook.remove()
         delattr(backbone, _STATE_ATTR)
