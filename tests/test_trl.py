@@ -354,3 +354,39 @@ def test_patch_forward_makes_trls_fused_head_score_only_the_kept_positions_on_th
     torch.testing.assert_close(shared.log_probs[kept], plain.log_probs[kept], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(shared.entropy[kept], plain.entropy[kept], rtol=1e-5, atol=1e-5)
     assert not shared.log_probs[~kept].any() and not plain.log_probs[~kept].any()
+
+
+def test_grpo_on_a_hybrid_model_with_both_patches_ends_with_the_generate_only_runs_weights(example, tmp_path):
+    """A tiny Qwen3.5 (Gated DeltaNet layers before attention): two GRPO steps with patch_generate (the
+    rollout samples, the same completions in both runs), the reference and old-policy passes on, and with
+    patch_forward on the policy and the reference model or without: every pass shared, the same final
+    weights."""
+    from families import tiny_model
+
+    model = tiny_model("qwen3_5_text", vocab_size=512)
+    if model is None:
+        pytest.skip("this transformers has no qwen3_5_text")
+    checkpoint = str(tmp_path / "model")
+    model.save_pretrained(checkpoint)
+    initial = model.state_dict()
+    weights, stats = {}, {}
+    for run in ("generate only", "both"):
+        policy = AutoModelForCausalLM.from_pretrained(checkpoint)
+        handles = [torchkvops.patch_generate(policy)]
+        trainer = grpo_trainer(example, policy, tmp_path / run.replace(" ", "_"), steps=2, beta=0.04, num_iterations=2)
+        if run == "both":
+            handles += [torchkvops.patch_forward(m, min_shared_tokens=4) for m in (trainer.model, trainer.ref_model)]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", UserWarning)
+            trainer.train()
+        assert not [str(w.message) for w in caught if "torchkvops" in str(w.message)]
+        weights[run] = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+        stats[run] = [h.stats for h in handles[1:]]
+    policy_stats, reference_stats = stats["both"]
+    assert (policy_stats.shared_calls, policy_stats.fallback_calls) == (3, 0)  # old-logprob pass + 2 loss passes
+    assert (reference_stats.shared_calls, reference_stats.fallback_calls) == (1, 0)
+    plain, shared = weights["generate only"], weights["both"]
+    update = max((plain[name] - initial[name]).abs().max().item() for name in plain)
+    assert update > 1e-4
+    for name in plain:
+        torch.testing.assert_close(shared[name], plain[name], rtol=0, atol=0.02 * update, msg=name)
