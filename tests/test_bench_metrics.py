@@ -30,6 +30,22 @@ def test_weight_bytes_count_each_storage_once_and_kv_bytes_per_step():
     assert p["roofline_fraction"] == pytest.approx((100 + 420) / 2.0 / 1e6 / 0.0004)
 
 
+def test_a_hybrids_traffic_counts_its_attention_layers_kv_and_every_rows_states():
+    """tests/families.py's tiny Qwen3.5: one attention layer (2 KV heads of 16) and one Gated DeltaNet layer
+    (a convolution window of 64 channels x 4, a state of 4 value heads x 8 x 8), float32."""
+    from families import tiny_model
+
+    model = tiny_model("qwen3_5_text")
+    if model is None:
+        pytest.skip("this transformers has no qwen3_5_text")
+    t = bench_metrics.Traffic.of(model)
+    assert t.kv_bytes_per_token == 1 * 2 * 2 * 16 * 4  # the attention layer only
+    assert t.state_bytes_per_row == (64 * 4 + 4 * 8 * 8) * 4
+    # 6 rows: every row's states once a step, besides the keys.
+    assert t.kv_bytes_per_step("shared", 2, 3, 5, 3) == 256 * 6 * (5 + 2) + 6 * 2048
+    assert t.kv_bytes_per_step("prefix", 2, 3, 5, 3) == 256 * (2 * 5 + 6 * 2) + 6 * 2048
+
+
 def test_cpu_peak_memory_counts_allocations_inside_ops():
     mib = 1 << 20
 

@@ -277,3 +277,14 @@ def test_patch_forward_survives_train_and_eval_switches_after_patching(hybrid):
             torch.testing.assert_close(grads[name], want, rtol=1e-3, atol=GRAD_ATOL * want.abs().max(), msg=name)
     finally:
         hybrid.eval()
+
+
+def test_bfloat16_with_float32_states_gives_hfs_tokens(hybrid):
+    """A bfloat16 model whose Gated DeltaNet and Mamba2 states are float32 (as HF keeps them): each state is
+    viewed in its own dtype within the cache's bfloat16 rows (`recurrent.RowLayout`). The copy layout: the
+    prefix layout's split attention rounds differently in bfloat16 (docs/limitations.md)."""
+    model = tiny_model(hybrid.config.model_type).to(torch.bfloat16)  # (its own copy: the fixture stays fp32)
+    ids, mask = left_padded(10)
+    expected = hf_greedy(model, ids, mask).repeat_interleave(2, dim=0)
+    config = RolloutConfig(samples_per_prompt=2, max_new_tokens=NEW, eos_token_id=[], kv_sharing="copy")
+    assert torch.equal(Rollout(model, config).generate(ids, mask).responses, expected)

@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ..models.adapter import CacheSpec
+from ..models.adapter import CacheSpec, ModelAdapter
 from .stats import summarize
 
 __all__ = [
@@ -43,7 +43,8 @@ BYTES_NOTE = (
     "dtype bytes; decode step t = 1..S (S = decode_steps) attends to P + t keys per row, averaged over the "
     "steps: t_avg = (S + 1) / 2. kv_bytes_per_step: expanded, shared, hf-generate, hf-static: rows x "
     "kv_bytes_per_token x (P + t_avg); prefix: (B x P + rows x t_avg) x kv_bytes_per_token, with rows = "
-    "B x N. With the batch compacted as rows end (compact_finished_rows), kv_bytes_per_step is scaled by the "
+    "B x N; a hybrid adds rows x state_bytes_per_row (its recurrent layers' states, read every step). "
+    "With the batch compacted as rows end (compact_finished_rows), kv_bytes_per_step is scaled by the "
     "mean fraction of the rows decoded, computed_row_steps / (rows x (S + 1)) (approximate: rows "
     "and prompts leave at different steps). achieved_gbps = (weight_bytes + kv_bytes_per_step) / "
     "decode_ms_per_step / 1e6 (GB/s, 1e9 bytes); roofline_fraction = achieved_gbps / copy_roofline_gbps (CUDA only)"
@@ -99,10 +100,24 @@ def model_weight_bytes(model: nn.Module) -> int:
     return sum(storages.values())
 
 
+def cache_spec(model: nn.Module) -> CacheSpec:
+    """The rollout's cache groups for the model (a hybrid's recurrent layers found by the adapter's probe);
+    for a model the rollout refuses, every layer as attention, from its config."""
+    try:
+        return ModelAdapter(model).cache_spec
+    except (ValueError, TypeError):
+        return CacheSpec.from_config(model.config)
+
+
 def kv_bytes_per_token(model: nn.Module) -> int:
     """layers x (K, V) x kv_heads x head_dim x the bytes of the model's dtype, summed over the KV cache's
-    groups."""
-    return CacheSpec.from_config(model.config).values_per_token * next(model.parameters()).element_size()
+    attention groups."""
+    return cache_spec(model).values_per_token * next(model.parameters()).element_size()
+
+
+def state_bytes_per_row(model: nn.Module) -> int:
+    """The recurrent layers' states of one row (a hybrid's; 0 for attention-only models), in the cache."""
+    return cache_spec(model).values_per_row * next(model.parameters()).element_size()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,10 +127,11 @@ class Traffic:
     weight_bytes: int
     kv_bytes_per_token: int
     roofline_gbps: float | None = None
+    state_bytes_per_row: int = 0  # a hybrid's recurrent states, read by every row at every step
 
     @classmethod
     def of(cls, model: nn.Module, roofline_gbps: float | None = None) -> Traffic:
-        return cls(model_weight_bytes(model), kv_bytes_per_token(model), roofline_gbps)
+        return cls(model_weight_bytes(model), kv_bytes_per_token(model), roofline_gbps, state_bytes_per_row(model))
 
     def kv_bytes_per_step(self, mode: str, batch: int, samples: int, prompt_len: int, steps: int) -> float | None:
         """KV bytes one decode step attends to, averaged over steps t = 1..steps (P + t keys per row)."""
@@ -123,9 +139,10 @@ class Traffic:
             return None
         t_avg = (steps + 1) / 2
         rows = batch * samples
+        states = rows * self.state_bytes_per_row
         if mode == "prefix":  # the prompt once per prompt, each row's own response keys
-            return float(self.kv_bytes_per_token * (batch * prompt_len + rows * t_avg))
-        return float(self.kv_bytes_per_token * rows * (prompt_len + t_avg))
+            return float(self.kv_bytes_per_token * (batch * prompt_len + rows * t_avg) + states)
+        return float(self.kv_bytes_per_token * rows * (prompt_len + t_avg) + states)
 
     def annotate(self, mode: str, profile: dict) -> dict:
         """Add decode_ms_per_step, kv_bytes_per_step, weight_bytes, achieved_gbps, roofline_fraction."""
