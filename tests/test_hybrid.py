@@ -288,3 +288,13 @@ def test_bfloat16_with_float32_states_gives_hfs_tokens(hybrid):
     expected = hf_greedy(model, ids, mask).repeat_interleave(2, dim=0)
     config = RolloutConfig(samples_per_prompt=2, max_new_tokens=NEW, eos_token_id=[], kv_sharing="copy")
     assert torch.equal(Rollout(model, config).generate(ids, mask).responses, expected)
+
+
+def test_a_sharded_hybrid_is_refused_naming_why(hybrid, monkeypatch):
+    """(Its states' probe would be a forward, whose FSDP or ZeRO-3 gathers are collectives, on each process
+    at its own time: refused alike on every process, before any forward.)"""
+    import torchkvops.hf.sharded
+
+    monkeypatch.setattr(torchkvops.hf.sharded, "is_sharded", lambda model: True)
+    with pytest.raises(ValueError, match="has recurrent layers and is sharded"):
+        Rollout(hybrid, RolloutConfig(max_new_tokens=2))

@@ -373,6 +373,14 @@ class ModelAdapter:
         # Recurrent layers' states per row, read off one probe forward (none for attention-only models).
         self.states = None
         if set(layer_types) - _ATTENTION_LAYER_TYPES:
+            from ..hf.sharded import is_sharded  # (hf imports this module)
+
+            if is_sharded(model):
+                raise ValueError(
+                    f"torchkvops: {type(model).__name__} has recurrent layers and is sharded (FSDP or ZeRO-3): "
+                    "not served yet (the probe of its layers' states would be a forward, whose gathers are "
+                    "collectives, on each process at its own time)"
+                )
             self.states = _probe(model, self.cache_kwarg, self.device)
         self.cache_spec = CacheSpec.from_config(config, self.states, self.dtype)  # the KV cache's groups
         # Whether some layer keeps recurrent state: its rows continue only from a forward over whole rows
