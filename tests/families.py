@@ -10,7 +10,7 @@ which a wrong mask or position moves logits and gradients well past rounding."""
 from __future__ import annotations
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, cache_utils
 
 VOCAB = 97
 WINDOW = 8
@@ -154,6 +154,10 @@ def tiny_config(model_type: str, **overrides):
 
 
 def tiny_model(model_type: str, seed: int = 0, **overrides):
+    """The family's tiny model, or None when the installed transformers lacks the family (or, for a hybrid,
+    the cache interface through which torchkvops reads recurrent states: transformers < 5.25)."""
+    if model_type in HYBRIDS and not hasattr(cache_utils, "LinearAttentionCacheLayerMixin"):
+        return None
     config = tiny_config(model_type, **overrides)
     if config is None:
         return None

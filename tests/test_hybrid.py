@@ -1,6 +1,8 @@
 """Hybrid models (recurrent layers beside attention: Gated DeltaNet, Mamba2, short convolutions) in the
 rollout: each prompt's states computed once by the prefill, copied to its N rows (a recurrent cache
-group), continued in place by decode, gathered by compaction, refilled by a row budget's stream.
+group), continued in place by decode (ended rows' kept), gathered by compaction, refilled by a row
+budget's stream, continued chunk by chunk by a turn and after a system prompt computed once; and in the
+training forward.
 
 Oracles: HF's generate (greedy tokens, left-padded prompts of different lengths) and the plain forward
 (the log-probability of every sampled token), on tiny random models of every hybrid family
@@ -13,6 +15,7 @@ import warnings
 import pytest
 import torch
 from families import HYBRIDS, VOCAB, tiny_model
+from test_turns import EOS, run_turns
 
 import torchkvops
 from torchkvops import Rollout, RolloutConfig
@@ -121,32 +124,42 @@ def test_sampled_tokens_log_probabilities_equal_the_plain_forwards(hybrid, kv_sh
     torch.testing.assert_close(out.logprobs, plain, rtol=1e-4, atol=1e-4)
 
 
-def test_extend_is_refused_with_a_clear_error(hybrid):
-    rollout = Rollout(hybrid, RolloutConfig(max_new_tokens=4, eos_token_id=[]))
-    out = rollout.generate(*left_padded(3))
-    with pytest.raises(ValueError, match="has recurrent layers, whose states a turn's packed forward cannot"):
-        rollout.extend(out, [[5, 6]] * out.responses.shape[0])
+@pytest.mark.parametrize("kv_sharing", ["copy", "prefix"])
+def test_turns_equal_hf_on_each_full_history(hybrid, kv_sharing):
+    """Two extends (appended chunks of 0-8 tokens, EOS ids: rows of different lengths, one row stopping
+    after the first turn): each chunk runs through the recurrent layers row by row from the row's own
+    states (those of its last token: decode keeps ended rows' states as they were), each row's new tokens
+    against HF's generate on its full history."""
+    config = RolloutConfig(samples_per_prompt=2, max_new_tokens=NEW, eos_token_id=EOS, kv_sharing=kv_sharing)
+    run_turns(hybrid, config, *left_padded(3), turns=2, finished_at={1: (2,)})
 
 
-def test_a_system_prompt_is_computed_with_each_prompt(hybrid):
-    """A prefix common to every prompt is not split off (the remainders' packed forward cannot run
-    recurrent layers): each prompt is prefilled whole, once, with HF's tokens."""
+@pytest.mark.parametrize("kv_sharing", ["copy", "prefix"])
+def test_a_system_prompt_is_computed_once_with_hfs_tokens(hybrid, kv_sharing):
+    """A prefix every prompt begins with (after left padding of different lengths) computed once; each
+    prompt's remainder continues from its states, chunk by chunk."""
     ids, mask = left_padded(4)
-    ids[:, 5:9] = torch.tensor([7, 8, 9, 10])  # every prompt's real tokens begin with them
+    for row, start in enumerate((3, 0, 5)):  # every prompt's real tokens begin with them
+        ids[row, start : start + 4] = torch.tensor([7, 8, 9, 10])
     config = RolloutConfig(
-        samples_per_prompt=2, max_new_tokens=NEW, eos_token_id=[], min_shared_tokens=3, enable_profiling=True
+        samples_per_prompt=2,
+        max_new_tokens=NEW,
+        eos_token_id=[],
+        min_shared_tokens=3,
+        enable_profiling=True,
+        kv_sharing=kv_sharing,
     )
     rollout = Rollout(hybrid, config)
     out = rollout.generate(ids, mask)
     assert torch.equal(out.responses, hf_greedy(hybrid, ids, mask).repeat_interleave(2, dim=0))
-    assert rollout.get_last_profile().prefill_tokens == ids.numel()
+    assert rollout.get_last_profile().prefill_tokens == 4 + int(mask.sum()) - 3 * 4  # the 4 common tokens once
 
 
 @pytest.mark.parametrize("kv_sharing", ["copy", "prefix"])
 def test_patch_generate_serves_hybrids_with_hfs_tokens_call_after_call(hybrid, kv_sharing):
     """Two calls, the second extending the first's rows (as an agent's next turn): both served (no
-    fallback warning), each with HF's tokens; the second is computed afresh (no KV reuse for recurrent
-    layers)."""
+    fallback warning), each with HF's tokens; the second from the first's KV and states (only what the
+    rows append is prefilled)."""
     model = hybrid
     ids, mask = left_padded(5)
     expected = hf_greedy(model, ids, mask)
@@ -159,7 +172,8 @@ def test_patch_generate_serves_hybrids_with_hfs_tokens_call_after_call(hybrid, k
             longer = torch.cat([first, torch.randint(3, VOCAB, (3, 2))], dim=1)
             longer_mask = torch.cat([mask, torch.ones(3, NEW + 2, dtype=torch.long)], dim=1)
             second = model.generate(longer, attention_mask=longer_mask, **kwargs)
-        assert handle.last_profile().prefill_tokens == longer.numel()  # served by the rollout, afresh
+        profile = handle.last_profile()
+        assert profile.reused_tokens > 0 and profile.prefill_tokens == 3 * (1 + 2)  # last token + appended
     assert torch.equal(second[:, longer.shape[1] :], hf_greedy(model, longer, longer_mask))
 
 
@@ -293,8 +307,8 @@ def test_bfloat16_with_float32_states_gives_hfs_tokens(hybrid):
 def test_a_sharded_hybrid_is_refused_naming_why(hybrid, monkeypatch):
     """(Its states' probe would be a forward, whose FSDP or ZeRO-3 gathers are collectives, on each process
     at its own time: refused alike on every process, before any forward.)"""
-    import torchkvops.hf.sharded
+    import torchkvops.models.sharding
 
-    monkeypatch.setattr(torchkvops.hf.sharded, "is_sharded", lambda model: True)
+    monkeypatch.setattr(torchkvops.models.sharding, "is_sharded", lambda model: True)
     with pytest.raises(ValueError, match="has recurrent layers and is sharded"):
         Rollout(hybrid, RolloutConfig(max_new_tokens=2))

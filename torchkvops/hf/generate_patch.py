@@ -382,8 +382,7 @@ def _run(
     (`weights`, hf.call_weights; `settled`: the gather the processes agreed on, None: decided there).
     (scripts/hf_generate_plugin.py wraps `_serve` and this to count the calls served.)"""
     fingerprint = None
-    # (Recurrent layers' states cannot go on through a turn's packed forward: their calls start afresh.)
-    if session.reuse_kv and not call.lockstep and not is_sharded(model) and not session.adapter.has_states:
+    if session.reuse_kv and not call.lockstep and not is_sharded(model):
         fingerprint = kv_fingerprint(model, session.adapter.adapter_state())
     extension = None if fingerprint is None else session.extension(call, fingerprint)
     with call_weights(model, weights, settled) as prepared:

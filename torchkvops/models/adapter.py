@@ -10,6 +10,7 @@ import inspect
 import torch
 from torch import nn
 
+from . import sharding
 from .precision import compute_dtype
 from .recurrent import RECURRENT_LAYER_TYPES, STATELESS_LAYER_TYPES, RowLayout, probe_states
 
@@ -373,9 +374,7 @@ class ModelAdapter:
         # Recurrent layers' states per row, read off one probe forward (none for attention-only models).
         self.states = None
         if set(layer_types) - _ATTENTION_LAYER_TYPES:
-            from ..hf.sharded import is_sharded  # (hf imports this module)
-
-            if is_sharded(model):
+            if sharding.is_sharded(model):
                 raise ValueError(
                     f"torchkvops: {type(model).__name__} has recurrent layers and is sharded (FSDP or ZeRO-3): "
                     "not served yet (the probe of its layers' states would be a forward, whose gathers are "
@@ -383,8 +382,7 @@ class ModelAdapter:
                 )
             self.states = _probe(model, self.cache_kwarg, self.device)
         self.cache_spec = CacheSpec.from_config(config, self.states, self.dtype)  # the KV cache's groups
-        # Whether some layer keeps recurrent state: its rows continue only from a forward over whole rows
-        # (no packed forward: a system prompt is prefilled with each prompt, turns are not served).
+        # Whether some layer keeps recurrent state (whose packed forwards then run chunk by chunk).
         self.has_states = self.cache_spec.values_per_row > 0
         self.max_positions = getattr(config, "max_position_embeddings", None)
         # The window of the model's sliding-window layers (None: none), and the kinds of layer it has.

@@ -17,12 +17,24 @@ its own dtype.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["StateField", "RowLayout", "LayerStates", "probe_states", "RECURRENT_LAYER_TYPES"]
+__all__ = [
+    "StateField",
+    "RowLayout",
+    "LayerStates",
+    "probe_states",
+    "SegmentStates",
+    "recurrent_mixers",
+    "RECURRENT_LAYER_TYPES",
+    "STATELESS_LAYER_TYPES",
+]
 
 # The layer kinds (config.layer_types) whose layers keep recurrent state instead of (or, "hybrid": beside)
 # a KV cache, and those that keep nothing (Nemotron-H's MLP and MoE blocks).
@@ -107,3 +119,86 @@ def probe_states(model: nn.Module, cache_kwarg: str, device: torch.device) -> di
         has_kv = getattr(kept, "keys", None) is not None and getattr(kept, "keys").numel() > 0
         found[layer] = LayerStates(tuple(fields), has_kv)
     return found
+
+
+class SegmentStates:
+    """transformers' recurrent-state cache interface for one segment of rows of one layer: `initial`
+    ((kind, state_idx) -> [rows, ...]: the states the rows continue from; empty: none, the layer starts
+    them), and `final`, what the layer leaves at the segment's end (the states the next segment continues
+    from). Tensors, not buffers: gradients flow through them."""
+
+    def __init__(self, initial: dict[tuple[str, int], Tensor] | None = None, windows_in_place: bool = False):
+        self.initial = initial or {}
+        self.final: dict[tuple[str, int], Tensor] = {}
+        # A one-token segment takes the layers' decode step, which updates the window it is given in place:
+        # with `windows_in_place` (no autograd: the rollout's turns) that window is the final one unless
+        # update_conv_state says otherwise; without, a copy (the training forward pads such segments).
+        self.windows_in_place = windows_in_place
+
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> Tensor | None:
+        state = self.initial.get(("conv", state_idx))
+        if state is None:
+            return None
+        window = state.clone()
+        if self.windows_in_place:
+            self.final[("conv", state_idx)] = window
+        return window
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> Tensor | None:
+        return self.initial.get(("recurrent", state_idx))
+
+    def update_conv_state(
+        self, conv_states: Tensor, layer_idx: int, state_idx: int = 0, conv_kernel_size: int | None = None, **kwargs
+    ) -> Tensor:
+        """The convolution's input to run over: the window before the segment, then `conv_states` ([rows,
+        channels, tokens]); its last `conv_kernel_size` columns (zeros before a shorter input) are kept."""
+        previous = self.initial.get(("conv", state_idx))
+        full = conv_states if previous is None else torch.cat([previous.to(conv_states.dtype), conv_states], dim=-1)
+        width = conv_kernel_size if conv_kernel_size is not None else previous.shape[-1]
+        kept = full[..., -width:]
+        self.final[("conv", state_idx)] = F.pad(kept, (width - kept.shape[-1], 0))
+        return full
+
+    def update_recurrent_state(self, recurrent_states, layer_idx: int, state_idx: int = 0, **kwargs) -> Tensor:
+        if not isinstance(recurrent_states, Tensor):  # intermediate states were asked for: the last one
+            recurrent_states = recurrent_states[-1]
+        self.final[("recurrent", state_idx)] = recurrent_states
+        return recurrent_states
+
+    def is_recording_past(self, layer_idx: int) -> bool:
+        return False
+
+    def get_recurrent_states_to_keep(self, layer_idx: int | None = None) -> int:
+        return 0
+
+    def increase_count(self, layer_idx: int, state_idx: int) -> None:
+        pass
+
+
+def recurrent_mixers(backbone: nn.Module) -> dict[int, nn.Module]:
+    """layer index -> the module that keeps that recurrent layer's states (a Gated DeltaNet, a Mamba2
+    mixer, a short convolution: a module with a `layer_idx` whose forward takes (hidden_states, cache,
+    attention_mask)), for every layer whose kind (config.layer_types) is recurrent. Raises ValueError
+    when a recurrent layer has none, or more than one."""
+    kinds = getattr(backbone.config, "layer_types", None) or []
+    wanted = {i for i, kind in enumerate(kinds) if kind in RECURRENT_LAYER_TYPES}
+    found: dict[int, list[nn.Module]] = {}
+    for module in backbone.modules():
+        layer = getattr(module, "layer_idx", None)
+        if layer in wanted and not type(module).__name__.endswith("Attention") and _takes_states(type(module)):
+            found.setdefault(layer, []).append(module)
+    for layer, modules in found.items():  # the innermost (a decoder block may take the same arguments)
+        found[layer] = [m for m in modules if not any(o is not m and o in set(m.modules()) for o in modules)]
+    odd = sorted(i for i in wanted if len(found.get(i, ())) != 1)
+    if odd:
+        raise ValueError(
+            f"torchkvops: recurrent layers {odd} of {type(backbone).__name__} have no single module that "
+            "keeps their states (a forward taking hidden_states, cache and attention_mask)"
+        )
+    return {i: found[i][0] for i in sorted(wanted)}
+
+
+@functools.cache
+def _takes_states(cls: type) -> bool:
+    names = list(inspect.signature(cls.forward).parameters)[1:4]
+    return names == ["hidden_states", "cache", "attention_mask"]

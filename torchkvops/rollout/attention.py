@@ -108,6 +108,7 @@ class DecodeAttention:
     columns: Tensor | None = None  # [rows] the column each row writes this step (the decode state's)
     cache_position: Tensor | None = None  # [1] HF's cache position of this step (the decode state's)
     positions: Tensor | None = None  # [rows, 1] the position of each row's token this step (the decode state's)
+    ended: Tensor | None = None  # [rows] bool: rows fed filler (their recurrent states are kept as they are)
 
     # Prefix layout (None in the copy layout, where each row holds its prompt's KV): rows [i*N, (i+1)*N)
     # answer prompt i, whose KV is row i of prompt_kv's buffers.
@@ -131,7 +132,7 @@ class DecodeAttention:
         the decoder calls this whenever it starts decoding a state or the views change, so the context never
         holds a mix of two states. The object itself stays the same (a compiled decode step reads it)."""
         self.kv, self.columns, self.cache_position = cache.decode_views, state.column, state.cache_position
-        self.positions = state.position_ids
+        self.positions, self.ended = state.position_ids, state.finished
         self.prompt_kv = cache.prompt_views if prefix else None
         self.prompt_bias = state.prompt_bias if prefix else None
         self.prompt_positions = state.prompt_positions if prefix else None
@@ -191,6 +192,8 @@ class PackedAttention:
     allowed: Tensor  # [L, 1, C, keys'] bool: the shared levels' columns, then the row's own
     levels: tuple[SharedLevel, ...] = ()
     into: KVViews | None = None  # the rows' buffers: per group [group layers, 2, rows, kv_heads, columns, head_dim]
+    lengths: Tensor | None = None  # [L] each live row's chunk length
+    _buckets: list | None = None  # (length_buckets)
 
     def bind(self, into: KVViews) -> PackedAttention:
         self.into = into
@@ -215,10 +218,25 @@ class PackedAttention:
 
     @property
     def continues(self) -> bool:
-        raise ValueError(
-            "torchkvops: a packed forward (a turn of Rollout.extend, prompts after a common prefix) cannot run "
-            "recurrent layers, which need each row's tokens in a sequence of its own"
+        raise AssertionError(
+            "torchkvops: a packed forward runs recurrent layers chunk by chunk (rollout.packed_states), never "
+            "as one sequence"
         )
+
+    def state_views(self) -> KVViews:
+        return self.into
+
+    def length_buckets(self) -> list[tuple[int, Tensor]]:
+        """The live rows grouped by chunk length: (length, their indices among the live rows [n]), the
+        lengths in increasing order (one host copy, made once)."""
+        if self._buckets is None:
+            lengths = self.lengths.tolist()
+            device = self.lengths.device
+            by_length: dict[int, list[int]] = {}
+            for i, n in enumerate(lengths):
+                by_length.setdefault(n, []).append(i)
+            self._buckets = [(n, torch.tensor(m, device=device)) for n, m in sorted(by_length.items())]
+        return self._buckets
 
     def attend(
         self,
@@ -301,6 +319,7 @@ def packed_attention(packed, frontier: Tensor, seen: Tensor, levels: tuple[Share
         keys,
         allowed[:, None],
         tuple(levels),
+        lengths=lengths,
     )
 
 

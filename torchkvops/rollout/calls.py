@@ -26,6 +26,7 @@ import torch
 from . import attention
 from .config import RolloutOutput
 from .layouts import round_up
+from .packed_states import segmented_mixers
 from .prompts import common_prefix_length, common_prompts, plain_prompts
 from .streaming import Prefill, stream, unbudgeted_width
 from .turns import History, first_history, history_output, make_turn, record, turn_attention
@@ -99,9 +100,8 @@ class GenerateCall(Call):
         # A prefix every prompt begins with is computed once: not in the expanded baseline, whose point is
         # to compute every row's prompt, nor in lockstep with other processes (`ended_everywhere`), whose
         # forwards may be collectives (FSDP's per-step gathers): a common prefix adds a forward where one
-        # process's prompts have one and another's do not. Nor for recurrent layers, which cannot run the
-        # remainders' packed forward (each prompt is still computed once).
-        look = cfg.shared_prefill and self.ended_everywhere is None and not self.rollout.adapter.has_states
+        # process's prompts have one and another's do not.
+        look = cfg.shared_prefill and self.ended_everywhere is None
         ids, mask = self.input_ids, self.attention_mask
         self.common = common_prefix_length(ids, mask, cfg.min_shared_tokens if look else None)
         if self.common:
@@ -181,7 +181,7 @@ class ExtendCall(Call):
     def prefill(self) -> None:
         r, turn, context, cache = self.rollout, self.turn, self.context, self.rollout.cache
         cache.bind(context.bind(cache.decode_views))
-        with attention.decode_attention(r.adapter.model, context):
+        with attention.decode_attention(r.adapter.model, context), segmented_mixers(r.adapter, cache):
             live_logits = r.adapter.packed_logits(cache, turn.ids, turn.positions, turn.column, turn.last)
         self.logits = live_logits.new_zeros(self.history.rows, live_logits.shape[-1])  # rows left out have ended
         self.logits[context.rows] = live_logits

@@ -94,6 +94,7 @@ class DecodeStep:
         s = self.state
         s.bias.scatter_(-1, s.column.view(-1, 1, 1, 1), 0.0)  # the key each row writes this step becomes visible
         logits = self.adapter.model(input_ids=s.tokens, **self.kwargs).logits[:, -1, :]
+        self.cache.end_step()  # (recurrent layers: ended rows' states as they were)
         self.draw(logits)
         s.position_ids.add_(1)
         s.cache_position.add_(1)

@@ -35,6 +35,7 @@ from .decode import FINISHED_CHECK_INTERVAL, MAX_DECODE_STATES, Decoder, DecodeS
 from .kv_cache import RolloutKVCache
 from .layouts import KV_LENGTH_MULTIPLE, RESPONSE_KV_MULTIPLE, CopyLayout, layout_for, round_up  # noqa: F401
 from .lm_head import Float32LMHead
+from .packed_states import segmented_mixers
 from .packing import pack
 from .profiling import RolloutProfile, StageTimer
 from .sampling import SamplingParams
@@ -284,7 +285,7 @@ class Rollout:
         seen = torch.arange(prompts.width, device=self.device)[None, :].expand(batch, -1) < start  # the common prefix
         context = packed_attention(packed, starts, seen, layout.common_levels(cache, batch, common))
         cache.bind(context.bind(cache.prompt_views))
-        with attention.decode_attention(self.adapter.model, context):
+        with attention.decode_attention(self.adapter.model, context), segmented_mixers(self.adapter, cache):
             logits = self.adapter.packed_logits(cache, packed.ids, packed.positions, packed.column, packed.last)
         return logits, common + packed.tokens
 
@@ -300,11 +301,6 @@ class Rollout:
             raise ValueError(
                 "Rollout.extend: previous must be the RolloutOutput that this Rollout's last generate() or "
                 "extend() returned (its rows' KV is kept until the next call or release())" + reason
-            )
-        if self.adapter.has_states:
-            raise ValueError(
-                f"Rollout.extend: {type(self.adapter.model).__name__} has recurrent layers, whose states a turn's "
-                "packed forward cannot continue; call generate() on the full histories instead"
             )
         if max_new_tokens is None:
             max_new_tokens = cfg.max_new_tokens

@@ -99,6 +99,7 @@ class RolloutKVCache(Cache):
         self.layout = None  # the layout object the buffers are prepared for
         self.forward = None  # the metadata of the forward running now (bind)
         self.work_used_bytes = 0  # the largest compacted batch's views since the home views were made
+        self._windows_before: dict[tuple[int, int], Tensor] = {}  # a decode step's (end_step)
 
     def group_of(self, layer: int) -> tuple[CacheGroup, int]:
         """The group that holds the KV `layer` reads (its own, or the layer's whose KV it shares), and the
@@ -301,6 +302,13 @@ class RolloutKVCache(Cache):
             if g.kind == RECURRENT:
                 g.expand_states(batch, repeats)
 
+    def share_common_states(self, batch: int) -> None:
+        """Prefix layout: the prompts' rows [0, batch) start from the common prefix's recurrent states."""
+        for g in self.groups:
+            if g.kind == RECURRENT:
+                prompts = g.current[0].narrow(2, 0, batch)
+                prompts.copy_(g.common.expand_as(prompts))
+
     def seat_states(self, rows: Tensor, slot: int) -> None:
         """Prefix layout, a streaming batch: rows `rows` (device int64) start from the recurrent states of
         prompt slot `slot`."""
@@ -312,7 +320,11 @@ class RolloutKVCache(Cache):
     # --- recurrent layers' states: transformers' cache interface for them (models/recurrent.py) ------------
     # The bound forward says where the rows' states are (`state_views`) and whether it continues them
     # (decode: a state is read and updated in place) or starts them (prefill: none is read, the forward's
-    # final ones are written to its rows).
+    # final ones are written to its rows). In decode, the rows that have ended (`ended`: fed filler after
+    # their last token) keep their states as they were: a later turn (Rollout.extend) continues each row
+    # from its own last token. A recurrent state's update is masked where it is written; a convolution
+    # window, which the layers update in place, is kept as it was before the step and put back for ended
+    # rows after the model's forward (`end_step`).
     def _state(self, layer_idx: int, kind: str, state_idx: int) -> Tensor:
         views = self.forward.state_views()
         group = self.groups[views.states[layer_idx][0]]
@@ -321,8 +333,19 @@ class RolloutKVCache(Cache):
             raise ValueError(f"torchkvops: layer {layer_idx} keeps no {kind} state {state_idx} (the probe found none)")
         return state
 
+    def row_states(self, layer_idx: int) -> dict[tuple[str, int], Tensor]:
+        """Every state of `layer_idx` in the bound forward's buffer: (kind, state_idx) -> [rows, ...] views."""
+        views = self.forward.state_views()
+        group = self.groups[views.states[layer_idx][0]]
+        rows = group.rows(views, layer_idx)
+        return {(f.kind, f.index): group.row_layout.view(rows, f.kind, f.index) for f in group.row_layout.fields}
+
     def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> Tensor | None:
-        return self._state(layer_idx, "conv", state_idx) if self.forward.continues else None
+        if not self.forward.continues:
+            return None
+        state = self._state(layer_idx, "conv", state_idx)
+        self._windows_before[(layer_idx, state_idx)] = state.clone()
+        return state
 
     def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> Tensor | None:
         return self._state(layer_idx, "recurrent", state_idx) if self.forward.continues else None
@@ -342,8 +365,21 @@ class RolloutKVCache(Cache):
 
     def update_recurrent_state(self, recurrent_states: Tensor, layer_idx: int, state_idx: int = 0, **kwargs) -> Tensor:
         state = self._state(layer_idx, "recurrent", state_idx)[: recurrent_states.shape[0]]
+        if self.forward.continues:  # decode: ended rows keep theirs
+            ended = self.forward.ended.view(-1, *([1] * (state.dim() - 1)))
+            recurrent_states = torch.where(ended, state, recurrent_states.to(state.dtype))
         state.copy_(recurrent_states)
         return state
+
+    def end_step(self) -> None:
+        """After a decode step's forward: ended rows' convolution windows as they were before it."""
+        if not self._windows_before:
+            return
+        ended = self.forward.ended
+        for (layer_idx, state_idx), before in self._windows_before.items():
+            state = self._state(layer_idx, "conv", state_idx)
+            state.copy_(torch.where(ended.view(-1, 1, 1), before, state))
+        self._windows_before = {}
 
     def is_recording_past(self, layer_idx: int) -> bool:
         return False  # (no speculative decoding: states are never rolled back)

@@ -194,7 +194,9 @@ class PrefixLayout(CopyLayout):
         return cache.common_views
 
     def share_common(self, cache, batch: int, common: int) -> None:
-        """Nothing to copy: every row reads the one copy."""
+        """Nothing to copy of the KV: every row reads the one copy. Recurrent layers' states go on row by
+        row: each prompt's row starts its remainder from a copy of the common prefix's."""
+        cache.share_common_states(batch)
 
     def _common_visible(self, cache, common: int, rows: int) -> Tensor:
         views = cache.common_views

@@ -24,90 +24,13 @@ layer zeroes padding inputs exactly where the plain forward does.
 
 from __future__ import annotations
 
-import functools
-import inspect
-
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
-from ..models.recurrent import RECURRENT_LAYER_TYPES
+from ..models.recurrent import SegmentStates
 
-__all__ = ["SegmentStates", "recurrent_mixers", "packed_recurrent_forward"]
-
-
-class SegmentStates:
-    """transformers' recurrent-state cache interface for one segment of rows of one layer: `initial`
-    ((kind, state_idx) -> [rows, ...]: the states the rows continue from; empty: none, the layer starts
-    them), and `final`, what the layer leaves at the segment's end (the states the next segment continues
-    from). Tensors, not buffers: gradients flow through them."""
-
-    def __init__(self, initial: dict[tuple[str, int], Tensor] | None = None):
-        self.initial = initial or {}
-        self.final: dict[tuple[str, int], Tensor] = {}
-
-    def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> Tensor | None:
-        state = self.initial.get(("conv", state_idx))
-        return None if state is None else state.clone()  # (a one-token segment updates it in place)
-
-    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> Tensor | None:
-        return self.initial.get(("recurrent", state_idx))
-
-    def update_conv_state(
-        self, conv_states: Tensor, layer_idx: int, state_idx: int = 0, conv_kernel_size: int | None = None, **kwargs
-    ) -> Tensor:
-        """The convolution's input to run over: the window before the segment, then `conv_states` ([rows,
-        channels, tokens]); its last `conv_kernel_size` columns (zeros before a shorter input) are kept."""
-        previous = self.initial.get(("conv", state_idx))
-        full = conv_states if previous is None else torch.cat([previous.to(conv_states.dtype), conv_states], dim=-1)
-        width = conv_kernel_size if conv_kernel_size is not None else previous.shape[-1]
-        kept = full[..., -width:]
-        self.final[("conv", state_idx)] = F.pad(kept, (width - kept.shape[-1], 0))
-        return full
-
-    def update_recurrent_state(self, recurrent_states, layer_idx: int, state_idx: int = 0, **kwargs) -> Tensor:
-        if not isinstance(recurrent_states, Tensor):  # intermediate states were asked for: the last one
-            recurrent_states = recurrent_states[-1]
-        self.final[("recurrent", state_idx)] = recurrent_states
-        return recurrent_states
-
-    def is_recording_past(self, layer_idx: int) -> bool:
-        return False
-
-    def get_recurrent_states_to_keep(self, layer_idx: int | None = None) -> int:
-        return 0
-
-    def increase_count(self, layer_idx: int, state_idx: int) -> None:
-        pass
-
-
-def recurrent_mixers(backbone: nn.Module) -> dict[int, nn.Module]:
-    """layer index -> the module that keeps that recurrent layer's states (a Gated DeltaNet, a Mamba2
-    mixer, a short convolution: a module with a `layer_idx` whose forward takes (hidden_states, cache,
-    attention_mask)), for every layer whose kind (config.layer_types) is recurrent. Raises ValueError
-    when a recurrent layer has none, or more than one."""
-    kinds = getattr(backbone.config, "layer_types", None) or []
-    wanted = {i for i, kind in enumerate(kinds) if kind in RECURRENT_LAYER_TYPES}
-    found: dict[int, list[nn.Module]] = {}
-    for module in backbone.modules():
-        layer = getattr(module, "layer_idx", None)
-        if layer in wanted and not type(module).__name__.endswith("Attention") and _takes_states(type(module)):
-            found.setdefault(layer, []).append(module)
-    for layer, modules in found.items():  # the innermost (a decoder block may take the same arguments)
-        found[layer] = [m for m in modules if not any(o is not m and o in set(m.modules()) for o in modules)]
-    odd = sorted(i for i in wanted if len(found.get(i, ())) != 1)
-    if odd:
-        raise ValueError(
-            f"patch_forward: recurrent layers {odd} of {type(backbone).__name__} have no single module that "
-            "keeps their states (a forward taking hidden_states, cache and attention_mask)"
-        )
-    return {i: found[i][0] for i in sorted(wanted)}
-
-
-@functools.cache
-def _takes_states(cls: type) -> bool:
-    names = list(inspect.signature(cls.forward).parameters)[1:4]
-    return names == ["hidden_states", "cache", "attention_mask"]
+__all__ = ["packed_recurrent_forward"]
 
 
 def packed_recurrent_forward(original, hidden_states: Tensor, layout, **kwargs) -> Tensor:

@@ -59,11 +59,11 @@ from transformers import AttentionInterface, PreTrainedConfig
 from ..models.adapter import unwrap_model
 from ..models.forward_modes import active_dropout, autocast_dtype, disable_dropout
 from ..models.precision import compute_dtype
-from ..models.recurrent import RECURRENT_LAYER_TYPES, STATELESS_LAYER_TYPES
+from ..models.recurrent import RECURRENT_LAYER_TYPES, STATELESS_LAYER_TYPES, recurrent_mixers
 from ..utils import PatchHandle, WarnOnce
 from .prefix_attention import SERVED_DEVICES, PackedLayout, packed_attention
 from .prefix_groups import grouping_keys, pack_layout, plan_grouping
-from .recurrent_segments import packed_recurrent_forward, recurrent_mixers
+from .recurrent_segments import packed_recurrent_forward
 from .trl_head import compact_fused_head, uses_trl_fused_head
 
 __all__ = ["patch_forward", "ForwardPatch", "SharedForwardConfig", "SharedForwardStats", "disable_dropout", "NAME"]
@@ -504,7 +504,7 @@ def _unsupported_model(backbone: nn.Module) -> str | None:
     try:
         recurrent_mixers(backbone)
     except ValueError as e:
-        return str(e).removeprefix("patch_forward: ")
+        return str(e).removeprefix("torchkvops: ")
     return None
 
 
