@@ -12,6 +12,10 @@ The rollout keeps a layer's states in one row of its cache group (`torchkvops.ro
 `RowLayout` lays the fields out one after the other in the cache's dtype (a float32 state in a bfloat16
 cache takes two elements per value), each field starting on a 16-byte boundary so that it can be viewed in
 its own dtype.
+
+A packed forward (the rollout's turns, the training forward's groups) runs a recurrent layer's own forward
+segment by segment: `recurrent_mixers` finds each recurrent layer's module, and `SegmentStates` is the same
+cache interface over one segment's rows, from given states (or none) to the final ones.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 as a `Cache`.
 
 The cache is a list of cache groups (`torchkvops.rollout.cache_groups.CacheGroup`, built from the model's
-`CacheSpec`: today one full-attention group of every layer), each with its own buffers and shape:
+`CacheSpec`: a full-attention group per KV shape, and a hybrid's recurrent groups), each with its own
+buffers and shape:
 `[group layers, 2, rows, kv_heads, tokens, head_dim]` (K at index 0, V at 1), so one `repeat_kv_cache_`
 call per group expands its layers' prompt KV and one `write_kv_` call per layer stores a step's K and V.
 Every operation on the buffers (prepare, compact, finish_decode, grow, expand_prompts) runs once per
@@ -109,7 +110,7 @@ class RolloutKVCache(Cache):
 
     @property
     def shape(self) -> KVShape:
-        """The one group's shape (a cache of one group: every model served today)."""
+        """The one group's shape (a cache of one group: a model of one KV shape without recurrent layers)."""
         if len(self.groups) != 1:
             raise ValueError(f"torchkvops: this KV cache has {len(self.groups)} groups, not one shape: {self.groups}")
         return self.groups[0].shape
