@@ -20,7 +20,7 @@ import warnings
 
 import pytest
 import torch
-from families import FAMILIES, HYBRIDS, VOCAB, WINDOW, tiny_model
+from families import FAMILIES, VOCAB, WINDOW, tiny_model
 
 import torchkvops
 from torchkvops import Rollout, RolloutConfig
@@ -173,10 +173,9 @@ def test_patch_forward_serves_each_family_with_the_plain_outputs_and_gradients_o
             return
         assert handle.stats.shared_calls == 2 and handle.stats.fallback_calls == 0
         # The system prompt once, each prompt's rest once, each row's completion (HunYuan: each prompt
-        # whole, its scores reading absolute positions; hybrids: each prompt whole, a system prompt after
-        # left padding of different lengths is not a run of each row's columns), in each of the two forwards.
+        # whole, its scores reading absolute positions), in each of the two forwards.
         groups_alone = 3 * 10 + 9 * 6
-        shared = groups_alone - (0 if family in ABSOLUTE_POSITIONS or family in HYBRIDS else 2 * 6)
+        shared = groups_alone - (0 if family in ABSOLUTE_POSITIONS else 2 * 6)
         assert handle.stats.computed_tokens == 2 * shared
         torch.testing.assert_close(logits[real], plain_logits[real], rtol=1e-3, atol=1e-4)
         torch.testing.assert_close(kept[real[:, -keep:]], plain_kept[real[:, -keep:]], rtol=1e-3, atol=1e-4)

@@ -312,3 +312,28 @@ def test_a_sharded_hybrid_is_refused_naming_why(hybrid, monkeypatch):
     monkeypatch.setattr(torchkvops.models.sharding, "is_sharded", lambda model: True)
     with pytest.raises(ValueError, match="has recurrent layers and is sharded"):
         Rollout(hybrid, RolloutConfig(max_new_tokens=2))
+
+
+def test_patch_forward_computes_a_system_prompt_once_across_left_padding_with_the_plain_gradients(hybrid):
+    """Prompts with 0, 1, 2 pads that begin with one system prompt, at twice the weights: the system prompt
+    runs once through every layer (a recurrent layer from no state, as each row's left padding leaves it);
+    each row's padding, which the layout puts after it, runs from no state for its outputs only, and each
+    prompt's rest continues from the system prompt's states (tests/test_coverage.py: the same at 1x)."""
+    from test_coverage import grpo_batch
+
+    model = hybrid.train()
+    scaled(model, 2.0)
+    try:
+        ids, mask = grpo_batch()
+        plain_logits, plain_grads = loss_pass(model, ids, mask)
+        with torchkvops.patch_forward(model, min_shared_tokens=4) as handle:
+            logits, grads = loss_pass(model, ids, mask)
+        assert handle.stats.computed_tokens == 6 + 3 * (10 - 6) + 9 * 6  # system prompt once, rests, completions
+        # float32 rounding, logits up to ~13 at twice the weights: up to 7e-4 here (in float64 the two are
+        # equal to the last bit, checked on Qwen3.5; the MoE families' grouped matmul takes no float64).
+        torch.testing.assert_close(logits[mask.bool()], plain_logits[mask.bool()], rtol=1e-3, atol=1e-3)
+        for name, want in plain_grads.items():
+            torch.testing.assert_close(grads[name], want, rtol=1e-3, atol=GRAD_ATOL * want.abs().max(), msg=name)
+    finally:
+        scaled(model, 0.5)
+        model.eval()

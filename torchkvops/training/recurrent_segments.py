@@ -35,31 +35,63 @@ __all__ = ["packed_recurrent_forward"]
 
 def packed_recurrent_forward(original, hidden_states: Tensor, layout, **kwargs) -> Tensor:
     """`original` (the layer's own forward) over the packed sequence `hidden_states` [1, T, hidden] of
-    `layout` (a PackedLayout without a common prefix): per bucket, the prefixes as one batch from no state,
-    then the suffixes as one batch, each row from its group's final states. Returns [1, T, hidden']."""
-    if layout.common:
-        raise AssertionError("torchkvops: recurrent layers run over whole-row groups only (no common prefix)")
+    `layout`: per bucket, the prefixes as one batch, then the suffixes as one batch, each row from its
+    group's final states; with a prefix common to every row (`layout.common`), that prefix first, once, and
+    every group's real tokens continuing from its states (module docstring). Returns [1, T, hidden']."""
     tokens, mask = hidden_states[0], layout.token_mask
-    outputs = []
+    device = tokens.device
+    pieces: list[tuple[Tensor, Tensor]] = []  # (packed token indices, their outputs)
 
-    def run(start: int, rows: int, length: int, states: SegmentStates) -> None:
-        end = start + rows * length
-        x, bits = tokens[start:end].view(rows, length, -1), mask[start:end].view(rows, length)
-        if length == 1 and states.initial:
+    def run(index: Tensor, initial: dict | None) -> dict:
+        """The segments at packed tokens `index` [rows, length], from `initial` states (None: none);
+        returns their final states."""
+        rows, length = index.shape
+        x, bits = tokens[index], mask[index]
+        if length == 1 and initial:
             # A one-token continuation would take the layers' decode step, which updates a state in place
             # (Mamba2's): not differentiable. One padding column after it (masked, its output dropped)
             # takes the scan, which gives the token the same output.
             x, bits = F.pad(x, (0, 0, 0, 1)), F.pad(bits, (0, 1))
+        states = SegmentStates(initial)
         out = original(x, cache=states, attention_mask=bits, **kwargs)
-        outputs.append(out[:, :length].reshape(rows * length, -1))
+        pieces.append((index.reshape(-1), out[:, :length].reshape(rows * length, -1)))
+        return states.final
 
+    def run_after_padding(index: Tensor, initial: dict) -> dict:
+        """With a common prefix: each row's leading padding (the left padding the layout puts after the
+        common tokens; in the row it comes first) from no state, as the plain forward runs it, for its
+        outputs only; the rest from `initial`. Rows batched by their padding's length."""
+        leading = (~mask[index]).long().cumprod(dim=1).sum(dim=1)
+        finals = dict(initial)  # (a row of padding only keeps its initial states)
+        for pads in sorted(set(leading.tolist())):  # host sync: once per segment batch
+            members = (leading == pads).nonzero().flatten()
+            if pads:
+                run(index[members, :pads], None)
+            if pads < index.shape[1]:
+                ends = run(index[members, pads:], {k: v.index_select(0, members) for k, v in initial.items()})
+                finals = {k: finals[k].index_copy(0, members, ends[k].to(finals[k].dtype)) for k in finals}
+        return finals
+
+    common = None
+    if layout.common:  # it starts every row's real tokens: from no state, as each row's padding leaves it
+        common = run(torch.arange(layout.common, device=device)[None], None)
     for bucket in layout.buckets:
-        start, initial = bucket.offset, None
+        start = bucket.offset
+        prefix = torch.arange(start, start + bucket.groups * bucket.prefix, device=device).view(bucket.groups, -1)
+        start += bucket.groups * bucket.prefix
+        suffix = torch.arange(start, start + bucket.groups * bucket.rows * bucket.suffix, device=device)
+        suffix = suffix.view(bucket.groups * bucket.rows, bucket.suffix)
+        if common is None:
+            ends = run(prefix, None) if bucket.prefix else None
+            after = None if ends is None else {k: v.repeat_interleave(bucket.rows, dim=0) for k, v in ends.items()}
+            if bucket.suffix:
+                run(suffix, after)
+            continue
+        ends = {k: v.expand(bucket.groups, *v.shape[1:]) for k, v in common.items()}
         if bucket.prefix:
-            prefix = SegmentStates()
-            run(start, bucket.groups, bucket.prefix, prefix)
-            start += bucket.groups * bucket.prefix
-            initial = {k: v.repeat_interleave(bucket.rows, dim=0) for k, v in prefix.final.items()}
+            ends = run_after_padding(prefix, ends)
         if bucket.suffix:
-            run(start, bucket.groups * bucket.rows, bucket.suffix, SegmentStates(initial))
-    return torch.cat(outputs)[None]
+            run_after_padding(suffix, {k: v.repeat_interleave(bucket.rows, dim=0) for k, v in ends.items()})
+    index = torch.cat([i for i, _ in pieces])
+    outputs = torch.cat([o for _, o in pieces])
+    return outputs.new_empty(outputs.shape).index_copy(0, index, outputs)[None]

@@ -311,8 +311,6 @@ def _plan(backbone: nn.Module, state: _PatchState, args: tuple, kwargs: dict):
             if given is not None or numbering != "column"
             else grouping_keys(input_ids, mask, _column_positions(input_ids))
         )
-        if state.mixers:  # a prefix common to every row is not a run of each row's columns (recurrent_segments)
-            nested_keys = None
         grouping = plan_grouping(keys, nested_keys, state.config.min_shared_tokens)
         if not grouping.common and all(len(g.rows) == 1 for g in grouping.groups):
             reason = (
@@ -471,10 +469,11 @@ def position_numbering(backbone: nn.Module) -> str | None:
     if known is not None:
         return known
     if not any(type(m).__name__.endswith("RotaryEmbedding") for m in backbone.modules()):
-        # A hybrid without position embeddings (Nemotron-H: its recurrent layers order the tokens, its
-        # attention has none) reads no position: the column numbering is as good as any.
+        # A hybrid without position embeddings (Nemotron-H, Granite 4: its recurrent layers order the
+        # tokens, its attention has none) reads no position: any numbering gives its results, so a prefix
+        # common to rows of different left padding is computed once, as for rotary families.
         if _has_recurrent_layers(config) and not _position_embedding_modules(backbone):
-            return "column"
+            return "relative"
         return None
     absolute = config.model_type in _NORM_AFTER_ROTARY or any(
         getattr(config, f, None) for f in _ABSOLUTE_POSITION_FIELDS
