@@ -115,11 +115,6 @@ def kv_bytes_per_token(model: nn.Module) -> int:
     return cache_spec(model).values_per_token * next(model.parameters()).element_size()
 
 
-def state_bytes_per_row(model: nn.Module) -> int:
-    """The recurrent layers' states of one row (a hybrid's; 0 for attention-only models), in the cache."""
-    return cache_spec(model).values_per_row * next(model.parameters()).element_size()
-
-
 @dataclasses.dataclass(frozen=True)
 class Traffic:
     """What a decode step reads (BYTES_NOTE), and the roofline to compare it with (None on the CPU)."""
@@ -131,7 +126,8 @@ class Traffic:
 
     @classmethod
     def of(cls, model: nn.Module, roofline_gbps: float | None = None) -> Traffic:
-        return cls(model_weight_bytes(model), kv_bytes_per_token(model), roofline_gbps, state_bytes_per_row(model))
+        spec, size = cache_spec(model), next(model.parameters()).element_size()  # (one probe of a hybrid)
+        return cls(model_weight_bytes(model), spec.values_per_token * size, roofline_gbps, spec.values_per_row * size)
 
     def kv_bytes_per_step(self, mode: str, batch: int, samples: int, prompt_len: int, steps: int) -> float | None:
         """KV bytes one decode step attends to, averaged over steps t = 1..steps (P + t keys per row)."""

@@ -36,6 +36,8 @@ __all__ = [
     "probe_states",
     "SegmentStates",
     "recurrent_mixers",
+    "own_forward",
+    "restore_forward",
     "RECURRENT_LAYER_TYPES",
     "STATELESS_LAYER_TYPES",
 ]
@@ -74,24 +76,23 @@ class RowLayout:
         self.fields, self.dtype = fields, dtype
         unit = dtype.itemsize
         step = _ALIGN_BYTES // unit
-        self.offsets: dict[tuple[str, int], tuple[int, int]] = {}
+        self.places: dict[tuple[str, int], tuple[StateField, int, int]] = {}  # -> (field, offset, size)
         offset = 0
         for f in fields:
             size = math.prod(f.shape) * f.dtype.itemsize
             if size % unit:
                 raise ValueError(f"torchkvops: a {f.dtype} state of {f.shape} does not fill whole {dtype} elements")
-            self.offsets[(f.kind, f.index)] = (offset, size // unit)
+            self.places[(f.kind, f.index)] = (f, offset, size // unit)
             offset += -(-(size // unit) // step) * step
         self.width = max(offset, step)
 
     def view(self, rows: Tensor, kind: str, index: int) -> Tensor | None:
         """The field (`kind`, `index`) of `rows` ([rows, width], the cache's dtype) as [rows, *shape] in
         its own dtype (a view: writes go to the rows), or None when the layer keeps no such field."""
-        where = self.offsets.get((kind, index))
-        if where is None:
+        place = self.places.get((kind, index))
+        if place is None:
             return None
-        field = next(f for f in self.fields if (f.kind, f.index) == (kind, index))
-        offset, size = where
+        field, offset, size = place
         return rows[:, offset : offset + size].view(field.dtype).view(rows.shape[0], *field.shape)
 
 
@@ -200,6 +201,20 @@ def recurrent_mixers(backbone: nn.Module) -> dict[int, nn.Module]:
             "keeps their states (a forward taking hidden_states, cache and attention_mask)"
         )
     return {i: found[i][0] for i in sorted(wanted)}
+
+
+def own_forward(module: nn.Module, previous):
+    """What a patched module's forward calls: the instance-level forward it had before the patch
+    (`previous`), else its class's."""
+    return previous if previous is not None else functools.partial(type(module).forward, module)
+
+
+def restore_forward(module: nn.Module, previous) -> None:
+    """Undo an instance-level forward patch: `previous` back, or none (the class's) when there was none."""
+    if previous is not None:
+        module.forward = previous
+    elif "forward" in vars(module):  # (transformers' kernelize may have dropped the patch already)
+        del module.forward
 
 
 @functools.cache

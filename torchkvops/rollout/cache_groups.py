@@ -175,6 +175,16 @@ class RecurrentGroup(CacheGroup):
         prompts, decode = self.current[0], self.current[-1]
         decode.narrow(2, 0, batch * repeats).copy_(repeat_kv_cache(prompts.narrow(2, 0, batch), repeats))
 
+    def share_common(self, batch: int) -> None:
+        """Rows [0, batch) of the prompts' buffer get the common prefix's states (its one row)."""
+        prompts = self.current[0].narrow(2, 0, batch)
+        prompts.copy_(self.common.expand_as(prompts))
+
+    def seat(self, rows: Tensor, slot: int) -> None:
+        """Rows `rows` of the decode buffer get the states of row `slot` of the prompts' buffer."""
+        decode, prompts = self.current[-1], self.current[0]
+        decode.index_copy_(2, rows, prompts.narrow(2, slot, 1).expand(-1, -1, rows.numel(), -1, -1, -1))
+
     def rows(self, views: KVViews, layer: int) -> Tensor:
         """`layer`'s states in one of the group's buffers (`views`): [rows, width]."""
         group, index = views.states[layer]

@@ -91,9 +91,9 @@ class RolloutKVCache(Cache):
         # its states (KVViews.states); None where it has none.
         self.slots = tuple(None if source is None else stored[source] for source in self.spec.reads)
         self.state_slots = tuple(kept.get(layer) for layer in range(len(self.spec.reads)))
-        for group in self.groups:
+        for group, group_spec in zip(self.groups, self.spec.groups):
             if group.kind == RECURRENT:
-                group.row_layout = RowLayout(self.spec.groups[self.groups.index(group)].states, dtype)
+                group.row_layout = RowLayout(group_spec.states, dtype)
         self._storage: Tensor | None = None  # flat; every group's home views are carved out of it
         self._work: Tensor | None = None  # flat; a compacted batch's views are carved out of it
         self._common_storage: Tensor | None = None  # flat; a common prefix's views, kept while big enough
@@ -292,31 +292,30 @@ class RolloutKVCache(Cache):
             g.expand_prompts(batch, repeats, num_tokens)
 
     @property
+    def recurrent_groups(self) -> list[CacheGroup]:
+        return [g for g in self.groups if g.kind == RECURRENT]
+
+    @property
     def has_states(self) -> bool:
-        return any(g.kind == RECURRENT for g in self.groups)
+        return bool(self.recurrent_groups)
 
     def expand_states(self, batch: int, repeats: int) -> None:
         """Prefix layout: rows share their prompt's KV, but not its recurrent states, which go on row by
         row: each of the prompts' `batch` states to its `repeats` rows of the decode buffer, one operator
         call per recurrent group."""
-        for g in self.groups:
-            if g.kind == RECURRENT:
-                g.expand_states(batch, repeats)
+        for g in self.recurrent_groups:
+            g.expand_states(batch, repeats)
 
     def share_common_states(self, batch: int) -> None:
         """Prefix layout: the prompts' rows [0, batch) start from the common prefix's recurrent states."""
-        for g in self.groups:
-            if g.kind == RECURRENT:
-                prompts = g.current[0].narrow(2, 0, batch)
-                prompts.copy_(g.common.expand_as(prompts))
+        for g in self.recurrent_groups:
+            g.share_common(batch)
 
     def seat_states(self, rows: Tensor, slot: int) -> None:
         """Prefix layout, a streaming batch: rows `rows` (device int64) start from the recurrent states of
         prompt slot `slot`."""
-        for g in self.groups:
-            if g.kind == RECURRENT:
-                decode, prompts = g.current[-1], g.current[0]
-                decode.index_copy_(2, rows, prompts.narrow(2, slot, 1).expand(-1, -1, rows.numel(), -1, -1, -1))
+        for g in self.recurrent_groups:
+            g.seat(rows, slot)
 
     # --- recurrent layers' states: transformers' cache interface for them (models/recurrent.py) ------------
     # The bound forward says where the rows' states are (`state_views`) and whether it continues them
@@ -326,20 +325,23 @@ class RolloutKVCache(Cache):
     # from its own last token. A recurrent state's update is masked where it is written; a convolution
     # window, which the layers update in place, is kept as it was before the step and put back for ended
     # rows after the model's forward (`end_step`).
-    def _state(self, layer_idx: int, kind: str, state_idx: int) -> Tensor:
+    def _state_rows(self, layer_idx: int) -> tuple[CacheGroup, Tensor]:
+        """The group of `layer_idx`'s states, and its rows in the bound forward's buffer: [rows, width]."""
         views = self.forward.state_views()
         group = self.groups[views.states[layer_idx][0]]
-        state = group.row_layout.view(group.rows(views, layer_idx), kind, state_idx)
+        return group, group.rows(views, layer_idx)
+
+    def _state(self, layer_idx: int, kind: str, state_idx: int) -> Tensor:
+        group, rows = self._state_rows(layer_idx)
+        state = group.row_layout.view(rows, kind, state_idx)
         if state is None:
             raise ValueError(f"torchkvops: layer {layer_idx} keeps no {kind} state {state_idx} (the probe found none)")
         return state
 
     def row_states(self, layer_idx: int) -> dict[tuple[str, int], Tensor]:
         """Every state of `layer_idx` in the bound forward's buffer: (kind, state_idx) -> [rows, ...] views."""
-        views = self.forward.state_views()
-        group = self.groups[views.states[layer_idx][0]]
-        rows = group.rows(views, layer_idx)
-        return {(f.kind, f.index): group.row_layout.view(rows, f.kind, f.index) for f in group.row_layout.fields}
+        group, rows = self._state_rows(layer_idx)
+        return {key: group.row_layout.view(rows, *key) for key in group.row_layout.places}
 
     def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> Tensor | None:
         if not self.forward.continues:

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 
 from torch import Tensor, nn
 
-from ..models.recurrent import SegmentStates, recurrent_mixers
+from ..models.recurrent import SegmentStates, own_forward, recurrent_mixers, restore_forward
 from .attention import PackedAttention
 
 __all__ = ["segmented_mixers"]
@@ -37,14 +37,11 @@ def segmented_mixers(adapter, cache) -> Iterator[None]:
         yield
     finally:
         for i, mixer in mixers.items():
-            if previous[i] is not None:
-                mixer.forward = previous[i]
-            else:
-                del mixer.forward
+            restore_forward(mixer, previous[i])
 
 
 def _packed_mixer_forward(mixer: nn.Module, previous, rollout_cache, hidden_states: Tensor, **kwargs) -> Tensor:
-    original = previous if previous is not None else functools.partial(type(mixer).forward, mixer)
+    original = own_forward(mixer, previous)
     given = kwargs.pop("cache", None)
     context = getattr(rollout_cache, "forward", None)
     if given is not rollout_cache or not isinstance(context, PackedAttention):

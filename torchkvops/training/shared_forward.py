@@ -59,7 +59,13 @@ from transformers import AttentionInterface, PreTrainedConfig
 from ..models.adapter import unwrap_model
 from ..models.forward_modes import active_dropout, autocast_dtype, disable_dropout
 from ..models.precision import compute_dtype
-from ..models.recurrent import RECURRENT_LAYER_TYPES, STATELESS_LAYER_TYPES, recurrent_mixers
+from ..models.recurrent import (
+    RECURRENT_LAYER_TYPES,
+    STATELESS_LAYER_TYPES,
+    own_forward,
+    recurrent_mixers,
+    restore_forward,
+)
 from ..utils import PatchHandle, WarnOnce
 from .prefix_attention import SERVED_DEVICES, PackedLayout, packed_attention
 from .prefix_groups import grouping_keys, pack_layout, plan_grouping
@@ -211,7 +217,7 @@ def _mixer_forward(mixer: nn.Module, previous, hidden_states: Tensor, cache=None
     instance-level forward before or None), as the backbone's is): over a packed layout (the keyword the
     attention layers get, which hybrids' decoder layers pass on to their recurrent layers too) segment by
     segment (`recurrent_segments`), else its own."""
-    original = previous if previous is not None else functools.partial(type(mixer).forward, mixer)
+    original = own_forward(mixer, previous)
     layout: PackedLayout | None = kwargs.pop(_LAYOUT_KWARG, None)
     if layout is None:
         return original(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
@@ -590,10 +596,7 @@ class ForwardPatch(PatchHandle):
         for module, config in state.views:
             module.config = config
         for mixer, previous in state.mixers:
-            if previous is not None:
-                mixer.forward = previous
-            elif "forward" in vars(mixer):
-                del mixer.forward
+            restore_forward(mixer, previous)
         for hook in self._hooks:
             hook.remove()
         delattr(backbone, _STATE_ATTR)
