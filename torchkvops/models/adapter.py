@@ -165,10 +165,14 @@ class CacheSpec:
         return sum(len(g.layers) * g.head_dim for g in self.groups if g.kind == RECURRENT)
 
 
-def _probe(model: nn.Module, cache_kwarg: str, device: torch.device) -> dict:
-    """`recurrent.probe_states`, whatever the model raises named as the reason it is refused."""
+def _probe(model: nn.Module, device: torch.device) -> dict:
+    """`recurrent.probe_states` on the Hugging Face model inside any wrapper (a DistributedDataParallel's
+    forward would sync buffers: a collective, here on one process only), whatever it raises named as the
+    reason the model is refused."""
+    inner = unwrap_model(model)
+    cache_kwarg = "cache" if "cache" in inspect.signature(inner.forward).parameters else "past_key_values"
     try:
-        return probe_states(model, cache_kwarg, device)
+        return probe_states(inner, cache_kwarg, device)
     except ValueError:
         raise
     except Exception as e:  # noqa: BLE001 (any failure of the probe means: not served)
@@ -380,7 +384,7 @@ class ModelAdapter:
                     "not served yet (the probe of its layers' states would be a forward, whose gathers are "
                     "collectives, on each process at its own time)"
                 )
-            self.states = _probe(model, self.cache_kwarg, self.device)
+            self.states = _probe(model, self.device)
         self.cache_spec = CacheSpec.from_config(config, self.states, self.dtype)  # the KV cache's groups
         # Whether some layer keeps recurrent state (whose packed forwards then run chunk by chunk).
         self.has_states = self.cache_spec.values_per_row > 0
