@@ -30,6 +30,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from models import FAMILIES, prompts  # noqa: E402
 
 import torchkvops  # noqa: E402
+from torchkvops.models.sharding import fsdp2_param_groups  # noqa: E402
 
 
 def llama(lora: bool = False):
@@ -74,8 +75,10 @@ def count_calls(name: str) -> list[int]:
 
 
 def count_parameter_gathers() -> list[int]:
-    """A counter of FSDP2's parameter all-gathers (torch.distributed.all_gather_single calls) from now on."""
-    return count_calls("all_gather_single")
+    """A counter of FSDP2's parameter all-gathers from now on: the torch.distributed calls FSDP2 makes for
+    them, all_gather_single (torch 2.14) or all_gather_into_tensor (torch 2.11, which has no
+    all_gather_single)."""
+    return count_calls("all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor")
 
 
 def generate_in_each_gather_mode(model, ids, kwargs, gathers, result, after=None) -> None:
@@ -98,7 +101,7 @@ def generate_in_each_gather_mode(model, ids, kwargs, gathers, result, after=None
 
 def reshard_setting(module) -> list[bool]:
     """Whether each of an FSDP module's parameter groups reshards after forward (FSDP's own state)."""
-    return [group.post_forward_mesh_info is not None for group in module._get_fsdp_state()._fsdp_param_groups]
+    return [group.post_forward_mesh_info is not None for group in fsdp2_param_groups(module)]
 
 
 def main() -> None:

@@ -41,7 +41,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
-from ..models.sharding import fsdp1_modules, fsdp2_modules, is_sharded, zero3_parameters
+from ..models.sharding import fsdp1_modules, fsdp2_modules, fsdp2_param_groups, is_sharded, zero3_parameters
 
 __all__ = [
     "GATHER_MODES",
@@ -96,7 +96,7 @@ def _unsharded_bytes(modules: list[nn.Module]) -> int:
     fully_shard, not from the parameters' own dtype attributes, which it sets at its lazy init)."""
     total = 0
     for module in modules:
-        for group in module._get_fsdp_state()._fsdp_param_groups:
+        for group in fsdp2_param_groups(module):
             param_dtype = group.mp_policy.param_dtype
             for param in group.fsdp_params:
                 dtype = param.sharded_param.dtype
@@ -124,13 +124,13 @@ def _reshard_settings(module: nn.Module) -> tuple:
     """An FSDP module's reshard-after-forward setting as FSDP holds it (set_reshard_after_forward
     overwrites it and has no getter)."""
     state = module._get_fsdp_state()
-    return state._auto_reshard_after_forward, [g.post_forward_mesh_info for g in state._fsdp_param_groups]
+    return state._auto_reshard_after_forward, [g.post_forward_mesh_info for g in fsdp2_param_groups(module)]
 
 
 def _restore_reshard_settings(module: nn.Module, saved: tuple) -> None:
     state = module._get_fsdp_state()
     state._auto_reshard_after_forward, infos = saved
-    for group, info in zip(state._fsdp_param_groups, infos):
+    for group, info in zip(fsdp2_param_groups(module), infos):
         group.post_forward_mesh_info = info
 
 

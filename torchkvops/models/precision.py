@@ -8,6 +8,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .sharding import fsdp2_param_groups
+
 __all__ = ["forward_dtypes", "compute_dtype"]
 
 
@@ -18,9 +20,8 @@ def forward_dtypes(model: nn.Module) -> dict[int, torch.dtype]:
     parameter objects `model.parameters()` yields between forwards (FSDP2's sharded DTensors)."""
     dtypes: dict[int, torch.dtype] = {}
     for module in model.modules():  # outermost first: an inner FSDP1 wrapper's policy overrides its parent's
-        get_state = getattr(module, "_get_fsdp_state", None)
-        if callable(get_state):  # FSDP2
-            for group in get_state()._fsdp_param_groups:
+        if callable(getattr(module, "_get_fsdp_state", None)):  # FSDP2
+            for group in fsdp2_param_groups(module):
                 param_dtype = group.mp_policy.param_dtype
                 if param_dtype is None:
                     continue

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from torch import nn
 
-__all__ = ["fsdp2_modules", "fsdp1_modules", "zero3_parameters", "is_sharded"]
+__all__ = ["fsdp2_modules", "fsdp2_param_groups", "fsdp1_modules", "zero3_parameters", "is_sharded"]
 
 
 def fsdp2_modules(model: nn.Module) -> list[nn.Module]:
@@ -15,6 +15,19 @@ def fsdp2_modules(model: nn.Module) -> list[nn.Module]:
     except ImportError:  # pragma: no cover - a torch without torch.distributed
         return []
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def fsdp2_param_groups(module: nn.Module) -> list:
+    """An FSDP2 module's parameter groups (`FSDPParamGroup`s), from FSDP's own state. The one place that
+    reads this private: torch 2.11-2.13 keep one optional group (`FSDPState._fsdp_param_group`), later
+    releases a list (`_fsdp_param_groups`); [] for a module whose state holds none (a root without
+    parameters of its own)."""
+    state = module._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = getattr(state, "_fsdp_param_group", None)
+    return [] if group is None else [group]
 
 
 def fsdp1_modules(model: nn.Module) -> list[nn.Module]:
