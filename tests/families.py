@@ -10,7 +10,9 @@ which a wrong mask or position moves logits and gradients well past rounding."""
 from __future__ import annotations
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, cache_utils
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from torchkvops.models.recurrent import recurrent_cache_unsupported
 
 VOCAB = 97
 WINDOW = 8
@@ -153,10 +155,17 @@ def tiny_config(model_type: str, **overrides):
     return config
 
 
+def unavailable(model_type: str) -> str:
+    """Why `tiny_model(model_type)` gave None: a skip reason."""
+    if model_type in HYBRIDS and recurrent_cache_unsupported():
+        return recurrent_cache_unsupported()
+    return f"this transformers has no {model_type}"
+
+
 def tiny_model(model_type: str, seed: int = 0, **overrides):
     """The family's tiny model, or None when the installed transformers lacks the family (or, for a hybrid,
-    the cache interface through which torchkvops reads recurrent states: transformers < 5.25)."""
-    if model_type in HYBRIDS and not hasattr(cache_utils, "LinearAttentionCacheLayerMixin"):
+    the cache interface through which torchkvops reads recurrent states: `recurrent_cache_unsupported`)."""
+    if model_type in HYBRIDS and recurrent_cache_unsupported():
         return None
     config = tiny_config(model_type, **overrides)
     if config is None:

@@ -33,11 +33,11 @@ def test_weight_bytes_count_each_storage_once_and_kv_bytes_per_step():
 def test_a_hybrids_traffic_counts_its_attention_layers_kv_and_every_rows_states():
     """tests/families.py's tiny Qwen3.5: one attention layer (2 KV heads of 16) and one Gated DeltaNet layer
     (a convolution window of 64 channels x 4, a state of 4 value heads x 8 x 8), float32."""
-    from families import tiny_model
+    from families import tiny_model, unavailable
 
     model = tiny_model("qwen3_5_text")
     if model is None:
-        pytest.skip("this transformers has no qwen3_5_text")
+        pytest.skip(unavailable("qwen3_5_text"))
     t = bench_metrics.Traffic.of(model)
     assert t.kv_bytes_per_token == 1 * 2 * 2 * 16 * 4  # the attention layer only
     assert t.state_bytes_per_row == (64 * 4 + 4 * 8 * 8) * 4

@@ -20,7 +20,7 @@ import warnings
 
 import pytest
 import torch
-from families import FAMILIES, VOCAB, WINDOW, tiny_model
+from families import FAMILIES, VOCAB, WINDOW, tiny_model, unavailable
 
 import torchkvops
 from torchkvops import Rollout, RolloutConfig
@@ -75,7 +75,7 @@ def model_of(family: str):
     if family not in _models:
         _models[family] = tiny_model(family)
     if _models[family] is None:
-        pytest.skip(f"this transformers has no {family}")
+        pytest.skip(unavailable(family))
     return _models[family]
 
 

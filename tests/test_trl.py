@@ -361,11 +361,11 @@ def test_grpo_on_a_hybrid_model_with_both_patches_ends_with_the_generate_only_ru
     rollout samples, the same completions in both runs), the reference and old-policy passes on, and with
     patch_forward on the policy and the reference model or without: every pass shared, the same final
     weights."""
-    from families import tiny_model
+    from families import tiny_model, unavailable
 
     model = tiny_model("qwen3_5_text", vocab_size=512)
     if model is None:
-        pytest.skip("this transformers has no qwen3_5_text")
+        pytest.skip(unavailable("qwen3_5_text"))
     checkpoint = str(tmp_path / "model")
     model.save_pretrained(checkpoint)
     initial = model.state_dict()

@@ -40,6 +40,8 @@ __all__ = [
     "restore_forward",
     "RECURRENT_LAYER_TYPES",
     "STATELESS_LAYER_TYPES",
+    "RECURRENT_CACHE_METHODS",
+    "recurrent_cache_unsupported",
 ]
 
 # The layer kinds (config.layer_types) whose layers keep recurrent state instead of (or, "hybrid": beside)
@@ -48,6 +50,37 @@ RECURRENT_LAYER_TYPES = {"linear_attention", "mamba", "conv", "hybrid"}
 STATELESS_LAYER_TYPES = {"mlp", "moe"}
 
 _ALIGN_BYTES = 16
+
+# The cache methods through which transformers' recurrent layers read and write their states: the
+# interface `SegmentStates` and the rollout's cache implement (transformers 5.25's). Earlier releases'
+# layers call others, which these would not answer: 5.17-5.20 ask `has_previous_state` and read the cache
+# layers' tensors, 5.21-5.24 lack the last two.
+RECURRENT_CACHE_METHODS = (
+    "get_conv_state",
+    "update_conv_state",
+    "get_recurrent_state",
+    "update_recurrent_state",
+    "is_recording_past",
+    "get_recurrent_states_to_keep",
+    "increase_count",
+)
+
+
+def recurrent_cache_unsupported() -> str | None:
+    """Why this transformers' recurrent layers cannot be served (they call another cache interface than
+    `RECURRENT_CACHE_METHODS`), naming its version; None when they can. The one check of that interface:
+    the rollout's probe, the packed forwards and the tests ask it."""
+    import transformers
+    from transformers import Cache
+
+    missing = [name for name in RECURRENT_CACHE_METHODS if not callable(getattr(Cache, name, None))]
+    if not missing:
+        return None
+    return (
+        f"transformers {transformers.__version__}'s recurrent layers keep their states through another cache "
+        f"interface than the one torchkvops implements (its Cache has no {', '.join(missing)}): hybrid models "
+        "need transformers >= 5.25"
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,14 +133,12 @@ def probe_states(model: nn.Module, cache_kwarg: str, device: torch.device) -> di
     """Every layer's states, from one forward of the model over two tokens with transformers' DynamicCache
     (under no_grad; the model's weights and mode are left as they are). Raises ValueError naming what is
     missing when this transformers gives the model's recurrent layers no cache states to read."""
-    try:
-        from transformers import DynamicCache
-        from transformers.cache_utils import LinearAttentionCacheLayerMixin
-    except ImportError as e:  # an older transformers: its hybrid models keep states their own way
-        raise ValueError(
-            "torchkvops: this transformers has no LinearAttentionCacheLayerMixin cache layers, through which "
-            "the rollout reads recurrent layers' states (transformers >= 5.25)"
-        ) from e
+    unsupported = recurrent_cache_unsupported()
+    if unsupported:
+        raise ValueError(f"torchkvops: {unsupported}")
+    from transformers import DynamicCache
+    from transformers.cache_utils import LinearAttentionCacheLayerMixin
+
     cache = DynamicCache(config=model.config)
     ids = torch.zeros(1, 2, dtype=torch.long, device=device)
     with torch.no_grad():
@@ -184,9 +215,13 @@ def recurrent_mixers(backbone: nn.Module) -> dict[int, nn.Module]:
     """layer index -> the module that keeps that recurrent layer's states (a Gated DeltaNet, a Mamba2
     mixer, a short convolution: a module with a `layer_idx` whose forward takes (hidden_states, cache,
     attention_mask)), for every layer whose kind (config.layer_types) is recurrent. Raises ValueError
-    when a recurrent layer has none, or more than one."""
+    when a recurrent layer has none, or more than one, or this transformers' layers call another cache
+    interface (`recurrent_cache_unsupported`)."""
     kinds = getattr(backbone.config, "layer_types", None) or []
     wanted = {i for i, kind in enumerate(kinds) if kind in RECURRENT_LAYER_TYPES}
+    unsupported = recurrent_cache_unsupported() if wanted else None
+    if unsupported:
+        raise ValueError(f"torchkvops: {unsupported}")
     found: dict[int, list[nn.Module]] = {}
     for module in backbone.modules():
         layer = getattr(module, "layer_idx", None)
