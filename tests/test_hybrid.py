@@ -14,7 +14,7 @@ import warnings
 
 import pytest
 import torch
-from families import HYBRIDS, VOCAB, tiny_model
+from families import HYBRIDS, VOCAB, tiny_model, unavailable
 from test_turns import EOS, run_turns
 
 import torchkvops
@@ -27,7 +27,7 @@ PROMPT, NEW = 12, 10
 def hybrid(request):
     model = tiny_model(request.param)
     if model is None:
-        pytest.skip(f"this transformers has no {request.param}")
+        pytest.skip(unavailable(request.param))
     return model
 
 
@@ -182,7 +182,7 @@ def test_a_compiled_decode_continues_the_states_in_place_with_hfs_tokens():
     cache's buffers, whose addresses stay put: HF's tokens in both layouts, one Qwen3.5 model."""
     model = tiny_model("qwen3_5_text")
     if model is None:
-        pytest.skip("this transformers has no qwen3_5_text")
+        pytest.skip(unavailable("qwen3_5_text"))
     ids, mask = left_padded(6)
     expected = hf_greedy(model, ids, mask).repeat_interleave(2, dim=0)
     for kv_sharing in ("copy", "prefix"):
@@ -252,7 +252,7 @@ def test_patch_forward_under_gradient_checkpointing_gives_the_plain_gradients():
     """Recomputation in backward (non-reentrant) reaches the recurrent layers with the packed layout too."""
     model = tiny_model("qwen3_5_text")
     if model is None:
-        pytest.skip("this transformers has no qwen3_5_text")
+        pytest.skip(unavailable("qwen3_5_text"))
     model.train()
     ids, mask = grpo_rows(8)
     _, plain = loss_pass(model, ids, mask)
@@ -336,4 +336,54 @@ def test_patch_forward_computes_a_system_prompt_once_across_left_padding_with_th
             torch.testing.assert_close(grads[name], want, rtol=1e-3, atol=GRAD_ATOL * want.abs().max(), msg=name)
     finally:
         scaled(model, 0.5)
+        model.eval()
+
+
+def system_prompt_rows(case: str, system: int = 16, completions: int = 4):
+    """Two prompts after one `system`-token system prompt, each in `completions` rows whose completions
+    (3 to 10 tokens, right-padded to 10) start with different tokens: prompt A holds one token of its own
+    after the system prompt ("one own token"), or none, its completions then sharing their first token
+    ("a shared first token"); prompt B holds 30 of its own. A is left-padded to B's length."""
+    g = torch.Generator().manual_seed(3)
+    head = torch.randint(3, VOCAB, (system,), generator=g)
+    own_a = torch.randint(3, VOCAB, (1 if case == "one own token" else 0,), generator=g)
+    own_b = torch.randint(3, VOCAB, (30,), generator=g)
+    width = system + 30 + 10
+    ids, mask = [], []
+    for own in (own_a, own_b):
+        prompt = torch.cat([head, own])
+        for j in range(completions):
+            length = 3 + (j * 7) // (completions - 1)
+            completion = torch.randint(3, VOCAB, (length,), generator=g)
+            completion[0] = 3 + j  # (distinct first tokens: the group's prefix is the prompt)
+            if case == "a shared first token" and own is own_a:
+                completion[0] = 50
+            row = torch.cat([prompt, completion])
+            pads = width - 10 - prompt.numel()
+            ids.append(
+                torch.cat([torch.zeros(pads, dtype=torch.long), row, torch.zeros(10 - length, dtype=torch.long)])
+            )
+            mask.append(ids[-1] != 0)
+    return torch.stack(ids), torch.stack(mask).long()
+
+
+@pytest.mark.parametrize("case", ["one own token", "a shared first token"])
+def test_patch_forward_after_a_system_prompt_a_prompt_of_one_token_of_its_own_gets_the_plain_gradients(hybrid, case):
+    """A prompt whose part after a system prompt computed once is exactly one token (or none, its
+    completions sharing a first token): that token's states, which its completions continue from, are the
+    states after it, not after a padding column the layer's scan needs (issue #51: every row of that
+    prompt got other logits from its first completion token on, silently). At 1x the weights: at 2x the
+    plain forward's own logits for one system prompt differ by up to 6e-3 between rows of other padding
+    (qwen3_next: its chunked scans round by where the chunks start)."""
+    model = hybrid.train()
+    try:
+        ids, mask = system_prompt_rows(case)
+        plain_logits, plain_grads = loss_pass(model, ids, mask)
+        with torchkvops.patch_forward(model) as handle:
+            logits, grads = loss_pass(model, ids, mask)
+        assert handle.stats.shared_calls == 1 and handle.stats.fallback_calls == 0
+        torch.testing.assert_close(logits[mask.bool()], plain_logits[mask.bool()], rtol=1e-3, atol=1e-4)
+        for name, want in plain_grads.items():
+            torch.testing.assert_close(grads[name], want, rtol=1e-3, atol=GRAD_ATOL * want.abs().max(), msg=name)
+    finally:
         model.eval()

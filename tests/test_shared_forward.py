@@ -630,6 +630,48 @@ def test_under_eager_attention_labels_read_from_padding_run_plain(family_models)
     torch.testing.assert_close(shared[0].loss, run(model, ids, mask, unread)[0].loss, rtol=1e-4, atol=1e-6)
 
 
+def test_under_eager_attention_padding_queries_get_the_rows_average_and_gradients_stay_finite():
+    """Issue #51: Gemma 3n, eager, prompts of 1 and 20 tokens, four one-token completions each. A padding
+    query attends to nothing in the shared layout; at 0 its hidden state stayed exactly 0 (Gemma 3n's
+    padding embedding is 0), and AltUp's sqrt(mean(x**2)) gave 0 x inf in backward: NaN gradients where
+    the plain eager forward's are finite. It now gets what eager gives it (the mean of its row's values;
+    a constant): the gradients are the plain forward's, and so are the padding logits of the row the
+    shared padding columns come from."""
+    from families import tiny_config
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config("gemma3n_text")
+    if config is None:
+        pytest.skip("this transformers has no gemma3n_text")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").train()
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for prompt in (torch.randint(3, VOCAB, (1,), generator=g), torch.randint(3, VOCAB, (20,), generator=g)):
+        for j in range(4):
+            rows.append(torch.cat([torch.zeros(21 - prompt.numel(), dtype=torch.long), prompt, torch.tensor([3 + j])]))
+    ids = torch.stack(rows)
+    mask = (ids != 0).long()
+
+    def loss_pass():
+        model.zero_grad(set_to_none=True)
+        logits = model(input_ids=ids, attention_mask=mask).logits
+        logits.float().log_softmax(-1)[mask.bool()].sum().backward()
+        return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    plain_logits, plain_grads = loss_pass()
+    with torchkvops.patch_forward(model, min_shared_tokens=4) as handle:
+        logits, grads = loss_pass()
+    assert handle.stats.shared_calls == 1
+    real = mask.bool()
+    torch.testing.assert_close(logits[real], plain_logits[real], rtol=1e-4, atol=1e-4)
+    # Row 0 leads the group whose 20 padding columns are shared: its padding logits are eager's.
+    torch.testing.assert_close(logits[0, :20], plain_logits[0, :20], rtol=1e-4, atol=1e-4)
+    assert all(torch.isfinite(g).all() for g in plain_grads.values())
+    for name, want in plain_grads.items():
+        torch.testing.assert_close(grads[name], want, rtol=1e-3, atol=1e-4 * want.abs().max(), msg=name)
+
+
 @pytest.mark.parametrize("how", ["pickle", "torch.save"])
 def test_a_pickled_patched_model_loads_patched_on_its_own_weights(how):
     model = FAMILIES["llama"]()  # (a model run with output_hidden_states holds transformers' unpicklable hooks)

@@ -43,6 +43,7 @@ __all__ = [
     "attend",
     "attend_softcapped",
     "merge_sinks",
+    "applied_softcap",
     "attend_backward",
     "MASKED_KEY_BIAS",
     "MemoryEfficientKernels",
@@ -132,6 +133,14 @@ def attend(
     lse = torch.logsumexp(scores, dim=-1)
     out = torch.matmul(torch.exp(scores - lse[..., None]).to(v.dtype), v)
     return out, lse if with_lse else None
+
+
+def applied_softcap(softcap: float | None, implementation: str | None) -> float | None:
+    """The cap on attention scores (Gemma 2's attn_logit_softcapping, passed to the attention function as
+    `softcap`) that the model's own attention `implementation` applies, which a torchkvops attention in its
+    place must apply too: eager, flash and flex apply it; transformers' SDPA path takes none (5.17 drops it
+    silently, where Gemma 2 loads with SDPA; later releases refuse to load such a model with SDPA)."""
+    return None if implementation == "sdpa" else softcap
 
 
 def merge_sinks(out: Tensor, lse: Tensor, sinks: Tensor) -> tuple[Tensor, Tensor]:

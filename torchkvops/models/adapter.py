@@ -123,8 +123,8 @@ class CacheSpec:
         Recurrent layers (`states`: `recurrent.probe_states` of the model, layer -> LayerStates; None: a
         model of attention layers only): one RECURRENT group per row layout in `dtype`, the cache's."""
         shapes = _layer_shapes(config)
-        modes = getattr(config, "kv_sharing_modes", None) or ["own"] * len(shapes)
         kinds = getattr(config, "layer_types", None) or ["full_attention"] * len(shapes)
+        modes = _kv_sharing_modes(config, kinds) or ["own"] * len(shapes)
         reads, last_store = [], {}
         for layer, mode in enumerate(modes):
             if states is not None and not states[layer].has_kv:
@@ -234,6 +234,24 @@ _CONFIG_FIELDS = (
     "kv_lora_rank",
     "v_head_dim",
 )
+
+
+def _kv_sharing_modes(config, kinds: list[str]) -> list[str | None] | None:
+    """Each layer's KV sharing ("reuse": reads the last "store" layer of its type's KV; None: its own), as
+    the config says: `kv_sharing_modes` (transformers >= 5.2x), or for 5.17's Gemma 3n, which has only
+    `num_kv_shared_layers`, what its attention layers compute from it (the last layers reuse, the last
+    layer of each type before them stores). None: no layer shares."""
+    modes = getattr(config, "kv_sharing_modes", None)
+    shared = getattr(config, "num_kv_shared_layers", 0) or 0
+    if modes is not None or not shared:
+        return modes
+    first = len(kinds) - shared
+    modes = [None if layer < first else "reuse" for layer in range(len(kinds))]
+    for kind in set(kinds):
+        earlier = [layer for layer in range(first) if kinds[layer] == kind]
+        if earlier:  # (else from_config names the reusing layer that nothing stores for)
+            modes[earlier[-1]] = "store"
+    return modes
 
 
 _PER_LAYER = "per-layer"  # model_state's value of a config field that differs per layer

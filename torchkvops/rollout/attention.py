@@ -46,7 +46,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .. import ops
-from ..fused_attention import MASKED_KEY_BIAS, attend_softcapped, merge_sinks
+from ..fused_attention import MASKED_KEY_BIAS, applied_softcap, attend_softcapped, merge_sinks
 from ..fused_attention import attend as _attend
 from .cache_groups import KVViews, layer_kv, layer_slot
 
@@ -324,6 +324,7 @@ def packed_attention(packed, frontier: Tensor, seen: Tensor, levels: tuple[Share
 
 
 _active: DecodeAttention | PackedAttention | None = None
+_implementation: str | None = None  # the model's own attention implementation while `_active` is set
 # One decode at a time per process: `_active` is one global (a thread-local would break torch.compile's
 # full graph), and two models decoding in two threads would otherwise read each other's context.
 _decode_lock = threading.RLock()
@@ -337,7 +338,7 @@ def decode_attention(model: nn.Module, context: DecodeAttention | PackedAttentio
     for eager, CUDA-graphed and compiled decode alike (a compiled graph guards on it). Callers hold the
     rollout's per-model lock: two rollouts never switch one model at once; rollouts of different
     models decode one after the other."""
-    global _active
+    global _active, _implementation
     with _decode_lock:
         config = model.config
         # The setter also sets every sub-config; restore each to what it was.
@@ -347,11 +348,11 @@ def decode_attention(model: nn.Module, context: DecodeAttention | PackedAttentio
             if sub is not None:
                 original[key] = getattr(sub, "_attn_implementation", None)
         config._attn_implementation = NAME
-        _active = context
+        _active, _implementation = context, original[""]
         try:
             yield
         finally:
-            _active = None
+            _active = _implementation = None
             config._attn_implementation = original if len(original) > 1 else original[""]
 
 
@@ -377,7 +378,8 @@ def torchkvops_attention(
         )
     window = kwargs.get("sliding_window")  # (this layer's: None for full attention)
     sinks = kwargs.get("s_aux")  # [heads]: attention sinks (gpt-oss), a logit per head with no value
-    softcap = kwargs.get("softcap")  # Gemma 2's attn_logit_softcapping: capped scores, no fused kernel
+    # Gemma 2's attn_logit_softcapping: capped scores, no fused kernel (where the model's own attention caps)
+    softcap = applied_softcap(kwargs.get("softcap"), _implementation)
     if isinstance(context, PackedAttention):
         return context.attend(module, query, key, value, scaling, window, sinks, softcap), None
     if softcap is not None:

@@ -31,8 +31,11 @@ see fused_attention), which `packed_attention` then sets to 0: what torch's SDPA
 (safe softmax) and flash-attention (unpadded) give such a row in the plain forward, so the outputs at
 padding positions are the plain forward's too (the logit at a row's last padding column predicts its
 first real token, and a padding collator's labels include it). Plain eager attention gives them a
-uniform average over the whole row instead, which a shared prefix cannot reproduce:
-`torchkvops.patch_forward` runs such calls plain when labels read one.
+uniform average over the whole row instead (every key's score is the dtype's minimum), which a shared
+prefix cannot reproduce for every row of a group that shares the padding: `torchkvops.patch_forward`
+runs such calls plain when labels read one, and otherwise gives them that average for the row the
+packed token comes from, as a constant (`blind_average`): never exactly 0, which a layer may not
+differentiate (Gemma 3n's AltUp takes sqrt(mean(x**2)): 0 x inf in backward at a zero padding row).
 
 Kernels: `torchkvops.fused_attention` (on CPU the flash kernel and its backward, grouped-query heads
 natively; on CUDA the memory-efficient kernel and its backward, K/V heads repeated for the two causal
@@ -143,6 +146,22 @@ class PackedLayout:
                 q_off = q_off.view(xk, xq // xk, 1, m).expand(-1, -1, per_kv, -1).reshape(xk, -1)
             allowed = real[:, None, :] & (q_off[:, :, None] - k_off[:, None, :] < window)
             self._biases[key] = _key_bias(allowed, dtype)[:, None]
+        return self._biases[key]
+
+    def blind_average(self, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """(weights [R, T] in `dtype`, which [T] int64), built once per dtype: weights @ values averages the
+        values of every column of each of the R rows that blind queries come from, and `which[t]` is
+        blind query t's row among them (0 for the others). What plain eager attention gives a query whose
+        every key is masked (module docstring), for the row its packed token comes from."""
+        key = ("blind", dtype)
+        if key not in self._biases:
+            source = self.src // self.length
+            rows, which = torch.unique(source[self.blind_queries], return_inverse=True)
+            weights = torch.zeros(rows.numel(), self.src.numel(), dtype=dtype, device=self.src.device)
+            columns = self.dest.view(self.rows, self.length)[rows]  # [R, length]: the packed tokens of each row
+            weights[torch.arange(rows.numel(), device=rows.device)[:, None], columns] = 1.0 / self.length
+            index = torch.zeros_like(source).masked_scatter(self.blind_queries, which)
+            self._biases[key] = (weights, index)
         return self._biases[key]
 
     def biases(self, index: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
@@ -373,12 +392,15 @@ def packed_attention(
     window: int | None = None,
     sinks: Tensor | None = None,
     softcap: float | None = None,
+    blind_average: bool = False,
 ) -> Tensor:
     """A transformers attention layer's call over a packed sequence: query [1, H, T, D], key/value
     [1, Hkv, T, D] in `layout`'s token order -> [1, T, H, D] (what attention functions return). `window`:
     the layer's sliding window (a key is seen only within `window` columns of its query), None: none;
     `sinks` [H]: the layer's attention sinks (a logit per head in every softmax, with no value); `softcap`:
-    its scores capped (Gemma 2)."""
+    its scores capped (Gemma 2). A query whose every key is padding gets 0, what SDPA gives it, or with
+    `blind_average` what eager attention without sinks gives it: the mean of its row's values, every
+    column's (detached; for the row its packed token comes from, when a group's rows share it)."""
     q, k, v = query[0], key[0], value[0]  # [H, T, D]
     heads, dim = q.shape[0], q.shape[-1]
     per_kv = heads // k.shape[0]
@@ -429,6 +451,12 @@ def packed_attention(
         pieces.append(out_pre.transpose(1, 2).reshape(-1, heads, dim))
         pieces.append(out_suf.transpose(1, 2).reshape(-1, heads, dim))
     out = torch.cat(pieces)[None] if len(pieces) > 1 else pieces[0][None]
-    if layout.blind_queries is not None:  # SDPA's and flash-attention's output for a query with no key
+    if layout.blind_queries is not None and blind_average:  # eager's output for a query with no key,
+        with torch.no_grad():  # a constant: it reaches no loss (padding predicts no label that is served)
+            weights, which = layout.blind_average(dtype)
+            mean = (weights @ v.transpose(0, 1).reshape(v.shape[1], -1))[which]  # [T, Hkv * D]
+            mean = mean.view(-1, k.shape[0], 1, dim).expand(-1, -1, per_kv, -1).reshape(1, -1, heads, dim)
+        out = torch.where(layout.blind_queries[None, :, None, None], mean, out)
+    elif layout.blind_queries is not None:  # SDPA's and flash-attention's output for a query with no key
         out = out.masked_fill(layout.blind_queries[None, :, None, None], 0.0)
     return out

@@ -37,6 +37,7 @@ __all__ = [
     "real_columns",
     "common_prefix",
     "plan_grouping",
+    "ungroup_one_token_prefixes",
     "pack_layout",
 ]
 
@@ -174,6 +175,26 @@ def plan_grouping(keys: np.ndarray, nested_keys: np.ndarray | None, min_shared: 
     rest = nested_keys[np.arange(keys.shape[0])[:, None], _own_columns(length, common, starts)]
     nested = Grouping(find_prefix_groups(rest, min_shared), length, common, starts)
     return nested if nested.tokens < flat.tokens else flat
+
+
+def ungroup_one_token_prefixes(grouping: Grouping, keys: np.ndarray) -> Grouping:
+    """`grouping` with each group of several rows whose prefix holds exactly one real token after the
+    common tokens split into rows of their own (a row then computes that token itself: one token more
+    per row). For recurrent layers (`recurrent_segments`), whose scan cannot end a one-token segment
+    continued from the common tokens' states with the states after it. Without common tokens a prefix
+    starts from no state, and `grouping` is returned as it is."""
+    if not grouping.common:
+        return grouping
+    rows, length = keys.shape[:2]
+    own = real_columns(keys)[np.arange(rows)[:, None], _own_columns(length, grouping.common, grouping.starts)]
+    groups = []
+    for group in grouping.groups:
+        if len(group.rows) > 1 and int(own[group.rows[0], : group.prefix].sum()) == 1:
+            groups += [PrefixGroup((row,), length - grouping.common) for row in group.rows]
+        else:
+            groups.append(group)
+    groups.sort(key=lambda g: g.rows[0])
+    return dataclasses.replace(grouping, groups=groups)
 
 
 def pack_layout(grouping: Grouping, attention_mask: Tensor) -> PackedLayout:

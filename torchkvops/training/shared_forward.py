@@ -56,6 +56,7 @@ import torch
 from torch import Tensor, nn
 from transformers import AttentionInterface, PreTrainedConfig
 
+from ..fused_attention import applied_softcap
 from ..models.adapter import unwrap_model
 from ..models.forward_modes import active_dropout, autocast_dtype, disable_dropout
 from ..models.precision import compute_dtype
@@ -68,7 +69,7 @@ from ..models.recurrent import (
 )
 from ..utils import PatchHandle, WarnOnce
 from .prefix_attention import SERVED_DEVICES, PackedLayout, packed_attention
-from .prefix_groups import grouping_keys, pack_layout, plan_grouping
+from .prefix_groups import grouping_keys, pack_layout, plan_grouping, ungroup_one_token_prefixes
 from .recurrent_segments import packed_recurrent_forward
 from .trl_head import compact_fused_head, uses_trl_fused_head
 
@@ -204,9 +205,12 @@ def _shared_attention(
     dtype = autocast_dtype(query.device.type)
     dtype = query.dtype if dtype is None else dtype
     query, key, value = (t.to(dtype) for t in (query, key, value))
-    return packed_attention(
-        query, key, value, layout, scaling, window, kwargs.get("s_aux"), kwargs.get("softcap")
-    ), None
+    sinks = kwargs.get("s_aux")
+    implementation = module.config._torchkvops_config._attn_implementation
+    softcap = applied_softcap(kwargs.get("softcap"), implementation)
+    # Plain eager attention gives a query with no key the mean of its row's values (with sinks: nothing).
+    eager = implementation == "eager" and sinks is None
+    return packed_attention(query, key, value, layout, scaling, window, sinks, softcap, blind_average=eager), None
 
 
 AttentionInterface.register(NAME, _shared_attention)
@@ -318,6 +322,8 @@ def _plan(backbone: nn.Module, state: _PatchState, args: tuple, kwargs: dict):
             else grouping_keys(input_ids, mask, _column_positions(input_ids))
         )
         grouping = plan_grouping(keys, nested_keys, state.config.min_shared_tokens)
+        if state.mixers:  # (recurrent layers: a one-token prefix after common tokens cannot give its states)
+            grouping = ungroup_one_token_prefixes(grouping, nested_keys)
         if not grouping.common and all(len(g.rows) == 1 for g in grouping.groups):
             reason = (
                 f"no rows that share a prefix of at least min_shared_tokens={state.config.min_shared_tokens} columns"
