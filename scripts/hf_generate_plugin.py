@@ -91,11 +91,11 @@ def _install_routing() -> None:
         _calls["served_in"][_current["test"]] += 1
         return out
 
-    def counted_warn_once(self, reason, where="torchkvops.generate", stacklevel=4):
+    def counted_warn_once(self, reason, where="torchkvops.generate", stacklevel=4, **kwargs):
         if where == "torchkvops.generate":
             _calls["fallback"][_cause(reason)] += 1
             _examples.setdefault(_cause(reason), reason)
-        return warn_once(self, reason, where, stacklevel + 1)
+        return warn_once(self, reason, where, stacklevel + 1, **kwargs)
 
     generation._serve, generation._run, generation._Session.warn_once = counted_serve, counted_run, counted_warn_once
 

@@ -347,7 +347,17 @@ def test_autocast_to_another_dtype_than_the_weights_falls_back(llama, monkeypatc
     "ids, mask, error, match",
     [
         (torch.empty(0, 5, dtype=torch.long), None, ValueError, r"input_ids is empty \(shape \(0, 5\)\)"),
-        (torch.ones(2, 5), None, TypeError, "input_ids must hold integer token ids"),
+        (torch.ones(2, 5), None, TypeError, "input_ids must hold token ids as int64 or int32"),
+        # (HF's generate raises for these too, from the embedding: "Expected tensor for argument #1 'indices'")
+        (torch.ones(2, 5, dtype=torch.int16), None, TypeError, "input_ids must hold token ids as int64 or int32"),
+        (torch.ones(2, 5, dtype=torch.uint8), None, TypeError, "input_ids must hold token ids as int64 or int32"),
+        (torch.ones(2, 5, dtype=torch.long, device="meta"), None, ValueError, "input_ids is on the meta device"),
+        (
+            torch.ones(2, 5, dtype=torch.long),
+            torch.ones(2, 5, dtype=torch.long, device="meta"),
+            ValueError,
+            "attention_mask is on the meta device",
+        ),
         (torch.full((2, 5), 10_000), None, ValueError, r"input_ids must be token ids in \[0, "),
         (
             torch.ones(2, 5, dtype=torch.long),

@@ -14,7 +14,7 @@ from typing import Generic, TypeVar
 
 from torch import Tensor
 
-__all__ = ["PatchHandle", "WarnOnce", "LRU", "left_padding_fault"]
+__all__ = ["PatchHandle", "WarnOnce", "LRU", "left_padding_fault", "check_has_values"]
 
 
 # --- the handle a patch_* function returns -----------------------------------------------------------
@@ -42,6 +42,13 @@ class PatchHandle:
 
 
 # --- one warning per cause ----------------------------------------------------------------------------
+def check_has_values(tensor, name: str, where: str) -> None:
+    """A ValueError naming `name` (for the caller `where`) when `tensor` holds no values to read: on the
+    meta device."""
+    if tensor.is_meta:
+        raise ValueError(f"{where}: {name} is on the meta device, which holds no values; pass it on a real device")
+
+
 class WarnOnce:
     """A UserWarning the first time each cause is seen: `template` formatted with `cause=` (and the
     caller's other fields). Keyed by the cause alone, whatever the other fields are."""
@@ -50,11 +57,13 @@ class WarnOnce:
         self.template = template
         self.seen: set[str] = set()
 
-    def __call__(self, cause: str, stacklevel: int = 1, **fields) -> None:
-        """stacklevel: as `warnings.warn` counts it from the caller's line (1: that line)."""
+    def __call__(self, cause: str, stacklevel: int = 1, template: str | None = None, **fields) -> None:
+        """stacklevel: as `warnings.warn` counts it from the caller's line (1: that line); `template`: this
+        cause's own, instead of the one given at construction."""
         if cause not in self.seen:
             self.seen.add(cause)
-            warnings.warn(self.template.format(cause=cause, **fields), UserWarning, stacklevel=stacklevel + 1)
+            text = (template or self.template).format(cause=cause, **fields)
+            warnings.warn(text, UserWarning, stacklevel=stacklevel + 1)
 
 
 # --- a small least-recently-used cache ----------------------------------------------------------------

@@ -42,7 +42,7 @@ from .. import distributed
 from ..models.adapter import ModelAdapter
 from ..models.forward_modes import attention_dropout, forward_autocast_dtype
 from ..rollout.engine import MIN_TEMPERATURE, Rollout, check_prompts
-from ..utils import left_padding_fault
+from ..utils import check_has_values, left_padding_fault
 from .sharded import NEUTRAL_VOTE, GatherVote, Settled, settle
 
 # HF's generate signature: calls are bound to it as HF binds them (same defaults, same TypeErrors).
@@ -134,6 +134,9 @@ class Refusal:
 
     reason: str
     concerns: Concern
+    # A call that failed inside the rollout (`reason` names the exception) and is tried again next time:
+    # its warning says so instead of "not supported".
+    retried: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -303,6 +306,9 @@ def _resolve(model: nn.Module, adapter: ModelAdapter, call: Arguments):
 
     input_ids = call.input_ids
     given = call.attention_mask
+    for name, tensor in (("input_ids", input_ids), ("attention_mask", given)):
+        if isinstance(tensor, Tensor):
+            check_has_values(tensor, name, "torchkvops.generate")
     if (
         isinstance(given, Tensor)
         and given.shape == input_ids.shape

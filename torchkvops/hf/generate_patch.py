@@ -81,6 +81,13 @@ _MAX_ROLLOUTS = 4
 _FALLBACK_WARNING = (
     "{where}: {cause} is not supported; this call (and every call with it) runs the model's own generate"
 )
+# The warning for a call that failed inside the rollout before any was served (cause: the exception).
+_RETRY_WARNING = (
+    "{where}: the rollout failed on this call ({cause}); the model's own generate runs it, and the next call "
+    "with these settings tries the rollout again"
+)
+# How many calls with the same settings may fail inside the rollout before every later one falls back.
+_FAILED_TRIES = 2
 
 
 class _Session:
@@ -108,7 +115,8 @@ class _Session:
         self.adapter: ModelAdapter | None = None  # the model read in that state
         self.refusal: Refusal | None = None  # why the rollout cannot run the model in that state (None: it can)
         self.proven = False  # a call was served in that state (until then a failure falls back)
-        self.failed: dict[Plan, Refusal] = {}  # settings whose call failed in that state, and why
+        self.failed: dict[Plan, Refusal] = {}  # settings whose calls failed _FAILED_TRIES times, and why
+        self.failures: dict[Plan, int] = {}  # how many calls with these settings failed in that state
 
     def __reduce__(self):
         return (type(None), ())  # a copy of the model starts without a session
@@ -126,6 +134,7 @@ class _Session:
             self.release()
             self.state, self.proven = state, False
             self.failed.clear()
+            self.failures.clear()
             try:
                 self.adapter, self.refusal = ModelAdapter(model), None
             except Exception as e:  # noqa: BLE001 (whatever reading the model raised: refused, not broken)
@@ -221,10 +230,13 @@ class _Session:
         kept = fingerprint is not None and rollout.history is not None  # (a streamed call keeps no KV)
         self.kept = KeptCall(rollout, _reuse_settings(call.plan), rows, fingerprint) if kept else None
 
-    def warn_once(self, reason: str, where: str = "torchkvops.generate", stacklevel: int = 4) -> None:
-        """The fallback warning for `reason` (a Refusal's), the first time this model meets it. stacklevel:
-        counted from this method (scripts/hf_generate_plugin.py wraps it to count the fallbacks)."""
-        self.warnings(reason, stacklevel=stacklevel, where=where)
+    def warn_once(
+        self, reason: str, where: str = "torchkvops.generate", stacklevel: int = 4, retried: bool = False
+    ) -> None:
+        """The fallback warning for `reason` (a Refusal's), the first time this model meets it; `retried`: a
+        failed call's, which the next call tries again. stacklevel: counted from this method
+        (scripts/hf_generate_plugin.py wraps it to count the fallbacks)."""
+        self.warnings(reason, stacklevel=stacklevel, template=_RETRY_WARNING if retried else None, where=where)
 
 
 class RowBudgetError(ValueError):
@@ -352,20 +364,36 @@ def _serve(
             except (torch.OutOfMemoryError, NonFiniteLogitsError, RowBudgetError):
                 raise
             except Exception as e:
-                if session.proven or call.lockstep or settled is not None:
+                tried = call.plan in session.failures  # (these settings failed before: tried again)
+                if (session.proven and not tried) or call.lockstep or settled is not None or _out_of_memory(e):
                     raise  # (the other processes are in the call's collectives, or served it: no fallback here)
                 # A call failed inside the rollout before any call was served in this model state: the
-                # model may do something the rollout does not implement. HF's generate takes this call,
-                # and every later one with the same settings (until the model changes); calls with other
-                # settings are still tried (one odd call must not cost every later one its speed).
+                # model may do something the rollout does not implement, or the failure was passing. HF's
+                # generate takes this call, and the next one with the same settings tries again; after
+                # _FAILED_TRIES failures every later one falls back (until the model changes). Calls with
+                # other settings are still tried (one odd call must not cost every later one its speed).
                 session.release()
-                refusal = Refusal(f"this model (the rollout failed on it: {type(e).__name__}: {e})", "model")
-                session.failed[call.plan] = call = refusal
+                what = f"{type(e).__name__}: {e}"
+                tries = session.failures[call.plan] = session.failures.get(call.plan, 0) + 1
+                if tries < _FAILED_TRIES:
+                    call = Refusal(what, "model", retried=True)
+                else:
+                    refusal = Refusal(f"this model (the rollout failed on it {tries} times, last: {what})", "model")
+                    session.failed[call.plan] = call = refusal
     if isinstance(call, Refusal):
         session.last_profile = None
-        session.warn_once(call.reason)
+        session.warn_once(call.reason, retried=call.retried)
         return original(*args, **kwargs)
     return GenerateDecoderOnlyOutput(sequences=sequences) if call.plan.return_dict else sequences
+
+
+def _out_of_memory(error: Exception) -> bool:
+    """Whether `error` says memory ran out (a CUDA OutOfMemoryError, or the CPU allocator's RuntimeError):
+    raised to the caller, as HF's generate would, and remembered nowhere."""
+    text = str(error)
+    return isinstance(error, torch.OutOfMemoryError) or (
+        isinstance(error, RuntimeError) and ("can't allocate memory" in text or "not enough memory" in text)
+    )
 
 
 def _run(

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from ..models.adapter import ModelAdapter
-from ..utils import left_padding_fault
+from ..utils import check_has_values, left_padding_fault
 from . import attention
 from .attention import packed_attention
 from .cache_groups import KVViews
@@ -408,8 +408,9 @@ def check_prompts(
         raise TypeError(f"{where}: input_ids must be a torch.Tensor, got {type(input_ids).__name__}")
     if input_ids.dim() != 2:
         raise ValueError(f"{where}: input_ids must be 2-D [batch, prompt_length], got shape {tuple(input_ids.shape)}")
-    if input_ids.dtype not in (torch.long, torch.int32, torch.int16, torch.int8, torch.uint8):
-        raise TypeError(f"{where}: input_ids must hold integer token ids, got {input_ids.dtype}")
+    check_has_values(input_ids, "input_ids", where)
+    if input_ids.dtype not in (torch.long, torch.int32):  # (what an embedding takes: HF's generate raises too)
+        raise TypeError(f"{where}: input_ids must hold token ids as int64 or int32, got {input_ids.dtype}")
     if input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
         raise ValueError(
             f"{where}: input_ids is empty (shape {tuple(input_ids.shape)}); need batch >= 1 and prompt_length >= 1"
@@ -426,6 +427,7 @@ def check_prompts(
     if not isinstance(attention_mask, Tensor) or attention_mask.shape != input_ids.shape:
         got = tuple(attention_mask.shape) if isinstance(attention_mask, Tensor) else type(attention_mask).__name__
         raise ValueError(f"{where}: attention_mask must have input_ids' shape {tuple(input_ids.shape)}, got {got}")
+    check_has_values(attention_mask, "attention_mask", where)
     if attention_mask.dtype.is_complex:
         raise TypeError(f"{where}: attention_mask must hold 0 and 1, got dtype {attention_mask.dtype}")
     mask = attention_mask.to(device)

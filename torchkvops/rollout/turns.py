@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
 
+from ..utils import check_has_values
 from .attention import PackedAttention, SharedLevel, packed_attention
 from .packing import Packed, pack
 from .prompts import Prompts
@@ -129,6 +130,7 @@ def check_appended(appended, rows: int, vocab: int | None, device: torch.device)
             out.append(None)
             continue
         if isinstance(a, Tensor):
+            check_has_values(a, f"appended[{r}]", where)
             if a.dim() != 1 or a.dtype.is_floating_point or a.dtype.is_complex or a.dtype == torch.bool:
                 raise ValueError(
                     f"{where}: appended[{r}] must be a 1-D tensor of integer token ids, got {a.dtype} of shape "
