@@ -82,9 +82,25 @@ if [ "${SKIP_BUILD:-0}" != 1 ]; then
 fi
 
 if "$PY" -c "import pytest" 2>/dev/null; then
-  # --continue-on-collection-errors: a test module whose imports are missing here must not keep the
-  # others from running. The NCCL FSDP2 test (tests/test_agreement.py) launches its own process.
-  step pytest-cuda 170 "$PY" -m pytest -q -m cuda -p no:cacheprovider --continue-on-collection-errors -rs tests/
+  # First the direct tests of every kernel changed since the last GPU run (2026-11-30, a1b73be: write_kv_,
+  # the sampler, merge_attention_states, repeat_kv_cache_, the fused attention's CUDA branch) and the NCCL
+  # FSDP2 call (tests/test_agreement.py, which launches its own process): what a timeout must not cut.
+  # Then every other CUDA test, its limit sized from how many there are (counted here, at collection) at
+  # 1.5 s each: the last run took 66 s for 81 model-level tests (0.8 s each). --durations shows where
+  # the time went. --continue-on-collection-errors: a test module whose imports are missing here must
+  # not keep the others from running.
+  kernel_tests=(tests/test_write_kv.py tests/test_sample_tokens.py tests/test_merge_attention_states.py
+    tests/test_repeat_kv_cache.py tests/test_fused_attention.py tests/test_agreement.py)
+  step pytest-kernels 150 "$PY" -m pytest -q -m cuda -p no:cacheprovider --continue-on-collection-errors -rs \
+    --durations=10 "${kernel_tests[@]}"
+  ignores=()
+  for f in "${kernel_tests[@]}"; do ignores+=(--ignore "$f"); done
+  rest=$("$PY" -m pytest --collect-only -q -m cuda -p no:cacheprovider --continue-on-collection-errors \
+    "${ignores[@]}" tests/ 2>/dev/null | sed -n -E 's#^([0-9]+)/[0-9]+ tests? collected.*#\1#p')
+  rest=${rest:-100}
+  echo "gpu_check: $rest other CUDA tests, limit $((rest * 3 / 2 + 30)) s" | tee "$out/pytest-cuda-count.log"
+  step pytest-cuda $((rest * 3 / 2 + 30)) "$PY" -m pytest -q -m cuda -p no:cacheprovider \
+    --continue-on-collection-errors -rs --durations=15 "${ignores[@]}" tests/
 else
   echo "=== pytest-cuda: pytest is not installed here" | tee "$out/pytest-cuda.log"
   rows+=("$(printf '%-14s %-8s %6s' pytest-cuda "missing" -)")
