@@ -83,13 +83,14 @@ fi
 
 if "$PY" -c "import pytest" 2>/dev/null; then
   # First the direct tests of every kernel changed since the last GPU run (2026-11-30, a1b73be: write_kv_,
-  # the sampler, merge_attention_states, repeat_kv_cache_, the fused attention's CUDA branch) and the NCCL
+  # paged_attention (new), the sampler, merge_attention_states, repeat_kv_cache_, the fused attention's
+  # CUDA branch) and the NCCL
   # FSDP2 call (tests/test_agreement.py, which launches its own process): what a timeout must not cut.
   # Then every other CUDA test, its limit sized from how many there are (counted here, at collection) at
   # 1.5 s each: the last run took 66 s for 81 model-level tests (0.8 s each). --durations shows where
   # the time went. --continue-on-collection-errors: a test module whose imports are missing here must
   # not keep the others from running.
-  kernel_tests=(tests/test_write_kv.py tests/test_sample_tokens.py tests/test_merge_attention_states.py
+  kernel_tests=(tests/test_write_kv.py tests/test_paged_attention.py tests/test_sample_tokens.py tests/test_merge_attention_states.py
     tests/test_repeat_kv_cache.py tests/test_fused_attention.py tests/test_agreement.py)
   step pytest-kernels 150 "$PY" -m pytest -q -m cuda -p no:cacheprovider --continue-on-collection-errors -rs \
     --durations=10 "${kernel_tests[@]}"
@@ -108,6 +109,10 @@ else
   failed=1
 fi
 
+# Issue #52: paged_attention against SDPA on the same rows (log-normal lengths, median 1000 keys), at a
+# small and a large budget: SDPA over the budget-wide buffer (today's decode) and over the longest row.
+step bench-paged 40 "$PY" benchmarks/bench_paged_attention.py --device cuda --dtype bf16 --rows 64 --heads 16 \
+  --kv-heads 2 --head-dim 128 --block-size 16 --mean-length 1000 --capacity 2048 16384 --iters 20
 step bench-op 25 "$PY" -m torchkvops bench-op --device cuda --max-mib 1024 --output "$out/bench_op.json"
 
 # The decode goals of issues #8 and #9, most important first (each JSON has decode ms/step, GB/s and the

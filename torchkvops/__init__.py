@@ -25,6 +25,7 @@ _LAZY_NAMES = {
     "repeat_kv_cache": "ops",
     "repeat_kv_cache_": "ops",
     "merge_attention_states": "ops",
+    "paged_attention": "ops",
     "Rollout": "rollout",
     "RolloutConfig": "rollout",
     "RolloutOutput": "rollout",
@@ -80,6 +81,7 @@ __all__ = [
     "repeat_kv_cache",
     "repeat_kv_cache_",
     "merge_attention_states",
+    "paged_attention",
     "has_cuda_kernels",
     "ops",
     "distributed",
@@ -87,4 +89,4 @@ __all__ = [
 ]
 
 if _sys.argv[:1] != ["-m"]:  # not while `python -m` locates a module (see the docstring)
-    from .ops import merge_attention_states, repeat_kv_cache, repeat_kv_cache_  # noqa: F401
+    from .ops import merge_attention_states, paged_attention, repeat_kv_cache, repeat_kv_cache_  # noqa: F401

@@ -21,6 +21,7 @@ __all__ = [
     "repeat_kv_cache",
     "write_kv_",
     "merge_attention_states",
+    "paged_attention",
     "sample_tokens",
     "sample_tokens_with_logprobs",
 ]
@@ -191,6 +192,116 @@ def _merge_attention_states_backward(ctx, grad_out: Tensor, grad_lse: Tensor):
 
 
 torch.library.register_autograd("torchkvops::merge_attention_states", _merge_attention_states_backward)
+
+
+def paged_attention(
+    query: Tensor,
+    key_cache: Tensor,
+    value_cache: Tensor,
+    block_tables: Tensor,
+    seq_lens: Tensor,
+    query_positions: Tensor | None = None,
+    scale: float | None = None,
+    window: int = 0,
+    softcap: float = 0.0,
+) -> tuple[Tensor, Tensor]:
+    """Decode attention over paged KV: one query per row against the keys that row has written, read
+    through its block table, and nothing else. Returns `(out, lse)`: out `[rows, heads, head_dim]` in
+    query's dtype, lse `[rows, heads]` float32 (natural log), both contiguous, so that the attention over
+    several key sets (a prompt's shared blocks, a row's own) merges with `merge_attention_states`.
+
+    - `query` `[rows, heads, head_dim]` (float32, float16 or bfloat16; head_dim <= 256, stride 1).
+    - `key_cache`, `value_cache` `[num_blocks, kv_heads, block_size, head_dim]` in query's dtype: a pool of
+      blocks (e.g. one layer's `pool[layer, 0]` and `pool[layer, 1]`, any block/head/slot strides). Query
+      head h reads KV head h // (heads // kv_heads) (grouped-query attention, the heads folded).
+    - `block_tables` int32 `[rows, max_blocks]`: row r's key t lies in block `block_tables[r, t //
+      block_size]`, slot `t % block_size`; entries past a row's length are not read.
+    - `seq_lens` int32 `[rows]`: row r reads keys `[0, seq_lens[r])` (at most max_blocks * block_size).
+    - `query_positions` int64 `[rows, heads]` (any strides; None: `seq_lens - 1`): a query sees key t when
+      `t <= position` and, with `window > 0`, `position - t < window` (transformers' sliding window).
+    - `scale` (None: head_dim ** -0.5) multiplies q.k; `softcap > 0` caps the scores as
+      `softcap * tanh(s / softcap)` (Gemma 2). Attention sinks are not an argument: merge them once, after
+      every level, with `fused_attention.merge_sinks`.
+
+    A row that sees no key gets out 0 and lse -inf. Lengths and tables are data: one CUDA graph serves
+    every length, and the work follows the keys written, not the table's capacity. The CPU kernel raises
+    for a length past the table's capacity or a block id outside the pool; the CUDA kernel cannot check
+    data without a host sync and clamps them (garbage values, never memory outside the pool). Both run
+    the same algorithm in the same order (csrc/paged_attention.h): flash-decoding over partitions of 256
+    keys, merged by log-sum-exp. Not differentiable.
+    """
+    scale = query.shape[-1] ** -0.5 if scale is None else scale
+    return torch.ops.torchkvops.paged_attention.default(
+        query, key_cache, value_cache, block_tables, seq_lens, query_positions, scale, window, softcap
+    )
+
+
+_PAGED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@torch.library.register_fake("torchkvops::paged_attention")
+def _paged_attention_fake(
+    query: Tensor,
+    key_cache: Tensor,
+    value_cache: Tensor,
+    block_tables: Tensor,
+    seq_lens: Tensor,
+    query_positions: Tensor | None,
+    scale: float,
+    window: int,
+    softcap: float,
+) -> tuple[Tensor, Tensor]:
+    # The shape and dtype checks of csrc/paged_attention.h, with its exception types and messages.
+    op = "paged_attention"
+    torch._check_value(
+        query.dim() == 3, lambda: f"{op}: query must be 3-D [rows, heads, head_dim], got shape {list(query.shape)}"
+    )
+    torch._check_type(
+        query.dtype in _PAGED_DTYPES,
+        lambda: f"{op}: query dtype {query.dtype} is not supported; use float32, float16 or bfloat16",
+    )
+    torch._check_value(1 <= query.shape[2] <= 256, lambda: f"{op}: head_dim must be in [1, 256], got {query.shape[2]}")
+    for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
+        torch._check_value(
+            cache.dim() == 4,
+            lambda: (
+                f"{op}: {name} must be 4-D [num_blocks, kv_heads, block_size, head_dim], got shape {list(cache.shape)}"
+            ),
+        )
+        torch._check_type(
+            cache.dtype == query.dtype, lambda: f"{op}: {name} must have query's dtype {query.dtype}, got {cache.dtype}"
+        )
+        torch._check_value(
+            cache.shape[3] == query.shape[2], lambda: f"{op}: {name}'s head_dim must be query's {query.shape[2]}"
+        )
+    torch._check_value(
+        key_cache.shape[1] >= 1 and query.shape[1] % key_cache.shape[1] == 0,
+        lambda: (
+            f"{op}: query's heads ({query.shape[1]}) must be a multiple of the caches' kv_heads ({key_cache.shape[1]})"
+        ),
+    )
+    torch._check_type(
+        block_tables.dtype == torch.int32, lambda: f"{op}: block_tables must be int32, got {block_tables.dtype}"
+    )
+    torch._check_type(seq_lens.dtype == torch.int32, lambda: f"{op}: seq_lens must be int32, got {seq_lens.dtype}")
+    torch._check_value(
+        block_tables.dim() == 2 and block_tables.shape[0] == query.shape[0],
+        lambda: f"{op}: block_tables must be [rows, max_blocks] with rows = query's {query.shape[0]}",
+    )
+    torch._check_value(
+        seq_lens.dim() == 1 and seq_lens.shape[0] == query.shape[0],
+        lambda: f"{op}: seq_lens must be [rows] with rows = query's {query.shape[0]}",
+    )
+    out = query.new_empty(query.shape)
+    lse = query.new_empty(query.shape[:2], dtype=torch.float32)
+    return out, lse
+
+
+def _paged_attention_backward(ctx, grad_out: Tensor, grad_lse: Tensor):
+    raise NotImplementedError("paged_attention: not differentiable (it has no backward formula)")
+
+
+torch.library.register_autograd("torchkvops::paged_attention", _paged_attention_backward)
 
 
 def sample_tokens(logits: Tensor, keys: Tensor, step: Tensor, temperature: float, top_k: int, top_p: float) -> Tensor:

@@ -59,6 +59,47 @@ def merge_attention_states(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: T
     return out.to(out_a.dtype), lse
 
 
+def paged_attention(
+    query: Tensor,
+    key_cache: Tensor,
+    value_cache: Tensor,
+    block_tables: Tensor,
+    seq_lens: Tensor,
+    query_positions: Tensor | None = None,
+    scale: float | None = None,
+    window: int = 0,
+    softcap: float = 0.0,
+) -> tuple[Tensor, Tensor]:
+    """Row by row: gather the row's keys and values from its blocks, then dense attention in float32
+    over the keys it sees (out 0 and lse -inf where it sees none)."""
+    rows, heads, dim = query.shape
+    kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
+    scale = dim**-0.5 if scale is None else scale
+    out = torch.zeros(rows, heads, dim, dtype=torch.float32)
+    lse = torch.full((rows, heads), float("-inf"))
+    for r in range(rows):
+        length = int(seq_lens[r])
+        t = torch.arange(length)
+        blocks = block_tables[r, t // block_size].long()
+        k = key_cache[blocks, :, t % block_size].float().cpu()  # [length, kv_heads, dim]
+        v = value_cache[blocks, :, t % block_size].float().cpu()
+        per_kv = heads // kv_heads
+        k, v = k.repeat_interleave(per_kv, dim=1), v.repeat_interleave(per_kv, dim=1)  # [length, heads, dim]
+        scores = torch.einsum("hd,thd->ht", query[r].float().cpu(), k) * scale
+        if softcap > 0:
+            scores = softcap * torch.tanh(scores / softcap)
+        position = torch.full((heads,), length - 1) if query_positions is None else query_positions[r].cpu().long()
+        seen = t[None, :] <= position[:, None]
+        if window > 0:
+            seen &= position[:, None] - t[None, :] < window
+        scores = scores.masked_fill(~seen, float("-inf"))
+        any_seen = seen.any(dim=1)
+        lse[r] = torch.where(any_seen, torch.logsumexp(scores, dim=1), float("-inf"))
+        weights = torch.softmax(scores, dim=1).nan_to_num(0.0)
+        out[r] = torch.einsum("ht,thd->hd", weights, v)
+    return out.to(query.dtype), lse
+
+
 def noise_words(keys: Tensor, step: Tensor, vocab: int) -> tuple[Tensor, Tensor]:
     """The high and low 32 bits of each token's 64-bit noise word at decode step `step` (a 1-element
     tensor, or [rows]: one step per row): two [rows, vocab] int64 tensors holding values in [0, 2^32).

@@ -6,7 +6,7 @@
 //                    a plain C++ compile for x86-64) rounds twice; __fmul_rn / __fadd_rn are never
 //                    contracted. On the host a plain product or sum (no FMA without -mfma).
 //   u32_to_float     a uint32_t to float32, rounded to nearest.
-//   log_f, log1p_f, exp_f   CUDA's logf / log1pf / expf on the device (at most 1-2 ulp from the
+//   log_f, log1p_f, exp_f, tanh_f   CUDA's logf / log1pf / expf / tanhf on the device (at most 1-2 ulp from the
 //                    correctly rounded value), the C library's on the host (glibc's: correctly
 //                    rounded in nearly all cases). These can differ in the last bit: a CPU emulation
 //                    of a CUDA kernel matches it bit for bit except where a result depends on them.
@@ -29,6 +29,7 @@ TORCHKVOPS_HOST_DEVICE_INLINE float u32_to_float(uint32_t x) { return __uint2flo
 TORCHKVOPS_HOST_DEVICE_INLINE float log_f(float x) { return logf(x); }
 TORCHKVOPS_HOST_DEVICE_INLINE float log1p_f(float x) { return log1pf(x); }
 TORCHKVOPS_HOST_DEVICE_INLINE float exp_f(float x) { return expf(x); }
+TORCHKVOPS_HOST_DEVICE_INLINE float tanh_f(float x) { return tanhf(x); }
 TORCHKVOPS_HOST_DEVICE_INLINE double log_f(double x) { return log(x); }
 #else
 TORCHKVOPS_HOST_DEVICE_INLINE float mul_rn(float a, float b) { return a * b; }
@@ -37,6 +38,7 @@ TORCHKVOPS_HOST_DEVICE_INLINE float u32_to_float(uint32_t x) { return static_cas
 TORCHKVOPS_HOST_DEVICE_INLINE float log_f(float x) { return std::log(x); }
 TORCHKVOPS_HOST_DEVICE_INLINE float log1p_f(float x) { return std::log1p(x); }
 TORCHKVOPS_HOST_DEVICE_INLINE float exp_f(float x) { return std::exp(x); }
+TORCHKVOPS_HOST_DEVICE_INLINE float tanh_f(float x) { return std::tanh(x); }
 TORCHKVOPS_HOST_DEVICE_INLINE double log_f(double x) { return std::log(x); }
 #endif
 

@@ -1,0 +1,147 @@
+// CPU kernel of paged_attention: the CUDA kernel's tasks (paged_attention.h) under at::parallel_for, each
+// run by SerialBlock (a phase's threads one after another, the same order of every float operation), then
+// each (row, head)'s partitions merged. Checks what the CUDA kernel cannot without a host sync: every
+// length within the table's capacity and every block id in use inside the pool.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <memory>
+#include <tuple>
+
+#include "../paged_attention.h"
+
+namespace torchkvops {
+namespace {
+
+using paged::kHeads;
+using paged::Plan;
+
+// The block policy of paged_attention.h on one CPU thread: fn(i) for i = 0, 1, ... in order; nothing to
+// wait for.
+struct SerialBlock {
+  template <typename Fn>
+  void for_threads(int n, Fn&& fn) {
+    for (int i = 0; i < n; ++i) fn(i);
+  }
+  void sync() {}
+
+  // (paged_attention.h's contract) Keys in the outer loop, head_dim innermost: each value row is read
+  // once per head from contiguous memory and the d loop vectorizes; every out[h][d] still sums its
+  // terms in increasing t.
+  template <typename scalar_t>
+  void accumulate(const paged::Scratch& sc, int n, int64_t keys, int64_t dim, const scalar_t* value_cache,
+                  float* out, int64_t head_stride) {
+    for (int h = 0; h < n; ++h) {
+      float* __restrict__ o = out + h * head_stride;
+      for (int64_t d = 0; d < dim; ++d) o[d] = 0.f;
+      for (int64_t t = 0; t < keys; ++t) {
+        const float e = sc.s[h][t];
+        if (e == 0.f) continue;
+        const scalar_t* __restrict__ v = value_cache + sc.v_off[t];
+        for (int64_t d = 0; d < dim; ++d) o[d] = dmath::add_rn(o[d], dmath::mul_rn(e, static_cast<float>(v[d])));
+      }
+    }
+  }
+};
+
+// Each row's length within its table's capacity, and the ids of the blocks it reads inside the pool.
+void check_values(const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t num_blocks,
+                  int64_t block_size) {
+  const auto lens = seq_lens.accessor<int32_t, 1>();
+  const auto tables = block_tables.accessor<int32_t, 2>();
+  const int64_t capacity = block_tables.size(1) * block_size;
+  for (int64_t r = 0; r < seq_lens.size(0); ++r) {
+    const int64_t length = lens[r];
+    TORCH_CHECK_VALUE(length >= 0 && length <= capacity, paged::kOp, ": seq_lens[", r, "] = ", length,
+                      " is outside [0, ", capacity, "] (max_blocks x block_size)");
+    for (int64_t b = 0; b * block_size < length; ++b) {
+      TORCH_CHECK_VALUE(tables[r][b] >= 0 && tables[r][b] < num_blocks, paged::kOp, ": block_tables[", r, "][", b,
+                        "] = ", tables[r][b], " is not a block of the pool [0, ", num_blocks, ")");
+    }
+  }
+}
+
+template <typename scalar_t>
+void attend_cpu(const Plan& p, const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                const at::Tensor& block_tables, const at::Tensor& seq_lens, const int64_t* positions,
+                at::Tensor& part_max, at::Tensor& part_sum, at::Tensor& acc, at::Tensor& out, at::Tensor& lse) {
+  const scalar_t* q = query.const_data_ptr<scalar_t>();
+  const scalar_t* k = key_cache.const_data_ptr<scalar_t>();
+  const scalar_t* v = value_cache.const_data_ptr<scalar_t>();
+  const int32_t* tables = block_tables.const_data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.const_data_ptr<int32_t>();
+  float* pmax = part_max.mutable_data_ptr<float>();
+  float* psum = part_sum.mutable_data_ptr<float>();
+  float* a = acc.mutable_data_ptr<float>();
+  const int64_t per_kv = p.per_kv();
+  // A task per (row, KV head, chunk), its row's live partitions one after another (the CUDA kernel's
+  // blocks for the partitions past a row's length exit at once; here they are not run at all).
+  const int64_t tasks = p.rows * p.kv_heads * p.chunks;
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    auto scratch = std::make_unique<paged::Scratch>();  // (about 40 KB: not on the stack)
+    SerialBlock block;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t chunk = task % p.chunks;
+      const int64_t kv = (task / p.chunks) % p.kv_heads;
+      const int64_t row = task / p.chunks / p.kv_heads;
+      const int64_t head0 = kv * per_kv + chunk * kHeads;
+      const int n = static_cast<int>(std::min<int64_t>(kHeads, per_kv - chunk * kHeads));
+      const int64_t live = paged::live_partitions(p, lens, row);
+      for (int64_t part = 0; part < live; ++part)
+        paged::attend_partition(block, *scratch, p, q, k, v, tables, lens, positions, pmax, psum, a, row, kv, head0,
+                                n, part);
+    }
+  });
+  scalar_t* o = out.mutable_data_ptr<scalar_t>();
+  float* l = lse.mutable_data_ptr<float>();
+  at::parallel_for(0, p.rows * p.heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t row = item / p.heads, head = item % p.heads;
+      const int64_t at = row * p.part_row + head * p.part_head;
+      const int64_t live = paged::live_partitions(p, lens, row);
+      const paged::Merged merged = paged::merge_partitions(p, pmax, psum, at, live);
+      float row_out[paged::kMaxHeadDim];
+      paged::merged_row(p, pmax, psum, a + item * p.head_dim, at, live, merged, row_out);
+      for (int64_t d = 0; d < p.head_dim; ++d) o[item * p.head_dim + d] = static_cast<scalar_t>(row_out[d]);
+      l[item] = merged.lse;
+    }
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor> paged_attention_cpu(const at::Tensor& query, const at::Tensor& key_cache,
+                                                       const at::Tensor& value_cache, const at::Tensor& block_tables,
+                                                       const at::Tensor& seq_lens,
+                                                       const c10::optional<at::Tensor>& query_positions, double scale,
+                                                       int64_t window, double softcap) {
+  paged::check_args(query, key_cache, value_cache, block_tables, seq_lens, query_positions, scale, window, softcap);
+  TORCH_INTERNAL_ASSERT(query.device().is_cpu());
+  at::Tensor out = at::empty(query.sizes(), query.options());
+  at::Tensor lse = at::empty(query.sizes().slice(0, 2), query.options().dtype(at::kFloat));
+  if (out.numel() == 0) return {out, lse};
+  check_values(block_tables, seq_lens, key_cache.size(0), key_cache.size(2));
+  const int64_t partitions = paged::partitions_of(block_tables, key_cache);
+  const auto f32 = query.options().dtype(at::kFloat);
+  // Partition-major (acc [partitions, rows, heads, head_dim], the partial max and sum [partitions, rows,
+  // heads] viewed as [rows, heads, partitions]): a call touches the first partitions of its rows only, which
+  // lie together, whatever the table's capacity.
+  at::Tensor part_max = at::empty({partitions, query.size(0), query.size(1)}, f32).permute({1, 2, 0});
+  at::Tensor part_sum = at::empty({partitions, query.size(0), query.size(1)}, f32).permute({1, 2, 0});
+  at::Tensor acc = at::empty({partitions, query.size(0), query.size(1), query.size(2)}, f32);
+  const Plan p = paged::make_plan(query, key_cache, value_cache, block_tables, seq_lens, query_positions, part_max,
+                                  scale, window, softcap);
+  const int64_t* positions = query_positions.has_value() ? query_positions->const_data_ptr<int64_t>() : nullptr;
+  TORCHKVOPS_DISPATCH_PAGED_TYPES(query.scalar_type(), "paged_attention", [&] {
+    attend_cpu<scalar_t>(p, query, key_cache, value_cache, block_tables, seq_lens, positions, part_max, part_sum, acc,
+                         out, lse);
+  });
+  return {out, lse};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(torchkvops, CPU, m) { m.impl("paged_attention", &paged_attention_cpu); }
+
+}  // namespace torchkvops
