@@ -161,9 +161,9 @@ template <typename Block, typename scalar_t>
 TORCHKVOPS_HOST_DEVICE inline void attend_partition(Block& block, Scratch& sc, const Plan& p, const scalar_t* query,
                                                     const scalar_t* key_cache, const scalar_t* value_cache,
                                                     const int32_t* block_tables, const int32_t* seq_lens,
-                                                    const int64_t* query_positions, float* part_max,
-                                                    float* part_sum, float* acc, int64_t row, int64_t kv,
-                                                    int64_t head0, int n, int64_t part) {
+                                                    const int64_t* query_positions, float* part_max, float* part_sum,
+                                                    float* acc, int64_t row, int64_t kv, int64_t head0, int n,
+                                                    int64_t part) {
   const int64_t length = min_i64(max_i64(seq_lens[row * p.len_row], 0), p.max_blocks * p.block_size);
   const int64_t base = part * kPartition;
   const int64_t keys = min_i64(max_i64(length - base, 0), kPartition);  // this partition's written keys
@@ -297,8 +297,8 @@ inline bool is_supported_dtype(c10::ScalarType t) {
 }
 
 inline void check_cache(const at::Tensor& cache, const at::Tensor& query, const char* name) {
-  TORCH_CHECK_VALUE(cache.dim() == 4, kOp, ": ", name, " must be 4-D [num_blocks, kv_heads, block_size, head_dim], got shape ",
-                    cache.sizes());
+  TORCH_CHECK_VALUE(cache.dim() == 4, kOp, ": ", name,
+                    " must be 4-D [num_blocks, kv_heads, block_size, head_dim], got shape ", cache.sizes());
   TORCH_CHECK_TYPE(cache.scalar_type() == query.scalar_type(), kOp, ": ", name, " must have query's dtype ",
                    query.scalar_type(), ", got ", cache.scalar_type());
   TORCH_CHECK_VALUE(cache.device() == query.device(), kOp, ": ", name, " must be on query's device ", query.device(),
@@ -313,13 +313,12 @@ inline void check_cache(const at::Tensor& cache, const at::Tensor& query, const 
 
 inline void check_args(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                        const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                       const c10::optional<at::Tensor>& query_positions, double scale, int64_t window,
-                       double softcap) {
+                       const c10::optional<at::Tensor>& query_positions, double scale, int64_t window, double softcap) {
   TORCH_CHECK_VALUE(query.dim() == 3, kOp, ": query must be 3-D [rows, heads, head_dim], got shape ", query.sizes());
   TORCH_CHECK_TYPE(is_supported_dtype(query.scalar_type()), kOp, ": query dtype ", query.scalar_type(),
                    " is not supported; use float32, float16 or bfloat16");
-  TORCH_CHECK_VALUE(query.size(2) >= 1 && query.size(2) <= kMaxHeadDim, kOp, ": head_dim must be in [1, ",
-                    kMaxHeadDim, "], got ", query.size(2));
+  TORCH_CHECK_VALUE(query.size(2) >= 1 && query.size(2) <= kMaxHeadDim, kOp, ": head_dim must be in [1, ", kMaxHeadDim,
+                    "], got ", query.size(2));
   TORCH_CHECK_VALUE(query.size(2) <= 1 || query.stride(2) == 1, kOp,
                     ": query must have a contiguous head_dim (stride 1), got strides ", query.strides());
   check_cache(key_cache, query, "key_cache");
@@ -329,8 +328,8 @@ inline void check_args(const at::Tensor& query, const at::Tensor& key_cache, con
   const int64_t kv_heads = key_cache.size(1);
   TORCH_CHECK_VALUE(kv_heads >= 1 && query.size(1) % kv_heads == 0, kOp, ": query's heads (", query.size(1),
                     ") must be a multiple of the caches' kv_heads (", kv_heads, ")");
-  TORCH_CHECK_VALUE(block_tables.dim() == 2 && block_tables.size(0) == query.size(0) && block_tables.size(1) >= 1,
-                    kOp, ": block_tables must be [rows, max_blocks] with rows = query's ", query.size(0),
+  TORCH_CHECK_VALUE(block_tables.dim() == 2 && block_tables.size(0) == query.size(0) && block_tables.size(1) >= 1, kOp,
+                    ": block_tables must be [rows, max_blocks] with rows = query's ", query.size(0),
                     " and max_blocks >= 1, got shape ", block_tables.sizes());
   TORCH_CHECK_TYPE(block_tables.scalar_type() == c10::ScalarType::Int, kOp, ": block_tables must be int32, got ",
                    block_tables.scalar_type());

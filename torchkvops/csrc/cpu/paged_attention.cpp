@@ -32,8 +32,8 @@ struct SerialBlock {
   // once per head from contiguous memory and the d loop vectorizes; every out[h][d] still sums its
   // terms in increasing t.
   template <typename scalar_t>
-  void accumulate(const paged::Scratch& sc, int n, int64_t keys, int64_t dim, const scalar_t* value_cache,
-                  float* out, int64_t head_stride) {
+  void accumulate(const paged::Scratch& sc, int n, int64_t keys, int64_t dim, const scalar_t* value_cache, float* out,
+                  int64_t head_stride) {
     for (int h = 0; h < n; ++h) {
       float* __restrict__ o = out + h * head_stride;
       for (int64_t d = 0; d < dim; ++d) o[d] = 0.f;
@@ -48,8 +48,7 @@ struct SerialBlock {
 };
 
 // Each row's length within its table's capacity, and the ids of the blocks it reads inside the pool.
-void check_values(const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t num_blocks,
-                  int64_t block_size) {
+void check_values(const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t num_blocks, int64_t block_size) {
   const auto lens = seq_lens.accessor<int32_t, 1>();
   const auto tables = block_tables.accessor<int32_t, 2>();
   const int64_t capacity = block_tables.size(1) * block_size;
@@ -91,8 +90,8 @@ void attend_cpu(const Plan& p, const at::Tensor& query, const at::Tensor& key_ca
       const int n = static_cast<int>(std::min<int64_t>(kHeads, per_kv - chunk * kHeads));
       const int64_t live = paged::live_partitions(p, lens, row);
       for (int64_t part = 0; part < live; ++part)
-        paged::attend_partition(block, *scratch, p, q, k, v, tables, lens, positions, pmax, psum, a, row, kv, head0,
-                                n, part);
+        paged::attend_partition(block, *scratch, p, q, k, v, tables, lens, positions, pmax, psum, a, row, kv, head0, n,
+                                part);
     }
   });
   scalar_t* o = out.mutable_data_ptr<scalar_t>();

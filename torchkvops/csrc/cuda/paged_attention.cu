@@ -50,15 +50,15 @@ struct CudaBlock {
 template <typename scalar_t>
 __global__ void __launch_bounds__(kPartition)
     partition_kernel(const Plan p,
-                     const scalar_t* __restrict__ query,            // [rows, heads, head_dim]
-                     const scalar_t* __restrict__ key_cache,        // [num_blocks, kv_heads, block_size, head_dim]
-                     const scalar_t* __restrict__ value_cache,      // [num_blocks, kv_heads, block_size, head_dim]
-                     const int32_t* __restrict__ block_tables,      // [rows, max_blocks]
-                     const int32_t* __restrict__ seq_lens,          // [rows]
-                     const int64_t* __restrict__ query_positions,   // [rows, heads] or null
-                     float* __restrict__ part_max,                  // [partitions, rows, heads]
-                     float* __restrict__ part_sum,                  // [partitions, rows, heads]
-                     float* __restrict__ acc) {                     // [partitions, rows, heads, head_dim]
+                     const scalar_t* __restrict__ query,           // [rows, heads, head_dim]
+                     const scalar_t* __restrict__ key_cache,       // [num_blocks, kv_heads, block_size, head_dim]
+                     const scalar_t* __restrict__ value_cache,     // [num_blocks, kv_heads, block_size, head_dim]
+                     const int32_t* __restrict__ block_tables,     // [rows, max_blocks]
+                     const int32_t* __restrict__ seq_lens,         // [rows]
+                     const int64_t* __restrict__ query_positions,  // [rows, heads] or null
+                     float* __restrict__ part_max,                 // [partitions, rows, heads]
+                     float* __restrict__ part_sum,                 // [partitions, rows, heads]
+                     float* __restrict__ acc) {                    // [partitions, rows, heads, head_dim]
   __shared__ paged::Scratch scratch;
   CudaBlock block;
   const int64_t row = blockIdx.x / p.kv_heads, kv = blockIdx.x % p.kv_heads;
@@ -72,13 +72,13 @@ __global__ void __launch_bounds__(kPartition)
 
 template <typename scalar_t>
 __global__ void merge_kernel(const Plan p,
-                             const float* __restrict__ part_max,  // [partitions, rows, heads]
-                             const float* __restrict__ part_sum,  // [partitions, rows, heads]
-                             const float* __restrict__ acc,       // [partitions, rows, heads, head_dim]
+                             const float* __restrict__ part_max,    // [partitions, rows, heads]
+                             const float* __restrict__ part_sum,    // [partitions, rows, heads]
+                             const float* __restrict__ acc,         // [partitions, rows, heads, head_dim]
                              const int32_t* __restrict__ seq_lens,  // [rows]
-                             scalar_t* __restrict__ out,          // [rows, heads, head_dim]
-                             float* __restrict__ lse) {           // [rows, heads]
-  const int64_t item = blockIdx.x;                                // row * heads + head
+                             scalar_t* __restrict__ out,            // [rows, heads, head_dim]
+                             float* __restrict__ lse) {             // [rows, heads]
+  const int64_t item = blockIdx.x;                                  // row * heads + head
   const int64_t at = (item / p.heads) * p.part_row + (item % p.heads) * p.part_head;
   const int64_t live = paged::live_partitions(p, seq_lens, item / p.heads);
   const paged::Merged merged = paged::merge_partitions(p, part_max, part_sum, at, live);
@@ -92,8 +92,8 @@ __global__ void merge_kernel(const Plan p,
 std::tuple<at::Tensor, at::Tensor> paged_attention_cuda(const at::Tensor& query, const at::Tensor& key_cache,
                                                         const at::Tensor& value_cache, const at::Tensor& block_tables,
                                                         const at::Tensor& seq_lens,
-                                                        const c10::optional<at::Tensor>& query_positions,
-                                                        double scale, int64_t window, double softcap) {
+                                                        const c10::optional<at::Tensor>& query_positions, double scale,
+                                                        int64_t window, double softcap) {
   paged::check_args(query, key_cache, value_cache, block_tables, seq_lens, query_positions, scale, window, softcap);
   TORCH_INTERNAL_ASSERT(query.device().is_cuda());
   const c10::cuda::OptionalCUDAGuard guard(query.device());
