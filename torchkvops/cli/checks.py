@@ -259,10 +259,10 @@ def check_bench_args(args) -> None:
     check_output_file(args.output, "--output")
     check_plot_path(args.plot)
     check_output_dir(args.trace, "--trace")
-    if args.length_profile == "geometric" and args.temperature == 0:
+    if args.length_profile != "fixed" and args.temperature == 0:
         raise CLIError(
-            "--length-profile geometric needs sampling (--temperature > 0): greedy decoding would pick "
-            "the EOS token never or always"
+            f"--length-profile {args.length_profile} needs sampling (--temperature > 0): greedy decoding would "
+            "pick the EOS token never or always"
         )
     b, n, p, r = (
         max(args.batch_sizes),

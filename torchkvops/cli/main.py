@@ -87,7 +87,7 @@ MODEL_SHAPE_NAMES = (
 # torchkvops.bench.cases.MODES and DEFAULT_MODES, spelled out for the same reason (checked by the same test).
 MODE_NAMES = ("expanded", "shared", "prefix", "hf-generate", "hf-static", "shared-nocompact", "prefix-nocompact")
 # torchkvops.bench.lengths.LENGTH_PROFILES, spelled out for the same reason (checked by the same test).
-LENGTH_PROFILE_NAMES = ("fixed", "geometric")
+LENGTH_PROFILE_NAMES = ("fixed", "geometric", "eos-rate")
 DEFAULT_MODES = ("expanded", "shared", "prefix", "hf-generate")
 # The bare `torchkvops`: measured at 38 s on a shared 2-core CPU, model build included (5 iterations: 59 s);
 # with the four default modes (prefix added), 28 s on the same CPU, less loaded (2026-11-30).
@@ -266,7 +266,7 @@ def build_parser() -> _Parser:
         nargs="+",
         default=[16],
         metavar="R",
-        help="tokens generated per sample (the most, with --length-profile geometric)",
+        help="tokens generated per sample (the most, with --length-profile geometric or eos-rate)",
     )
     m.add_argument(
         "--length-profile",
@@ -274,7 +274,15 @@ def build_parser() -> _Parser:
         default="fixed",
         help="fixed: no EOS, every sample has R tokens; geometric: every row samples EOS with probability "
         "4/R at every step (the random-weight model's EOS logit set so), lengths geometric with mean "
-        "R/4, capped at R, as real responses spread (needs --temperature > 0)",
+        "R/4, capped at R, as real responses spread (needs --temperature > 0); eos-rate: the same with "
+        "mean --mean-length whatever R (a generous budget R: the same rows and tokens at every R)",
+    )
+    m.add_argument(
+        "--mean-length",
+        type=positive_int,
+        default=32,
+        metavar="M",
+        help="--length-profile eos-rate: the mean response length (EOS probability 1/M at every step)",
     )
     m.add_argument(
         "--modes",
