@@ -62,10 +62,11 @@ versions="$("$py" -c 'import torch, transformers, trl, peft, deepspeed; print(f"
 echo "floor_check: $versions"
 if [ "$#" -eq 0 ]; then
   # Sharded (FSDP2, FSDP1, ZeRO-3, data parallel: two gloo processes each), hybrids, the coverage table,
-  # the generate contract, the TRL runs.
+  # the generate contract, the TRL runs, and the newest operator (its registration, fake kernel and
+  # opcheck against torch 2.11's dispatcher).
   set -- tests/test_fsdp.py tests/test_zero3.py tests/test_distributed.py tests/test_agreement.py \
     tests/test_trl_sharded.py tests/test_hybrid.py tests/test_coverage.py tests/test_generate_contract.py \
-    tests/test_trl.py tests/test_floor.py
+    tests/test_trl.py tests/test_floor.py tests/test_paged_attention.py
 fi
 start=$SECONDS
 set +e
