@@ -4,6 +4,12 @@ import sys
 # tests/models.py is shared by test modules; make it importable as `models`.
 sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# DeepSpeed's ZeRO-3 workers JIT-build its shared-memory comm op with torch's cpp_extension, into one folder
+# per user by default, which every environment on the machine shares (a floor venv's torch 2.11, CI's fresh
+# clone, this checkout's venv: each rebuilds it over the others), locked by a file that a killed build leaves
+# behind: every later build then waits on it until the test's timeout. One folder per environment, inherited
+# by every worker the tests launch.
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
 
 
 import pytest  # noqa: E402
