@@ -32,6 +32,7 @@
 
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 
 #include <cmath>
@@ -75,6 +76,11 @@ struct Plan {
 
 TORCHKVOPS_HOST_DEVICE_INLINE int64_t min_i64(int64_t a, int64_t b) { return a < b ? a : b; }
 TORCHKVOPS_HOST_DEVICE_INLINE int64_t max_i64(int64_t a, int64_t b) { return a > b ? a : b; }
+
+// Row `row`'s length, clamped into its table's capacity (the CPU kernel checks it first; see the file comment).
+TORCHKVOPS_HOST_DEVICE_INLINE int64_t row_length(const Plan& p, const int32_t* seq_lens, int64_t row) {
+  return min_i64(max_i64(seq_lens[row * p.len_row], 0), p.max_blocks * p.block_size);
+}
 
 // Whether a query at `position` sees key t of a row of `length` keys.
 TORCHKVOPS_HOST_DEVICE_INLINE bool visible(int64_t t, int64_t length, int64_t position, int64_t window) {
@@ -164,7 +170,7 @@ TORCHKVOPS_HOST_DEVICE inline void attend_partition(Block& block, Scratch& sc, c
                                                     const int64_t* query_positions, float* part_max, float* part_sum,
                                                     float* acc, int64_t row, int64_t kv, int64_t head0, int n,
                                                     int64_t part) {
-  const int64_t length = min_i64(max_i64(seq_lens[row * p.len_row], 0), p.max_blocks * p.block_size);
+  const int64_t length = row_length(p, seq_lens, row);
   const int64_t base = part * kPartition;
   const int64_t keys = min_i64(max_i64(length - base, 0), kPartition);  // this partition's written keys
   const int32_t* table = block_tables + row * p.table_row;
@@ -241,8 +247,7 @@ TORCHKVOPS_HOST_DEVICE_INLINE float partition_weight(float part_max, float part_
 // stops before them (exact: their weight is 0), so that its cost follows the row's length, not the
 // table's capacity.
 TORCHKVOPS_HOST_DEVICE_INLINE int64_t live_partitions(const Plan& p, const int32_t* seq_lens, int64_t row) {
-  const int64_t length = min_i64(max_i64(seq_lens[row * p.len_row], 0), p.max_blocks * p.block_size);
-  return min_i64((length + kPartition - 1) / kPartition, p.partitions);
+  return min_i64((row_length(p, seq_lens, row) + kPartition - 1) / kPartition, p.partitions);
 }
 
 // `at`: the (row, head)'s first partition in part_max / part_sum; `live`: live_partitions of its row.
@@ -360,6 +365,27 @@ inline void check_args(const at::Tensor& query, const at::Tensor& key_cache, con
 inline int64_t partitions_of(const at::Tensor& block_tables, const at::Tensor& key_cache) {
   const int64_t capacity = block_tables.size(1) * key_cache.size(2);
   return capacity == 0 ? 1 : (capacity + kPartition - 1) / kPartition;
+}
+
+// What a call allocates: its outputs (out in query's dtype, float32 lse [rows, heads], contiguous) and, when
+// `partitions` > 0, the partial results, partition-major (acc [partitions, rows, heads, head_dim], the partial
+// max and sum [partitions, rows, heads] viewed as [rows, heads, partitions]): a call touches the first
+// partitions of its rows only, which lie together, whatever the table's capacity.
+struct Buffers {
+  at::Tensor out, lse, part_max, part_sum, acc;
+};
+
+inline Buffers empty_buffers(const at::Tensor& query, int64_t partitions) {
+  Buffers b;
+  b.out = at::empty(query.sizes(), query.options());
+  b.lse = at::empty(query.sizes().slice(0, 2), query.options().dtype(at::kFloat));
+  if (partitions > 0) {
+    const auto f32 = query.options().dtype(at::kFloat);
+    b.part_max = at::empty({partitions, query.size(0), query.size(1)}, f32).permute({1, 2, 0});
+    b.part_sum = at::empty({partitions, query.size(0), query.size(1)}, f32).permute({1, 2, 0});
+    b.acc = at::empty({partitions, query.size(0), query.size(1), query.size(2)}, f32);
+  }
+  return b;
 }
 
 // The plan; `part` is the partial max / sum buffer as [rows, heads, partitions] (any strides).

@@ -4,7 +4,6 @@
 // length within the table's capacity and every block id in use inside the pool.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include <cstdint>
@@ -117,26 +116,20 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_cpu(const at::Tensor& query, 
                                                        int64_t window, double softcap) {
   paged::check_args(query, key_cache, value_cache, block_tables, seq_lens, query_positions, scale, window, softcap);
   TORCH_INTERNAL_ASSERT(query.device().is_cpu());
-  at::Tensor out = at::empty(query.sizes(), query.options());
-  at::Tensor lse = at::empty(query.sizes().slice(0, 2), query.options().dtype(at::kFloat));
-  if (out.numel() == 0) return {out, lse};
+  if (query.numel() == 0) {
+    const paged::Buffers b = paged::empty_buffers(query, 0);
+    return {b.out, b.lse};
+  }
   check_values(block_tables, seq_lens, key_cache.size(0), key_cache.size(2));
-  const int64_t partitions = paged::partitions_of(block_tables, key_cache);
-  const auto f32 = query.options().dtype(at::kFloat);
-  // Partition-major (acc [partitions, rows, heads, head_dim], the partial max and sum [partitions, rows,
-  // heads] viewed as [rows, heads, partitions]): a call touches the first partitions of its rows only, which
-  // lie together, whatever the table's capacity.
-  at::Tensor part_max = at::empty({partitions, query.size(0), query.size(1)}, f32).permute({1, 2, 0});
-  at::Tensor part_sum = at::empty({partitions, query.size(0), query.size(1)}, f32).permute({1, 2, 0});
-  at::Tensor acc = at::empty({partitions, query.size(0), query.size(1), query.size(2)}, f32);
-  const Plan p = paged::make_plan(query, key_cache, value_cache, block_tables, seq_lens, query_positions, part_max,
+  paged::Buffers b = paged::empty_buffers(query, paged::partitions_of(block_tables, key_cache));
+  const Plan p = paged::make_plan(query, key_cache, value_cache, block_tables, seq_lens, query_positions, b.part_max,
                                   scale, window, softcap);
   const int64_t* positions = query_positions.has_value() ? query_positions->const_data_ptr<int64_t>() : nullptr;
   TORCHKVOPS_DISPATCH_PAGED_TYPES(query.scalar_type(), "paged_attention", [&] {
-    attend_cpu<scalar_t>(p, query, key_cache, value_cache, block_tables, seq_lens, positions, part_max, part_sum, acc,
-                         out, lse);
+    attend_cpu<scalar_t>(p, query, key_cache, value_cache, block_tables, seq_lens, positions, b.part_max, b.part_sum,
+                         b.acc, b.out, b.lse);
   });
-  return {out, lse};
+  return {b.out, b.lse};
 }
 
 }  // namespace

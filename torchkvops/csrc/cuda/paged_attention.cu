@@ -5,7 +5,6 @@
 // launches on the current stream, no host sync; the partial results are allocated by the op (the graph's
 // pool under capture), like its outputs.
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -97,20 +96,15 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_cuda(const at::Tensor& query,
   paged::check_args(query, key_cache, value_cache, block_tables, seq_lens, query_positions, scale, window, softcap);
   TORCH_INTERNAL_ASSERT(query.device().is_cuda());
   const c10::cuda::OptionalCUDAGuard guard(query.device());
-  at::Tensor out = at::empty(query.sizes(), query.options());
-  at::Tensor lse = at::empty(query.sizes().slice(0, 2), query.options().dtype(at::kFloat));
-  if (out.numel() == 0) return {out, lse};
+  if (query.numel() == 0) {
+    const paged::Buffers b = paged::empty_buffers(query, 0);
+    return {b.out, b.lse};
+  }
   const int64_t partitions = paged::partitions_of(block_tables, key_cache);
   TORCH_CHECK_VALUE(partitions <= 65535, paged::kOp, ": a row's table holds ", block_tables.size(1) * key_cache.size(2),
                     " slots, more than the kernel's grid takes (65535 x ", kPartition, ")");
-  const auto f32 = query.options().dtype(at::kFloat);
-  // Partition-major (acc [partitions, rows, heads, head_dim], the partial max and sum [partitions, rows,
-  // heads] viewed as [rows, heads, partitions]): a call touches the first partitions of its rows only, which
-  // lie together, whatever the table's capacity.
-  at::Tensor part_max = at::empty({partitions, query.size(0), query.size(1)}, f32).permute({1, 2, 0});
-  at::Tensor part_sum = at::empty({partitions, query.size(0), query.size(1)}, f32).permute({1, 2, 0});
-  at::Tensor acc = at::empty({partitions, query.size(0), query.size(1), query.size(2)}, f32);
-  const Plan p = paged::make_plan(query, key_cache, value_cache, block_tables, seq_lens, query_positions, part_max,
+  paged::Buffers b = paged::empty_buffers(query, partitions);
+  const Plan p = paged::make_plan(query, key_cache, value_cache, block_tables, seq_lens, query_positions, b.part_max,
                                   scale, window, softcap);
   const int64_t* positions = query_positions.has_value() ? query_positions->const_data_ptr<int64_t>() : nullptr;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
@@ -120,16 +114,16 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_cuda(const at::Tensor& query,
     partition_kernel<scalar_t><<<grid, kPartition, 0, stream>>>(
         p, query.const_data_ptr<scalar_t>(), key_cache.const_data_ptr<scalar_t>(),
         value_cache.const_data_ptr<scalar_t>(), block_tables.const_data_ptr<int32_t>(),
-        seq_lens.const_data_ptr<int32_t>(), positions, part_max.mutable_data_ptr<float>(),
-        part_sum.mutable_data_ptr<float>(), acc.mutable_data_ptr<float>());
+        seq_lens.const_data_ptr<int32_t>(), positions, b.part_max.mutable_data_ptr<float>(),
+        b.part_sum.mutable_data_ptr<float>(), b.acc.mutable_data_ptr<float>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     const int threads = static_cast<int>(paged::min_i64(256, ((p.head_dim + 31) / 32) * 32));
     merge_kernel<scalar_t><<<static_cast<unsigned>(p.rows * p.heads), threads, 0, stream>>>(
-        p, part_max.const_data_ptr<float>(), part_sum.const_data_ptr<float>(), acc.const_data_ptr<float>(),
-        seq_lens.const_data_ptr<int32_t>(), out.mutable_data_ptr<scalar_t>(), lse.mutable_data_ptr<float>());
+        p, b.part_max.const_data_ptr<float>(), b.part_sum.const_data_ptr<float>(), b.acc.const_data_ptr<float>(),
+        seq_lens.const_data_ptr<int32_t>(), b.out.mutable_data_ptr<scalar_t>(), b.lse.mutable_data_ptr<float>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
-  return {out, lse};
+  return {b.out, b.lse};
 }
 
 }  // namespace
