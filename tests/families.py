@@ -157,9 +157,8 @@ def tiny_config(model_type: str, **overrides):
 
 def unavailable(model_type: str) -> str:
     """Why `tiny_model(model_type)` gave None: a skip reason."""
-    if model_type in HYBRIDS and recurrent_cache_unsupported():
-        return recurrent_cache_unsupported()
-    return f"this transformers has no {model_type}"
+    reason = recurrent_cache_unsupported() if model_type in HYBRIDS else None
+    return reason or f"this transformers has no {model_type}"
 
 
 def tiny_model(model_type: str, seed: int = 0, **overrides):

@@ -340,11 +340,9 @@ def test_models_the_rollout_cannot_run_fall_back_with_a_warning(monkeypatch, nam
     handle.undo()
 
 
-def test_a_call_that_fails_once_in_the_rollout_falls_back_and_the_next_is_served(llama, monkeypatch):
-    """Issue #51: a passing failure of the first served call (here a RuntimeError, once) made every later
-    call with those settings fall back, with a warning calling the model "not supported". It falls back
-    for that call only, with a warning naming what failed; the next call is served."""
-    original, failures = torchkvops.Rollout.generate_rows, [RuntimeError("a passing failure")]
+def fail_once_in_the_rollout(monkeypatch, error: Exception) -> None:
+    """The next Rollout.generate_rows call raises `error`; the ones after it run as they are."""
+    original, failures = torchkvops.Rollout.generate_rows, [error]
 
     def fails_once(self, *args, **kwargs):
         if failures:
@@ -352,6 +350,13 @@ def test_a_call_that_fails_once_in_the_rollout_falls_back_and_the_next_is_served
         return original(self, *args, **kwargs)
 
     monkeypatch.setattr(torchkvops.Rollout, "generate_rows", fails_once)
+
+
+def test_a_call_that_fails_once_in_the_rollout_falls_back_and_the_next_is_served(llama, monkeypatch):
+    """Issue #51: a passing failure of the first served call (here a RuntimeError, once) made every later
+    call with those settings fall back, with a warning calling the model "not supported". It falls back
+    for that call only, with a warning naming what failed; the next call is served."""
+    fail_once_in_the_rollout(monkeypatch, RuntimeError("a passing failure"))
     ids, mask = prompts(2, 6, seed=8, left_pad=[0, 2])
     kwargs = dict(GREEDY, attention_mask=mask, eos_token_id=None, pad_token_id=0)
     expected = hf_generate(llama, ids, **kwargs)
@@ -377,14 +382,7 @@ def test_a_call_that_fails_once_in_the_rollout_falls_back_and_the_next_is_served
 def test_running_out_of_memory_is_raised_and_remembered_nowhere(llama, monkeypatch, error):
     """Memory that runs out is the caller's to handle, as with HF's generate (which would run out too):
     raised, and the next call is served."""
-    original, failures = torchkvops.Rollout.generate_rows, [error]
-
-    def fails_once(self, *args, **kwargs):
-        if failures:
-            raise failures.pop()
-        return original(self, *args, **kwargs)
-
-    monkeypatch.setattr(torchkvops.Rollout, "generate_rows", fails_once)
+    fail_once_in_the_rollout(monkeypatch, error)
     ids, mask = prompts(2, 6, seed=8, left_pad=[0, 2])
     kwargs = dict(GREEDY, attention_mask=mask, eos_token_id=None, pad_token_id=0)
     with torchkvops.patch_generate(llama) as handle:
