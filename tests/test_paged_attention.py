@@ -65,8 +65,11 @@ def paged_case(
     return tuple(t.to(device) for t in (query.to(dtype), key_cache.to(dtype), value_cache.to(dtype), tables, seq_lens))
 
 
-def dense(query, key_cache, value_cache, tables, seq_lens, positions=None, window=0, softcap=0.0, scale=None):
-    """Attention in float64 over each row's keys laid out contiguously, masked by position and window."""
+def dense(
+    query, key_cache, value_cache, tables, seq_lens, positions=None, window=0, softcap=0.0, scale=None, starts=None
+):
+    """Attention in float64 over each row's keys [start, length) laid out contiguously, masked by position and
+    window."""
     rows, heads, dim = query.shape
     kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
     scale = dim**-0.5 if scale is None else scale
@@ -74,9 +77,10 @@ def dense(query, key_cache, value_cache, tables, seq_lens, positions=None, windo
     lse = torch.full((rows, heads), float("-inf"), dtype=torch.float64)
     for r in range(rows):
         n = int(seq_lens[r])
-        if n == 0:
+        first = 0 if starts is None else int(starts[r])
+        if n == first:
             continue
-        t = torch.arange(n)
+        t = torch.arange(first, n)
         b = tables[r, t // block_size].long().cpu()
         k = key_cache.cpu()[b, :, t % block_size].double().repeat_interleave(heads // kv_heads, dim=1)
         v = value_cache.cpu()[b, :, t % block_size].double().repeat_interleave(heads // kv_heads, dim=1)
@@ -230,6 +234,56 @@ def test_strided_caches_as_a_pools_layer_views_are_read_in_place(device):
     assert_matches(got, dense(query, k, v, tables, lens), torch.float32)
 
 
+def with_starts(args, starts):
+    """`args` (a paged_case) whose rows start at `starts`: the keys before each start are NaN and the table
+    entries of the blocks wholly before it -1, so that a read of either shows; the starts as int32."""
+    query, k, v, tables, lens = (t.clone() for t in args)
+    block_size = k.shape[2]
+    for r, first in enumerate(starts):
+        for t in range(first):
+            b = int(tables[r, t // block_size])
+            k[b, :, t % block_size] = float("nan")
+            v[b, :, t % block_size] = float("nan")
+        tables[r, : first // block_size] = -1
+    return (query, k, v, tables, lens), torch.tensor(starts, dtype=torch.int32, device=query.device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_read_from_their_start_only(device, dtype):
+    """A row's keys before its start (a left-padded prompt's padding) are never read, whole partitions of
+    them skipped; a row whose start is its length sees no key."""
+    lens, starts = [9, 17, 600, 300, 5, 260], [3, 0, 300, 257, 5, 256]
+    args, seq_starts = with_starts(paged_case(lens, dtype=dtype, device=device, seed=21), starts)
+    got = torchkvops.paged_attention(*args, seq_starts=seq_starts)
+    assert_matches(got, dense(*args, starts=starts), dtype)
+    assert got[1][4].eq(float("-inf")).all() and got[0][4].eq(0).all()
+    want = reference.paged_attention(*(a.cpu() for a in args), seq_starts=seq_starts.cpu())
+    torch.testing.assert_close(got[1].cpu(), want[1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_starts_with_windows_positions_and_softcap(device):
+    query, k, v, tables, lens = paged_case([40, 20, 300], heads=4, kv_heads=2, device=device, seed=22)
+    (query, k, v, tables, lens), starts = with_starts((query, k, v, tables, lens), [10, 19, 100])
+    positions = (lens.long() - 1)[:, None].expand(-1, 4).clone()
+    positions[0] = torch.tensor([39, 30, 12, 9])  # the last: before the row's start (sees nothing)
+    got = torchkvops.paged_attention(query, k, v, tables, lens, positions, window=25, softcap=2.0, seq_starts=starts)
+    want = dense(query, k, v, tables, lens, positions, window=25, softcap=2.0, starts=[10, 19, 100])
+    assert_matches(got, want, torch.float32)
+
+
+def test_the_cpu_kernel_raises_for_starts_outside_the_rows_keys():
+    query, k, v, tables, lens = paged_case([4, 6], block_size=4)
+    for starts, match in (([0, 7], r"seq_starts\[1\] = 7 is outside \[0, seq_lens\[1\] = 6\]"), ([-1, 0], "seq_starts")):
+        with pytest.raises(ValueError, match="paged_attention: " + match):
+            torchkvops.paged_attention(query, k, v, tables, lens, seq_starts=torch.tensor(starts, dtype=torch.int32))
+    with pytest.raises(TypeError, match="paged_attention: seq_starts must be int32"):
+        torchkvops.paged_attention(query, k, v, tables, lens, seq_starts=torch.zeros(2, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"paged_attention: seq_starts must be \[rows\]"):
+        torchkvops.paged_attention(query, k, v, tables, lens, seq_starts=torch.zeros(3, dtype=torch.int32))
+
+
 def test_the_cpu_kernel_raises_for_lengths_and_blocks_outside_the_table_and_pool():
     query, k, v, tables, lens = paged_case([4, 6], block_size=4)
     with pytest.raises(ValueError, match=r"paged_attention: seq_lens\[1\] = 13 is outside \[0, 12\]"):
@@ -294,6 +348,8 @@ def test_opcheck(device):
     query, k, v, tables, lens = samples[0]
     positions = torch.tensor([[2] * 4, [0] * 4, [8] * 4], device=device)
     torch.library.opcheck(OP, (query, k, v, tables, lens, positions, 0.5, 3, 2.0))
+    starts = torch.tensor([1, 0, 4], dtype=torch.int32, device=device)
+    torch.library.opcheck(OP, (query, k, v, tables, lens, positions, 0.5, 3, 2.0, starts))
 
 
 def test_compiled_equals_eager():

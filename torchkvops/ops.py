@@ -204,6 +204,7 @@ def paged_attention(
     scale: float | None = None,
     window: int = 0,
     softcap: float = 0.0,
+    seq_starts: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Decode attention over paged KV: one query per row against the keys that row has written, read
     through its block table, and nothing else. Returns `(out, lse)`: out `[rows, heads, head_dim]` in
@@ -217,6 +218,9 @@ def paged_attention(
     - `block_tables` int32 `[rows, max_blocks]`: row r's key t lies in block `block_tables[r, t //
       block_size]`, slot `t % block_size`; entries past a row's length are not read.
     - `seq_lens` int32 `[rows]`: row r reads keys `[0, seq_lens[r])` (at most max_blocks * block_size).
+    - `seq_starts` int32 `[rows]` (None: zeros): row r reads keys `[seq_starts[r], seq_lens[r])` only, so
+      that a row whose first columns hold no key of its own (a left-padded prompt's padding) never reads
+      them; the blocks before a row's start are not read, so their table entries may be anything.
     - `query_positions` int64 `[rows, heads]` (any strides; None: `seq_lens - 1`): a query sees key t when
       `t <= position` and, with `window > 0`, `position - t < window` (transformers' sliding window).
     - `scale` (None: head_dim ** -0.5) multiplies q.k; `softcap > 0` caps the scores as
@@ -232,7 +236,7 @@ def paged_attention(
     """
     scale = query.shape[-1] ** -0.5 if scale is None else scale
     return torch.ops.torchkvops.paged_attention.default(
-        query, key_cache, value_cache, block_tables, seq_lens, query_positions, scale, window, softcap
+        query, key_cache, value_cache, block_tables, seq_lens, query_positions, scale, window, softcap, seq_starts
     )
 
 
@@ -247,6 +251,7 @@ def _paged_attention_fake(
     scale: float,
     window: int,
     softcap: float,
+    seq_starts: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     # The shape and dtype checks of csrc/paged_attention.h, with its exception types and messages.
     op = "paged_attention"
@@ -290,6 +295,14 @@ def _paged_attention_fake(
         seq_lens.dim() == 1 and seq_lens.shape[0] == query.shape[0],
         lambda: f"{op}: seq_lens must be [rows] with rows = query's {query.shape[0]}",
     )
+    if seq_starts is not None:
+        torch._check_value(
+            seq_starts.dim() == 1 and seq_starts.shape[0] == query.shape[0],
+            lambda: f"{op}: seq_starts must be [rows] with rows = query's {query.shape[0]}",
+        )
+        torch._check_type(
+            seq_starts.dtype == torch.int32, lambda: f"{op}: seq_starts must be int32, got {seq_starts.dtype}"
+        )
     out = query.new_empty(query.shape)
     lse = query.new_empty(query.shape[:2], dtype=torch.float32)
     return out, lse

@@ -69,8 +69,9 @@ def paged_attention(
     scale: float | None = None,
     window: int = 0,
     softcap: float = 0.0,
+    seq_starts: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Row by row: gather the row's keys and values from its blocks, then dense attention in float32
+    """Row by row: gather the row's keys [start, length) from its blocks, then dense attention in float32
     over the keys it sees (out 0 and lse -inf where it sees none)."""
     rows, heads, dim = query.shape
     kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
@@ -79,7 +80,8 @@ def paged_attention(
     lse = torch.full((rows, heads), float("-inf"))
     for r in range(rows):
         length = int(seq_lens[r])
-        t = torch.arange(length)
+        start = 0 if seq_starts is None else int(seq_starts[r])
+        t = torch.arange(start, length)
         blocks = block_tables[r, t // block_size].long()
         k = key_cache[blocks, :, t % block_size].float().cpu()  # [length, kv_heads, dim]
         v = value_cache[blocks, :, t % block_size].float().cpu()

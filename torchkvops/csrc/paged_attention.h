@@ -21,8 +21,9 @@
 // result depends on exp, log or tanh (device_math.h: 1-2 ulp apart). Every float product and sum goes
 // through device_math's mul_rn / add_rn (no fused multiply-add on the device).
 //
-// A row reads keys [0, seq_lens[row]) of its block table: key t lies in block block_tables[row][t /
-// block_size] at slot t % block_size. Its query sits at position query_positions[row][head] (without
+// A row reads keys [seq_starts[row], seq_lens[row]) of its block table (without seq_starts: from 0; the
+// keys before a row's start are never read: a left-padded prompt's padding): key t lies in block
+// block_tables[row][t / block_size] at slot t % block_size. Its query sits at position query_positions[row][head] (without
 // them: seq_lens[row] - 1) and sees key t when t <= position and, with window > 0, position - t < window
 // (transformers' sliding window). A row that sees no key gets out = 0 and lse = -inf (what
 // merge_attention_states takes as an empty part). Lengths past the table's capacity and block ids outside
@@ -65,11 +66,12 @@ struct Plan {
   int64_t v_block, v_head, v_slot;      // value_cache, the same shape
   int64_t table_row, table_col;         // block_tables [rows, max_blocks] int32
   int64_t len_row;                      // seq_lens [rows] int32
+  int64_t start_row;                    // seq_starts [rows] int32, when has_starts
   int64_t pos_row, pos_head;            // query_positions [rows, heads] int64, when has_positions
   int64_t part_row, part_head, part_p;  // partial max / sum, [rows, heads, partitions] strides, float32
   float scale, softcap;
   int64_t window;
-  bool has_positions;
+  bool has_positions, has_starts;
 
   TORCHKVOPS_HOST_DEVICE_INLINE int64_t per_kv() const { return heads / kv_heads; }
 };
@@ -82,9 +84,15 @@ TORCHKVOPS_HOST_DEVICE_INLINE int64_t row_length(const Plan& p, const int32_t* s
   return min_i64(max_i64(seq_lens[row * p.len_row], 0), p.max_blocks * p.block_size);
 }
 
-// Whether a query at `position` sees key t of a row of `length` keys.
-TORCHKVOPS_HOST_DEVICE_INLINE bool visible(int64_t t, int64_t length, int64_t position, int64_t window) {
-  return t < length && t <= position && (window <= 0 || position - t < window);
+// Row `row`'s first key, clamped into [0, length] (0 without seq_starts; the CPU kernel checks it first).
+TORCHKVOPS_HOST_DEVICE_INLINE int64_t row_start(const Plan& p, const int32_t* seq_starts, int64_t row, int64_t length) {
+  return p.has_starts ? min_i64(max_i64(seq_starts[row * p.start_row], 0), length) : 0;
+}
+
+// Whether a query at `position` sees key t of a row whose keys are [start, length).
+TORCHKVOPS_HOST_DEVICE_INLINE bool visible(int64_t t, int64_t start, int64_t length, int64_t position,
+                                           int64_t window) {
+  return t >= start && t < length && t <= position && (window <= 0 || position - t < window);
 }
 
 // softcap * tanh(s / softcap), as transformers' eager attention caps scores; s itself when softcap <= 0.
@@ -167,19 +175,21 @@ template <typename Block, typename scalar_t>
 TORCHKVOPS_HOST_DEVICE inline void attend_partition(Block& block, Scratch& sc, const Plan& p, const scalar_t* query,
                                                     const scalar_t* key_cache, const scalar_t* value_cache,
                                                     const int32_t* block_tables, const int32_t* seq_lens,
-                                                    const int64_t* query_positions, float* part_max, float* part_sum,
+                                                    const int32_t* seq_starts, const int64_t* query_positions, float* part_max, float* part_sum,
                                                     float* acc, int64_t row, int64_t kv, int64_t head0, int n,
                                                     int64_t part) {
   const int64_t length = row_length(p, seq_lens, row);
+  const int64_t start = row_start(p, seq_starts, row, length);
   const int64_t base = part * kPartition;
-  const int64_t keys = min_i64(max_i64(length - base, 0), kPartition);  // this partition's written keys
+  // This partition's keys up to the row's length; none when it lies wholly before the row's start.
+  const int64_t keys = base + kPartition <= start ? 0 : min_i64(max_i64(length - base, 0), kPartition);
   const int32_t* table = block_tables + row * p.table_row;
   const int64_t dim = p.head_dim;
   int64_t position[kHeads];
   for (int h = 0; h < n; ++h)
     position[h] = p.has_positions ? query_positions[row * p.pos_row + (head0 + h) * p.pos_head] : length - 1;
 
-  if (keys == 0) {  // past the row's length (the same for every thread): a partition that takes no part
+  if (keys == 0) {  // outside the row's keys (the same for every thread): a partition that takes no part
     block.for_threads(n, [&](int h) {
       const int64_t at = row * p.part_row + (head0 + h) * p.part_head + part * p.part_p;
       part_max[at] = -INFINITY;
@@ -200,7 +210,7 @@ TORCHKVOPS_HOST_DEVICE inline void attend_partition(Block& block, Scratch& sc, c
   block.for_threads(count, [&](int i) {
     for (int h = 0; h < n; ++h) {
       float s = -INFINITY;
-      if (visible(base + i, length, position[h], p.window))
+      if (visible(base + i, start, length, position[h], p.window))
         s = capped(dmath::mul_rn(dot(sc.q[h], key_cache + sc.k_off[i], dim), p.scale), p.softcap);
       sc.s[h][i] = s;
     }
@@ -318,7 +328,8 @@ inline void check_cache(const at::Tensor& cache, const at::Tensor& query, const 
 
 inline void check_args(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                        const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                       const c10::optional<at::Tensor>& query_positions, double scale, int64_t window, double softcap) {
+                       const c10::optional<at::Tensor>& query_positions, double scale, int64_t window, double softcap,
+                       const c10::optional<at::Tensor>& seq_starts) {
   TORCH_CHECK_VALUE(query.dim() == 3, kOp, ": query must be 3-D [rows, heads, head_dim], got shape ", query.sizes());
   TORCH_CHECK_TYPE(is_supported_dtype(query.scalar_type()), kOp, ": query dtype ", query.scalar_type(),
                    " is not supported; use float32, float16 or bfloat16");
@@ -356,6 +367,15 @@ inline void check_args(const at::Tensor& query, const at::Tensor& key_cache, con
     TORCH_CHECK_VALUE(pos.device() == query.device(), kOp, ": query_positions must be on query's device ",
                       query.device(), ", got ", pos.device());
   }
+  if (seq_starts.has_value()) {
+    const at::Tensor& starts = *seq_starts;
+    TORCH_CHECK_VALUE(starts.dim() == 1 && starts.size(0) == query.size(0), kOp,
+                      ": seq_starts must be [rows] with rows = query's ", query.size(0), ", got shape ", starts.sizes());
+    TORCH_CHECK_TYPE(starts.scalar_type() == c10::ScalarType::Int, kOp, ": seq_starts must be int32, got ",
+                     starts.scalar_type());
+    TORCH_CHECK_VALUE(starts.device() == query.device(), kOp, ": seq_starts must be on query's device ",
+                      query.device(), ", got ", starts.device());
+  }
   TORCH_CHECK_VALUE(std::isfinite(scale), kOp, ": scale must be finite, got ", scale);
   TORCH_CHECK_VALUE(window >= 0, kOp, ": window must be >= 0 (0: no window), got ", window);
   TORCH_CHECK_VALUE(softcap >= 0 && std::isfinite(softcap), kOp, ": softcap must be >= 0 (0: none), got ", softcap);
@@ -391,8 +411,8 @@ inline Buffers empty_buffers(const at::Tensor& query, int64_t partitions) {
 // The plan; `part` is the partial max / sum buffer as [rows, heads, partitions] (any strides).
 inline Plan make_plan(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                       const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                      const c10::optional<at::Tensor>& query_positions, const at::Tensor& part, double scale,
-                      int64_t window, double softcap) {
+                      const c10::optional<at::Tensor>& query_positions, const c10::optional<at::Tensor>& seq_starts,
+                      const at::Tensor& part, double scale, int64_t window, double softcap) {
   Plan p{};
   p.rows = query.size(0);
   p.heads = query.size(1);
@@ -414,6 +434,8 @@ inline Plan make_plan(const at::Tensor& query, const at::Tensor& key_cache, cons
   p.table_row = block_tables.stride(0);
   p.table_col = block_tables.stride(1);
   p.len_row = seq_lens.stride(0);
+  p.has_starts = seq_starts.has_value();
+  p.start_row = p.has_starts ? seq_starts->stride(0) : 0;
   p.has_positions = query_positions.has_value();
   p.pos_row = p.has_positions ? query_positions->stride(0) : 0;
   p.pos_head = p.has_positions ? query_positions->stride(1) : 0;

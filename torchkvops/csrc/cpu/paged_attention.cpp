@@ -1,7 +1,8 @@
 // CPU kernel of paged_attention: the CUDA kernel's tasks (paged_attention.h) under at::parallel_for, each
 // run by SerialBlock (a phase's threads one after another, the same order of every float operation), then
 // each (row, head)'s partitions merged. Checks what the CUDA kernel cannot without a host sync: every
-// length within the table's capacity and every block id in use inside the pool.
+// length within the table's capacity, every start within [0, length], and every block id in use inside
+// the pool.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
@@ -46,8 +47,10 @@ struct SerialBlock {
   }
 };
 
-// Each row's length within its table's capacity, and the ids of the blocks it reads inside the pool.
-void check_values(const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t num_blocks, int64_t block_size) {
+// Each row's length within its table's capacity, its start within [0, length], and the ids of the blocks
+// it reads inside the pool.
+void check_values(const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                  const c10::optional<at::Tensor>& seq_starts, int64_t num_blocks, int64_t block_size) {
   const auto lens = seq_lens.accessor<int32_t, 1>();
   const auto tables = block_tables.accessor<int32_t, 2>();
   const int64_t capacity = block_tables.size(1) * block_size;
@@ -55,7 +58,10 @@ void check_values(const at::Tensor& block_tables, const at::Tensor& seq_lens, in
     const int64_t length = lens[r];
     TORCH_CHECK_VALUE(length >= 0 && length <= capacity, paged::kOp, ": seq_lens[", r, "] = ", length,
                       " is outside [0, ", capacity, "] (max_blocks x block_size)");
-    for (int64_t b = 0; b * block_size < length; ++b) {
+    const int64_t start = seq_starts.has_value() ? seq_starts->accessor<int32_t, 1>()[r] : 0;
+    TORCH_CHECK_VALUE(start >= 0 && start <= length, paged::kOp, ": seq_starts[", r, "] = ", start,
+                      " is outside [0, seq_lens[", r, "] = ", length, "]");
+    for (int64_t b = start / block_size; b * block_size < length; ++b) {
       TORCH_CHECK_VALUE(tables[r][b] >= 0 && tables[r][b] < num_blocks, paged::kOp, ": block_tables[", r, "][", b,
                         "] = ", tables[r][b], " is not a block of the pool [0, ", num_blocks, ")");
     }
@@ -64,7 +70,7 @@ void check_values(const at::Tensor& block_tables, const at::Tensor& seq_lens, in
 
 template <typename scalar_t>
 void attend_cpu(const Plan& p, const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
-                const at::Tensor& block_tables, const at::Tensor& seq_lens, const int64_t* positions,
+                const at::Tensor& block_tables, const at::Tensor& seq_lens, const int32_t* starts, const int64_t* positions,
                 at::Tensor& part_max, at::Tensor& part_sum, at::Tensor& acc, at::Tensor& out, at::Tensor& lse) {
   const scalar_t* q = query.const_data_ptr<scalar_t>();
   const scalar_t* k = key_cache.const_data_ptr<scalar_t>();
@@ -89,8 +95,8 @@ void attend_cpu(const Plan& p, const at::Tensor& query, const at::Tensor& key_ca
       const int n = static_cast<int>(std::min<int64_t>(kHeads, per_kv - chunk * kHeads));
       const int64_t live = paged::live_partitions(p, lens, row);
       for (int64_t part = 0; part < live; ++part)
-        paged::attend_partition(block, *scratch, p, q, k, v, tables, lens, positions, pmax, psum, a, row, kv, head0, n,
-                                part);
+        paged::attend_partition(block, *scratch, p, q, k, v, tables, lens, starts, positions, pmax, psum, a, row, kv,
+                                head0, n, part);
     }
   });
   scalar_t* o = out.mutable_data_ptr<scalar_t>();
@@ -113,21 +119,24 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_cpu(const at::Tensor& query, 
                                                        const at::Tensor& value_cache, const at::Tensor& block_tables,
                                                        const at::Tensor& seq_lens,
                                                        const c10::optional<at::Tensor>& query_positions, double scale,
-                                                       int64_t window, double softcap) {
-  paged::check_args(query, key_cache, value_cache, block_tables, seq_lens, query_positions, scale, window, softcap);
+                                                       int64_t window, double softcap,
+                                                       const c10::optional<at::Tensor>& seq_starts) {
+  paged::check_args(query, key_cache, value_cache, block_tables, seq_lens, query_positions, scale, window, softcap,
+                    seq_starts);
   TORCH_INTERNAL_ASSERT(query.device().is_cpu());
   if (query.numel() == 0) {
     const paged::Buffers b = paged::empty_buffers(query, 0);
     return {b.out, b.lse};
   }
-  check_values(block_tables, seq_lens, key_cache.size(0), key_cache.size(2));
+  check_values(block_tables, seq_lens, seq_starts, key_cache.size(0), key_cache.size(2));
   paged::Buffers b = paged::empty_buffers(query, paged::partitions_of(block_tables, key_cache));
-  const Plan p = paged::make_plan(query, key_cache, value_cache, block_tables, seq_lens, query_positions, b.part_max,
-                                  scale, window, softcap);
+  const Plan p = paged::make_plan(query, key_cache, value_cache, block_tables, seq_lens, query_positions, seq_starts,
+                                  b.part_max, scale, window, softcap);
   const int64_t* positions = query_positions.has_value() ? query_positions->const_data_ptr<int64_t>() : nullptr;
+  const int32_t* starts = seq_starts.has_value() ? seq_starts->const_data_ptr<int32_t>() : nullptr;
   TORCHKVOPS_DISPATCH_PAGED_TYPES(query.scalar_type(), "paged_attention", [&] {
-    attend_cpu<scalar_t>(p, query, key_cache, value_cache, block_tables, seq_lens, positions, b.part_max, b.part_sum,
-                         b.acc, b.out, b.lse);
+    attend_cpu<scalar_t>(p, query, key_cache, value_cache, block_tables, seq_lens, starts, positions, b.part_max,
+                         b.part_sum, b.acc, b.out, b.lse);
   });
   return {b.out, b.lse};
 }

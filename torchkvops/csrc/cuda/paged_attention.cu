@@ -54,6 +54,7 @@ __global__ void __launch_bounds__(kPartition)
                      const scalar_t* __restrict__ value_cache,     // [num_blocks, kv_heads, block_size, head_dim]
                      const int32_t* __restrict__ block_tables,     // [rows, max_blocks]
                      const int32_t* __restrict__ seq_lens,         // [rows]
+                     const int32_t* __restrict__ seq_starts,       // [rows] or null
                      const int64_t* __restrict__ query_positions,  // [rows, heads] or null
                      float* __restrict__ part_max,                 // [partitions, rows, heads]
                      float* __restrict__ part_sum,                 // [partitions, rows, heads]
@@ -65,8 +66,8 @@ __global__ void __launch_bounds__(kPartition)
   const int64_t per_kv = p.per_kv();
   const int64_t head0 = kv * per_kv + chunk * paged::kHeads;
   const int n = static_cast<int>(paged::min_i64(paged::kHeads, per_kv - chunk * paged::kHeads));
-  paged::attend_partition(block, scratch, p, query, key_cache, value_cache, block_tables, seq_lens, query_positions,
-                          part_max, part_sum, acc, row, kv, head0, n, part);
+  paged::attend_partition(block, scratch, p, query, key_cache, value_cache, block_tables, seq_lens, seq_starts,
+                          query_positions, part_max, part_sum, acc, row, kv, head0, n, part);
 }
 
 template <typename scalar_t>
@@ -92,8 +93,10 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_cuda(const at::Tensor& query,
                                                         const at::Tensor& value_cache, const at::Tensor& block_tables,
                                                         const at::Tensor& seq_lens,
                                                         const c10::optional<at::Tensor>& query_positions, double scale,
-                                                        int64_t window, double softcap) {
-  paged::check_args(query, key_cache, value_cache, block_tables, seq_lens, query_positions, scale, window, softcap);
+                                                        int64_t window, double softcap,
+                                                        const c10::optional<at::Tensor>& seq_starts) {
+  paged::check_args(query, key_cache, value_cache, block_tables, seq_lens, query_positions, scale, window, softcap,
+                    seq_starts);
   TORCH_INTERNAL_ASSERT(query.device().is_cuda());
   const c10::cuda::OptionalCUDAGuard guard(query.device());
   if (query.numel() == 0) {
@@ -104,9 +107,10 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_cuda(const at::Tensor& query,
   TORCH_CHECK_VALUE(partitions <= 65535, paged::kOp, ": a row's table holds ", block_tables.size(1) * key_cache.size(2),
                     " slots, more than the kernel's grid takes (65535 x ", kPartition, ")");
   paged::Buffers b = paged::empty_buffers(query, partitions);
-  const Plan p = paged::make_plan(query, key_cache, value_cache, block_tables, seq_lens, query_positions, b.part_max,
-                                  scale, window, softcap);
+  const Plan p = paged::make_plan(query, key_cache, value_cache, block_tables, seq_lens, query_positions, seq_starts,
+                                  b.part_max, scale, window, softcap);
   const int64_t* positions = query_positions.has_value() ? query_positions->const_data_ptr<int64_t>() : nullptr;
+  const int32_t* starts = seq_starts.has_value() ? seq_starts->const_data_ptr<int32_t>() : nullptr;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const dim3 grid(static_cast<unsigned>(p.rows * p.kv_heads), static_cast<unsigned>(partitions),
                   static_cast<unsigned>(p.chunks));
@@ -114,7 +118,7 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_cuda(const at::Tensor& query,
     partition_kernel<scalar_t><<<grid, kPartition, 0, stream>>>(
         p, query.const_data_ptr<scalar_t>(), key_cache.const_data_ptr<scalar_t>(),
         value_cache.const_data_ptr<scalar_t>(), block_tables.const_data_ptr<int32_t>(),
-        seq_lens.const_data_ptr<int32_t>(), positions, b.part_max.mutable_data_ptr<float>(),
+        seq_lens.const_data_ptr<int32_t>(), starts, positions, b.part_max.mutable_data_ptr<float>(),
         b.part_sum.mutable_data_ptr<float>(), b.acc.mutable_data_ptr<float>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     const int threads = static_cast<int>(paged::min_i64(256, ((p.head_dim + 31) / 32) * 32));
