@@ -275,7 +275,10 @@ def test_starts_with_windows_positions_and_softcap(device):
 
 def test_the_cpu_kernel_raises_for_starts_outside_the_rows_keys():
     query, k, v, tables, lens = paged_case([4, 6], block_size=4)
-    for starts, match in (([0, 7], r"seq_starts\[1\] = 7 is outside \[0, seq_lens\[1\] = 6\]"), ([-1, 0], "seq_starts")):
+    for starts, match in (
+        ([0, 7], r"seq_starts\[1\] = 7 is outside \[0, seq_lens\[1\] = 6\]"),
+        ([-1, 0], "seq_starts"),
+    ):
         with pytest.raises(ValueError, match="paged_attention: " + match):
             torchkvops.paged_attention(query, k, v, tables, lens, seq_starts=torch.tensor(starts, dtype=torch.int32))
     with pytest.raises(TypeError, match="paged_attention: seq_starts must be int32"):

@@ -23,8 +23,8 @@
 //
 // A row reads keys [seq_starts[row], seq_lens[row]) of its block table (without seq_starts: from 0; the
 // keys before a row's start are never read: a left-padded prompt's padding): key t lies in block
-// block_tables[row][t / block_size] at slot t % block_size. Its query sits at position query_positions[row][head] (without
-// them: seq_lens[row] - 1) and sees key t when t <= position and, with window > 0, position - t < window
+// block_tables[row][t / block_size] at slot t % block_size. Its query sits at position query_positions[row][head]
+// (without them: seq_lens[row] - 1) and sees key t when t <= position and, with window > 0, position - t < window
 // (transformers' sliding window). A row that sees no key gets out = 0 and lse = -inf (what
 // merge_attention_states takes as an empty part). Lengths past the table's capacity and block ids outside
 // the pool are errors the CPU kernel raises; the CUDA kernel cannot check data without a host sync, so it
@@ -90,8 +90,7 @@ TORCHKVOPS_HOST_DEVICE_INLINE int64_t row_start(const Plan& p, const int32_t* se
 }
 
 // Whether a query at `position` sees key t of a row whose keys are [start, length).
-TORCHKVOPS_HOST_DEVICE_INLINE bool visible(int64_t t, int64_t start, int64_t length, int64_t position,
-                                           int64_t window) {
+TORCHKVOPS_HOST_DEVICE_INLINE bool visible(int64_t t, int64_t start, int64_t length, int64_t position, int64_t window) {
   return t >= start && t < length && t <= position && (window <= 0 || position - t < window);
 }
 
@@ -175,9 +174,9 @@ template <typename Block, typename scalar_t>
 TORCHKVOPS_HOST_DEVICE inline void attend_partition(Block& block, Scratch& sc, const Plan& p, const scalar_t* query,
                                                     const scalar_t* key_cache, const scalar_t* value_cache,
                                                     const int32_t* block_tables, const int32_t* seq_lens,
-                                                    const int32_t* seq_starts, const int64_t* query_positions, float* part_max, float* part_sum,
-                                                    float* acc, int64_t row, int64_t kv, int64_t head0, int n,
-                                                    int64_t part) {
+                                                    const int32_t* seq_starts, const int64_t* query_positions,
+                                                    float* part_max, float* part_sum, float* acc, int64_t row,
+                                                    int64_t kv, int64_t head0, int n, int64_t part) {
   const int64_t length = row_length(p, seq_lens, row);
   const int64_t start = row_start(p, seq_starts, row, length);
   const int64_t base = part * kPartition;
@@ -370,11 +369,12 @@ inline void check_args(const at::Tensor& query, const at::Tensor& key_cache, con
   if (seq_starts.has_value()) {
     const at::Tensor& starts = *seq_starts;
     TORCH_CHECK_VALUE(starts.dim() == 1 && starts.size(0) == query.size(0), kOp,
-                      ": seq_starts must be [rows] with rows = query's ", query.size(0), ", got shape ", starts.sizes());
+                      ": seq_starts must be [rows] with rows = query's ", query.size(0), ", got shape ",
+                      starts.sizes());
     TORCH_CHECK_TYPE(starts.scalar_type() == c10::ScalarType::Int, kOp, ": seq_starts must be int32, got ",
                      starts.scalar_type());
-    TORCH_CHECK_VALUE(starts.device() == query.device(), kOp, ": seq_starts must be on query's device ",
-                      query.device(), ", got ", starts.device());
+    TORCH_CHECK_VALUE(starts.device() == query.device(), kOp, ": seq_starts must be on query's device ", query.device(),
+                      ", got ", starts.device());
   }
   TORCH_CHECK_VALUE(std::isfinite(scale), kOp, ": scale must be finite, got ", scale);
   TORCH_CHECK_VALUE(window >= 0, kOp, ": window must be >= 0 (0: no window), got ", window);

@@ -34,11 +34,11 @@ TORCH_LIBRARY(torchkvops, m) {
   // [rows, heads, head_dim]; key_cache, value_cache [num_blocks, kv_heads, block_size, head_dim] (a pool of
   // blocks, query's dtype); block_tables int32 [rows, max_blocks]: row r's key t lies in block
   // block_tables[r][t / block_size] at slot t % block_size; seq_lens int32 [rows]: row r reads keys
-  // [0, seq_lens[r]) (seq_starts int32 [rows]: [seq_starts[r], seq_lens[r])). query_positions int64 [rows, heads] (None: seq_lens - 1): a query sees key t when
-  // t <= its position and, with window > 0, position - t < window. Scores scale * q.k, capped by softcap > 0
-  // (softcap * tanh(s / softcap)); heads grouped over kv_heads (heads % kv_heads == 0). Returns (out [rows,
-  // heads, head_dim] in query's dtype, lse float32 [rows, heads], natural log; a row that sees no key: 0
-  // and -inf), so that levels merge with merge_attention_states.
+  // [0, seq_lens[r]) (seq_starts int32 [rows]: [seq_starts[r], seq_lens[r])). query_positions int64 [rows, heads]
+  // (None: seq_lens - 1): a query sees key t when t <= its position and, with window > 0, position - t < window. Scores
+  // scale * q.k, capped by softcap > 0 (softcap * tanh(s / softcap)); heads grouped over kv_heads (heads % kv_heads ==
+  // 0). Returns (out [rows, heads, head_dim] in query's dtype, lse float32 [rows, heads], natural log; a row that sees
+  // no key: 0 and -inf), so that levels merge with merge_attention_states.
   m.def(
       "paged_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, Tensor seq_lens, "
       "Tensor? query_positions, float scale, int window, float softcap, Tensor? seq_starts=None) -> (Tensor, Tensor)");

@@ -70,8 +70,9 @@ void check_values(const at::Tensor& block_tables, const at::Tensor& seq_lens,
 
 template <typename scalar_t>
 void attend_cpu(const Plan& p, const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
-                const at::Tensor& block_tables, const at::Tensor& seq_lens, const int32_t* starts, const int64_t* positions,
-                at::Tensor& part_max, at::Tensor& part_sum, at::Tensor& acc, at::Tensor& out, at::Tensor& lse) {
+                const at::Tensor& block_tables, const at::Tensor& seq_lens, const int32_t* starts,
+                const int64_t* positions, at::Tensor& part_max, at::Tensor& part_sum, at::Tensor& acc, at::Tensor& out,
+                at::Tensor& lse) {
   const scalar_t* q = query.const_data_ptr<scalar_t>();
   const scalar_t* k = key_cache.const_data_ptr<scalar_t>();
   const scalar_t* v = value_cache.const_data_ptr<scalar_t>();
