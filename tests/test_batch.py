@@ -58,8 +58,9 @@ def one_hot(tokens: list[int]) -> torch.Tensor:
 
 
 def admit_every_row(batch: DecodeBatch, first: list[int]) -> None:
-    visible = torch.zeros(ROWS, 5, dtype=torch.bool)
-    visible[:, 2:] = True
+    """Row r sees columns [2, 5 + r) and writes column 5 + r first."""
+    index = torch.arange(COLUMNS)
+    visible = (index >= 2) & (index[None, :] < (torch.arange(ROWS) + 5)[:, None])
     batch.admit(
         None,
         torch.arange(ROWS),
@@ -76,6 +77,7 @@ def test_admit_sets_every_row_and_draws_its_first_token():
     first = [3, 4, 1, 5, 6, 7, 8, 9]  # row 2 draws EOS (1)
     admit_every_row(batch, first)
     s = batch.state
+    assert s.kv_start.tolist() == [2] * ROWS and s.kv_table[:, 0].tolist() == list(range(ROWS))
     assert s.tokens[:, 0].tolist() == first and s.responses[:, 0].tolist() == first
     assert s.step.tolist() == [1] * ROWS and s.position_ids[:, 0].tolist() == [3] * ROWS
     assert s.column.tolist() == list(range(5, 13))
@@ -115,7 +117,7 @@ def test_a_streaming_batch_retires_rows_into_their_samples_places():
         keys=torch.tensor([10, 7]),
         positions=torch.tensor([2, 2]),
         columns=torch.tensor([4, 4]),
-        bias=torch.zeros(2, COLUMNS),
+        bias=visible_bias(torch.ones(2, 4, dtype=torch.bool), COLUMNS),
     )
     assert batch.free_rows() == [0, 2, 3, 5, 6, 7]
     assert batch.state.tokens[rows, 0].tolist() == [5, 6] and not batch.state.finished[rows].any()
@@ -142,3 +144,28 @@ def test_finish_puts_every_row_home_in_output_order():
     ]
     assert not batch.cache.compacted  # the KV of every row is back in its home row
     assert torch.equal(batch.cache.groups[0].decode_kv[0, 0, :, 0, 0, 0], torch.arange(ROWS).float())
+
+
+def test_admit_reads_from_each_rows_first_visible_column_and_refuses_a_gap():
+    """The decode attention reads each row's columns [kv_start, column]: a row's start is its first visible
+    column (or the column it writes first, when it sees none); a live row whose visible columns are not one
+    run up to that column is refused (it would read keys it must not see), a row that is not live is not."""
+    batch, _ = make_batch()
+    columns = torch.tensor([5, 5, 0, 9, 5, 5, 5, 5])
+    visible = torch.zeros(ROWS, COLUMNS, dtype=torch.bool)
+    visible[0, :5] = visible[1, 3:5] = visible[3, 6:9] = True  # row 2 sees nothing yet
+    visible[4:, 1:5] = True
+    first = [3] * ROWS
+    kwargs = dict(keys=torch.arange(ROWS), positions=torch.full((ROWS,), 3), columns=columns)
+    batch.admit(None, torch.arange(ROWS), one_hot(first), bias=visible_bias(visible, COLUMNS), **kwargs)
+    assert batch.state.kv_start.tolist() == [0, 3, 0, 6, 1, 1, 1, 1]
+    visible[5, 2] = False  # a hole in a live row's history
+    try:
+        batch.admit(None, torch.arange(ROWS), one_hot(first), bias=visible_bias(visible, COLUMNS), **kwargs)
+    except AssertionError as error:
+        assert "not one run" in str(error)
+    else:
+        raise AssertionError("a gap in a live row's visible columns was taken")
+    live = torch.ones(ROWS, dtype=torch.bool)
+    live[5] = False
+    batch.admit(None, torch.arange(ROWS), one_hot(first), bias=visible_bias(visible, COLUMNS), live=live, **kwargs)

@@ -127,10 +127,12 @@ def test_a_row_budget_streams_with_the_same_tokens(llama):
     assert torch.equal(whole.sequences, streamed.sequences)
 
 
-@pytest.mark.parametrize("kv_sharing", ["copy", "prefix"])
+@pytest.mark.parametrize("kv_sharing", ["prefix"])
 def test_decode_on_the_emulated_cuda_attention_reads_the_common_prefix_aligned(llama, kv_sharing):
-    """The three-level decode attention through fused_attention's CUDA branch against the emulated
-    memory-efficient kernels: the CPU kernels' samples, no bias copied for alignment."""
+    """The three-level decode attention's shared levels (the common prefix, the prompts) through
+    fused_attention's CUDA branch against the emulated memory-efficient kernels: the CPU kernels' samples,
+    no bias copied for alignment. (The copy layout's decode reads each row's keys through paged_attention
+    alone, whose CPU kernel runs the CUDA kernel's row logic.)"""
     from mem_eff_emulator import emulated_cuda_branch, recording_bias_copies
 
     ids, mask = system_prompts(3, [3, 6, 2], seed=6)

@@ -136,12 +136,12 @@ def test_patch_generate_serves_a_sliding_window_model_beyond_its_window():
     assert torch.equal(got[:, PROMPT:], expected)
 
 
-@pytest.mark.parametrize("kv_sharing", ["copy", "prefix"])
+@pytest.mark.parametrize("kv_sharing", ["prefix"])
 def test_the_windowed_decode_bias_on_the_emulated_cuda_attention_needs_no_copy(kv_sharing):
-    """Decode beyond the window through fused_attention's CUDA branch against the emulated memory-efficient
-    kernels: the CPU branch's tokens, and the windowed biases (new tensors each layer: [rows, 1, 1, T] over
-    a row's own keys, [prompts, 1, N * group, P] over a shared prompt) aligned as the kernels read them,
-    never copied."""
+    """Decode beyond the window with the shared prompts' level through fused_attention's CUDA branch against
+    the emulated memory-efficient kernels: the CPU branch's tokens, and the windowed biases (new tensors
+    each layer: [prompts, 1, N * group, P] over a shared prompt) aligned as the kernels read them, never
+    copied. (A row's own keys go through paged_attention, windowed by position in the kernel.)"""
     from mem_eff_emulator import emulated_cuda_branch, recording_bias_copies
 
     model = model_of("gemma3_text")

@@ -108,7 +108,8 @@ def _write_kv_fake(cache: Tensor, key: Tensor, value: Tensor, layer: int, start:
     torch._check(start.dtype == torch.long, lambda: f"write_kv_: start must be int64, got {start.dtype}")
 
 
-_ATTENTION_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# The dtypes the attention operators (merge_attention_states, paged_attention) take; the rollout asks it too.
+ATTENTION_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def merge_attention_states(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> tuple[Tensor, Tensor]:
@@ -149,7 +150,7 @@ def _check_merge_args(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor
             lambda: f"{op}: {name} must have at least 2 dims [..., heads, head_dim], got shape {list(out.shape)}",
         )
         torch._check_type(
-            out.dtype in _ATTENTION_DTYPES,
+            out.dtype in ATTENTION_DTYPES,
             lambda: f"{op}: {name} dtype {out.dtype} is not supported; use float32, float16 or bfloat16",
         )
     torch._check_value(
@@ -259,7 +260,7 @@ def _paged_attention_fake(
         query.dim() == 3, lambda: f"{op}: query must be 3-D [rows, heads, head_dim], got shape {list(query.shape)}"
     )
     torch._check_type(
-        query.dtype in _ATTENTION_DTYPES,
+        query.dtype in ATTENTION_DTYPES,
         lambda: f"{op}: query dtype {query.dtype} is not supported; use float32, float16 or bfloat16",
     )
     torch._check_value(1 <= query.shape[2] <= 256, lambda: f"{op}: head_dim must be in [1, 256], got {query.shape[2]}")

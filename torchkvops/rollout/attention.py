@@ -109,6 +109,11 @@ class DecodeAttention:
     cache_position: Tensor | None = None  # [1] HF's cache position of this step (the decode state's)
     positions: Tensor | None = None  # [rows, 1] the position of each row's token this step (the decode state's)
     ended: Tensor | None = None  # [rows] bool: rows fed filler (their recurrent states are kept as they are)
+    # What each row reads of the decode buffer, as paged_attention takes it (the buffer a pool of one block
+    # per row): columns [kv_start, kv_length) of its block kv_table (the decode state's).
+    kv_start: Tensor | None = None  # [rows] int32
+    kv_length: Tensor | None = None  # [rows] int32
+    kv_table: Tensor | None = None  # [rows, 1] int32
 
     # Prefix layout (None in the copy layout, where each row holds its prompt's KV): rows [i*N, (i+1)*N)
     # answer prompt i, whose KV is row i of prompt_kv's buffers.
@@ -133,6 +138,7 @@ class DecodeAttention:
         holds a mix of two states. The object itself stays the same (a compiled decode step reads it)."""
         self.kv, self.columns, self.cache_position = cache.decode_views, state.column, state.cache_position
         self.positions, self.ended = state.position_ids, state.finished
+        self.kv_start, self.kv_length, self.kv_table = state.kv_start, state.kv_length, state.kv_table
         self.prompt_kv = cache.prompt_views if prefix else None
         self.prompt_bias = state.prompt_bias if prefix else None
         self.prompt_positions = state.prompt_positions if prefix else None
@@ -395,11 +401,9 @@ def torchkvops_attention(
             f"kv_heads, got query {tuple(query.shape)} and keys {tuple(key.shape)}"
         )
     q = query.reshape(rows, kv_heads, group, head_dim)  # the heads of one KV head, as query length
-    if window is not None:  # the row's own keys `window` or more columns before its query's own are out of it
-        near = context.columns[:, None] - torch.arange(key.shape[2], device=key.device)[None, :] < window
-        attention_mask = attention_mask.masked_fill(~near[:, None, None, :], MASKED_KEY_BIAS)
+    own = functools.partial(_own_keys, context, query, key, value, attention_mask, scaling, window, softcap, attend)
     if context.prompt_kv is None:  # the copy layout: each row's decode buffer holds its prompt too
-        out, lse = attend(q, key, value, attention_mask, scale=scaling, with_lse=sinks is not None)
+        out, lse = own(with_lse=sinks is not None)
         return _with_sinks(out, lse, sinks, kv_heads).reshape(rows, 1, heads, head_dim), None
 
     # B and N from shapes, not Python ints: a compiled decode then keeps them symbolic (no recompile).
@@ -420,7 +424,7 @@ def torchkvops_attention(
         prompt_bias = _window_bias(prompt_bias, stacked_position, context.prompt_positions, window, group)
     out_p, lse_p = attend(stacked, prefix_k, prefix_v, prompt_bias, scale=scaling)
     # Suffix: each row's own response KV, written up to and including this step.
-    out_s, lse_s = attend(q, key, value, attention_mask, scale=scaling)
+    out_s, lse_s = own(with_lse=True)
     # Merge, in the rows' layout [B, N, kv_heads, group, ...] (the prefix part as a strided view).
     out_p = out_p.view(prompts, kv_heads, samples, group, head_dim).transpose(1, 2)
     lse_p = lse_p.view(prompts, kv_heads, samples, group).transpose(1, 2)
@@ -451,6 +455,54 @@ def torchkvops_attention(
         )
     out = _with_sinks(out.reshape(rows, kv_heads, group, head_dim), lse.reshape(rows, kv_heads, group), sinks, kv_heads)
     return out.reshape(rows, 1, heads, head_dim), None
+
+
+def _reads_paged(query: Tensor, key: Tensor) -> bool:
+    """Whether paged_attention takes this layer's decode (its dtypes and head size): it reads only the keys
+    each row has written. Otherwise the dense attention over the whole buffer, masked."""
+    return query.dtype in ops.ATTENTION_DTYPES and key.dtype == query.dtype and query.shape[-1] <= 256
+
+
+def _own_keys(
+    context: DecodeAttention,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor,
+    scaling,
+    window,
+    softcap,
+    attend,
+    with_lse: bool,
+) -> tuple[Tensor, Tensor | None]:
+    """Each row's attention over its own keys in the decode buffer (key, value [rows, kv_heads, T, head_dim]):
+    columns [kv_start, column] of its row (the copy layout: its prompt's and its own; the prefix layout: its
+    own), `window`: the row's keys `window` or more columns before its query's own are out of it (a row's
+    columns are consecutive positions). Through paged_attention where it takes the layer (the buffer read
+    as a pool of one block per row: the work follows each row's length, not the buffer's), else dense and
+    masked. Returns out [rows, kv_heads, group, head_dim] and its lse [rows, kv_heads, group] (float32;
+    None unless `with_lse` on the dense path)."""
+    rows, heads, _, head_dim = query.shape
+    kv_heads = key.shape[1]
+    if _reads_paged(query, key):
+        out, lse = ops.paged_attention(
+            query[:, :, 0],
+            key,
+            value,
+            context.kv_table,
+            context.kv_length,
+            None,
+            scaling,
+            0 if window is None else int(window),
+            0.0 if softcap is None else float(softcap),
+            context.kv_start,
+        )
+        return out.view(rows, kv_heads, heads // kv_heads, head_dim), lse.view(rows, kv_heads, heads // kv_heads)
+    if window is not None:
+        near = context.columns[:, None] - torch.arange(key.shape[2], device=key.device)[None, :] < window
+        attention_mask = attention_mask.masked_fill(~near[:, None, None, :], MASKED_KEY_BIAS)
+    q = query.reshape(rows, kv_heads, heads // kv_heads, head_dim)
+    return attend(q, key, value, attention_mask, scale=scaling, with_lse=with_lse)
 
 
 def _window_bias(bias: Tensor, query_positions: Tensor, key_positions: Tensor, window: int, group: int) -> Tensor:

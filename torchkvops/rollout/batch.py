@@ -40,6 +40,23 @@ def visible_bias(visible: Tensor, width: int) -> Tensor:
     return bias
 
 
+def first_seen(bias: Tensor, columns: Tensor, live: Tensor | None) -> Tensor:
+    """[k] int32: the first column each row sees of its bias ([k, C], 0 where seen), or its `columns` [k] (the
+    first it writes) where it sees none. What a live row sees must be one run of columns up to the one it
+    writes (the decode attention reads from its start on: `DecodeState.kv_start`): checked, once per
+    admission. (A row that is not `live` only holds the pad id: what it reads is never used.)"""
+    seen = bias == 0
+    index = torch.arange(seen.shape[1], device=seen.device)
+    start = torch.where(seen, index, seen.shape[1]).amin(dim=1).minimum(columns)
+    run = (index[None, :] >= start[:, None]) & (index[None, :] < columns[:, None])
+    wrong = (seen != run).any(dim=1)
+    if live is not None:
+        wrong &= live.to(wrong.device, torch.bool)
+    if bool(wrong.any()):  # host sync: once per admission
+        raise AssertionError("torchkvops: a row's visible KV columns are not one run ending where it writes")
+    return start.to(torch.int32)
+
+
 class DecodeBatch:
     """The rows being decoded (module docstring). `keeps_left`: rows that leave at a compaction keep their
     KV and tokens so far (a call's rows, which Rollout.extend may go on with); a streaming batch's rows
@@ -79,8 +96,7 @@ class DecodeBatch:
     def clear(self) -> None:
         """Every row free: ended, seeing nothing (a streaming batch before its first admission)."""
         s = self.state
-        for t in s.tensors():
-            t.zero_()
+        s.clear()
         s.bias.fill_(float("-inf"))
         if s.prompt_bias is not None:
             s.prompt_bias.fill_(float("-inf"))
@@ -110,6 +126,7 @@ class DecodeBatch:
         every = rows is None
         index = slice(None) if every else rows
         s.bias[index, 0, 0] = bias.to(s.bias.dtype)
+        s.kv_start[index] = first_seen(bias, columns.to(bias.device), live).to(s.kv_start.device)
         s.position_ids[index, 0] = positions.to(s.position_ids.device)
         s.column[index] = columns.to(s.column.device)
         s.finished[index] = False if live is None else ~live.to(s.finished.device, torch.bool)

@@ -93,6 +93,7 @@ class DecodeStep:
     def __call__(self) -> None:
         s = self.state
         s.bias.scatter_(-1, s.column.view(-1, 1, 1, 1), 0.0)  # the key each row writes this step becomes visible
+        s.kv_length.copy_(s.column + 1)  # (what the decode attention reads: up to that key)
         logits = self.adapter.model(input_ids=s.tokens, **self.kwargs).logits[:, -1, :]
         self.cache.end_step()  # (recurrent layers: ended rows' states as they were)
         self.draw(logits)

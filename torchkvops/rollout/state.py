@@ -40,13 +40,15 @@ class DecodeShape:
 class _Field:
     """One tensor of a DecodeState. `per`: what its first dim indexes, and so how compaction moves it:
     "row" (gathered with its row), "prompt" (gathered with its prompt group), "slot" (set from the
-    compaction's plan), "shared" (read by every row: copied whole)."""
+    compaction's plan), "shared" (read by every row: copied whole), "fixed" (set when the state is made,
+    from its shape alone, and never moved: `fill` makes it)."""
 
     name: str
     per: str
     dims: Callable[[DecodeShape], tuple[int, ...] | None]  # its shape, or None when the shape has none
     dtype: torch.dtype | None = torch.long  # None: the model's dtype
     doc: str = ""
+    fill: Callable[[Tensor], None] | None = None  # a "fixed" field's values, written into its zeros
 
 
 def _if(condition: bool, dims: tuple[int, ...]) -> tuple[int, ...] | None:
@@ -72,6 +74,31 @@ class DecodeState:
             lambda s: (s.rows, 1, 1, s.mask_len),
             None,
             "additive bias over the decode buffer's keys: 0 where a row may attend, -inf elsewhere",
+        ),
+        _Field(
+            "kv_start",
+            "row",
+            lambda s: (s.rows,),
+            torch.int32,
+            "the decode buffer's first column the row reads (after a left-padded prompt's padding): what it "
+            "sees is the columns from there up to the one it writes, none skipped (DecodeBatch.admit checks)",
+        ),
+        _Field(
+            "kv_length",
+            "row",
+            lambda s: (s.rows,),
+            torch.int32,
+            "the decode buffer's columns the row reads this step: up to and including the one it writes "
+            "(column + 1, set by the step)",
+        ),
+        _Field(
+            "kv_table",
+            "fixed",
+            lambda s: (s.rows, 1),
+            torch.int32,
+            "the block table of the decode buffer read as a pool of blocks, one row's columns per block "
+            "(paged_attention): row i's block is i, since compaction moves the KV with its row",
+            fill=lambda t: t.copy_(torch.arange(t.shape[0], dtype=t.dtype, device=t.device)[:, None]),
         ),
         _Field("finished", "row", lambda s: (s.rows,), torch.bool),
         _Field("keys", "row", lambda s: (s.rows,), doc="per-row sampling keys"),
@@ -138,6 +165,8 @@ class DecodeState:
         for f in self.FIELDS:
             dims = f.dims(shape)
             value = None if dims is None else torch.zeros(dims, dtype=f.dtype or shape.dtype, device=device)
+            if value is not None and f.fill is not None:
+                f.fill(value)
             setattr(self, f.name, value)
 
     @property
@@ -153,12 +182,19 @@ class DecodeState:
     def tensors(self) -> list[Tensor]:
         return [t for t in (getattr(self, f.name) for f in self.FIELDS) if t is not None]
 
+    def clear(self) -> None:
+        """Every field zero, but the "fixed" ones (which hold what the shape gives them)."""
+        for f in self.FIELDS:
+            t = getattr(self, f.name)
+            if t is not None and f.per != "fixed":
+                t.zero_()
+
     def gather_into(self, new: DecodeState, rows: Tensor, groups: Tensor | None) -> None:
         """Move the rows `rows` (device int64) into `new`, and (prefix layout) the prompt groups `groups`:
         every field as its declaration says; "slot" fields are the caller's (they come from a plan)."""
         for f in self.FIELDS:
             src = getattr(self, f.name)
-            if src is None or f.per == "slot":
+            if src is None or f.per in ("slot", "fixed"):
                 continue
             if f.per == "shared":
                 getattr(new, f.name).copy_(src)
