@@ -15,9 +15,13 @@ see `decode_attention`), so every attention layer of any supported decoder-only 
   (`torchkvops.rollout.compaction`), the rows of a prompt are no longer N consecutive ones: the queries are
   gathered into S slots per prompt (`slot_rows`), and each row reads its slot's prefix attention back.
 
-The kernel is torch's own fused attention that also returns the log-sum-exp (`torchkvops.fused_attention`:
-the CPU flash kernel on CPU, the memory-efficient kernel on CUDA, plain matmul + softmax elsewhere). Masks are additive biases
-([rows, 1, 1, keys], 0 or -inf, in the model's dtype), kept and updated by the decode loop.
+Each row's own keys are read by `ops.paged_attention`, the decode buffer taken as a pool of one block per
+row (`DecodeState.kv_table`): columns [kv_start, column] of its row, so that the work follows what rows hold,
+not the buffer's width. The shared levels (a prompt's, a common prefix's) go through torch's own fused
+attention that also returns the log-sum-exp (`torchkvops.fused_attention`: the CPU flash kernel on CPU, the
+memory-efficient kernel on CUDA, plain matmul + softmax elsewhere), with additive biases kept by the decode
+loop; so do a row's own keys in a dtype or head size the paged operator does not take (the whole buffer,
+masked by the row's bias [rows, 1, 1, keys], 0 or -inf, in the model's dtype).
 
 What a layer passes beyond q, k, v is honoured: a sliding window (the copy layout, whose row's columns are
 its positions: keys `window` or more columns before the query's own are masked), attention sinks (gpt-oss:

@@ -205,10 +205,10 @@ class DecodeBatch:
             new.row_prompt.copy_(plan.row_slot // plan.slots)
             new.row_sample.copy_(plan.row_slot % plan.slots)
         if not self.keeps_left:
-            cache.compact_in_place(rows, groups)  # the rows left behind are free: nothing is kept
+            cache.compact_in_place(rows, groups, self.written())  # the rows left behind are free: nothing is kept
         else:
             if not cache_gathered:
-                cache.compact(rows, groups, self.map.original.to(device))
+                cache.compact(rows, groups, self.map.original.to(device), self.written())
             self._write_back(tokens)
             # Rows that end here hold the pad id (and log-probability 0) from now on, as in a full batch;
             # the others are written back again later.
@@ -218,6 +218,19 @@ class DecodeBatch:
         self.map.apply(plan)
         self.state = new
         self.compactions += 1
+
+    def widen(self, columns: int) -> None:
+        """Go on in a state whose decode buffer has `columns` columns (the KV cache widened first,
+        `RolloutKVCache.widen`): every field copied, each row's bias hiding the new columns until it writes
+        them."""
+        state = self.state
+        new = self.states(dataclasses.replace(state.shape, mask_len=columns))
+        for old, wider in zip(state.tensors(), new.tensors()):
+            if old.shape == wider.shape:
+                wider.copy_(old)
+        new.bias.fill_(float("-inf"))
+        new.bias[..., : state.shape.mask_len].copy_(state.bias)
+        self.state = new
 
     def retire(self, rows: list[int]) -> None:
         """Rows `rows` (ended) leave: their tokens to their samples' places in the output; the rows are free."""
@@ -241,7 +254,15 @@ class DecodeBatch:
         if self.keeps_left:
             self._write_back(tokens)
         compacted = self.cache.compacted  # (the home rows of a compacted batch's rows: one host-to-device copy)
-        self.cache.finish_decode(self.map.original.to(self.first.tokens.device) if compacted else None)
+        if compacted:
+            self.cache.finish_decode(self.map.original.to(self.first.tokens.device), self.written())
+        else:
+            self.cache.finish_decode(None)
+
+    def written(self) -> int:
+        """The decode buffer's columns some row has written: what moving rows' KV must move (each row
+        writes its columns in order, and `column` is the next one)."""
+        return int(self.state.column.max()) + 1  # host sync: once per compaction
 
     def _write_back(self, tokens: int) -> None:
         """The first `tokens` tokens (and logprobs) of a compacted batch's rows, into their output rows."""

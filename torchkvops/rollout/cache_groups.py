@@ -117,18 +117,22 @@ class CacheGroup:
     def home_decode_kv(self) -> Tensor | None:
         return self.home[-1] if self.home else None
 
-    def gather(self, index: tuple[Tensor, ...], views: list[Tensor]) -> None:
+    def gather(self, index: tuple[Tensor, ...], views: list[Tensor], written: int | None = None) -> None:
         """views[b][l] = current[b][l][:, index[b]] for each buffer b and layer l, in increasing b and l:
         the order in which they lie in the allocation (see RolloutKVCache.compact: an in-place gather reads
-        each layer before anything overwrites it)."""
-        for src, rows, dst in zip(self.current, index, views):
+        each layer before anything overwrites it). `written`: the decode buffer's columns any row has
+        written (None: all); only those are moved, so that a gather's cost follows what rows hold, not the
+        buffer's budget-sized width (the columns after them are read by no row: see `_decode_columns`)."""
+        last = len(views) - 1
+        for b, (src, rows, dst) in enumerate(zip(self.current, index, views)):
+            src, dst = (_decode_columns(t, written) if b == last else t for t in (src, dst))
             for layer in range(src.shape[0]):
                 dst[layer].copy_(src[layer].index_select(1, rows))
 
-    def write_home(self, original: Tensor) -> None:
-        """The current (work) rows' KV into their home rows (`original`: each one's home row). The prompts'
-        KV never changes in decode."""
-        home, work = self.home[-1], self.current[-1]
+    def write_home(self, original: Tensor, written: int | None = None) -> None:
+        """The current (work) rows' KV into their home rows (`original`: each one's home row), the first
+        `written` columns (None: all). The prompts' KV never changes in decode."""
+        home, work = (_decode_columns(t, written) for t in (self.home[-1], self.current[-1]))
         for layer in range(home.shape[0]):
             home[layer].index_copy_(1, original, work[layer])
 
@@ -192,6 +196,13 @@ class RecurrentGroup(CacheGroup):
 
     def check(self, key: Tensor, value: Tensor, layer: int) -> None:
         raise AssertionError(f"torchkvops: layer {layer} keeps states, not KV")
+
+
+def _decode_columns(buffer: Tensor, written: int | None) -> Tensor:
+    """The first `written` columns of a decode buffer [layers, 2, rows, kv_heads, columns, head_dim] (None:
+    all). The columns after them hold another row's older KV (or zeros) once rows move: no row reads them
+    (the decode attention reads each row's [kv_start, column], and the dense path masks the rest)."""
+    return buffer if written is None else buffer[..., : min(written, buffer.shape[4]), :]
 
 
 # Each kind of group, by GroupSpec.kind: a sliding window's group is one more class.

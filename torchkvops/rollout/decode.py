@@ -42,6 +42,7 @@ from . import attention, compaction
 from .batch import DecodeBatch, visible_bias
 from .graphs import DecodeRunner
 from .kv_cache import RolloutKVCache
+from .layouts import round_up
 from .sampling import SamplingParams, row_keys, sample, sample_with_logprobs
 from .scheduler import Decisions, UntilEnded
 from .state import DecodeShape, DecodeState
@@ -57,6 +58,10 @@ __all__ = [
 
 # The all-rows-ended check syncs with the host, so decode makes it only every this many steps.
 FINISHED_CHECK_INTERVAL = 8
+# The decode buffer holds this many columns for decode when a call starts (rounded up), and is widened
+# (doubled, at most to what max_new_tokens needs) when the rows' next stretch of steps would pass its end:
+# its size follows the longest row, not the budget.
+FIRST_DECODE_COLUMNS = 256
 # Decode states (and so decode graphs) kept for this many distinct decode shapes: with compaction, a
 # rollout configuration of R rows has up to 8 + 4 log2(R / 8) of them (torchkvops.rollout.compaction).
 MAX_DECODE_STATES = 48
@@ -347,15 +352,18 @@ class Decoder:
         self._bound = None  # bound anew for every call: the weights or the cache's positions may be new
         self._bind(batch.state)
         self.cache.bind(self.context)  # each step's K and V go where the decode context says
+        written = None  # (an upper bound of the decode buffer's columns written, once known)
         try:
             while limit is None or steps < limit:
-                self._bind(batch.state)  # (again after a compaction)
                 stretch = FINISHED_CHECK_INTERVAL - steps % FINISHED_CHECK_INTERVAL if checks else limit - steps
                 stretch = stretch if limit is None else min(stretch, limit - steps)
+                written = self._make_room(batch, written, stretch)
+                self._bind(batch.state)  # (again after a compaction or a widening)
                 with attention.decode_attention(self.adapter.model, self.context):
                     for _ in range(stretch):
                         self.runner()
                 steps += stretch
+                written = None if written is None else written + stretch
                 batch.row_steps += stretch * batch.rows
                 if not checks or steps % FINISHED_CHECK_INTERVAL:
                     continue
@@ -370,6 +378,22 @@ class Decoder:
             self._compactions += batch.compactions
             batch.compactions = 0
         return steps
+
+    def _make_room(self, batch: DecodeBatch, written: int | None, stretch: int) -> int | None:
+        """Before `stretch` steps: widen the decode buffer (doubling, up to the cache's decode_limit) when the
+        rows' writes could pass its end. `written`: an upper bound of the columns written so far (None:
+        unknown); the exact count is read (a host sync) only when the bound does not leave room. Returns the
+        bound after the widening."""
+        width, cache = batch.state.shape.mask_len, self.cache
+        if width >= cache.decode_limit or (written is not None and written + stretch <= width):
+            return written
+        written = batch.written()  # host sync: only when the buffer may need widening
+        if written + stretch <= width:
+            return written
+        columns = min(cache.decode_limit, round_up(max(2 * width, written + stretch)))
+        cache.widen(columns, written)
+        batch.widen(columns)
+        return written
 
     @staticmethod
     def apply(batch: DecodeBatch, decisions: Decisions, admission: Admit | None = None) -> bool:

@@ -98,6 +98,9 @@ class RolloutKVCache(Cache):
         self._work: Tensor | None = None  # flat; a compacted batch's views are carved out of it
         self._common_storage: Tensor | None = None  # flat; a common prefix's views, kept while big enough
         self.layout = None  # the layout object the buffers are prepared for
+        # The decode buffer's columns when every row runs to max_new_tokens: it starts narrower and is widened
+        # (`widen`) as rows grow, up to this, so that its size follows the longest row, not the budget.
+        self.decode_limit = 0
         self.forward = None  # the metadata of the forward running now (bind)
         self.work_used_bytes = 0  # the largest compacted batch's views since the home views were made
         self._windows_before: dict[tuple[int, int], Tensor] = {}  # a decode step's (end_step)
@@ -139,10 +142,20 @@ class RolloutKVCache(Cache):
         return self._views([g.common for g in self.groups])
 
     # --- buffer management ---------------------------------------------------------------------
-    def prepare(self, layout, prompts: int, rows: int, lengths: tuple[int, ...], common: int = 0) -> None:
+    def prepare(
+        self,
+        layout,
+        prompts: int,
+        rows: int,
+        lengths: tuple[int, ...],
+        common: int = 0,
+        decode_limit: int | None = None,
+    ) -> None:
         """Buffers of `layout` for `prompts` prompts and `rows` rows, of `lengths` positions each (every
         group's: [group layers, 2, rows of the buffer, kv_heads, positions, head_dim]), and `common` positions
-        of a prefix common to every prompt kept once (`common_views`; 0: none)."""
+        of a prefix common to every prompt kept once (`common_views`; 0: none). `decode_limit`: the decode
+        buffer's columns at the budget, which `widen` may grow it to (None: its length now)."""
+        self.decode_limit = lengths[-1] if decode_limit is None else max(decode_limit, lengths[-1])
         buffer_rows = layout.buffer_rows(prompts, rows)
         self._set_home(
             self._home_views([[g.buffer_shape(r, t) for r, t in zip(buffer_rows, lengths)] for g in self.groups])
@@ -166,7 +179,7 @@ class RolloutKVCache(Cache):
         g = self.groups[0]
         return bool(g.current) and g.current[-1] is not g.home[-1]
 
-    def compact(self, rows: Tensor, prompts: Tensor | None, original: Tensor) -> None:
+    def compact(self, rows: Tensor, prompts: Tensor | None, original: Tensor, written: int | None = None) -> None:
         """Decode goes on with the decode buffer's rows `rows` (int64, on the buffer's device) and, in the
         prefix layout, the prompts `prompts` only (torchkvops.rollout.compaction); `original` [current rows]
         is each current row's row in the home views. In every group.
@@ -178,46 +191,49 @@ class RolloutKVCache(Cache):
         same allocation: views lie group after group, each group's buffers in the layout's order, and a
         smaller view's layer l ends where the current view's layer l + 1 begins or before, so gathering in
         that order (groups, buffers, layers) overwrites nothing before it is read. A compacted shape thus
-        has the same addresses in every call (its CUDA graph replays)."""
+        has the same addresses in every call (its CUDA graph replays). `written`: the decode buffer's columns
+        any row has written (None: all), the only ones moved."""
         if self.compacted:
-            self._write_home(original)
-        views = self._gather(self._work_views, rows, prompts)
+            self._write_home(original, written)
+        views = self._gather(self._work_views, rows, prompts, written)
         for g, v in zip(self.groups, views):
             g.current = v
 
-    def compact_in_place(self, rows: Tensor, prompts: Tensor | None = None) -> None:
+    def compact_in_place(self, rows: Tensor, prompts: Tensor | None = None, written: int | None = None) -> None:
         """Decode goes on with rows `rows` only (and in the prefix layout the prompts `prompts`), gathered
         in place into smaller views carved from the start of the same allocation (see compact()'s in-place
         case); what is left behind is not kept (a streaming batch's rows, copied out already)."""
         assert not self.compacted
-        self._set_home(self._gather(self._home_views, rows, prompts))
+        self._set_home(self._gather(self._home_views, rows, prompts, written))
 
-    def _gather(self, carve, rows: Tensor, prompts: Tensor | None) -> list[list[Tensor]]:
+    def _gather(self, carve, rows: Tensor, prompts: Tensor | None, written: int | None) -> list[list[Tensor]]:
         """Each group's current views' kept rows (the layout's index for each buffer), into views that
         `carve` makes; group after group, in the order the views lie in the allocation (compact())."""
         index = self.layout.kv_index(rows, prompts)
         views = carve([[g.buffer_shape(i.numel(), v.shape[4]) for i, v in zip(index, g.current)] for g in self.groups])
         for g, v in zip(self.groups, views):
-            g.gather(index, v)
+            g.gather(index, v, written)
         return views
 
-    def finish_decode(self, original: Tensor | None) -> None:
+    def finish_decode(self, original: Tensor | None, written: int | None = None) -> None:
         """After decode: the rows of a compacted batch (`original`: each one's home row) back home, and the
         home views current again, so that every row's KV is where `Rollout.extend` looks for it."""
         if self.compacted:
-            self._write_home(original)
+            self._write_home(original, written)
         for g in self.groups:
             g.current = g.home
 
-    def _write_home(self, original: Tensor) -> None:
+    def _write_home(self, original: Tensor, written: int | None = None) -> None:
         for g in self.groups:
-            g.write_home(original)
+            g.write_home(original, written)
 
-    def grow(self, decode_tokens: int) -> None:
+    def grow(self, decode_tokens: int, decode_limit: int | None = None) -> None:
         """Home views with room for `decode_tokens` positions per row in the decode buffer (Rollout.extend:
-        a longer history), their KV copied over, in every group. Not while compacted."""
+        a longer history), their KV copied over, in every group, and `decode_limit` (None: as it was) the
+        columns `widen` may grow it to. Not while compacted."""
         assert not self.compacted, "grow() runs on the home views"
         old, layout = [g.home for g in self.groups], self.layout
+        self.decode_limit = max(self.decode_limit, decode_tokens, decode_limit or 0)
         if decode_tokens <= old[0][-1].shape[4]:
             return
         old_storage, self._storage = self._storage, None  # both live until the copy is done
@@ -232,6 +248,32 @@ class RolloutKVCache(Cache):
             for src, dst in zip(views, g.home):
                 dst[..., : src.shape[4], :].copy_(src)
         del old_storage
+
+    def widen(self, decode_tokens: int, written: int) -> None:
+        """Decode goes on in decode buffers of `decode_tokens` columns (more than now, at most
+        `decode_limit`), the first `written` columns of the current ones (the only ones any row has
+        written) copied over, in every group: the home views grow (`grow`), and a compacted batch's work
+        views are made anew at the new width (a fresh allocation: the current ones are read while the new
+        ones are written)."""
+        assert decode_tokens <= self.decode_limit, (decode_tokens, self.decode_limit)
+        compacted, current = self.compacted, [g.current for g in self.groups]
+        for g in self.groups:
+            g.current = g.home
+        self.grow(decode_tokens)
+        if not compacted:
+            return
+        shapes = [
+            [g.buffer_shape(v.shape[2], v.shape[4]) for v in views[:-1]] for g, views in zip(self.groups, current)
+        ]
+        for g, views, group_shapes in zip(self.groups, current, shapes):
+            group_shapes.append(g.buffer_shape(views[-1].shape[2], decode_tokens))
+        self._work = None
+        work = self._work_views(shapes)
+        for g, old, new in zip(self.groups, current, work):
+            for b, (src, dst) in enumerate(zip(old, new)):
+                columns = min(written, src.shape[4]) if b == len(old) - 1 else src.shape[4]
+                dst[..., :columns, :].copy_(src[..., :columns, :])
+            g.current = new
 
     def _home_views(self, shapes: list[list[tuple[int, ...]]]) -> list[list[Tensor]]:
         """Views of these shapes (one list per group), from the start of the home allocation."""
