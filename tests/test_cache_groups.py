@@ -200,7 +200,12 @@ def test_the_prefix_decode_attention_reads_each_layer_from_its_group():
     bias = torch.full((ROWS, 1, 1, cache.decode_views.tokens), float("-inf"))
     bias[..., 0] = 0.0
     context = DecodeAttention(
-        kv=cache.decode_views, columns=torch.zeros(ROWS, dtype=torch.long), prompt_kv=cache.prompt_views
+        kv=cache.decode_views,
+        columns=torch.zeros(ROWS, dtype=torch.long),
+        prompt_kv=cache.prompt_views,
+        kv_start=torch.zeros(ROWS, dtype=torch.int32),  # each row reads its own columns [0, 1)
+        kv_length=torch.ones(ROWS, dtype=torch.int32),
+        kv_table=torch.arange(ROWS, dtype=torch.int32)[:, None],
     )
     context.prompt_bias = prompt_bias
     attention._active = context
