@@ -22,3 +22,8 @@ def test_synthetic_prompts_are_seeded_and_avoid_special_ids():
     c = bench_cases.synthetic_prompts(case, 8, {0, 1, 2}, seed=6, device=torch.device("cpu"))
     assert a.shape == (3, 50) and a.dtype == torch.long and torch.equal(a, b) and not torch.equal(a, c)
     assert int(a.min()) >= 3 and int(a.max()) <= 7
+    # Cases that differ only in N or R (the budget) get the same prompts; another P, other prompts.
+    for other in (bench_cases.Case(3, 5, 50, 4000), bench_cases.Case(3, 2, 50, 8)):
+        assert torch.equal(bench_cases.synthetic_prompts(other, 8, {0, 1, 2}, seed=5, device=torch.device("cpu")), a)
+    longer = bench_cases.synthetic_prompts(bench_cases.Case(3, 2, 51, 4), 8, {0, 1, 2}, 5, torch.device("cpu"))
+    assert not torch.equal(longer[:, :50], a)

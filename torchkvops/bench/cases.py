@@ -125,13 +125,16 @@ def run_order(cases: Sequence[Case]) -> list[int]:
 def synthetic_prompts(
     case: Case, vocab_size: int, special_ids: Iterable[int], seed: int, device: torch.device, shard: int = 0
 ) -> Tensor:
-    """[B, P] random token ids, none of them special, the same for a given seed, case and shard (a
-    data-parallel process's rank: each process its own prompts; shard 0 is the single-process set)."""
+    """[B, P] random token ids, none of them special, the same for a given seed, prompt shape (B, P) and
+    shard (a data-parallel process's rank: each process its own prompts; shard 0 is the single-process
+    set). Not keyed by N or R: cases that differ only in their budget decode the same prompts, so that a
+    length profile whose lengths do not follow R (eos-rate) gives the same rows the same tokens at every
+    budget that holds them."""
     special = {int(i) for i in special_ids if i is not None and 0 <= int(i) < vocab_size}
     allowed = torch.tensor([i for i in range(vocab_size) if i not in special], dtype=torch.long)
     if allowed.numel() == 0:
         raise ValueError("synthetic_prompts: every token id of the vocabulary is special")
-    key = f"{seed}:{case.name}" + (f":{shard}" if shard else "")
+    key = f"{seed}:B{case.batch_size}_P{case.prompt_length}" + (f":{shard}" if shard else "")
     gen = torch.Generator().manual_seed(zlib.crc32(key.encode()))
     idx = torch.randint(allowed.numel(), (case.batch_size, case.prompt_length), generator=gen)
     return allowed[idx].to(device)
