@@ -6,6 +6,8 @@ log-probability, and a larger budget with the same tokens holds the same KV."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from families import tiny_model
@@ -13,7 +15,7 @@ from models import hf_greedy, prompts
 from test_turns import EOS, run_turns
 
 from torchkvops import Rollout, RolloutConfig
-from torchkvops.rollout import calls
+from torchkvops.rollout import layouts
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +29,7 @@ def first_columns(monkeypatch):
     """Set the decode buffer's first width (in tokens a row) for the test."""
 
     def set_first(tokens: int) -> None:
-        monkeypatch.setattr(calls, "FIRST_DECODE_COLUMNS", tokens)
+        monkeypatch.setattr(layouts, "FIRST_DECODE_COLUMNS", tokens)
 
     return set_first
 
@@ -117,4 +119,34 @@ def test_a_larger_budget_with_the_same_tokens_holds_the_same_kv(llama, kv_sharin
     width = outputs[0].responses.shape[1]
     assert torch.equal(outputs[1].responses[:, :width], outputs[0].responses)
     assert bool((outputs[1].responses[:, width:] == outputs[1].responses[0, -1]).all())
+    assert profiles[1].kv_cache_bytes == profiles[0].kv_cache_bytes
+
+
+@pytest.mark.parametrize("kv_sharing", ["copy", "prefix"])
+def test_a_row_budgets_batch_widens_as_its_rows_grow(llama, kv_sharing, first_columns):
+    """A row budget's batch (rows retired and refilled: streaming) widened from one token a row: the tokens and
+    log-probabilities of the rollout without a budget, whose buffer holds the budget from the start."""
+    ids, mask = prompts(3, 9, seed=2, left_pad=[0, 2, 5])
+    first_columns(10_000)
+    expected = Rollout(llama, sampled(kv_sharing, 150)).generate(ids, mask)
+    first_columns(1)
+    rollout = Rollout(llama, dataclasses.replace(sampled(kv_sharing, 150), max_rows=3))
+    got = rollout.generate(ids, mask)
+    assert rollout.get_last_profile().refills > 0
+    assert int(got.response_mask.sum(dim=1).max()) > 64, "the case must outgrow the first width"
+    assert torch.equal(got.responses, expected.responses)
+    # (float rounding: a row budget's batch runs the model over other row counts)
+    torch.testing.assert_close(got.logprobs, expected.logprobs, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("kv_sharing", ["copy", "prefix"])
+def test_a_row_budget_with_a_larger_budget_and_the_same_tokens_holds_the_same_kv(llama, kv_sharing):
+    ids, mask = prompts(3, 9, seed=2, left_pad=[0, 2, 5])
+    outputs, profiles = [], []
+    for budget in (256, 4096):
+        rollout = Rollout(llama, dataclasses.replace(sampled(kv_sharing, budget, eos=EOS), max_rows=3))
+        outputs.append(rollout.generate(ids, mask))
+        profiles.append(rollout.get_last_profile())
+    width = outputs[0].responses.shape[1]
+    assert torch.equal(outputs[1].responses[:, :width], outputs[0].responses)
     assert profiles[1].kv_cache_bytes == profiles[0].kv_cache_bytes

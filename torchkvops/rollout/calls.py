@@ -23,9 +23,8 @@ import dataclasses
 
 import torch
 
-from . import attention
+from . import attention, layouts
 from .config import RolloutOutput
-from .decode import FIRST_DECODE_COLUMNS
 from .layouts import round_up
 from .packed_states import segmented_mixers
 from .prompts import common_prefix_length, common_prompts, plain_prompts
@@ -114,9 +113,7 @@ class GenerateCall(Call):
         r, batch = self.rollout, self.counts.batch_size
         layout, width = r.layout, self.prompts.width
         rows = batch * r.config.samples_per_prompt
-        # The decode buffer starts with room for FIRST_DECODE_COLUMNS tokens a row and is widened as rows grow.
-        lengths = layout.kv_lengths(width, min(r.config.max_new_tokens, FIRST_DECODE_COLUMNS))
-        limit = layout.kv_lengths(width, r.config.max_new_tokens)[-1]
+        lengths, limit = layout.first_kv_lengths(width, r.config.max_new_tokens)  # (widened as rows grow)
         r.cache.prepare(layout, batch, rows, lengths, layout.common_length(self.common), decode_limit=limit)
         if self.common:
             self.logits, self.counts.prefill_tokens = r._prefill_common(self.prompts)
@@ -173,7 +170,7 @@ class ExtendCall(Call):
         r.adapter.check_length(int(self.live_positions.max()), self.max_new_tokens)
         self.decode_start = history.frontier + turn.lengths  # each row decodes on after its chunk
         start = int(self.decode_start.max())
-        first = min(self.max_new_tokens, FIRST_DECODE_COLUMNS)
+        first = min(self.max_new_tokens, layouts.FIRST_DECODE_COLUMNS)
         cache.grow(round_up(start + first - 1), decode_limit=round_up(start + self.max_new_tokens - 1))
         self.prompt_visible = layout.prompt_visible(history.prompt_info.columns, cache)
         live_rows = turn.live.nonzero().flatten()

@@ -58,10 +58,6 @@ __all__ = [
 
 # The all-rows-ended check syncs with the host, so decode makes it only every this many steps.
 FINISHED_CHECK_INTERVAL = 8
-# The decode buffer holds this many columns for decode when a call starts (rounded up), and is widened
-# (doubled, at most to what max_new_tokens needs) when the rows' next stretch of steps would pass its end:
-# its size follows the longest row, not the budget.
-FIRST_DECODE_COLUMNS = 256
 # Decode states (and so decode graphs) kept for this many distinct decode shapes: with compaction, a
 # rollout configuration of R rows has up to 8 + 4 log2(R / 8) of them (torchkvops.rollout.compaction).
 MAX_DECODE_STATES = 48

@@ -103,6 +103,7 @@ class RolloutKVCache(Cache):
         self.decode_limit = 0
         self.forward = None  # the metadata of the forward running now (bind)
         self.work_used_bytes = 0  # the largest compacted batch's views since the home views were made
+        self.peak_used_bytes = 0  # the most `used_bytes` since `prepare`
         self._windows_before: dict[tuple[int, int], Tensor] = {}  # a decode step's (end_step)
 
     def group_of(self, layer: int) -> tuple[CacheGroup, int]:
@@ -169,6 +170,7 @@ class RolloutKVCache(Cache):
             )
             for g, view in zip(self.groups, views):
                 g.common = view
+        self.peak_used_bytes = self.used_bytes
 
     def _set_home(self, views: list[list[Tensor]]) -> None:
         for g, v in zip(self.groups, views):
@@ -198,6 +200,7 @@ class RolloutKVCache(Cache):
         views = self._gather(self._work_views, rows, prompts, written)
         for g, v in zip(self.groups, views):
             g.current = v
+        self.peak_used_bytes = max(self.peak_used_bytes, self.used_bytes)
 
     def compact_in_place(self, rows: Tensor, prompts: Tensor | None = None, written: int | None = None) -> None:
         """Decode goes on with rows `rows` only (and in the prefix layout the prompts `prompts`), gathered
@@ -260,6 +263,7 @@ class RolloutKVCache(Cache):
         for g in self.groups:
             g.current = g.home
         self.grow(decode_tokens)
+        self.peak_used_bytes = max(self.peak_used_bytes, self.used_bytes)
         if not compacted:
             return
         shapes = [
@@ -274,6 +278,7 @@ class RolloutKVCache(Cache):
                 columns = min(written, src.shape[4]) if b == len(old) - 1 else src.shape[4]
                 dst[..., :columns, :].copy_(src[..., :columns, :])
             g.current = new
+        self.peak_used_bytes = max(self.peak_used_bytes, self.used_bytes)
 
     def _home_views(self, shapes: list[list[tuple[int, ...]]]) -> list[list[Tensor]]:
         """Views of these shapes (one list per group), from the start of the home allocation."""

@@ -30,6 +30,7 @@ __all__ = [
     "layout_for",
     "round_up",
     "KV_LENGTH_MULTIPLE",
+    "FIRST_DECODE_COLUMNS",
     "RESPONSE_KV_MULTIPLE",
 ]
 
@@ -41,6 +42,10 @@ KV_LENGTH_MULTIPLE = 64
 # that `fused_attention`'s CUDA alignment rule never copies a bias in a decode step. With R=8 a row holds
 # 8 response positions, not 64.
 RESPONSE_KV_MULTIPLE = 8
+# The decode buffer holds this many tokens a row when a call starts (rounded up), and the decoder widens it
+# (doubled, at most to what max_new_tokens needs: `Decoder._make_room`) before the rows' next stretch of steps
+# could pass its end: its size follows the longest row, not the budget.
+FIRST_DECODE_COLUMNS = 256
 
 
 def round_up(n: int, multiple: int = KV_LENGTH_MULTIPLE) -> int:
@@ -91,6 +96,13 @@ class CopyLayout:
         """The positions of each KV buffer. The last sampled token is never fed back: decode writes
         new_tokens - 1 positions."""
         return (round_up(prompt_len + new_tokens - 1),)
+
+    def first_kv_lengths(self, prompt_len: int, new_tokens: int) -> tuple[tuple[int, ...], int]:
+        """The KV buffers' lengths a call starts with (room for FIRST_DECODE_COLUMNS tokens a row), and the
+        decode buffer's length at the budget of `new_tokens` (what it may be widened to)."""
+        return self.kv_lengths(prompt_len, min(new_tokens, FIRST_DECODE_COLUMNS)), self.kv_lengths(
+            prompt_len, new_tokens
+        )[-1]
 
     def buffer_rows(self, prompts: int, rows: int) -> tuple[int, ...]:
         """The rows of each KV buffer, for `prompts` prompts and `rows` rows."""

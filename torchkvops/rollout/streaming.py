@@ -14,7 +14,8 @@ compacted in place as compaction compacts them.
 The same tokens as without a budget: a row samples with its global row's key and its own step (the
 sampler takes a step per row), its attention sees its own prompt and tokens only (the columns of other
 occupants of its row are hidden), and it ends at its own max_new_tokens. The caller cuts the output to the
-unbudgeted rollout's length (`unbudgeted_width`).
+unbudgeted rollout's length (`unbudgeted_width`). Its decode buffer follows its longest row as a call's
+does (widened as rows grow: one more decode shape each time).
 """
 
 from __future__ import annotations
@@ -136,8 +137,8 @@ def stream(
     groups = min(max_rows // n, prompts)
     rows = groups * n
     prompt_slots = layout.stream_prompt_slots(prompts, groups)
-    cache.prepare(layout, prompt_slots, rows, layout.kv_lengths(prompt_len, max_new_tokens))
-    batch_bytes = cache.used_bytes  # (the tail's in-place compaction makes the views smaller)
+    lengths, limit = layout.first_kv_lengths(prompt_len, max_new_tokens)  # (widened as rows grow)
+    cache.prepare(layout, prompt_slots, rows, lengths, decode_limit=limit)
     shape = layout.decode_shape(
         cache, rows, prompt_slots, max_new_tokens, decoder.adapter.dtype, decoder.step.logprobs, layout.stream_slots()
     )
@@ -157,5 +158,6 @@ def stream(
     scheduler = Refill(prompts, n, prompt_slots=prompt_slots or None, compacts=compacts)
     decoder.apply(batch, scheduler.decide(batch.map.original.tolist(), [True] * rows, 0), admission)
     steps = decoder.run(batch, scheduler, admission)
-    kv_bytes = batch_bytes + scratch.allocated_bytes + admission.peak_pending_bytes
+    # (the peak: the tail's in-place compaction makes the views smaller)
+    kv_bytes = cache.peak_used_bytes + scratch.allocated_bytes + admission.peak_pending_bytes
     return Streamed(responses, logprobs, steps, batch.row_steps, scheduler.refills, kv_bytes)
