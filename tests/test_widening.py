@@ -10,6 +10,7 @@ import dataclasses
 
 import pytest
 import torch
+from devices import DEVICES
 from families import tiny_model
 from models import hf_greedy, prompts
 from test_turns import EOS, run_turns
@@ -150,3 +151,23 @@ def test_a_row_budget_with_a_larger_budget_and_the_same_tokens_holds_the_same_kv
     width = outputs[0].responses.shape[1]
     assert torch.equal(outputs[1].responses[:, :width], outputs[0].responses)
     assert profiles[1].kv_cache_bytes == profiles[0].kv_cache_bytes
+
+
+@pytest.mark.parametrize("kv_sharing", ["copy", "prefix"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_widened_decode_replayed_from_cuda_graphs_gives_the_eager_tokens(llama, kv_sharing, device, first_columns):
+    """On CUDA each width is a decode shape of its own (a graph captured per width, keyed by the new buffers'
+    addresses); the steps replayed from graphs give the eager steps' tokens. On the CPU: eager both times."""
+    first_columns(1)
+    model = llama.to(device)
+    try:
+        ids, mask = (t.to(device) for t in prompts(3, 9, seed=2, left_pad=[0, 2, 5]))
+        config = sampled(kv_sharing, 150)
+        eager = Rollout(model, dataclasses.replace(config, cuda_graphs=False)).generate(ids, mask)
+        rollout = Rollout(model, config)
+        graphed = rollout.generate(ids, mask)
+        assert torch.equal(graphed.responses, eager.responses)
+        if device == "cuda":
+            assert rollout.decode_counters().captured_graphs > 1
+    finally:
+        llama.to("cpu")
