@@ -66,7 +66,7 @@ if [ "$#" -eq 0 ]; then
   # opcheck against torch 2.11's dispatcher).
   set -- tests/test_fsdp.py tests/test_zero3.py tests/test_distributed.py tests/test_agreement.py \
     tests/test_trl_sharded.py tests/test_hybrid.py tests/test_coverage.py tests/test_generate_contract.py \
-    tests/test_trl.py tests/test_floor.py tests/test_paged_attention.py
+    tests/test_trl.py tests/test_floor.py tests/test_paged_attention.py tests/test_widening.py
 fi
 start=$SECONDS
 set +e

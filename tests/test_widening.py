@@ -171,3 +171,15 @@ def test_widened_decode_replayed_from_cuda_graphs_gives_the_eager_tokens(llama, 
             assert rollout.decode_counters().captured_graphs > 1
     finally:
         llama.to("cpu")
+
+
+def test_the_profile_tells_the_kv_a_call_used_from_what_the_cache_holds(llama):
+    """After a call of long prompts, a call of short ones uses less KV than the cache keeps."""
+    rollout = Rollout(llama, sampled("copy", 100, eos=EOS))
+    rollout.generate(*prompts(3, 120, seed=2))
+    long = rollout.get_last_profile()
+    assert long.kv_allocated_bytes >= long.kv_cache_bytes > 0
+    rollout.generate(*prompts(3, 9, seed=2))
+    short = rollout.get_last_profile()
+    assert short.kv_cache_bytes < long.kv_cache_bytes
+    assert short.kv_allocated_bytes == long.kv_allocated_bytes > short.kv_cache_bytes

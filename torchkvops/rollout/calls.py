@@ -45,6 +45,7 @@ class Counts:
     prompt_length: int = 0
     response_length: int = 0
     kv_cache_bytes: int = 0
+    kv_allocated_bytes: int = 0
     computed_row_steps: int = 0
     prefill_tokens: int = 0
     reused_tokens: int = 0
@@ -76,6 +77,7 @@ class Call:
         c = self.counts
         c.decode_steps, c.response_length = steps, steps + 1
         c.kv_cache_bytes, c.computed_row_steps = self.rollout.cache.used_bytes, self.decoding.row_steps
+        c.kv_allocated_bytes = self.rollout.cache.allocated_bytes
 
 
 def run_stages(timer, call: Call):

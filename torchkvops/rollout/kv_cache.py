@@ -319,7 +319,9 @@ class RolloutKVCache(Cache):
 
     @property
     def allocated_bytes(self) -> int:
-        return sum(0 if s is None else s.numel() * s.element_size() for s in (self._storage, self._work))
+        """Bytes of every allocation the cache holds (home, work, a common prefix's)."""
+        storages = (self._storage, self._work, self._common_storage)
+        return sum(0 if s is None else s.numel() * s.element_size() for s in storages)
 
     @property
     def used_bytes(self) -> int:

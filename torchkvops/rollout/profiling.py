@@ -41,6 +41,10 @@ class RolloutProfile:
     # Bytes of KV storage the call used: prompt and response KV (either layout), and the compacted batch's
     # (which decodes in its own views, so that every row's KV stays for Rollout.extend).
     kv_cache_bytes: int
+    # Bytes of KV storage the cache holds after the call: its allocations are kept across calls while big
+    # enough, so this is at least kv_cache_bytes, and more after an earlier, larger call (a longer row, more
+    # rows) or a widening (the decode buffer grows as rows grow, up to what max_new_tokens needs).
+    kv_allocated_bytes: int = 0
     # Row-steps: one per row and sampled token position. Computed: the rows each token position was sampled
     # for (the batch shrinks with compact_finished_rows); useful: those that produced a token of a response
     # (up to and including its EOS: generated_tokens). useful_fraction = useful / computed.
