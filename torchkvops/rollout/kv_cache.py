@@ -17,6 +17,9 @@ group. Two layouts (`RolloutConfig.kv_sharing`), each group's buffers laid out a
   prefix common to every prompt, computed once (`torchkvops.rollout.prompts`), is kept once too
   (`common_views`, one row), apart from the rest: compaction never moves it.
 
+R is the decode buffer's width, not the budget: a call's buffer starts with room for FIRST_DECODE_COLUMNS
+tokens a row and is widened (`widen`) as its longest row grows, up to `decode_limit` (R = max_new_tokens).
+
 The cache keeps buffers; where a forward's K and V go and what its attention reads is that forward's own
 metadata (`torchkvops.rollout.attention`: `PrefillForward`, `PackedAttention`, `DecodeAttention`), which
 the caller binds (`bind`) before the model runs, to a buffer of every group (`KVViews`): `update` hands
