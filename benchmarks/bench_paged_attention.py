@@ -11,6 +11,9 @@ Three ways to compute one decode step's attention (grouped-query heads, one quer
   sdpa-exact   SDPA over a buffer as wide as the longest row (a dense engine that grows with its rows:
                the best a padded layout can do)
 
+With --window W each query sees its row's last W keys only (a sliding-window layer): paged reads those
+(the partitions wholly before the window are skipped), the SDPA methods mask the rest.
+
 All three are checked against each other before timing. Warm-up runs are excluded; the methods are
 timed in interleaved rounds (paged, sdpa-dense, sdpa-exact, paged, ...) on one clock (CUDA events with a
 synchronize around each on CUDA), and the median of --iters rounds is printed with the bytes of K and V
@@ -59,8 +62,9 @@ def case(rows, heads, kv_heads, head_dim, block_size, capacity, lengths, dtype, 
     return query, key_cache, value_cache, tables, seq_lens
 
 
-def dense_buffers(key_cache, value_cache, tables, lengths, width):
-    """[rows, kv_heads, width, head_dim] K and V with each row's keys first, and the additive mask."""
+def dense_buffers(key_cache, value_cache, tables, lengths, width, window=0):
+    """[rows, kv_heads, width, head_dim] K and V with each row's keys first, and the additive mask (with a
+    `window`: each row's last `window` keys only)."""
     rows = tables.shape[0]
     kv_heads, block_size, head_dim = key_cache.shape[1:]
     k = key_cache.new_zeros(rows, kv_heads, width, head_dim)
@@ -70,9 +74,9 @@ def dense_buffers(key_cache, value_cache, tables, lengths, width):
         b = tables[r, t // block_size].long()
         k[r, :, :n] = key_cache[b, :, t % block_size].transpose(0, 1)
         v[r, :, :n] = value_cache[b, :, t % block_size].transpose(0, 1)
-    seen = (
-        torch.arange(width, device=key_cache.device)[None, :] < torch.tensor(lengths, device=key_cache.device)[:, None]
-    )
+    column = torch.arange(width, device=key_cache.device)[None, :]
+    length = torch.tensor(lengths, device=key_cache.device)[:, None]
+    seen = (column < length) & ((length - 1 - column < window) if window else True)
     mask = torch.zeros(rows, 1, 1, width, dtype=key_cache.dtype, device=key_cache.device)
     return k, v, mask.masked_fill(~seen[:, None, None, :], float("-inf"))
 
@@ -91,6 +95,7 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
+    p.add_argument("--window", type=int, default=0, help="a sliding window (0: none)")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -102,7 +107,7 @@ def main(argv=None) -> int:
     print(
         f"device={device} threads={torch.get_num_threads()} dtype={args.dtype} rows={args.rows} heads={args.heads} "
         f"kv_heads={args.kv_heads} head_dim={args.head_dim} block_size={args.block_size} "
-        f"median length={args.mean_length} (log-normal) warmup={args.warmup} iters={args.iters} (medians of "
+        f"median length={args.mean_length} (log-normal) window={args.window or None} warmup={args.warmup} iters={args.iters} (medians of "
         "interleaved rounds)"
     )
     print(f"{'capacity':>8} {'keys':>7} {'method':>10} {'median us':>10} {'MB read':>8} {'GB/s':>7} {'vs paged':>8}")
@@ -111,25 +116,26 @@ def main(argv=None) -> int:
         query, kc, vc, tables, seq_lens = case(
             args.rows, args.heads, args.kv_heads, args.head_dim, args.block_size, capacity, lengths, dtype, device
         )
-        k_cap, v_cap, mask_cap = dense_buffers(kc, vc, tables, lengths, capacity)
-        k_ex, v_ex, mask_ex = dense_buffers(kc, vc, tables, lengths, max(lengths))
+        k_cap, v_cap, mask_cap = dense_buffers(kc, vc, tables, lengths, capacity, args.window)
+        k_ex, v_ex, mask_ex = dense_buffers(kc, vc, tables, lengths, max(lengths), args.window)
         q4 = query[:, :, None, :]  # [rows, heads, 1, head_dim]
 
         def sdpa(k, v, mask):
             return F.scaled_dot_product_attention(q4, k, v, attn_mask=mask, enable_gqa=per_kv > 1)[:, :, 0]
 
-        paged = torchkvops.paged_attention(query, kc, vc, tables, seq_lens)[0]
+        paged = torchkvops.paged_attention(query, kc, vc, tables, seq_lens, window=args.window)[0]
         tol = 1e-4 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(paged, sdpa(k_cap, v_cap, mask_cap), rtol=tol, atol=tol)
         torch.testing.assert_close(paged, sdpa(k_ex, v_ex, mask_ex), rtol=tol, atol=tol)
         fns = {
-            "paged": lambda: torchkvops.paged_attention(query, kc, vc, tables, seq_lens),
+            "paged": lambda: torchkvops.paged_attention(query, kc, vc, tables, seq_lens, window=args.window),
             "sdpa-dense": lambda: sdpa(k_cap, v_cap, mask_cap),
             "sdpa-exact": lambda: sdpa(k_ex, v_ex, mask_ex),
         }
         times = time_methods(fns, device, args.warmup, args.iters)
         row_bytes = 2 * args.kv_heads * args.head_dim * dtype.itemsize  # K and V of one key
-        read = {"paged": sum(lengths), "sdpa-dense": args.rows * capacity, "sdpa-exact": args.rows * max(lengths)}
+        held = [min(n, args.window) for n in lengths] if args.window else lengths
+        read = {"paged": sum(held), "sdpa-dense": args.rows * capacity, "sdpa-exact": args.rows * max(lengths)}
         base = statistics.median(times["paged"])
         for name, ts in times.items():
             med = statistics.median(ts)

@@ -401,3 +401,21 @@ def test_one_cuda_graph_serves_every_length_without_a_host_sync():
         want = torchkvops.paged_attention(query, k, v, tables, lens)
         torch.testing.assert_close((out, lse), want, rtol=0, atol=0)
         assert_matches((out, lse), dense(query, k, v, tables, lens), torch.float32)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_windows_that_begin_at_and_across_partition_edges(device):
+    """Under a window a task skips the partitions wholly before its queries' windows: a window that begins
+    exactly at a partition's first key, one key after it, and heads of one task whose windows begin in other
+    partitions (per-head positions) give the dense oracle's attention."""
+    query, k, v, tables, lens = paged_case([600, 600, 513, 256], heads=4, kv_heads=2, device=device, seed=23)
+    for window in (88, 87, 257, 1):
+        assert_matches(
+            torchkvops.paged_attention(query, k, v, tables, lens, window=window),
+            dense(query, k, v, tables, lens, window=window),
+            torch.float32,
+        )
+    positions = (lens.long() - 1)[:, None].expand(-1, 4).clone()
+    positions[0] = torch.tensor([599, 300, 511, 256])  # one KV head's two queries: windows in partitions 2 and 1
+    got = torchkvops.paged_attention(query, k, v, tables, lens, positions, window=100)
+    assert_matches(got, dense(query, k, v, tables, lens, positions, window=100), torch.float32)

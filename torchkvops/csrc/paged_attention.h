@@ -25,7 +25,8 @@
 // keys before a row's start are never read: a left-padded prompt's padding): key t lies in block
 // block_tables[row][t / block_size] at slot t % block_size. Its query sits at position query_positions[row][head]
 // (without them: seq_lens[row] - 1) and sees key t when t <= position and, with window > 0, position - t < window
-// (transformers' sliding window). A row that sees no key gets out = 0 and lse = -inf (what
+// (transformers' sliding window; partitions wholly before every query's window are not read, so that a
+// windowed layer's work follows its window). A row that sees no key gets out = 0 and lse = -inf (what
 // merge_attention_states takes as an empty part). Lengths past the table's capacity and block ids outside
 // the pool are errors the CPU kernel raises; the CUDA kernel cannot check data without a host sync, so it
 // clamps them into range (the values read are then garbage, never memory outside the pool).
@@ -179,14 +180,20 @@ TORCHKVOPS_HOST_DEVICE inline void attend_partition(Block& block, Scratch& sc, c
                                                     int64_t kv, int64_t head0, int n, int64_t part) {
   const int64_t length = row_length(p, seq_lens, row);
   const int64_t start = row_start(p, seq_starts, row, length);
-  const int64_t base = part * kPartition;
-  // This partition's keys up to the row's length; none when it lies wholly before the row's start.
-  const int64_t keys = base + kPartition <= start ? 0 : min_i64(max_i64(length - base, 0), kPartition);
   const int32_t* table = block_tables + row * p.table_row;
   const int64_t dim = p.head_dim;
   int64_t position[kHeads];
-  for (int h = 0; h < n; ++h)
+  int64_t lowest = length;  // the task's lowest query position
+  for (int h = 0; h < n; ++h) {
     position[h] = p.has_positions ? query_positions[row * p.pos_row + (head0 + h) * p.pos_head] : length - 1;
+    lowest = min_i64(lowest, position[h]);
+  }
+  // The first key any of the task's queries sees: the row's start, or under a window the lowest query's
+  // window's first key, so that the work follows the window, not the row's length.
+  const int64_t first = p.window > 0 ? max_i64(start, lowest - p.window + 1) : start;
+  const int64_t base = part * kPartition;
+  // This partition's keys up to the row's length; none when it lies wholly before the first key seen.
+  const int64_t keys = base + kPartition <= first ? 0 : min_i64(max_i64(length - base, 0), kPartition);
 
   if (keys == 0) {  // outside the row's keys (the same for every thread): a partition that takes no part
     block.for_threads(n, [&](int h) {
