@@ -462,9 +462,11 @@ def torchkvops_attention(
 
 
 def _reads_paged(query: Tensor, key: Tensor) -> bool:
-    """Whether paged_attention takes this layer's decode (its dtypes and head size): it reads only the keys
-    each row has written. Otherwise the dense attention over the whole buffer, masked."""
-    return query.dtype in ops.ATTENTION_DTYPES and key.dtype == query.dtype and query.shape[-1] <= 256
+    """Whether paged_attention takes this layer's decode (its dtypes, head size and a contiguous head_dim,
+    which a model's query almost always has): it reads only the keys each row has written. Otherwise the
+    dense attention over the whole buffer, masked."""
+    supported = query.dtype in ops.ATTENTION_DTYPES and key.dtype == query.dtype and query.shape[-1] <= 256
+    return supported and query.stride(-1) == 1
 
 
 def _own_keys(
