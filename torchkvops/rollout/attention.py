@@ -404,11 +404,12 @@ def torchkvops_attention(
             f"torchkvops: decode attention expects one query token and heads divisible by "
             f"kv_heads, got query {tuple(query.shape)} and keys {tuple(key.shape)}"
         )
-    q = query.reshape(rows, kv_heads, group, head_dim)  # the heads of one KV head, as query length
     own = functools.partial(_own_keys, context, query, key, value, attention_mask, scaling, window, softcap, attend)
     if context.prompt_kv is None:  # the copy layout: each row's decode buffer holds its prompt too
         out, lse = own(with_lse=sinks is not None)
         return _with_sinks(out, lse, sinks, kv_heads).reshape(rows, 1, heads, head_dim), None
+
+    q = query.reshape(rows, kv_heads, group, head_dim)  # the heads of one KV head, as query length
 
     # B and N from shapes, not Python ints: a compiled decode then keeps them symbolic (no recompile).
     prompts = context.prompt_kv.buffers[0].shape[2]

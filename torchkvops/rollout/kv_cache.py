@@ -266,9 +266,13 @@ class RolloutKVCache(Cache):
         for g in self.groups:
             g.current = g.home
         self.grow(decode_tokens)
+        if compacted:
+            self._widen_work(current, decode_tokens, written)
         self.peak_used_bytes = max(self.peak_used_bytes, self.used_bytes)
-        if not compacted:
-            return
+
+    def _widen_work(self, current: list[list[Tensor]], decode_tokens: int, written: int) -> None:
+        """A compacted batch's views (`current`, every group's) again, in new work views whose decode buffer
+        has `decode_tokens` columns: its first `written` columns copied, the other buffers whole."""
         shapes = [
             [g.buffer_shape(v.shape[2], v.shape[4]) for v in views[:-1]] for g, views in zip(self.groups, current)
         ]
@@ -281,7 +285,6 @@ class RolloutKVCache(Cache):
                 columns = min(written, src.shape[4]) if b == len(old) - 1 else src.shape[4]
                 dst[..., :columns, :].copy_(src[..., :columns, :])
             g.current = new
-        self.peak_used_bytes = max(self.peak_used_bytes, self.used_bytes)
 
     def _home_views(self, shapes: list[list[tuple[int, ...]]]) -> list[list[Tensor]]:
         """Views of these shapes (one list per group), from the start of the home allocation."""
