@@ -57,3 +57,20 @@ def test_zero3_synced_generation_with_eos_ids_on_one_rank_only_gives_hfs_tokens(
         for mode in ("per_step", "once"):
             assert torch.equal(r[f"got_{mode}"], r["expected"]), (r["rank"], mode)
         assert torch.isfinite(r["loss"])
+
+
+def test_torchkvops_rollout_engine_equals_hybrid_engine_rollout_under_zero3_gathered_once(tmp_path):
+    """torchkvops.deepspeed.TorchkvopsRollout on a ZeRO-3 engine, ranks with different prompts: run to the
+    budget, the batch HybridEngineRollout gives (per-step gathers); with EOS honoured, its first columns
+    and padding after; each call gathers every parameter once, and leaves them partitioned."""
+    pytest.importorskip("deepspeed.runtime.rollout")
+    for r in run_scenario("rollout_engine", tmp_path):
+        expected, got, eos = r["expected"], r["got"], r["got_eos"]
+        for field in ("input_ids", "attention_mask", "response_start_idx"):
+            assert torch.equal(got[field], expected[field]), (r["rank"], field)
+        width = eos["input_ids"].shape[1]
+        assert torch.equal(eos["input_ids"], expected["input_ids"][:, :width]), r["rank"]
+        assert torch.equal(eos["attention_mask"], expected["attention_mask"][:, :width]), r["rank"]
+        assert (expected["attention_mask"][:, width:] == 0).all()
+        assert r["gathers_got"] == r["gathers_got_eos"] == r["parameters"] < r["gathers_expected"]
+        assert r["status_after"] == ["NOT_AVAILABLE"]

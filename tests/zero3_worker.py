@@ -11,12 +11,15 @@ call, the parameters' status after, warnings; then the loss and weights of a tra
 gathered call against those of the same step on a second engine that made no call), "lora" (LoRA on
 every linear layer: gathered then merged, PEFT's unmerged tokens, the local partitions bit-identical;
 then per-step gathers, which leave the partitioned weights unmerged), "eos_one_rank" (synced calls where
-only rank 0's has EOS ids, gathered once and per step: each rank's tokens and whether it was served).
+only rank 0's has EOS ids, gathered once and per step: each rank's tokens and whether it was served),
+"rollout_engine" (DeepSpeed's RolloutEngine interface: HybridEngineRollout against TorchkvopsRollout).
 """
 
+import dataclasses
 import datetime
 import os
 import sys
+import types
 import warnings
 
 import torch
@@ -134,6 +137,25 @@ def main() -> None:
             handle.undo()
         result["served"] = len(rollouts)
         result["loss"] = training_step(engine, torch.cat([ids, ids.flip(1)], dim=1))
+    elif scenario == "rollout_engine":
+        # DeepSpeed's rollout interface on this engine: HybridEngineRollout (the oracle; HF's generate run to
+        # the budget, per-step gathers) against TorchkvopsRollout run to the budget and with EOS honoured.
+        from deepspeed.runtime.rollout import HybridEngineRollout, RolloutRequest, SamplingConfig
+
+        from torchkvops.deepspeed import TorchkvopsRollout, TorchkvopsRolloutConfig
+
+        tokenizer = types.SimpleNamespace(pad_token_id=0, eos_token_id=7)
+        request, sampling = RolloutRequest(ids, mask), SamplingConfig(10, temperature=0.0, n_samples_per_prompt=3)
+        rollouts = {
+            "expected": HybridEngineRollout(engine, tokenizer),
+            "got": TorchkvopsRollout(engine, tokenizer, TorchkvopsRolloutConfig(run_to_budget=True)),
+            "got_eos": TorchkvopsRollout(engine, tokenizer),
+        }
+        for name, rollout in rollouts.items():
+            before = gathers[0]
+            result[name] = dataclasses.asdict(rollout.generate(request, sampling))
+            result[f"gathers_{name}"] = gathers[0] - before
+        result["status_after"] = sorted({p.ds_status.name for p in model.parameters()})
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()

@@ -40,7 +40,7 @@ _LAZY_NAMES = {
 }
 # Submodules reachable as attributes without an import statement (`torchkvops.rollout.Rollout`).
 _SUBMODULES = frozenset(
-    {"ops", "reference", "fused_attention", "utils", "models", "rollout", "training", "hf", "distributed"}
+    {"ops", "reference", "fused_attention", "utils", "models", "rollout", "training", "hf", "distributed", "deepspeed"}
 )
 
 
