@@ -13,8 +13,8 @@ import torchkvops
 
 
 def batch_with_runs(seed=0):
-    """Left-padded rows: a run of 3 copies of prompt A, a singleton B, 2 copies of C, then A again
-    (equal to the first run but not adjacent: it must not be merged with it)."""
+    """Left-padded rows: a run of 3 copies of prompt A, a singleton B, 2 copies of C, then A again (equal to
+    the first run but not adjacent: one prompt with it, as Online DPO's `repeat(2, 1)` batches need)."""
     ids, mask = prompts(3, 9, seed=seed, left_pad=[0, 3, 5])
     order = [0, 0, 0, 1, 2, 2, 0]
     return ids[order], mask[order]
@@ -38,7 +38,8 @@ def test_greedy_equals_hf_generate_on_runs_singletons_and_repeats(family_models,
 
 
 def test_each_run_is_prefilled_once(llama, monkeypatch):
-    """The rollout sees one prompt per run of identical adjacent rows: here 4 (A, B, C, A again)."""
+    """The rollout sees one prompt per distinct row, wherever its copies sit: here 3 (A, B, C), A's 4 rows
+    (3 adjacent, 1 after C) the widest."""
     seen = []
     original = torchkvops.Rollout.generate_rows
 
@@ -49,7 +50,7 @@ def test_each_run_is_prefilled_once(llama, monkeypatch):
     monkeypatch.setattr(torchkvops.Rollout, "generate_rows", spy)
     ids, mask = batch_with_runs()
     torchkvops.generate(llama, ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
-    assert seen == [(4, 3)]  # 4 runs, padded to the longest (3 rows)
+    assert seen == [(3, 4)]  # 3 prompts, padded to the widest (A: 4 rows)
 
 
 def test_eos_and_pad_filling_and_early_stop_equal_hf(llama):
@@ -122,6 +123,29 @@ def test_sampling_honours_num_return_sequences_and_is_seeded_by_torch(llama):
     assert a.shape == (6, 12) and torch.equal(a, b) and not torch.equal(a, c)
     assert torch.equal(a[:, :6], ids.repeat_interleave(3, dim=0))
     assert len({tuple(r.tolist()) for r in a[:3, 6:]}) > 1  # the 3 samples of a prompt differ
+
+
+def test_a_sampled_row_is_keyed_by_its_output_row_whether_its_copies_are_adjacent_or_not(llama, monkeypatch):
+    """[A, A, B, B] and Online DPO's [A, B, A, B] (`repeat(2, 1)`): two prompts each, and the rows both
+    batches hold at the same place (0: A, 3: B) draw the same tokens with the same seed."""
+    seen = []
+    original = torchkvops.Rollout.generate_rows
+
+    def spy(self, input_ids, *args, **kwargs):
+        seen.append(input_ids.shape[0])
+        return original(self, input_ids, *args, **kwargs)
+
+    monkeypatch.setattr(torchkvops.Rollout, "generate_rows", spy)
+    ids, mask = prompts(2, 6, seed=8, left_pad=[0, 2])
+    kwargs = dict(max_new_tokens=8, do_sample=True, temperature=1.0, eos_token_id=None, pad_token_id=0)
+    out = {}
+    for name, order in (("adjacent", [0, 0, 1, 1]), ("repeated", [0, 1, 0, 1])):
+        torch.manual_seed(3)
+        out[name] = torchkvops.generate(llama, ids[order], attention_mask=mask[order], **kwargs)
+    assert seen == [2, 2]
+    for row in (0, 3):
+        assert torch.equal(out["adjacent"][row], out["repeated"][row]), row
+    assert not torch.equal(out["repeated"][0, 6:], out["repeated"][2, 6:])  # A's two rows: two samples
 
 
 @pytest.mark.parametrize(

@@ -538,17 +538,14 @@ def run(call: Call, rollout_for: Callable[[int], Rollout], served: list | None =
     plan, input_ids, attention_mask = call.plan, call.input_ids, call.attention_mask
     device = input_ids.device
     k = plan.num_return_sequences
-    # Runs of consecutive identical rows (ids and mask): each becomes one prompt of `count` rows.
-    same = (input_ids[1:] == input_ids[:-1]).all(dim=1) & (attention_mask[1:] == attention_mask[:-1]).all(dim=1)
-    starts = torch.cat([torch.ones(1, dtype=torch.bool, device=device), ~same]).nonzero().flatten()
-    counts = torch.diff(starts, append=torch.tensor([input_ids.shape[0]], device=device)) * k
-    counts_list = counts.tolist()  # host sync: the grouping, once per call
-    samples = max(counts_list)
-    # Output row r (input row r // k, copy r % k) lives at (prompt u, slot j); filler slots are dead.
+    starts, counts, output_rows = identical_rows(input_ids, attention_mask, k)
+    samples = int(counts.max())  # host sync: the grouping's widest prompt, once per call
+    # Output row o lives at (prompt u, slot j): row_ids holds o there; filler slots are dead (any id).
     slot = torch.arange(samples, device=device)
     live = (slot[None, :] < counts[:, None]).flatten()  # [groups * samples]
-    first_out_row = torch.cumsum(counts, 0) - counts  # output row of each prompt's slot 0
-    row_ids = (first_out_row[:, None] + slot[None, :]).flatten()
+    first = torch.cumsum(counts, 0) - counts  # where each prompt's rows begin in output_rows
+    index = (first[:, None] + slot[None, :]).clamp(max=output_rows.numel() - 1).flatten()
+    row_ids = output_rows[index]  # a row's sampling key is its output row's: the grouping changes no token
     rollout = rollout_for(samples)
     seed = _call_seed()
     out = rollout.generate_rows(
@@ -559,11 +556,32 @@ def run(call: Call, rollout_for: Callable[[int], Rollout], served: list | None =
         seed=seed,
         ended_everywhere=distributed.ended_everywhere if call.lockstep else None,
     )
-    responses = out.responses[live.to(out.responses.device)]  # [rows, R], in output order
+    live_slots = live.nonzero().flatten()
+    in_order = live_slots[torch.argsort(row_ids[live_slots])]  # each output row's slot, in output order
+    responses = out.responses[in_order.to(out.responses.device)]  # [rows, R]
     responses = _trim_to_hf_length(responses, plan)
     if served is not None:
-        served.append((rollout, live.nonzero().flatten().tolist()))
+        served.append((rollout, in_order.tolist()))
     return torch.cat([input_ids.repeat_interleave(k, dim=0), responses.to(device)], dim=1)
+
+
+def identical_rows(input_ids: Tensor, attention_mask: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The call's distinct prompts (ids and mask alike), wherever their copies sit in the batch (TRL's GRPO
+    repeats each prompt G times in adjacent rows; Online DPO repeats the whole batch, `repeat(2, 1)`), in
+    the order of their first rows, each to be prefilled once: (each one's first input row [U], its output
+    rows' count [U] (copies x k), the output rows grouped by prompt, in order within each [rows x k])."""
+    rows = input_ids.shape[0]
+    key = torch.cat([input_ids, attention_mask.to(input_ids.dtype)], dim=1)
+    _, inverse = torch.unique(key, dim=0, return_inverse=True)
+    position = torch.arange(rows, device=input_ids.device)
+    first = torch.full((int(inverse.max()) + 1,), rows, device=input_ids.device).scatter_reduce(
+        0, inverse, position, "amin"
+    )  # (host sync above: the number of distinct prompts, once per call)
+    order = torch.argsort(first)
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(order.numel(), device=order.device)
+    prompt_of_output_row = rank[inverse].repeat_interleave(k)
+    return first[order], torch.bincount(prompt_of_output_row), torch.argsort(prompt_of_output_row, stable=True)
 
 
 def run_extension(call: Call, rollout: Rollout, rows: list[int], appended: list[Tensor]) -> Tensor:

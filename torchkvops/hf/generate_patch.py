@@ -5,10 +5,10 @@
     out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
 
 TRL's GRPOTrainer (without vLLM), verl's HF rollout and OpenRLHF call `model.generate` on left-padded
-prompts in which each prompt already appears N times. `generate` finds runs of consecutive identical
-rows (same ids and same mask), prefills each run's prompt once and decodes all its rows from one
-expanded KV cache; rows that are equal but not adjacent are not merged. Runs of different lengths are
-padded to the longest with filler rows that end at once, so one rollout decodes the whole batch.
+prompts in which each prompt already appears N times. `generate` finds the identical rows (same ids and
+same mask, adjacent or not: Online DPO repeats its whole batch), prefills each distinct prompt once and
+decodes all its rows from one expanded KV cache. Prompts with fewer rows are padded to the most with
+filler rows that end at once, so one rollout decodes the whole batch.
 
 The contract. Where a call is served, its output is HF's: greedy tokens equal HF's, sampled ones follow
 the same distribution (from the rollout's counter-based sampler, seeded per call from torch's global
@@ -307,7 +307,7 @@ def generate(
     **kwargs,
 ):
     """`model.generate(input_ids, attention_mask=..., generation_config=..., **kwargs)` for a decoder-only
-    Hugging Face model, with runs of identical prompts prefilled once. Returns what HF's generate returns:
+    Hugging Face model, with identical prompts prefilled once (wherever they sit in the batch). Returns what HF's generate returns:
     `[rows, P + T]` token ids (the prompts as given, then the new tokens; rows that ended early are
     filled with the pad id), or with `return_dict_in_generate=True` a `GenerateDecoderOnlyOutput` whose
     `.sequences` is set and whose `.cache` is None (the rollout's KV buffers are reused by the next call;
