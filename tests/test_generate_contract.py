@@ -181,17 +181,39 @@ def test_a_model_used_through_torchkvops_is_freed(monkeypatch, device, how):
         handle.release()
 
 
-# --- copies of a patched model work, and are unpatched -------------------------------------------
-@pytest.mark.parametrize("how", ["deepcopy", "pickle", "torch.save"])
-def test_a_patched_model_copies_unpatched(served, how):
+# --- copies of a patched model work: deep copies patched alike, pickled ones unpatched ----------------
+def test_a_deep_copy_of_a_patched_model_is_patched_alike_with_a_session_of_its_own(served):
+    """TRL's A2PO deep-copies the policy into its reference model after it was patched: the copy is served
+    too, with the patch's options, from its own rollouts (not the original's buffers), and undone alone."""
+    model = FAMILIES["llama"]()
+    ids, mask = prompts(2, 6, seed=6)
+    kwargs = dict(GREEDY, attention_mask=mask)
+    with torchkvops.patch_generate(model, kv_sharing="prefix", compact_finished_rows=False) as handle:
+        expected = model.generate(ids, **kwargs)
+        twin = copy.deepcopy(model)
+        twin_handle = torchkvops.GeneratePatch.of(twin)
+        assert twin_handle is not None and twin_handle.session is not handle.session
+        assert twin_handle.session.options == handle.session.options  # the patch's options
+        assert not twin_handle.session.rollouts  # none of the original's rollouts, buffers or kept KV
+        served.clear()
+        assert same_tokens(twin.generate(ids, **kwargs), expected) and served  # the copy: served
+        (rollout,) = twin_handle.session.rollouts.values()
+        assert rollout.model is twin and rollout.config.kv_sharing == "prefix"
+        twin_handle.undo()
+        served.clear()
+        assert same_tokens(twin.generate(ids, **kwargs), expected) and not served  # undone alone ...
+        assert same_tokens(model.generate(ids, **kwargs), expected) and served  # ... the original still patched
+    assert torchkvops.GeneratePatch.of(model) is None
+
+
+@pytest.mark.parametrize("how", ["pickle", "torch.save"])
+def test_a_pickled_patched_model_copies_unpatched(served, how):
     model = FAMILIES["llama"]()
     ids, mask = prompts(2, 6, seed=6)
     kwargs = dict(GREEDY, attention_mask=mask)
     with torchkvops.patch_generate(model):
         expected = model.generate(ids, **kwargs)  # served: a session with rollouts, locks and buffers
-        if how == "deepcopy":
-            twin = copy.deepcopy(model)
-        elif how == "pickle":
+        if how == "pickle":
             twin = pickle.loads(pickle.dumps(model))
         else:
             buffer = io.BytesIO()

@@ -37,6 +37,7 @@ itself (a call -> a plan or a refusal, a plan -> HF's output) is `generate_contr
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import operator
@@ -97,6 +98,7 @@ class _Session:
 
     def __init__(self, model: nn.Module, options: dict, original_generate=None):
         self.model_ref = weakref.ref(model)
+        self.given = dict(options)  # as the patch was asked for: a deep copy of the model is patched alike
         options = dict(options)
         self.reuse_kv = options.pop("reuse_kv", True)
         # A sharded model's weights gathered once per served call, its LoRA merged for it (hf.call_weights).
@@ -119,7 +121,14 @@ class _Session:
         self.failures: dict[Plan, int] = {}  # how many calls with these settings failed in that state
 
     def __reduce__(self):
-        return (type(None), ())  # a copy of the model starts without a session
+        return (type(None), ())  # a pickled copy of the model starts without a session
+
+    def __deepcopy__(self, memo):
+        """A deep copy of the model gets a session of its own with the same options (no rollouts, buffers
+        or kept KV: they are the original's); one copied without its model gets none."""
+        model = self.model_ref()
+        twin = None if model is None else memo.get(id(model))
+        return None if twin is None else _Session(twin, self.given)
 
     def fallback(self, model: nn.Module):
         if self.original_generate is not None:
@@ -455,8 +464,10 @@ def _prepare(session: _Session, model: nn.Module, args: tuple, kwargs: dict) -> 
 
 class _PatchedGenerate:
     """What `patch_generate` puts in the model's `generate` (an instance attribute): HF's generate
-    signature, served by the rollout. Undone, it passes every call to what it replaced. Pickled or
-    deep-copied (with its model), it becomes the generate it replaced: copies are unpatched."""
+    signature, served by the rollout. Undone, it passes every call to what it replaced. Deep-copied with
+    its model (TRL's A2PO copies the policy into its reference model), the copy is patched alike, with a
+    session of its own (`GeneratePatch.of(copy)` is its handle); pickled (`torch.save`, another process),
+    it becomes the generate it replaced: the copy is unpatched."""
 
     def __init__(self, model: nn.Module, session: _Session, replaced):
         self.__self__ = model  # as a bound method holds its instance
@@ -474,6 +485,16 @@ class _PatchedGenerate:
         if not self.active:
             return self.original()(*args, **kwargs)
         return _serve(self.session, self.__self__, args, kwargs, self.session.fallback(self.__self__))
+
+    def __deepcopy__(self, memo):
+        twin = memo.get(id(self.__self__))
+        if twin is None or not self.active:  # copied without its model, or undone: what it stands for
+            function, args = self.__reduce__()
+            return function(*copy.deepcopy(args, memo))
+        session = copy.deepcopy(self.session, memo)
+        patched = _PatchedGenerate(twin, session, copy.deepcopy(self.replaced, memo))
+        session.original_generate = patched.original()
+        return patched
 
     def __reduce__(self):
         replaced = _unwrap(self.replaced)
@@ -499,6 +520,13 @@ class GeneratePatch(PatchHandle):
         self._model_ref = weakref.ref(model)
         self._patched_ref = weakref.ref(patched)
         self._session_ref = weakref.ref(patched.session)
+
+    @classmethod
+    def of(cls, model: nn.Module) -> GeneratePatch | None:
+        """A handle on `model`'s torchkvops patch (None: its generate is not patched): for a deep copy of a
+        patched model, which is patched too, to be undone or released."""
+        current = vars(model).get("generate")
+        return cls(model, current) if isinstance(current, _PatchedGenerate) and current.active else None
 
     @property
     def session(self) -> _Session | None:
