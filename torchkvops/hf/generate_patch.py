@@ -54,6 +54,7 @@ from ..rollout.engine import NonFiniteLogitsError, Rollout, RolloutConfig
 from ..rollout.profiling import RolloutProfile
 from ..utils import LRU, PatchHandle, WarnOnce
 from .call_weights import WeightOptions, call_weights, gather_vote
+from .generate_batch import serve_batch
 from .generate_contract import SIGNATURE, Call, Plan, Refusal, agree, bind, check, run, run_extension
 from .generate_reuse import KeptCall, kv_fingerprint
 from .sharded import Settled, is_sharded
@@ -474,6 +475,7 @@ class _PatchedGenerate:
         self.session = session
         self.replaced = replaced  # the instance attribute it shadows; None: the class's generate
         self.active = True
+        self.batch: _PatchedGenerateBatch | None = None  # its generate_batch twin, where the model has one
         self.__doc__ = type(model).generate.__doc__
         self.__signature__ = SIGNATURE.replace(parameters=list(SIGNATURE.parameters.values())[1:])  # HF's, bound
 
@@ -503,11 +505,51 @@ class _PatchedGenerate:
         return (operator.getitem, ([replaced], 0))
 
 
+class _PatchedGenerateBatch:
+    """What `patch_generate` puts in the model's `generate_batch` (transformers' continuous batching, which
+    TRL's paged path calls): served through its generate patch (`patched`, the same session and the same
+    switch: undone with it) by `hf.generate_batch`, else the generate_batch it replaced. Copied as that
+    patch is copied."""
+
+    def __init__(self, patched: _PatchedGenerate, replaced):
+        self.patched, self.replaced = patched, replaced
+        self.__self__ = patched.__self__
+        self.__doc__ = type(self.__self__).generate_batch.__doc__
+
+    def original(self):
+        model = self.patched.__self__
+        return self.replaced if self.replaced is not None else type(model).generate_batch.__get__(model)
+
+    def __call__(self, inputs, **arguments):
+        if not self.patched.active:
+            return self.original()(inputs, **arguments)
+        model = self.patched.__self__
+        return serve_batch(_serve, self.patched.session, model, inputs, self.original(), **arguments)
+
+    def __deepcopy__(self, memo):
+        patched = copy.deepcopy(self.patched, memo)
+        if not isinstance(patched, _PatchedGenerate):  # the copy's generate is unpatched: so is this
+            function, args = self.__reduce__()
+            return function(*copy.deepcopy(args, memo))
+        patched.batch = _PatchedGenerateBatch(patched, copy.deepcopy(self.replaced, memo))
+        return patched.batch
+
+    def __reduce__(self):
+        replaced = _unwrap(self.replaced)
+        if replaced is None:
+            return (getattr, (self.__self__, "generate_batch"))
+        return (operator.getitem, ([replaced], 0))
+
+
 def _unwrap(replaced):
     """What a chain of undone patches stands for: the first thing in it that is not an undone patch."""
-    while isinstance(replaced, _PatchedGenerate) and not replaced.active:
+    while isinstance(replaced, (_PatchedGenerate, _PatchedGenerateBatch)) and not _active(replaced):
         replaced = replaced.replaced
     return replaced
+
+
+def _active(patched) -> bool:
+    return (patched.patched if isinstance(patched, _PatchedGenerateBatch) else patched).active
 
 
 class GeneratePatch(PatchHandle):
@@ -545,13 +587,16 @@ class GeneratePatch(PatchHandle):
         if model is None or patched is None:
             return
         patched.active = False
-        current = vars(model).get("generate")
-        if not (isinstance(current, _PatchedGenerate) and current.active):
-            replaced = _unwrap(patched.replaced)
+        installed = (("generate", _PatchedGenerate, patched), ("generate_batch", _PatchedGenerateBatch, patched.batch))
+        for name, kind, mine in installed:
+            current = vars(model).get(name)
+            if mine is None or (isinstance(current, kind) and _active(current)):
+                continue  # not patched by this patch, or a later torchkvops patch, which its own undo() takes off
+            replaced = _unwrap(mine.replaced)
             if replaced is None:
-                vars(model).pop("generate", None)
+                vars(model).pop(name, None)
             else:
-                model.generate = replaced
+                setattr(model, name, replaced)
         patched.session.release()
         if vars(model).get(_SESSION_ATTRIBUTE) is patched.session:
             del vars(model)[_SESSION_ATTRIBUTE]
@@ -609,12 +654,18 @@ def patch_generate(model: nn.Module, **options) -> GeneratePatch:
             "again, or keep using that patch"
         )
     previous = vars(model).get(_SESSION_ATTRIBUTE)
+    current_batch = vars(model).get("generate_batch")
     try:
         session = _Session(model, dict(options))
         patched = _PatchedGenerate(model, session, current)
         session.original_generate = patched.original()
         vars(model)[_SESSION_ATTRIBUTE] = session
         model.generate = patched
+        if callable(
+            getattr(type(model), "generate_batch", None)
+        ):  # transformers' continuous batching (TRL's paged path)
+            patched.batch = _PatchedGenerateBatch(patched, vars(model).get("generate_batch"))
+            model.generate_batch = patched.batch
         refusal = _peft_refusal(model) or session.check_model(unwrap_model(model) if is_peft_model(model) else model)
         handle = GeneratePatch(model, patched)
     except Exception as e:
@@ -623,6 +674,10 @@ def patch_generate(model: nn.Module, **options) -> GeneratePatch:
             vars(model).pop("generate", None)
         else:
             model.generate = current
+        if current_batch is None:
+            vars(model).pop("generate_batch", None)
+        else:
+            model.generate_batch = current_batch
         if previous is None:
             vars(model).pop(_SESSION_ATTRIBUTE, None)
         else:
