@@ -107,3 +107,13 @@ def test_each_prompts_rows_nest_under_a_system_prompt_common_to_all_whatever_the
     assert flat.tokens == 2 * (11 + 3 * 3) + (8 + 6 * 6) > nested.tokens
     # Below min_shared, no common prefix.
     assert plan_grouping(keys, keys, min_shared=7).common == 0
+
+
+def test_rows_all_the_same_and_unpadded_are_one_group_not_a_common_prefix_with_nothing_after_it():
+    """Greedy samples of one prompt (DeepSpeed's OPSD batch at temperature 0): every row equal, no padding.
+    The common prefix would be the whole row and leave nothing to group (numpy refused the empty reshape):
+    the flat grouping, one group sharing every column."""
+    rows = keys([[4, 5, 6, 7, 8]] * 4)
+    grouping = plan_grouping(rows, rows, min_shared=2)
+    assert grouping.common == 0 and [g.rows for g in grouping.groups] == [(0, 1, 2, 3)]
+    assert grouping.groups[0].prefix == 5 and grouping.tokens == 5

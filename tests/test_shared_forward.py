@@ -144,6 +144,20 @@ def test_outputs_and_gradients_equal_the_plain_forward(family_models, family, ar
     assert_same(shared, plain, mask)
 
 
+@pytest.mark.parametrize("family", ["llama", "opt"])
+def test_identical_unpadded_rows_equal_the_plain_forward(family_models, family):
+    """Greedy samples of one prompt (DeepSpeed's OPSD batch at temperature 0): every row the same, no
+    padding. Computed once, as one group (this batch failed in the grouping before)."""
+    model = no_dropout_train(family_models[family])
+    ids = torch.randint(3, 90, (1, 20), generator=torch.Generator().manual_seed(2)).expand(4, -1).contiguous()
+    mask = torch.ones_like(ids)
+    plain = run(model, ids, mask, ids)
+    with torchkvops.patch_forward(model, min_shared_tokens=4) as handle:
+        shared = run(model, ids, mask, ids)
+    assert handle.stats.shared_calls == 1 and handle.stats.computed_tokens == 20
+    assert_same(shared, plain, mask)
+
+
 # With a system prompt, the work saved beyond groups per prompt: the system prompt once instead of once per
 # group, for families whose results depend on positions counted from a row's first real token (rotary
 # embeddings: the plain forward numbers columns, but only their differences count; OPT numbers real

@@ -170,7 +170,7 @@ def plan_grouping(keys: np.ndarray, nested_keys: np.ndarray | None, min_shared: 
     if nested_keys is None or keys.shape[0] < 2:
         return flat
     common, starts = common_prefix(nested_keys)
-    if common < min_shared:
+    if common < min_shared or common == length:  # (== length: every row the same, unpadded: nothing after it)
         return flat
     rest = nested_keys[np.arange(keys.shape[0])[:, None], _own_columns(length, common, starts)]
     nested = Grouping(find_prefix_groups(rest, min_shared), length, common, starts)
