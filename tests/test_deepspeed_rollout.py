@@ -194,3 +194,29 @@ def test_opsd_loss_and_gradients_are_the_same_with_patch_forward_on_student_and_
     torch.testing.assert_close(loss_shared, loss_plain, rtol=1e-5, atol=1e-6)
     for shared, plain in zip(grads_shared, grads_plain):
         torch.testing.assert_close(shared, plain, rtol=1e-4, atol=1e-6)
+
+
+def test_the_opsd_example_runs_both_engines_to_the_same_losses():
+    """examples/opsd_deepspeed.py end to end (tiny shape, DeepSpeed engine over gloo, 2 steps per engine):
+    greedy rollouts, so both engines' losses agree at every step."""
+    import re
+    from pathlib import Path
+
+    from test_distributed import env, free_port
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "opsd_deepspeed.py"
+    out = subprocess.run(
+        [sys.executable, str(example), "--steps", "2"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env(MASTER_PORT=str(free_port())),
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    losses = {}
+    for engine, loss in re.findall(r"step \d+ +(\w+): .* loss ([0-9.]+)", out.stdout):
+        losses.setdefault(engine, []).append(float(loss))
+    assert set(losses) == {"torchkvops", "hybrid"} and len(losses["hybrid"]) == 2
+    for ours, theirs in zip(losses["torchkvops"], losses["hybrid"]):
+        assert abs(ours - theirs) <= 1e-5 * abs(theirs), (ours, theirs)
+    assert "OPSD step: torchkvops" in out.stdout
