@@ -715,3 +715,29 @@ def test_an_empty_batch_names_input_ids_and_runs_the_plain_forward(family_models
         ):
             model(input_ids=ids)
     assert str(got.value) == str(plain.value)  # the model's own error
+
+
+def test_a_deep_copy_of_a_patched_model_is_patched_with_a_handle_of_its_own(family_models):
+    """TRL's Online DPO and A2PO deep-copy the policy into their reference model: the copy shares rows too
+    (outputs the plain forward's), counts in its own stats, which `ForwardPatch.of(copy)` reads, and is
+    undone alone, its label hooks with it."""
+    import copy
+
+    model = no_dropout_train(copy.deepcopy(family_models["llama"]))
+    ids, mask, labels = batch([3, 2], "adjacent", True)
+    plain = run(model, ids, mask, labels)
+    with torchkvops.patch_forward(model, min_shared_tokens=4) as handle:
+        twin = copy.deepcopy(model)
+        assert torchkvops.ForwardPatch.of(model).stats is handle.stats
+        twin_handle = torchkvops.ForwardPatch.of(twin)
+        assert twin_handle is not None and twin_handle.stats is not handle.stats
+        assert_same(run(twin, ids, mask, labels), plain, mask)
+        assert twin_handle.stats.shared_calls == 1 and handle.stats.shared_calls == 0
+        hooks = len(twin._forward_pre_hooks) + len(twin._forward_hooks)
+        twin_handle.undo()
+        assert torchkvops.ForwardPatch.of(twin) is None and "forward" not in vars(twin.model)
+        assert len(twin._forward_pre_hooks) + len(twin._forward_hooks) == hooks - 2
+        assert torchkvops.ForwardPatch.of(model) is not None  # the original: still patched
+        assert_same(run(twin, ids, mask, labels), plain, mask)  # the plain forward now
+        assert twin_handle.stats.shared_calls == 1
+    assert torchkvops.ForwardPatch.of(model) is None

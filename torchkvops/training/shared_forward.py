@@ -590,6 +590,22 @@ class ForwardPatch(PatchHandle):
             ]
         self._backbone_ref = weakref.ref(backbone)
 
+    @classmethod
+    def of(cls, model: nn.Module) -> ForwardPatch | None:
+        """A handle on `model`'s patch (None: its forward is not patched): for a deep copy of a patched model,
+        which is patched too (TRL's Online DPO and A2PO copy the policy into their reference model), to read
+        its `stats` or undo it."""
+        backbone = _backbone(model)
+        if not _is_patched(backbone):
+            return None
+        state: _PatchState = getattr(backbone, _STATE_ATTR)
+        handle = cls.__new__(cls)
+        PatchHandle.__init__(handle)
+        handle.config, handle.stats, handle._backbone_ref = state.config, state.stats, weakref.ref(backbone)
+        causal_lm = unwrap_model(model)
+        handle._hooks = [] if causal_lm is backbone else _labels_hooks(causal_lm, state)
+        return handle
+
     def _restore(self) -> None:
         backbone = self._backbone_ref()
         if backbone is None:
@@ -606,6 +622,23 @@ class ForwardPatch(PatchHandle):
         for hook in self._hooks:
             hook.remove()
         delattr(backbone, _STATE_ATTR)
+
+
+def _labels_hooks(causal_lm: nn.Module, state) -> list:
+    """The handles of the label hooks a patch with `state` put on `causal_lm` (a deep copy's: its hooks are
+    copies bound to its own state)."""
+    from torch.utils.hooks import RemovableHandle
+
+    hooks = []
+    for table in (causal_lm._forward_pre_hooks, causal_lm._forward_hooks):
+        for key, hook in list(table.items()):
+            if isinstance(hook, functools.partial) and hook.func in (_labels_pre_hook, _labels_post_hook):
+                if hook.args and hook.args[0] is state:
+                    extra = [causal_lm._forward_pre_hooks_with_kwargs, causal_lm._forward_hooks_always_called]
+                    handle = RemovableHandle(table, extra_dict=extra)
+                    handle.id = key  # (removes this entry and its flags, as register_forward_*hook's handle would)
+                    hooks.append(handle)
+    return hooks
 
 
 def patch_forward(model: nn.Module, **options) -> ForwardPatch:
