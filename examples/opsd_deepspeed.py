@@ -9,7 +9,8 @@ no gradient), `generalized_jsd_loss` compares the student's and the teacher's di
 response tokens (`ResponseTokenBatch`), and the student's engine steps. This script runs the same steps
 with each rollout engine it is given (`--engines torchkvops hybrid`), interleaved, from the same weights,
 and prints each step's split (rollout, teacher, student forward + backward + step) and each engine's loss,
-then the speed-up. With greedy rollouts (the default, as DeepSpeed's seeds measured) both engines give the
+then the speed-up. The torchkvops run also patches the teacher's and the student's forwards
+(`--no-patch-forward`: not); the hybrid run is DeepSpeed's loop as it ships. With greedy rollouts (the default, as DeepSpeed's seeds measured) both engines give the
 same responses and the losses agree to float rounding.
 
 Models: random weights of a named shape (`--model-shape`, default tiny; nothing is downloaded), the
@@ -25,6 +26,7 @@ per forward by HybridEngineRollout) over gloo on 127.0.0.1.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import time
@@ -101,7 +103,9 @@ def main(argv=None) -> None:
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the losses then agree)")
     parser.add_argument("--steps", type=int, default=3, help="steps per engine; the first is a warm-up")
     parser.add_argument("--zero-stage", type=int, choices=(0, 3), default=0)
-    parser.add_argument("--no-patch-forward", action="store_true", help="leave the teacher and student forwards plain")
+    parser.add_argument(
+        "--no-patch-forward", action="store_true", help="leave the torchkvops run's teacher and student forwards plain"
+    )
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -129,16 +133,16 @@ def main(argv=None) -> None:
         student = build_model(args.model_shape, seed=0)
         student.config.use_cache = False
         engine = deepspeed_engine(student, args.zero_stage)
-        if not args.no_patch_forward:
+        if name == "torchkvops" and not args.no_patch_forward:  # DeepSpeed's loop as it ships for the other
             torchkvops.patch_forward(engine.module)
         runs[name] = (rollout_engine(name, engine, tokenizer, profiling=False), engine, [])
-    if not args.no_patch_forward:
-        torchkvops.patch_forward(teacher)
     clock = time.perf_counter
     for step in range(args.steps):
         for name, (rollout, engine, steps) in runs.items():  # interleaved: A B A B ...
             torch.manual_seed(step)
-            figures = opsd_step(rollout, engine, teacher, request, sampling, clock)
+            shared_teacher = name == "torchkvops" and not args.no_patch_forward
+            with torchkvops.patch_forward(teacher) if shared_teacher else contextlib.nullcontext():
+                figures = opsd_step(rollout, engine, teacher, request, sampling, clock)
             steps.append(figures)
             print(
                 f"step {step} {name:>10}: rollout {figures['rollout_ms']:8.1f} ms, teacher {figures['teacher_ms']:7.1f}"
