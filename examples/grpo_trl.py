@@ -310,6 +310,7 @@ def run(setting: str, args, checkpoint: str, output_dir: str) -> dict:
         logging_steps=1,
         save_strategy="no",
         disable_tqdm=True,
+        use_transformers_continuous_batching=args.continuous_batching,
         **checkpointing(args.gradient_checkpointing),
     )
     dataset = build_dataset(
@@ -332,6 +333,8 @@ def run(setting: str, args, checkpoint: str, output_dir: str) -> dict:
         if "forward" in patches:
             forward_handles.append(torchkvops.patch_forward(trainer.ref_model))
     model.generate = timed(timer, "generate", model.generate)
+    if args.continuous_batching:  # TRL then calls generate_batch (which patch_generate serves too)
+        model.generate_batch = timed(timer, "generate", model.generate_batch)
 
     def logprob_stage(pass_model, *args, **kwargs):  # TRL's calls: (model, input_ids, ...)
         if torch.is_grad_enabled():
@@ -492,6 +495,11 @@ def main(argv=None) -> None:
         type=int,
         default=1,
         help="GRPO iterations per generation; > 1 adds TRL's old-policy logprob pass",
+    )
+    parser.add_argument(
+        "--continuous-batching",
+        action="store_true",
+        help="TRL's use_transformers_continuous_batching=True: it calls model.generate_batch, not generate",
     )
     parser.add_argument("--learning-rate", type=float, default=1e-4)
     parser.add_argument("--seed", type=int, default=0)
