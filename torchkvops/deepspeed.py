@@ -1,4 +1,4 @@
-"""torchkvops as a DeepSpeed rollout engine (`deepspeed.runtime.rollout`, DeepSpeed >= 0.19).
+"""torchkvops as a DeepSpeed rollout engine (`deepspeed.runtime.rollout`: DeepSpeed 0.19.8 has it, 0.19.0 not).
 
     rollout = TorchkvopsRollout(engine, tokenizer)            # where HybridEngineRollout(engine, tokenizer) was
     batch = rollout.generate(RolloutRequest(ids, mask), SamplingConfig(max_new_tokens=256, n_samples_per_prompt=8))
@@ -112,8 +112,8 @@ class TorchkvopsRollout:
             from deepspeed.runtime.rollout import RolloutEngine
         except ImportError as e:
             raise ImportError(
-                "torchkvops.deepspeed.TorchkvopsRollout needs DeepSpeed >= 0.19 (deepspeed.runtime.rollout): "
-                f"pip install 'deepspeed>=0.19' ({e})"
+                "torchkvops.deepspeed.TorchkvopsRollout needs DeepSpeed's rollout interface, deepspeed.runtime.rollout "
+                f"(DeepSpeed 0.19.8 has it, 0.19.0 has not): pip install -U deepspeed ({e})"
             ) from None
         RolloutEngine.register(TorchkvopsRollout)  # isinstance(rollout, RolloutEngine) for DeepSpeed's trainer
         self.engine, self.tokenizer = engine, tokenizer
