@@ -74,13 +74,12 @@ def test_children_are_named_and_ordered_as_transformers_does_and_a_seed_is_honou
         got = model.generate_batch(inputs, generation_config=config(), continuous_batching_config=seeded)
         again = model.generate_batch(inputs, generation_config=config(), continuous_batching_config=seeded)
     assert seen == [2, 2]  # served
-    assert (
-        list(got)
-        == expected_keys
-        == ["req_0__child#0", "req_0__child#1", "req_0", "req_1__child#0", "req_1__child#1", "req_1"]
-    )
+    assert list(got) == expected_keys  # what this transformers answers num_return_sequences with
+    if len(expected_keys) > 2:  # a transformers that forks children (5.25; 5.17 returns one sequence per request)
+        children = ["req_0__child#0", "req_0__child#1", "req_0", "req_1__child#0", "req_1__child#1", "req_1"]
+        assert expected_keys == children
     assert outputs(got) == outputs(again)  # the configured seed: the same samples
-    assert len({tuple(out.generated_tokens) for out in got.values()}) > 2  # the samples differ
+    assert len({tuple(out.generated_tokens) for out in got.values()}) == len(got)  # the samples differ
     assert all(len(out.generated_tokens) == 6 for out in got.values())
 
 

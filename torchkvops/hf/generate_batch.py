@@ -7,6 +7,8 @@ in input order, a request's `num_return_sequences - 1` children `req_i__child#c`
 orders them), each with the request's prompt ids and its generated tokens up to and including its EOS.
 `serve_batch` left-pads the lists into one batch and serves it as the patch serves `generate` (each
 distinct prompt prefilled once, the same checks and fallbacks), then cuts each row back to that form.
+`num_return_sequences` is answered as the installed transformers answers it (children since they exist,
+one sequence per request before).
 
 What changes results goes to transformers' own `generate_batch`, with a warning naming it: per-token
 timestamps (`record_timestamps`), log-probabilities (`continuous_batching_config.return_logprobs`), an
@@ -18,6 +20,9 @@ fraction, CUDA graphs, ...) change no token and are left unused; its `seed` seed
 from __future__ import annotations
 
 import contextlib
+import copy
+import functools
+import inspect
 
 import torch
 from torch import nn
@@ -49,6 +54,9 @@ def serve_batch(serve, session, model: nn.Module, inputs, original, **arguments)
     if not inputs:
         return {}
     config = arguments.get("generation_config") or model.generation_config
+    if (config.num_return_sequences or 1) > 1 and not _forks_children():
+        config = copy.deepcopy(config)  # (the caller's stays as it was)
+        config.num_return_sequences = 1  # as this transformers' generate_batch: one sequence per request
     kwargs = {"generation_config": config}
     if "max_new_tokens" in arguments:
         kwargs["max_new_tokens"] = arguments["max_new_tokens"]
@@ -63,6 +71,15 @@ def serve_batch(serve, session, model: nn.Module, inputs, original, **arguments)
     except NotServed:
         return original(inputs, **arguments)
     return _outputs(inputs, sequences[:, ids.shape[1] :], config, _eos_ids(config, model))
+
+
+@functools.cache
+def _forks_children() -> bool:
+    """Whether this transformers' generate_batch answers num_return_sequences with children requests
+    (`req_i__child#c`; 5.25 does, 5.17 returns one sequence per request whatever the setting)."""
+    from transformers.generation.continuous_batching.continuous_api import ContinuousMixin
+
+    return "__child#" in inspect.getsource(ContinuousMixin.generate_batch)  # (its result: each child by name)
 
 
 def _refusal(arguments: dict) -> str | None:
