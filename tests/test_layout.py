@@ -136,7 +136,7 @@ def test_the_library_never_imports_the_command_line_or_the_harness():
 # The layer of each top-level module and subpackage, bottom to top: the operators (the package root,
 # ops, reference, fused_attention, the compiled _C); the model adapter and the small helpers below the
 # engine (models/, utils); the rollout engine; the training forward; the integrations above the engine
-# (hf/: generate's contract and patch; distributed); the harness; the command line. A new top-level
+# (hf/: generate's contract and patch; distributed; deepspeed); the harness; the command line. A new top-level
 # module or subpackage has no layer until it is added here, and the tests below fail.
 LAYERS = {
     "ops": "operators",
@@ -149,6 +149,7 @@ LAYERS = {
     "training": "training",
     "hf": "integrations",
     "distributed": "integrations",
+    "deepspeed": "integrations",
     "bench": "bench",
     "cli": "cli",
     "__main__": "cli",
@@ -182,14 +183,16 @@ def test_the_layers_are_an_order():
 
 
 def test_every_module_is_in_a_subpackage_or_a_top_level_module_that_shows_its_layer():
-    """The modules at the top are the operators', the two public modules whose paths are a contract
-    (`torchkvops.distributed`, whose `generate` users call) or that every layer above the operators shares
-    (`torchkvops.utils`), and the entry points; everything else sits in a subpackage named for its layer."""
+    """The modules at the top are the operators', the public modules whose paths are a contract
+    (`torchkvops.distributed`, whose `generate` users call; `torchkvops.deepspeed`, whose `TorchkvopsRollout`
+    DeepSpeed users name) or that every layer above the operators shares (`torchkvops.utils`), and the entry
+    points; everything else sits in a subpackage named for its layer."""
     graph = import_graph(PACKAGE_ROOT)
     top_level = sorted(path.name for path in PACKAGE_ROOT.glob("*.py"))
     assert top_level == [
         "__init__.py",
         "__main__.py",
+        "deepspeed.py",
         "distributed.py",
         "fused_attention.py",
         "ops.py",

@@ -131,19 +131,19 @@ def test_a_streamed_call_keeps_no_kv_for_extend(llama):
 
 
 def test_generate_streams_groups_of_different_sizes_and_equals_hf(llama):
-    """torchkvops.generate(max_rows=...): runs of 3, 1, 2 and 1 identical prompts (padded to groups of 3
-    with filler rows), 6 rows at a time; greedy tokens equal HF's generate."""
+    """torchkvops.generate(max_rows=...): prompts with 4 (3 adjacent, 1 after the others), 1 and 2 identical
+    rows (padded to groups of 4 with filler rows), 8 rows at a time; greedy tokens equal HF's generate."""
     import torchkvops
 
     ids, mask = prompts(3, 9, seed=1, left_pad=[0, 3, 5])
     order = [0, 0, 0, 1, 2, 2, 0]
     ids, mask = ids[order], mask[order]
     kwargs = dict(max_new_tokens=12, do_sample=False, eos_token_id=MANY_EOS, pad_token_id=0)
-    out = torchkvops.generate(llama, ids, attention_mask=mask, max_rows=6, **kwargs)
+    out = torchkvops.generate(llama, ids, attention_mask=mask, max_rows=8, **kwargs)
     with torch.no_grad():
         expected = llama.generate(ids, attention_mask=mask, **kwargs)
     assert torch.equal(out, expected)
-    with pytest.raises(ValueError, match=r"max_rows=2 is smaller than this call's largest group .*\(3 rows"):
+    with pytest.raises(ValueError, match=r"max_rows=2 is smaller than this call's largest group .*\(4 rows"):
         torchkvops.generate(llama, ids, attention_mask=mask, max_rows=2, **kwargs)
 
 
