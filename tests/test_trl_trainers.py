@@ -28,11 +28,9 @@ updates of the learning rate's size wherever a gradient is near 0 (see tests/tes
 
 import dataclasses
 import functools
-import importlib.util
 import random
 import warnings
 from collections import Counter
-from pathlib import Path
 
 import pytest
 import torch
@@ -40,14 +38,13 @@ import torch
 pytest.importorskip("trl")
 from datasets import Dataset  # noqa: E402
 from models import FAMILIES  # noqa: E402
+from test_trl import load_example  # noqa: E402
 from transformers import AutoModelForCausalLM, GenerationMixin  # noqa: E402
 from transformers.generation.continuous_batching.continuous_api import ContinuousMixin  # noqa: E402
 
 import torchkvops  # noqa: E402
 from torchkvops.hf import generate_patch  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
-EXAMPLE = ROOT / "examples" / "grpo_trl.py"
 SYSTEM = "the cat sat on the big red dog and then"  # every prompt's first ten words (all in the example's WORDS)
 MIN_SHARED = 4  # patch_forward's min_shared_tokens: SYSTEM alone is 10 tokens
 MAX_NEW = 8
@@ -64,16 +61,9 @@ TOLERANCE = 2e-4
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def load_example():
-    """examples/grpo_trl.py as a module: its offline word-level tokenizer and its WORDS."""
-    spec = importlib.util.spec_from_file_location("grpo_trl_example", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def example():
+    """examples/grpo_trl.py as a module: its offline word-level tokenizer and its WORDS."""
     return load_example()
 
 
