@@ -125,9 +125,8 @@ def test_sampling_honours_num_return_sequences_and_is_seeded_by_torch(llama):
     assert len({tuple(r.tolist()) for r in a[:3, 6:]}) > 1  # the 3 samples of a prompt differ
 
 
-def test_a_sampled_row_is_keyed_by_its_output_row_whether_its_copies_are_adjacent_or_not(llama, monkeypatch):
-    """[A, A, B, B] and Online DPO's [A, B, A, B] (`repeat(2, 1)`): two prompts each, and the rows both
-    batches hold at the same place (0: A, 3: B) draw the same tokens with the same seed."""
+def spy_prefills(monkeypatch) -> list:
+    """The prompts (rows of input_ids) of each rollout the calls after it prefill, in order."""
     seen = []
     original = torchkvops.Rollout.generate_rows
 
@@ -136,6 +135,13 @@ def test_a_sampled_row_is_keyed_by_its_output_row_whether_its_copies_are_adjacen
         return original(self, input_ids, *args, **kwargs)
 
     monkeypatch.setattr(torchkvops.Rollout, "generate_rows", spy)
+    return seen
+
+
+def test_a_sampled_row_is_keyed_by_its_output_row_whether_its_copies_are_adjacent_or_not(llama, monkeypatch):
+    """[A, A, B, B] and Online DPO's [A, B, A, B] (`repeat(2, 1)`): two prompts each, and the rows both
+    batches hold at the same place (0: A, 3: B) draw the same tokens with the same seed."""
+    seen = spy_prefills(monkeypatch)
     ids, mask = prompts(2, 6, seed=8, left_pad=[0, 2])
     kwargs = dict(max_new_tokens=8, do_sample=True, temperature=1.0, eos_token_id=None, pad_token_id=0)
     out = {}

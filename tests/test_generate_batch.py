@@ -9,6 +9,7 @@ import warnings
 
 import pytest
 from models import FAMILIES, prompts
+from test_generate import spy_prefills
 from transformers import GenerationConfig
 from transformers.generation import ContinuousBatchingConfig
 
@@ -33,18 +34,6 @@ def greedy_config(**kwargs):
 
 def outputs(result):
     return [(key, out.prompt_ids, out.generated_tokens) for key, out in result.items()]
-
-
-def spy_prefills(monkeypatch):
-    seen = []
-    original = torchkvops.Rollout.generate_rows
-
-    def spy(self, input_ids, *args, **kwargs):
-        seen.append(input_ids.shape[0])
-        return original(self, input_ids, *args, **kwargs)
-
-    monkeypatch.setattr(torchkvops.Rollout, "generate_rows", spy)
-    return seen
 
 
 def test_greedy_generate_batch_equals_transformers_own_with_each_prompt_prefilled_once(model, monkeypatch):
