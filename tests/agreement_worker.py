@@ -38,6 +38,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 sys.path.insert(0, os.path.dirname(__file__))
 from fsdp_worker import llama, sharded_llama  # noqa: E402
 from models import VOCAB, prompts  # noqa: E402
+from worker_exit import end_worker  # noqa: E402
 
 import torchkvops  # noqa: E402
 
@@ -192,8 +193,7 @@ def main() -> None:
     elif scenario == "nccl_graphs":
         nccl_graphs_scenario(result, rank, backend)
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.barrier()
-    dist.destroy_process_group()
+    end_worker()
 
 
 def count_fsdp_hooks() -> tuple[list[int], list[int]]:

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
 from models import FAMILIES, prompts  # noqa: E402
+from worker_exit import end_worker  # noqa: E402
 
 import torchkvops  # noqa: E402
 import torchkvops.distributed  # noqa: E402
@@ -131,7 +132,7 @@ def main() -> None:
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
         os._exit(0)  # the group is broken: no clean shutdown to wait for
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.destroy_process_group()
+    end_worker(barrier=False)
 
 
 if __name__ == "__main__":

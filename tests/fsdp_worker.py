@@ -28,6 +28,7 @@ from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, os.path.dirname(__file__))
 from models import FAMILIES, prompts  # noqa: E402
+from worker_exit import end_worker  # noqa: E402
 
 import torchkvops  # noqa: E402
 from torchkvops.models.sharding import fsdp2_param_groups  # noqa: E402
@@ -276,8 +277,7 @@ def main() -> None:
         result["served"] = len(rollouts)
         handle.undo()
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.barrier()
-    dist.destroy_process_group()
+    end_worker()
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(__file__))
 from fsdp_worker import count_calls, generate_in_each_gather_mode, llama  # noqa: E402
 from models import prompts  # noqa: E402
+from worker_exit import end_worker  # noqa: E402
 
 import torchkvops  # noqa: E402
 
@@ -157,8 +158,7 @@ def main() -> None:
             result[f"gathers_{name}"] = gathers[0] - before
         result["status_after"] = sorted({p.ds_status.name for p in model.parameters()})
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.barrier()
-    dist.destroy_process_group()
+    end_worker()
 
 
 if __name__ == "__main__":
