@@ -1,0 +1,221 @@
+"""Paged KV bookkeeping on the host: a pool of fixed-size KV blocks with reference counts, and each row's
+block table (issue #52, the pool's step; `ops.paged_attention` reads what these tables say).
+
+A row's KV is a list of blocks of `block_size` tokens each, taken from the pool as the row grows and given
+back when it ends, so that a rollout holds what its rows hold, not rows x max_new_tokens. A prompt's full
+blocks are shared by its N samples by reference (one reference each); its last, partly filled block is
+copied per sample (each sample writes its own tokens after it), so `fork` returns the (source,
+destination) block copies for the caller to make on the device. A sliding-window layer's row gives back
+the blocks that lie wholly before its window (`slide`).
+
+Nothing here touches a tensor but `BlockTables.tensor`, which writes the tables as `paged_attention`
+takes them ([rows, blocks] int32): the decisions are made on the host, at the decode loop's checks, and
+tested without a model (tests/test_block_pool.py). Modelled on vLLM v1's `BlockPool` and
+`KVCacheManager` (reference-counted blocks, a free list, per-request block lists) without its prefix
+cache: a rollout knows which rows share a prompt.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["OutOfBlocks", "BlockPool", "BlockTables", "blocks_for"]
+
+
+class OutOfBlocks(RuntimeError):
+    """The pool has fewer free blocks than a request needs (the scheduler preempts a row, or waits)."""
+
+
+def blocks_for(tokens: int, block_size: int) -> int:
+    """Blocks that hold `tokens` tokens."""
+    return -(-tokens // block_size)
+
+
+class BlockPool:
+    """`num_blocks` blocks of `block_size` tokens: which are free, and how many rows hold each of the others.
+
+    Freed blocks are taken again last-freed first, so that a row that ends and a row that starts reuse the
+    same memory (warm in cache). `epoch[b]` counts the times block b was given back: a reader that noted it
+    can check that the block was not given back since (`check_held`), the guard behind "no block is read
+    after it is returned"."""
+
+    def __init__(self, num_blocks: int, block_size: int):
+        if block_size < 1:
+            raise ValueError(f"torchkvops: block_size must be at least 1, got {block_size}")
+        if num_blocks < 0:
+            raise ValueError(f"torchkvops: num_blocks must be at least 0, got {num_blocks}")
+        self.block_size = block_size
+        self.refs = [0] * num_blocks
+        self.epoch = [0] * num_blocks
+        self._free = list(range(num_blocks - 1, -1, -1))  # a stack: block 0 is taken first
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.refs)
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_held(self) -> int:
+        return self.num_blocks - self.num_free
+
+    def grow(self, num_blocks: int) -> None:
+        """The pool has `num_blocks` blocks now (more than before: the caller made its tensor larger and
+        copied the blocks over); the new ones are free, taken after the ones freed before."""
+        if num_blocks < self.num_blocks:
+            raise ValueError(f"torchkvops: a pool of {self.num_blocks} blocks cannot shrink to {num_blocks}")
+        new = range(self.num_blocks, num_blocks)
+        self.refs += [0] * len(new)
+        self.epoch += [0] * len(new)
+        self._free[:0] = reversed(new)  # under the freed ones: those are taken first
+
+    def take(self, n: int) -> list[int]:
+        """`n` free blocks, each now held once; OutOfBlocks (and nothing taken) when fewer are free."""
+        if n > len(self._free):
+            raise OutOfBlocks(f"torchkvops: {n} KV blocks wanted, {len(self._free)} of {self.num_blocks} free")
+        blocks = [self._free.pop() for _ in range(n)]
+        for b in blocks:
+            self.refs[b] = 1
+        return blocks
+
+    def share(self, blocks: list[int]) -> None:
+        """One more holder of each of `blocks` (a sample reading its prompt's blocks)."""
+        for b in blocks:
+            if self.refs[b] < 1:
+                raise AssertionError(f"torchkvops: block {b} is free: it cannot be shared")
+            self.refs[b] += 1
+
+    def give_back(self, blocks: list[int]) -> list[int]:
+        """One holder less of each of `blocks`; those no row holds any more are free again (returned)."""
+        freed = []
+        for b in blocks:
+            if self.refs[b] < 1:
+                raise AssertionError(f"torchkvops: block {b} given back while free")
+            self.refs[b] -= 1
+            if not self.refs[b]:
+                self.epoch[b] += 1
+                self._free.append(b)
+                freed.append(b)
+        return freed
+
+    def check_held(self, blocks: list[int], epochs: list[int] | None = None) -> None:
+        """Every one of `blocks` is held (and, given the `epochs` noted when it was read first, has not been
+        given back since): a table that names a returned block would read another row's KV."""
+        for i, b in enumerate(blocks):
+            if self.refs[b] < 1 or (epochs is not None and self.epoch[b] != epochs[i]):
+                raise AssertionError(f"torchkvops: block {b} was given back but a row still reads it")
+
+
+class BlockTables:
+    """Each of `rows` rows' blocks of one pool, in order, and its length in tokens; a row holds
+    `blocks[row][first[row]:]` (the ones before `first` given back: out of a sliding window, or never
+    taken). A row's table has at most `max_blocks` entries (its longest length's blocks)."""
+
+    def __init__(self, pool: BlockPool, rows: int, max_blocks: int):
+        self.pool, self.max_blocks = pool, max_blocks
+        self.blocks: list[list[int]] = [[] for _ in range(rows)]
+        self.first = [0] * rows  # the first block each row still holds
+        self.lengths = [0] * rows  # the tokens each row has written (or reserved)
+
+    @property
+    def rows(self) -> int:
+        return len(self.blocks)
+
+    def held(self, row: int) -> list[int]:
+        return self.blocks[row][self.first[row] :]
+
+    def blocks_needed(self, row: int, tokens: int) -> int:
+        """Blocks `row` takes to hold `tokens` more tokens."""
+        bs = self.pool.block_size
+        return blocks_for(self.lengths[row] + tokens, bs) - len(self.blocks[row])
+
+    def append(self, row: int, tokens: int) -> list[int]:
+        """Room for `tokens` more tokens in `row`: the blocks it takes (OutOfBlocks, nothing taken, when
+        the pool has too few; ValueError past max_blocks)."""
+        need = self.blocks_needed(row, tokens)
+        if len(self.blocks[row]) + need > self.max_blocks:
+            raise ValueError(
+                f"torchkvops: row {row} would hold {self.lengths[row] + tokens} tokens, more than its table's "
+                f"{self.max_blocks} blocks of {self.pool.block_size}"
+            )
+        new = self.pool.take(max(0, need))
+        self.blocks[row] += new
+        self.lengths[row] += tokens
+        return new
+
+    def fork(self, parent: int, children: list[int]) -> list[tuple[int, int]]:
+        """Each of `children` (empty rows) continues `parent`'s KV: it holds the parent's full blocks by
+        reference, and a block of its own for the parent's partly filled last block, which the caller
+        copies (the returned (source, destination) pairs); `parent` is unchanged. OutOfBlocks, nothing
+        taken, when the pool has too few blocks for the copies."""
+        bs, length = self.pool.block_size, self.lengths[parent]
+        for c in children:
+            if self.blocks[c]:
+                raise AssertionError(f"torchkvops: row {c} holds blocks: fork takes empty rows")
+        full = length // bs
+        shared = self.blocks[parent][:full]
+        partial = length % bs != 0
+        copies = self.pool.take(len(children)) if partial else []
+        for i, c in enumerate(children):
+            self.pool.share(shared[self.first[parent] :])
+            self.blocks[c] = list(shared) + ([copies[i]] if partial else [])
+            self.first[c], self.lengths[c] = self.first[parent], length
+        return [(self.blocks[parent][full], dst) for dst in copies]
+
+    def release(self, row: int) -> list[int]:
+        """`row` ends: it gives back every block it holds (those no other row holds are returned) and is
+        empty again."""
+        freed = self.pool.give_back(self.held(row))
+        self.blocks[row], self.first[row], self.lengths[row] = [], 0, 0
+        return freed
+
+    def slide(self, row: int, window: int) -> list[int]:
+        """A sliding-window layer's `row`: give back its blocks that lie wholly before the window of the
+        next token it writes (keys `window` or more positions before it are never read again)."""
+        bs = self.pool.block_size
+        keep_from = max(0, self.lengths[row] + 1 - window) // bs  # the block holding the window's first key
+        if keep_from <= self.first[row]:
+            return []
+        freed = self.pool.give_back(self.blocks[row][self.first[row] : keep_from])
+        self.first[row] = keep_from
+        return freed
+
+    def move_rows(self, order: list[int]) -> None:
+        """Compaction: the rows are `order`'s rows from now on (row i is old row order[i]); the rows left
+        out must have been released."""
+        kept = set(order)
+        for r in range(self.rows):
+            if r not in kept and self.held(r):
+                raise AssertionError(f"torchkvops: row {r} still holds blocks but is left out of the batch")
+        self.blocks = [self.blocks[r] for r in order]
+        self.first = [self.first[r] for r in order]
+        self.lengths = [self.lengths[r] for r in order]
+
+    def slots(self, row: int, start: int, count: int) -> list[int]:
+        """The pool slots (block * block_size + offset) of `row`'s tokens [start, start + count): where a
+        write puts them."""
+        bs, table = self.pool.block_size, self.blocks[row]
+        if start + count > self.lengths[row] or start < self.first[row] * bs:
+            raise AssertionError(f"torchkvops: tokens [{start}, {start + count}) of row {row} have no block")
+        return [table[t // bs] * bs + t % bs for t in range(start, start + count)]
+
+    def tensor(self, device: torch.device | str = "cpu", out: Tensor | None = None) -> Tensor:
+        """The tables as paged_attention takes them: [rows, max_blocks] int32, a row's i-th block at i (0
+        where it holds none: entries before its first held block are never read, since its reads start
+        at its window; entries past its length are not read either). Into `out` when given (a CUDA graph
+        reads the same tensor)."""
+        table = torch.zeros(self.rows, self.max_blocks, dtype=torch.int32)
+        for r, blocks in enumerate(self.blocks):
+            held = blocks[self.first[r] :]
+            table[r, self.first[r] : len(blocks)] = torch.tensor(held, dtype=torch.int32)
+        if out is None:
+            return table.to(device)
+        out.copy_(table, non_blocking=True)
+        return out
+
+    def tokens_held(self) -> int:
+        """The token slots of every block some row holds (shared blocks once)."""
+        return self.pool.num_held * self.pool.block_size
