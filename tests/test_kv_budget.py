@@ -100,7 +100,9 @@ def test_a_token_budget_holds_over_three_times_the_rows_max_rows_holds_in_the_sa
     kv_tokens = max_rows * (prompt_len + max_new)
     expected, rows_live, _ = simulate(lengths, prompt_len, samples, rows=max_rows, budget=None)
     blocks = check_budget(kv_tokens, bs, prompt_len, max_new, INTERVAL)
-    budget = KVBudget(1024, 128, blocks, bs, max_blocks=blocks_for(prompt_len + max_new + INTERVAL, bs), interval=INTERVAL)
+    budget = KVBudget(
+        1024, 128, blocks, bs, max_blocks=blocks_for(prompt_len + max_new + INTERVAL, bs), interval=INTERVAL
+    )
     got, tokens_live, peak = simulate(lengths, prompt_len, samples, rows=1024, budget=budget)
     assert got == expected and peak <= kv_tokens
     rows_mean, tokens_mean = (
