@@ -1,0 +1,121 @@
+"""A cache group's KV in a pool of blocks on the device (issue #52, the pool's second part): the tensor
+that `rollout.block_pool.BlockTables` hands out blocks of, and what a forward does with it.
+
+The pool is `[group layers, 2, blocks, kv_heads, block_size, head_dim]` (K at 0, V at 1), so that one
+layer's `pool[layer, 0]` and `pool[layer, 1]` are what `ops.paged_attention` takes. Where each row's tokens
+lie is data (the block tables, a device tensor of int32), so a decode step writes and reads through them
+without a host sync, and one CUDA graph serves every length:
+
+- `slot_mapping(tables, columns)`: each row's pool slot for the token at its column (decode: one a row).
+- `write(layer, key, value, slots)`: a forward's K and V to their slots.
+- `attend(layer, query, tables, lengths, ...)`: a decode step's attention over each row's written keys.
+- `dense(layer, tables, tokens)`: rows' first `tokens` keys and values as `[rows, kv_heads, tokens,
+  head_dim]`, for what reads KV densely (a packed forward's history, a dtype the operator does not take).
+- `copy_blocks(pairs)`: the block copies a fork makes (a prompt's partly filled block, per sample).
+- `grow(num_blocks)`: more blocks, the held ones copied (a new allocation: addresses change).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .. import ops
+
+__all__ = ["PagedKV", "slot_mapping"]
+
+
+def slot_mapping(tables: Tensor, columns: Tensor, block_size: int) -> Tensor:
+    """The pool slot (block * block_size + offset) of each row's token at `columns` ([rows] or [rows,
+    tokens], int64): `tables[r, c // block_size] * block_size + c % block_size`, on the device."""
+    cols = columns if columns.dim() == 2 else columns[:, None]
+    blocks = tables.long().gather(1, cols // block_size)
+    slots = blocks * block_size + cols % block_size
+    return slots if columns.dim() == 2 else slots[:, 0]
+
+
+class PagedKV:
+    """One cache group's blocks: `pool` [layers, 2, num_blocks, kv_heads, block_size, head_dim]."""
+
+    def __init__(
+        self,
+        layers: int,
+        kv_heads: int,
+        head_dim: int,
+        block_size: int,
+        num_blocks: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ):
+        self.block_size = block_size
+        self.pool = torch.zeros(layers, 2, num_blocks, kv_heads, block_size, head_dim, dtype=dtype, device=device)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.shape[2]
+
+    @property
+    def nbytes(self) -> int:
+        return self.pool.numel() * self.pool.element_size()
+
+    def grow(self, num_blocks: int) -> None:
+        """`num_blocks` blocks (more than now), the current ones copied to the same ids."""
+        old = self.pool
+        shape = list(old.shape)
+        shape[2] = num_blocks
+        self.pool = old.new_zeros(shape)
+        self.pool[:, :, : old.shape[2]].copy_(old)
+
+    def write(self, layer: int, key: Tensor, value: Tensor, slots: Tensor) -> None:
+        """`key`, `value` [rows, kv_heads, tokens, head_dim] of `layer` to their `slots` ([rows, tokens]
+        int64, or [rows] for one token a row)."""
+        slots = slots if slots.dim() == 2 else slots[:, None]
+        blocks, offsets = slots // self.block_size, slots % self.block_size
+        # Advanced indices on dims 0 and 2 around a slice: the indexed view is [rows, tokens, kv_heads, head_dim].
+        self.pool[layer, 0][blocks, :, offsets] = key.transpose(1, 2).to(self.pool.dtype)
+        self.pool[layer, 1][blocks, :, offsets] = value.transpose(1, 2).to(self.pool.dtype)
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Block dst = block src, in every layer's K and V, for each (src, dst)."""
+        if pairs:
+            src, dst = (torch.tensor(side, device=self.pool.device) for side in zip(*pairs))
+            self.pool[:, :, dst] = self.pool[:, :, src]
+
+    def dense(self, layer: int, tables: Tensor, tokens: int) -> tuple[Tensor, Tensor]:
+        """The first `tokens` keys and values of each row of `tables` ([rows, blocks] int32), as [rows,
+        kv_heads, tokens, head_dim] each (a copy); the columns a row has not written hold whatever its
+        table names (mask them)."""
+        nb = -(-tokens // self.block_size)
+        kv = self.pool[layer][:, tables[:, :nb].long()]  # [2, rows, nb, kv_heads, block_size, head_dim]
+        two, rows, _, heads, bs, dim = kv.shape
+        kv = kv.permute(0, 1, 3, 2, 4, 5).reshape(two, rows, heads, nb * bs, dim)[:, :, :, :tokens]
+        return kv[0], kv[1]
+
+    def attend(
+        self,
+        layer: int,
+        query: Tensor,
+        tables: Tensor,
+        lengths: Tensor,
+        *,
+        starts: Tensor | None = None,
+        positions: Tensor | None = None,
+        scale: float | None = None,
+        window: int = 0,
+        softcap: float = 0.0,
+    ) -> tuple[Tensor, Tensor]:
+        """A decode step's attention of `query` [rows, heads, head_dim] over each row's keys [starts,
+        lengths) through `tables`: (out [rows, heads, head_dim], lse [rows, heads]) as `ops.paged_attention`
+        returns them."""
+        return ops.paged_attention(
+            query,
+            self.pool[layer, 0],
+            self.pool[layer, 1],
+            tables,
+            lengths,
+            positions,
+            scale,
+            window,
+            softcap,
+            starts,
+        )
