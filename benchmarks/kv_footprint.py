@@ -1,0 +1,191 @@
+"""The rollout's KV bytes against what its rows hold (issue #52's memory goals), on three workloads:
+
+- `tail`: responses that end at spread lengths under a larger budget (`--length-profile eos-rate`: EOS with
+  probability 1/M at every step), llama-small shape;
+- `window`: gemma3-small's shape (five sliding-window layers of 512 to one global), every row running to
+  a length 4x the window;
+- `turns`: a first call, then a turn that appends 1 to 2,000 tokens to the rows (spread), then a short
+  answer (`Rollout.extend`), llama-small shape.
+
+For each: the KV bytes the call used (`RolloutProfile.kv_cache_bytes`) and what the rows hold when it ends
+(each row's prompt and tokens, a prompt once in the prefix layout; a sliding layer at most its window:
+`held_bytes`), and their ratio. A paged engine with blocks of 16 tokens would hold the latter plus at
+most one partly filled block per row and layer group. No timing: bytes only.
+
+    .venv/bin/python benchmarks/kv_footprint.py --threads 2 --output out/kv_footprint.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from torchkvops import Rollout, RolloutConfig
+from torchkvops.bench.lengths import install, set_response_length
+from torchkvops.models import build_model
+
+TAIL_CASES = ((34, 256), (34, 7680), (256, 2048), (1024, 4096))  # (mean length M, max_new_tokens)
+PROMPTS, SAMPLES, PROMPT_LEN = 2, 8, 256
+
+
+def per_token_bytes(config, layers: int | None = None) -> int:
+    """K and V bytes of one token in `layers` layers (None: all), fp32."""
+    heads = config.num_key_value_heads
+    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return 2 * (layers or config.num_hidden_layers) * heads * dim * 4
+
+
+def lengths_of(out) -> list[int]:
+    """Each row's response tokens through its first EOS."""
+    return out.response_mask.sum(1).tolist()
+
+
+def prompts(vocab: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (PROMPTS, PROMPT_LEN), generator=g)
+
+
+def held(config, layout: str, rows_len: list[int], window: int | None = None, sliding_layers: int = 0) -> int:
+    """The bytes of what the rows hold: each row's prompt (once per prompt in the prefix layout) and
+    tokens; sliding layers at most `window` tokens a row."""
+    full_layers = config.num_hidden_layers - sliding_layers
+    total = 0
+    for layers, cap in ((full_layers, None), (sliding_layers, window)):
+        if not layers:
+            continue
+        if layout == "prefix" and cap is None:
+            tokens = PROMPTS * PROMPT_LEN + sum(rows_len)
+        else:
+            tokens = sum(min(PROMPT_LEN + n, cap or 1 << 62) for n in rows_len)
+        total += tokens * per_token_bytes(config, layers)
+    return total
+
+
+def run_tail(layout: str) -> list[dict]:
+    out = []
+    for mean, budget in TAIL_CASES:
+        model = build_model("llama-small", seed=0).eval()
+        install(model, "eos-rate", model.config.eos_token_id, 1.0, mean)
+        set_response_length(model, budget)  # (eos-rate: p = 1 / mean whatever the budget)
+        cfg = RolloutConfig(
+            samples_per_prompt=SAMPLES,
+            max_new_tokens=budget,
+            temperature=1.0,
+            seed=1,
+            kv_sharing=layout,
+            enable_profiling=True,
+        )
+        rollout = Rollout(model, cfg)
+        result = rollout.generate(prompts(model.config.vocab_size))
+        used = rollout.get_last_profile().kv_cache_bytes
+        lens = lengths_of(result)
+        need = held(model.config, layout, lens)
+        out.append(
+            dict(
+                workload="tail",
+                layout=layout,
+                mean=mean,
+                max_new_tokens=budget,
+                longest=max(lens),
+                mean_len=sum(lens) / len(lens),
+                kv_bytes=used,
+                held_bytes=need,
+                ratio=used / need,
+            )
+        )
+        print(out[-1], flush=True)
+    return out
+
+
+def run_window(layout: str) -> dict:
+    model = build_model("gemma3-small", seed=0).eval()
+    window = model.config.sliding_window
+    new = 4 * window - PROMPT_LEN
+    cfg = RolloutConfig(
+        samples_per_prompt=SAMPLES,
+        max_new_tokens=new,
+        temperature=1.0,
+        seed=1,
+        eos_token_id=[],
+        kv_sharing=layout,
+        enable_profiling=True,
+    )
+    rollout = Rollout(model, cfg)
+    result = rollout.generate(prompts(model.config.vocab_size))
+    used = rollout.get_last_profile().kv_cache_bytes
+    lens = [new] * result.responses.shape[0]
+    sliding = sum(t == "sliding_attention" for t in model.config.layer_types)
+    need = held(model.config, layout, lens, window=window, sliding_layers=sliding)
+    row = dict(
+        workload="window",
+        layout=layout,
+        window=window,
+        length=PROMPT_LEN + new,
+        kv_bytes=used,
+        held_bytes=need,
+        ratio=used / need,
+    )
+    print(row, flush=True)
+    return row
+
+
+def run_turns(layout: str) -> dict:
+    model = build_model("llama-small", seed=0).eval()
+    cfg = RolloutConfig(
+        samples_per_prompt=SAMPLES,
+        max_new_tokens=16,
+        temperature=1.0,
+        seed=1,
+        eos_token_id=[],
+        kv_sharing=layout,
+        enable_profiling=True,
+    )
+    rollout = Rollout(model, cfg)
+    first = rollout.generate(prompts(model.config.vocab_size))
+    rows = first.responses.shape[0]
+    g = torch.Generator().manual_seed(2)
+    appended_lens = [1] + [int(x) for x in torch.logspace(0, 3.3, rows - 1).round()]  # 1 .. ~2,000
+    appended = [torch.randint(3, model.config.vocab_size, (n,), generator=g) for n in appended_lens]
+    second = rollout.extend(first, appended, max_new_tokens=16)
+    used = rollout.get_last_profile().kv_cache_bytes
+    lens = [16 + n + 16 for n in appended_lens]  # both answers and the appended tokens, after the prompt
+    need = held(model.config, layout, lens)
+    row = dict(
+        workload="turns",
+        layout=layout,
+        appended=f"{min(appended_lens)}..{max(appended_lens)}",
+        history=second.responses.shape[1],
+        kv_bytes=used,
+        held_bytes=need,
+        ratio=used / need,
+    )
+    print(row, flush=True)
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workloads", nargs="+", default=["tail", "window", "turns"])
+    parser.add_argument("--layouts", nargs="+", default=["copy", "prefix"])
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--output", default=None)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    rows = []
+    for layout in args.layouts:
+        if "tail" in args.workloads:
+            rows += run_tail(layout)
+        if "window" in args.workloads:
+            rows.append(run_window(layout))
+        if "turns" in args.workloads:
+            rows.append(run_turns(layout))
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump({"command": "benchmarks/kv_footprint.py", "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
