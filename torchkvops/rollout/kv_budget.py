@@ -5,9 +5,11 @@ decode loop's checks (every `interval` steps) `KVBudget.step` gives every live r
 `interval` tokens, oldest row first; when the pool runs out, the newest rows are preempted (their blocks
 given back, their samples queued again at the front), as vLLM v1's scheduler preempts its last-admitted
 request. A preempted sample later restarts from its prompt: its sampling key is per sample and step, so it
-draws the same tokens. Then waiting samples are admitted, in order, while the pool has blocks for their
-first interval (`admit`). A prompt's KV is held by its prompt row from its prefill until its last sample has
-ended; its samples share its full blocks (`BlockTables.fork`).
+draws the same tokens. Then waiting samples start, in order, while the pool has blocks for their first
+interval and every live row's next one (`start`). A prompt's KV is held by its prompt row while a sample
+of it decodes, its samples sharing its full blocks (`BlockTables.fork`); a prompt none of whose samples
+decodes holds no block (a later sample of it prefills it again), so waiting prompts never starve the rows
+that decode.
 
 The oldest row always keeps its blocks (the budget must hold one prompt and one row at its longest,
 `check_budget`), so every sample ends: no livelock. Host bookkeeping only, tested without a model
