@@ -63,39 +63,48 @@ def held(config, layout: str, rows_len: list[int], window: int | None = None, sl
     return total
 
 
+def rollout_for(model, layout: str, max_new_tokens: int, **options) -> Rollout:
+    """A profiled, sampled rollout of SAMPLES rows a prompt (`options`: more RolloutConfig fields)."""
+    cfg = RolloutConfig(
+        samples_per_prompt=SAMPLES,
+        max_new_tokens=max_new_tokens,
+        temperature=1.0,
+        seed=1,
+        kv_sharing=layout,
+        enable_profiling=True,
+        **options,
+    )
+    return Rollout(model, cfg)
+
+
+def record(rollout: Rollout, need: int, **fields) -> dict:
+    """One row of the table: `fields`, the KV bytes the last call used, what the rows hold, the ratio."""
+    used = rollout.get_last_profile().kv_cache_bytes
+    row = dict(**fields, kv_bytes=used, held_bytes=need, ratio=used / need)
+    print(row, flush=True)
+    return row
+
+
 def run_tail(layout: str) -> list[dict]:
     out = []
     for mean, budget in TAIL_CASES:
         model = build_model("llama-small", seed=0).eval()
         install(model, "eos-rate", model.config.eos_token_id, 1.0, mean)
         set_response_length(model, budget)  # (eos-rate: p = 1 / mean whatever the budget)
-        cfg = RolloutConfig(
-            samples_per_prompt=SAMPLES,
-            max_new_tokens=budget,
-            temperature=1.0,
-            seed=1,
-            kv_sharing=layout,
-            enable_profiling=True,
-        )
-        rollout = Rollout(model, cfg)
-        result = rollout.generate(prompts(model.config.vocab_size))
-        used = rollout.get_last_profile().kv_cache_bytes
-        lens = lengths_of(result)
-        need = held(model.config, layout, lens)
+        rollout = rollout_for(model, layout, budget)
+        lens = lengths_of(rollout.generate(prompts(model.config.vocab_size)))
         out.append(
-            dict(
+            record(
+                rollout,
+                held(model.config, layout, lens),
                 workload="tail",
                 layout=layout,
                 mean=mean,
                 max_new_tokens=budget,
                 longest=max(lens),
                 mean_len=sum(lens) / len(lens),
-                kv_bytes=used,
-                held_bytes=need,
-                ratio=used / need,
             )
         )
-        print(out[-1], flush=True)
     return out
 
 
@@ -103,66 +112,32 @@ def run_window(layout: str) -> dict:
     model = build_model("gemma3-small", seed=0).eval()
     window = model.config.sliding_window
     new = 4 * window - PROMPT_LEN
-    cfg = RolloutConfig(
-        samples_per_prompt=SAMPLES,
-        max_new_tokens=new,
-        temperature=1.0,
-        seed=1,
-        eos_token_id=[],
-        kv_sharing=layout,
-        enable_profiling=True,
-    )
-    rollout = Rollout(model, cfg)
+    rollout = rollout_for(model, layout, new, eos_token_id=[])
     result = rollout.generate(prompts(model.config.vocab_size))
-    used = rollout.get_last_profile().kv_cache_bytes
     lens = [new] * result.responses.shape[0]
     sliding = sum(t == "sliding_attention" for t in model.config.layer_types)
     need = held(model.config, layout, lens, window=window, sliding_layers=sliding)
-    row = dict(
-        workload="window",
-        layout=layout,
-        window=window,
-        length=PROMPT_LEN + new,
-        kv_bytes=used,
-        held_bytes=need,
-        ratio=used / need,
-    )
-    print(row, flush=True)
-    return row
+    return record(rollout, need, workload="window", layout=layout, window=window, length=PROMPT_LEN + new)
 
 
 def run_turns(layout: str) -> dict:
     model = build_model("llama-small", seed=0).eval()
-    cfg = RolloutConfig(
-        samples_per_prompt=SAMPLES,
-        max_new_tokens=16,
-        temperature=1.0,
-        seed=1,
-        eos_token_id=[],
-        kv_sharing=layout,
-        enable_profiling=True,
-    )
-    rollout = Rollout(model, cfg)
+    rollout = rollout_for(model, layout, 16, eos_token_id=[])
     first = rollout.generate(prompts(model.config.vocab_size))
     rows = first.responses.shape[0]
     g = torch.Generator().manual_seed(2)
     appended_lens = [1] + [int(x) for x in torch.logspace(0, 3.3, rows - 1).round()]  # 1 .. ~2,000
     appended = [torch.randint(3, model.config.vocab_size, (n,), generator=g) for n in appended_lens]
     second = rollout.extend(first, appended, max_new_tokens=16)
-    used = rollout.get_last_profile().kv_cache_bytes
     lens = [16 + n + 16 for n in appended_lens]  # both answers and the appended tokens, after the prompt
-    need = held(model.config, layout, lens)
-    row = dict(
+    return record(
+        rollout,
+        held(model.config, layout, lens),
         workload="turns",
         layout=layout,
         appended=f"{min(appended_lens)}..{max(appended_lens)}",
         history=second.responses.shape[1],
-        kv_bytes=used,
-        held_bytes=need,
-        ratio=used / need,
     )
-    print(row, flush=True)
-    return row
 
 
 def main() -> None:
