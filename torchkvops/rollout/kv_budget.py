@@ -61,9 +61,10 @@ class KVBudget:
         the prompt first when it is not held: (whether it must be prefilled, the block copies to make: its
         prompt's partly filled block), or None when the pool has too few blocks (nothing taken)."""
         bs, prefill = self.pool.block_size, not self.held(prompt)
-        length = prompt_len
-        need = (length % bs != 0) + blocks_for(length + self.interval, bs) - blocks_for(length, bs)
-        need += blocks_for(length, bs) if prefill else 0
+        need = (
+            blocks_for(prompt_len + self.interval, bs) - prompt_len // bs
+        )  # the row's own: past the shared full blocks
+        need += blocks_for(prompt_len, bs) if prefill else 0
         if need + self._next_step_blocks() > self.pool.num_free:
             return None
         if prefill:
