@@ -61,9 +61,8 @@ class KVBudget:
         the prompt first when it is not held: (whether it must be prefilled, the block copies to make: its
         prompt's partly filled block), or None when the pool has too few blocks (nothing taken)."""
         bs, prefill = self.pool.block_size, not self.held(prompt)
-        need = (
-            blocks_for(prompt_len + self.interval, bs) - prompt_len // bs
-        )  # the row's own: past the shared full blocks
+        # The row's own blocks: those past its prompt's full blocks, which it shares.
+        need = blocks_for(prompt_len + self.interval, bs) - prompt_len // bs
         need += blocks_for(prompt_len, bs) if prefill else 0
         if need + self._next_step_blocks() > self.pool.num_free:
             return None
