@@ -37,9 +37,9 @@ __all__ = [
 
 
 # --- the modes, and the fields of a timed call's record ------------------------------------------
-MODES = ("expanded", "shared", "prefix", "hf-generate", "hf-static", "shared-nocompact", "prefix-nocompact")
+MODES = ("expanded", "shared", "prefix", "paged", "hf-generate", "hf-static", "shared-nocompact", "prefix-nocompact")
 DEFAULT_MODES = ("expanded", "shared", "prefix", "hf-generate")
-ROLLOUT_MODES = ("expanded", "shared", "prefix", "shared-nocompact", "prefix-nocompact")
+ROLLOUT_MODES = ("expanded", "shared", "prefix", "paged", "shared-nocompact", "prefix-nocompact")
 HF_MODES = ("hf-generate", "hf-static")
 PROFILE_FIELDS = tuple(f.name for f in dataclasses.fields(RolloutProfile))
 # Each timed call's record: the rollout's profile fields (total_ms and tokens_per_second from the outer

@@ -8,6 +8,8 @@ fixed; torchkvops.bench.lengths):
   shared       Rollout(shared_prefill=True): each prompt is prefilled once, its KV copied to its N rows
   prefix       Rollout(shared_prefill=True, kv_sharing="prefix"): each prompt is prefilled once and its
                KV kept once; the N rows read it through the shared-prefix attention, nothing is copied
+  paged        Rollout(shared_prefill=True, kv_sharing="paged"): the shared layout's rows, their KV in
+               blocks taken as they grow, each prompt's full blocks shared by its N rows
   shared-nocompact, prefix-nocompact
                shared and prefix with RolloutConfig(compact_finished_rows=False): every row is decoded
                until the last one ends (the same tokens; with fixed lengths no row ends early anyway)

@@ -83,6 +83,7 @@ def cmd_bench(args) -> int:
         "expanded": f"Rollout(shared_prefill=False, {stop}){compiled}",
         "shared": f"Rollout(shared_prefill=True, kv_sharing='copy', {stop}){compiled}",
         "prefix": f"Rollout(shared_prefill=True, kv_sharing='prefix', {stop}){compiled}",
+        "paged": f"Rollout(shared_prefill=True, kv_sharing='paged', {stop}){compiled}",
         "shared-nocompact": f"Rollout(shared_prefill=True, kv_sharing='copy', {stop}, "
         f"compact_finished_rows=False){compiled}",
         "prefix-nocompact": f"Rollout(shared_prefill=True, kv_sharing='prefix', {stop}, "

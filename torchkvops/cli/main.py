@@ -85,7 +85,16 @@ MODEL_SHAPE_NAMES = (
     "opt-6.7b",
 )
 # torchkvops.bench.cases.MODES and DEFAULT_MODES, spelled out for the same reason (checked by the same test).
-MODE_NAMES = ("expanded", "shared", "prefix", "hf-generate", "hf-static", "shared-nocompact", "prefix-nocompact")
+MODE_NAMES = (
+    "expanded",
+    "shared",
+    "prefix",
+    "paged",
+    "hf-generate",
+    "hf-static",
+    "shared-nocompact",
+    "prefix-nocompact",
+)
 # torchkvops.bench.lengths.LENGTH_PROFILES, spelled out for the same reason (checked by the same test).
 LENGTH_PROFILE_NAMES = ("fixed", "geometric", "eos-rate")
 DEFAULT_MODES = ("expanded", "shared", "prefix", "hf-generate")

@@ -53,6 +53,7 @@ from .. import ops
 from ..fused_attention import MASKED_KEY_BIAS, applied_softcap, attend_softcapped, merge_sinks
 from ..fused_attention import attend as _attend
 from .cache_groups import KVViews, layer_kv, layer_slot
+from .paged_store import dense_rows, write_slots
 
 __all__ = [
     "NAME",
@@ -86,11 +87,18 @@ class PrefillForward:
     def write(self, cache, key: Tensor, value: Tensor, layer: int) -> tuple[Tensor, Tensor]:
         cache.check_layout(key, value, layer)
         buffer, index = layer_slot(self.into, layer)
-        ops.write_kv_(buffer, key, value, index, self.start)
+        if cache.paged is not None:  # the paged layout: rows [0, k)'s columns [0, P) through their tables
+            columns = torch.arange(key.shape[2], device=key.device)[None, :].expand(key.shape[0], -1)
+            write_slots(buffer, index, key, value, cache.paged.slots(cache.paged.table[: key.shape[0]], columns))
+        else:
+            ops.write_kv_(buffer, key, value, index, self.start)
         return key, value
 
     def read(self, cache, key: Tensor, layer: int) -> tuple[Tensor, Tensor]:
         """A layer that reads another layer's KV: that layer's, at this forward's rows and columns."""
+        if cache.paged is not None:
+            buffer, index = layer_slot(self.into, layer)
+            return dense_rows(buffer, index, cache.paged.table[: key.shape[0]], key.shape[2])
         kv = layer_kv(self.into, layer)[:, : key.shape[0], :, : key.shape[2]]
         return kv[0], kv[1]
 
@@ -117,7 +125,8 @@ class DecodeAttention:
     # per row): columns [kv_start, kv_length) of its block kv_table (the decode state's).
     kv_start: Tensor | None = None  # [rows] int32
     kv_length: Tensor | None = None  # [rows] int32
-    kv_table: Tensor | None = None  # [rows, 1] int32
+    kv_table: Tensor | None = None  # [rows, 1] int32 (the paged layout: [rows, blocks], its rows' block tables)
+    kv_slot: Tensor | None = None  # the paged layout: [rows] the pool slot each row writes this step
 
     # Prefix layout (None in the copy layout, where each row holds its prompt's KV): rows [i*N, (i+1)*N)
     # answer prompt i, whose KV is row i of prompt_kv's buffers.
@@ -142,7 +151,9 @@ class DecodeAttention:
         holds a mix of two states. The object itself stays the same (a compiled decode step reads it)."""
         self.kv, self.columns, self.cache_position = cache.decode_views, state.column, state.cache_position
         self.positions, self.ended = state.position_ids, state.finished
-        self.kv_start, self.kv_length, self.kv_table = state.kv_start, state.kv_length, state.kv_table
+        self.kv_start, self.kv_length = state.kv_start, state.kv_length
+        self.kv_table = state.kv_table if state.kv_blocks is None else state.kv_blocks
+        self.kv_slot = state.kv_slot
         self.prompt_kv = cache.prompt_views if prefix else None
         self.prompt_bias = state.prompt_bias if prefix else None
         self.prompt_positions = state.prompt_positions if prefix else None
@@ -154,7 +165,10 @@ class DecodeAttention:
         """Each row's K and V at its own column; the layer's whole decode buffer to the attention. No Python
         checks (prefill made them for this model): a step is what a CUDA graph replays."""
         buffer, index = layer_slot(self.kv, layer)
-        ops.write_kv_(buffer, key, value, index, self.columns)
+        if self.kv_slot is not None:  # the paged layout: at the slot its table names for its column
+            write_slots(buffer, index, key, value, self.kv_slot)
+        else:
+            ops.write_kv_(buffer, key, value, index, self.columns)
         return buffer[index, 0], buffer[index, 1]
 
     def read(self, cache, key: Tensor, layer: int) -> tuple[Tensor, Tensor]:
@@ -204,6 +218,10 @@ class PackedAttention:
     into: KVViews | None = None  # the rows' buffers: per group [group layers, 2, rows, kv_heads, columns, head_dim]
     lengths: Tensor | None = None  # [L] each live row's chunk length
     _buckets: list | None = None  # (length_buckets)
+    # The paged layout: the live rows' block tables [L, blocks] and the packed tokens' pool slots [1, T]
+    # (from the cache's tables, once per forward); None in the others.
+    _tables: Tensor | None = None
+    _slots: Tensor | None = None
 
     def bind(self, into: KVViews) -> PackedAttention:
         self.into = into
@@ -213,13 +231,29 @@ class PackedAttention:
         """The packed tokens' K and V ([1, kv_heads, T, head_dim]), each to its row and column; the layer's
         whole buffer to the attention (`attend`)."""
         cache.check_layout(key, value, layer)
+        if self._paged(cache):
+            buffer, index = layer_slot(self.into, layer)
+            write_slots(buffer, index, key, value, self._slots)
+            return buffer[index, 0], buffer[index, 1]
         kv = layer_kv(self.into, layer)
         kv[0][self.token_rows, :, self.token_columns] = key[0].transpose(0, 1)
         kv[1][self.token_rows, :, self.token_columns] = value[0].transpose(0, 1)
         return kv[0], kv[1]
 
+    def _paged(self, cache) -> bool:
+        """Whether the rows' KV is in a pool (the paged layout); their tables and the tokens' slots then."""
+        if cache.paged is None:
+            return False
+        if self._tables is None:
+            table, blocks = cache.paged.table, -(-self.keys // cache.paged.block_size)
+            self._tables = table.index_select(0, self.rows)[:, :blocks]
+            token_tables = table.index_select(0, self.token_rows)
+            self._slots = cache.paged.slots(token_tables, self.token_columns[:, None]).view(1, -1)
+        return True
+
     def read(self, cache, key: Tensor, layer: int) -> tuple[Tensor, Tensor]:
         """A layer that reads another layer's KV: that layer's whole buffer (`attend` reads its rows)."""
+        self._paged(cache)
         kv = layer_kv(self.into, layer)
         return kv[0], kv[1]
 
@@ -269,8 +303,12 @@ class PackedAttention:
         q = query[0].transpose(0, 1)[self.slots].permute(0, 2, 1, 3)  # [L, heads, C, head_dim]
         kvs = [layer_kv(level.kv, module.layer_idx).index_select(1, level.of_row) for level in self.levels]
         ks, vs = [kv[0] for kv in kvs], [kv[1] for kv in kvs]
-        k = torch.cat([*ks, key.index_select(0, self.rows)[:, :, : self.keys]], dim=2)
-        v = torch.cat([*vs, value.index_select(0, self.rows)[:, :, : self.keys]], dim=2)
+        if self._tables is not None:  # a pool: the live rows' columns through their tables
+            own_k, own_v = (_dense_from_blocks(t, self._tables)[:, :, : self.keys] for t in (key, value))
+        else:
+            own_k, own_v = (t.index_select(0, self.rows)[:, :, : self.keys] for t in (key, value))
+        k = torch.cat([*ks, own_k], dim=2)
+        v = torch.cat([*vs, own_v], dim=2)
         allowed = self.allowed
         if window is not None:
             own = self.query_columns[:, :, None] - torch.arange(self.keys, device=allowed.device) < window
@@ -491,6 +529,8 @@ def _own_keys(
     None unless `with_lse` on the dense path)."""
     rows, heads, _, head_dim = query.shape
     kv_heads = key.shape[1]
+    if context.kv_slot is not None and not _reads_paged(query, key):  # a pool: each row's columns, dense
+        key, value = _dense_from_blocks(key, context.kv_table), _dense_from_blocks(value, context.kv_table)
     if _reads_paged(query, key):
         out, lse = ops.paged_attention(
             query[:, :, 0],
@@ -510,6 +550,14 @@ def _own_keys(
         attention_mask = attention_mask.masked_fill(~near[:, None, None, :], MASKED_KEY_BIAS)
     q = query.reshape(rows, kv_heads, heads // kv_heads, head_dim)
     return attend(q, key, value, attention_mask, scale=scaling, with_lse=with_lse)
+
+
+def _dense_from_blocks(blocks: Tensor, table: Tensor) -> Tensor:
+    """A pool's keys or values ([blocks, kv_heads, block_size, head_dim]) as each row of `table` ([rows,
+    n] int32) names them: [rows, kv_heads, n * block_size, head_dim] (a copy)."""
+    gathered = blocks[table.long()]  # [rows, n, kv_heads, block_size, head_dim]
+    rows, n, heads, size, dim = gathered.shape
+    return gathered.permute(0, 2, 1, 3, 4).reshape(rows, heads, n * size, dim)
 
 
 def _window_bias(bias: Tensor, query_positions: Tensor, key_positions: Tensor, window: int, group: int) -> Tensor:

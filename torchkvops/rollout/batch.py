@@ -136,6 +136,12 @@ class DecodeBatch:
         s.responses[index] = pad_id
         if s.logprobs is not None:
             s.logprobs[index] = 0.0
+        if s.kv_blocks is not None:  # the paged layout: each row's block table (a call's rows: their home rows')
+            homes = torch.as_tensor(samples, dtype=torch.long, device=s.kv_blocks.device)
+            table = self.cache.paged.table.index_select(0, homes)
+            width = min(table.shape[1], s.kv_blocks.shape[1])
+            s.kv_blocks[index] = 0
+            s.kv_blocks[index, :width] = table[:, :width]
         self.map.original[slice(None) if every else rows.cpu()] = torch.as_tensor(samples, dtype=torch.long)
         self._draw(rows, first_logits)
         self.row_steps += first_logits.shape[0]
@@ -230,6 +236,9 @@ class DecodeBatch:
                 wider.copy_(old)
         new.bias.fill_(float("-inf"))
         new.bias[..., : state.shape.mask_len].copy_(state.bias)
+        if new.kv_blocks is not None:  # the paged layout: the tables' new entries name the scratch block
+            new.kv_blocks.zero_()
+            new.kv_blocks[:, : state.kv_blocks.shape[1]].copy_(state.kv_blocks)
         self.state = new
 
     def retire(self, rows: list[int]) -> None:

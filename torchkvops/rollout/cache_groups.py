@@ -90,13 +90,17 @@ class CacheGroup:
         self.home: list[Tensor] = []
         self.current: list[Tensor] = []
         self.common: Tensor | None = None  # a prefix common to every prompt, kept once (one row), or None
+        # The paged layout: the group's KV is this pool ([group layers, 2, blocks, kv_heads, block_size,
+        # head_dim], `paged_store`), its one buffer; rows move through their block tables, not their KV.
+        self.pool: Tensor | None = None
 
     def __repr__(self) -> str:
         s = self.shape
         return f"{type(self).__name__}(layers={self.layers}, kv_heads={s.kv_heads}, head_dim={s.head_dim})"
 
     def buffer_shape(self, rows: int, tokens: int) -> tuple[int, ...]:
-        return self.shape.buffer_shape(rows, tokens)
+        """A buffer's shape in the cache's allocation (a paged group's KV is its pool, apart: none)."""
+        return (0,) if self.pool is not None else self.shape.buffer_shape(rows, tokens)
 
     # The layout's first and last buffers (one and the same in the copy layout).
     @property
@@ -123,6 +127,8 @@ class CacheGroup:
         each layer before anything overwrites it). `written`: the decode buffer's columns any row has
         written (None: all); only those are moved, so that a gather's cost follows what rows hold, not the
         buffer's budget-sized width (the columns after them are read by no row: see `_decode_columns`)."""
+        if self.pool is not None:
+            return  # the rows' tables move with the decode state; the KV stays in its blocks
         last = len(views) - 1
         for b, (src, rows, dst) in enumerate(zip(self.current, index, views)):
             src, dst = (_decode_columns(t, written) if b == last else t for t in (src, dst))
@@ -132,6 +138,8 @@ class CacheGroup:
     def write_home(self, original: Tensor, written: int | None = None) -> None:
         """The current (work) rows' KV into their home rows (`original`: each one's home row), the first
         `written` columns (None: all). The prompts' KV never changes in decode."""
+        if self.pool is not None:
+            return
         home, work = (_decode_columns(t, written) for t in (self.home[-1], self.current[-1]))
         for layer in range(home.shape[0]):
             home[layer].index_copy_(1, original, work[layer])

@@ -184,6 +184,9 @@ class ExtendCall(Call):
 
     def prefill(self) -> None:
         r, turn, context, cache = self.rollout, self.turn, self.context, self.rollout.cache
+        live = turn.live.nonzero().flatten().tolist()
+        ends = self.decode_start.tolist()
+        r.layout.reserve(cache, live, [ends[i] for i in live])  # (the blocks its chunks write; before binding)
         cache.bind(context.bind(cache.decode_views))
         with attention.decode_attention(r.adapter.model, context), segmented_mixers(r.adapter, cache):
             live_logits = r.adapter.packed_logits(cache, turn.ids, turn.positions, turn.column, turn.last)
@@ -200,7 +203,7 @@ class ExtendCall(Call):
             history.turn_seed() if self.seed is None else self.seed,
             history.row_ids,
             self.turn.live,
-            visible=history.visible(cache.home_decode_views.tokens, self.decode_start),
+            visible=history.visible(cache.decode_columns, self.decode_start),
             positions=self.live_positions,
             write_start=self.decode_start,
             max_new_tokens=self.max_new_tokens,

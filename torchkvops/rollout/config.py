@@ -33,7 +33,9 @@ class RolloutConfig:
     seed: int | None = None
     eos_token_id: int | list[int] | None = None  # None: the model's generation config; []: none
     pad_token_id: int | None = None  # None: the model's generation config; 0 is a valid id
-    kv_sharing: str = "copy"  # "copy": each row holds its prompt's KV; "prefix": one copy per prompt
+    # "copy": each row holds its prompt's KV; "prefix": one copy per prompt; "paged": the copy layout's rows,
+    # their KV in blocks taken as they grow, a prompt's full blocks shared by its rows (torchkvops.rollout.paged_store)
+    kv_sharing: str = "copy"
     return_logprobs: bool = False  # RolloutOutput.logprobs: each token's log-probability as sampled
     lm_head_dtype: torch.dtype | None = None  # torch.float32: run a half-precision model's LM head in float32
     # As rows end, decode goes on with the live rows only (gathered into a smaller batch at the all-ended
@@ -108,9 +110,15 @@ class RolloutConfig:
         )
         need(self.kv_sharing in LAYOUTS, "kv_sharing", f"must be one of {', '.join(map(repr, LAYOUTS))}")
         need(
+            self.max_rows is None or self.kv_sharing != "paged",
+            "max_rows",
+            "cannot be set with kv_sharing='paged' yet (its rows are not streamed: use kv_sharing='copy' or "
+            "'prefix' with a row budget)",
+        )
+        need(
             self.shared_prefill or not LAYOUTS[self.kv_sharing].needs_shared_prefill,
             "kv_sharing",
-            "'prefix' needs shared_prefill=True (the expanded baseline has no shared prompt to keep once)",
+            f"{self.kv_sharing!r} needs shared_prefill=True (the expanded baseline has no shared prompt to keep once)",
         )
         need(
             self.max_rows is None or (is_int(self.max_rows) and self.max_rows >= 1),

@@ -43,6 +43,7 @@ from .batch import DecodeBatch, visible_bias
 from .graphs import DecodeRunner
 from .kv_cache import RolloutKVCache
 from .layouts import round_up
+from .paged_kv import slot_mapping
 from .sampling import SamplingParams, row_keys, sample, sample_with_logprobs
 from .scheduler import Decisions, UntilEnded
 from .state import DecodeShape, DecodeState
@@ -95,6 +96,8 @@ class DecodeStep:
         s = self.state
         s.bias.scatter_(-1, s.column.view(-1, 1, 1, 1), 0.0)  # the key each row writes this step becomes visible
         s.kv_length.copy_(s.column + 1)  # (what the decode attention reads: up to that key)
+        if s.kv_slot is not None:  # the paged layout: the slot of that key, through the row's table
+            s.kv_slot.copy_(slot_mapping(s.kv_blocks, s.column, s.shape.kv_block))
         logits = self.adapter.model(input_ids=s.tokens, **self.kwargs).logits[:, -1, :]
         self.cache.end_step()  # (recurrent layers: ended rows' states as they were)
         self.draw(logits)
@@ -210,6 +213,9 @@ class Decoder:
         self._bound_views: tuple[int, int] | None = None
         self._graph_keys: OrderedDict[int, None] = OrderedDict()  # hashes of the last _KEYS_KEPT keys met
         self._compactions = 0
+        # The paged layout: each home row's (column, ended) as the last all-ended check read them, for the
+        # next stretch's blocks (`_reserve_blocks`: no second host sync); None when unknown.
+        self._known_rows: dict[int, tuple[int, bool]] | None = None
 
     @property
     def counters(self) -> DecodeCounters:
@@ -345,6 +351,7 @@ class Decoder:
         the step count. Raises NonFiniteLogitsError at the first check after a live row's logits could not
         be sampled from."""
         steps, limit = 0, scheduler.max_steps
+        self._known_rows = None
         self._bound = None  # bound anew for every call: the weights or the cache's positions may be new
         self._bind(batch.state)
         self.cache.bind(self.context)  # each step's K and V go where the decode context says
@@ -354,6 +361,7 @@ class Decoder:
                 stretch = FINISHED_CHECK_INTERVAL - steps % FINISHED_CHECK_INTERVAL if checks else limit - steps
                 stretch = stretch if limit is None else min(stretch, limit - steps)
                 written = self._make_room(batch, written, stretch)
+                self._reserve_blocks(batch, stretch)
                 self._bind(batch.state)  # (again after a compaction or a widening)
                 with attention.decode_attention(self.adapter.model, self.context):
                     for _ in range(stretch):
@@ -365,8 +373,12 @@ class Decoder:
                     continue
                 # Host sync: reads `finished` (and the non-finite record) every few steps to stop early,
                 # to compact and to refill; the scheduler adds no other.
-                flags = torch.stack([batch.state.finished.long(), batch.state.nonfinite_step]).cpu()
+                s = batch.state
+                flags = torch.stack([s.finished.long(), s.nonfinite_step, s.column]).cpu()
                 _raise_on_nonfinite(flags[1])
+                if self.cache.paged is not None:  # (what the next stretch's blocks follow, by home row)
+                    homes, columns, ended = batch.map.original.tolist(), flags[2].tolist(), flags[0].tolist()
+                    self._known_rows = {h: (c, bool(e)) for h, c, e in zip(homes, columns, ended)}
                 decisions = scheduler.decide(batch.map.original.tolist(), flags[0].bool().tolist(), steps)
                 if self.apply(batch, decisions, admission):
                     break
@@ -390,6 +402,27 @@ class Decoder:
         cache.widen(columns, written)
         batch.widen(columns)
         return written
+
+    def _reserve_blocks(self, batch: DecodeBatch, stretch: int) -> None:
+        """The paged layout, before `stretch` steps: each live row holds blocks for the columns it will
+        write (its table in the batch's state updated); ended rows take none. Host sync: the rows' columns."""
+        if self.cache.paged is None:
+            return
+        s, homes = batch.state, batch.map.original.tolist()
+        known, self._known_rows = self._known_rows, None
+        if known is None or any(h >= 0 and h not in known for h in homes):
+            flags = torch.stack([s.column, s.finished.long()]).cpu()  # host sync (none after a check: `known`)
+            known = {h: (c, bool(f)) for h, c, f in zip(homes, flags[0].tolist(), flags[1].tolist())}
+        rows = [r for r, home in enumerate(homes) if home >= 0 and not known[home][1]]
+        if not rows:
+            return
+        until = [min(known[homes[r]][0] + stretch, s.shape.mask_len) for r in rows]
+        changed = set(self.cache.reserve([homes[r] for r in rows], until))
+        moved = [r for r in rows if homes[r] in changed]
+        if moved:
+            index = torch.tensor(moved, device=s.kv_blocks.device)
+            home = torch.tensor([homes[r] for r in moved], device=s.kv_blocks.device)
+            s.kv_blocks.index_copy_(0, index, self.cache.paged.table.index_select(0, home)[:, : s.kv_blocks.shape[1]])
 
     @staticmethod
     def apply(batch: DecodeBatch, decisions: Decisions, admission: Admit | None = None) -> bool:
@@ -420,7 +453,7 @@ class Decoder:
         self.step.bind(state)
         self.layout.load_context(self.context, state, cache)
         dynamic = [(t, (0,)) for t in state.tensors()] + [(state.bias, (0, 3))]
-        dynamic += [(t, (2, 4)) for t in cache.decode_views.buffers]
+        dynamic += [(t, self.layout.decode_buffer_dims) for t in cache.decode_views.buffers]
         dynamic += self.layout.dynamic_tensors(state, cache)
         # Once per tensor, with every dim it was listed with (rows, and for some the key length).
         merged: dict[int, tuple[Tensor, set[int]]] = {}

@@ -265,6 +265,8 @@ class Rollout:
             input_ids = input_ids.repeat_interleave(n, dim=0)
             attention_mask = attention_mask.repeat_interleave(n, dim=0)
         positions = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+        rows, width = input_ids.shape
+        self.layout.reserve(self.cache, list(range(rows)), [width] * rows)  # (before the views are bound)
         self.cache.bind(self._prefill_kv.bind(self.cache.prompt_views))
         logits = self._prefill_fn(input_ids, self._prefill_attention_mask(attention_mask), positions)
         return logits, input_ids.numel()
@@ -276,9 +278,11 @@ class Rollout:
         cache, layout, common = self.cache, self.layout, prompts.common
         batch, length = prompts.ids.shape
         first = length - int(prompts.lengths[0])  # host sync: where prompt 0's tokens start, once per call
+        layout.reserve(cache, [0], [common])  # (before the views are bound, as below)
         cache.bind(self._prefill_kv.bind(layout.common_buffer(cache)))
         self._prefill_fn(prompts.ids[:1, first : first + common], None, torch.arange(common, device=self.device)[None])
         layout.share_common(cache, batch, common)
+        layout.reserve(cache, list(range(batch)), [prompts.width] * batch)
         start = common if layout.holds_common else 0  # where each remainder's KV starts in its prompt row
         starts = torch.full((batch,), start, dtype=torch.long, device=self.device)
         packed = pack(prompts.remainders(), starts, torch.full_like(starts, common))

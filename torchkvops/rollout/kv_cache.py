@@ -42,6 +42,7 @@ from ..models.adapter import FULL_ATTENTION, RECURRENT, CacheSpec, KVShape
 from ..models.recurrent import RowLayout
 from .cache_groups import CacheGroup, KVViews, make_group
 from .compaction import COMPACT_FRACTION
+from .paged_store import PagedStore
 
 __all__ = ["RolloutKVCache", "KVShape", "CacheSpec"]
 
@@ -108,6 +109,9 @@ class RolloutKVCache(Cache):
         self.work_used_bytes = 0  # the largest compacted batch's views since the home views were made
         self.peak_used_bytes = 0  # the most `used_bytes` since `prepare`
         self._windows_before: dict[tuple[int, int], Tensor] = {}  # a decode step's (end_step)
+        # The paged layout: the full-attention groups' blocks and the rows' tables (None in the others).
+        self.paged: PagedStore | None = None
+        self.columns = 0  # the paged layout: the columns a row may address now (its decode shape's width)
 
     def group_of(self, layer: int) -> tuple[CacheGroup, int]:
         """The group that holds the KV `layer` reads (its own, or the layer's whose KV it shares), and the
@@ -160,6 +164,7 @@ class RolloutKVCache(Cache):
         of a prefix common to every prompt kept once (`common_views`; 0: none). `decode_limit`: the decode
         buffer's columns at the budget, which `widen` may grow it to (None: its length now)."""
         self.decode_limit = lengths[-1] if decode_limit is None else max(decode_limit, lengths[-1])
+        self._prepare_paged(layout, rows, lengths[-1])
         buffer_rows = layout.buffer_rows(prompts, rows)
         self._set_home(
             self._home_views([[g.buffer_shape(r, t) for r, t in zip(buffer_rows, lengths)] for g in self.groups])
@@ -175,14 +180,57 @@ class RolloutKVCache(Cache):
                 g.common = view
         self.peak_used_bytes = self.used_bytes
 
+    def _prepare_paged(self, layout, rows: int, columns: int) -> None:
+        """The paged layout: every block free and `rows` empty tables (the pools kept while large enough);
+        each full-attention group's buffer is its pool. Other layouts: no pools."""
+        attention = [g for g in self.groups if g.kind == FULL_ATTENTION]
+        if not getattr(layout, "paged", False):
+            self.paged = None
+            for g in attention:
+                g.pool = None
+            return
+        if self.paged is None:
+            self.paged = PagedStore([g.shape for g in attention], self.dtype, self.device, layout.block_size)
+        self.columns = columns
+        # A first guess of the blocks a call holds (the pools grow as rows do): each row's prompt and a stretch.
+        expected = rows * (-(-columns // layout.block_size) // 2 + 2)
+        self.paged.prepare(rows, self.decode_limit, expected)
+        for g in attention:
+            g.pool = None  # (a new view of each pool for this call)
+        self._refresh_pools()
+
+    def _refresh_pools(self) -> None:
+        """Each paged group's buffer is its pool (again, after the pools grew: new tensors), a view of it made
+        anew for each call, as the other layouts' views are."""
+        if self.paged is None:
+            return
+        for g, kv in zip((g for g in self.groups if g.kind == FULL_ATTENTION), self.paged.kv):
+            if g.pool is None or g.pool.data_ptr() != kv.pool.data_ptr() or g.pool.shape != kv.pool.shape:
+                g.pool = kv.pool.view(kv.pool.shape)
+            g.home = g.current = [kv.pool]
+
+    def reserve(self, rows: list[int], until: list[int]) -> list[int]:
+        """The paged layout: home rows `rows` hold blocks for their columns [0, until[i]) (`PagedStore.reserve`).
+        Returns the rows whose tables changed."""
+        changed = self.paged.reserve(rows, until)
+        self._refresh_pools()
+        return changed
+
+    @property
+    def decode_columns(self) -> int:
+        """The columns a row of the decode buffer may address now."""
+        return self.columns if self.paged is not None else self.home_decode_views.tokens
+
     def _set_home(self, views: list[list[Tensor]]) -> None:
         for g, v in zip(self.groups, views):
-            g.home = g.current = v
+            g.home = g.current = [g.pool] if g.pool is not None else v
 
     @property
     def compacted(self) -> bool:
-        g = self.groups[0]
-        return bool(g.current) and g.current[-1] is not g.home[-1]
+        """Whether decode runs in a compacted batch's views (a paged group's KV never moves: its rows'
+        tables do; the other groups tell)."""
+        dense = [g for g in self.groups if g.pool is None]
+        return bool(dense) and bool(dense[0].current) and dense[0].current[-1] is not dense[0].home[-1]
 
     def compact(self, rows: Tensor, prompts: Tensor | None, original: Tensor, written: int | None = None) -> None:
         """Decode goes on with the decode buffer's rows `rows` (int64, on the buffer's device) and, in the
@@ -202,7 +250,7 @@ class RolloutKVCache(Cache):
             self._write_home(original, written)
         views = self._gather(self._work_views, rows, prompts, written)
         for g, v in zip(self.groups, views):
-            g.current = v
+            g.current = [g.pool] if g.pool is not None else v
         self.peak_used_bytes = max(self.peak_used_bytes, self.used_bytes)
 
     def compact_in_place(self, rows: Tensor, prompts: Tensor | None = None, written: int | None = None) -> None:
@@ -240,6 +288,10 @@ class RolloutKVCache(Cache):
         assert not self.compacted, "grow() runs on the home views"
         old, layout = [g.home for g in self.groups], self.layout
         self.decode_limit = max(self.decode_limit, decode_tokens, decode_limit or 0)
+        if self.paged is not None:  # no KV moves: the rows' tables may name more blocks
+            self.columns = max(self.columns, decode_tokens)
+            self.paged.widen(self.decode_limit)
+            return
         if decode_tokens <= old[0][-1].shape[4]:
             return
         old_storage, self._storage = self._storage, None  # both live until the copy is done
@@ -262,6 +314,9 @@ class RolloutKVCache(Cache):
         views are made anew at the new width (a fresh allocation: the current ones are read while the new
         ones are written)."""
         assert decode_tokens <= self.decode_limit, (decode_tokens, self.decode_limit)
+        if self.paged is not None:  # the rows address more columns; blocks are taken as they write them
+            self.columns = decode_tokens
+            return
         compacted, current = self.compacted, [g.current for g in self.groups]
         for g in self.groups:
             g.current = g.home
@@ -317,24 +372,29 @@ class RolloutKVCache(Cache):
     def release(self) -> None:
         """Free the buffers; the next `prepare()` allocates new ones."""
         self._storage = self._work = self.layout = None
-        self._set_home([[] for _ in self.groups])
         for g in self.groups:
-            g.common = None
+            g.common = g.pool = None
+        self._set_home([[] for _ in self.groups])
         self._common_storage = None
         self.forward = None
+        if self.paged is not None:
+            self.paged.release()
+        self.paged = None
 
     @property
     def allocated_bytes(self) -> int:
         """Bytes of every allocation the cache holds (home, work, a common prefix's)."""
         storages = (self._storage, self._work, self._common_storage)
-        return sum(0 if s is None else s.numel() * s.element_size() for s in storages)
+        pools = 0 if self.paged is None else self.paged.allocated_bytes
+        return sum(0 if s is None else s.numel() * s.element_size() for s in storages) + pools
 
     @property
     def used_bytes(self) -> int:
         """Bytes of KV storage the home views (and common prefix) of every group and the largest compacted
         batch use (the allocations may be larger, from an earlier call)."""
-        views = [v for g in self.groups for v in (*g.home, *([] if g.common is None else [g.common]))]
-        return sum(v.numel() * v.element_size() for v in views) + self.work_used_bytes
+        views = [v for g in self.groups if g.pool is None for v in (*g.home, *([] if g.common is None else [g.common]))]
+        blocks = 0 if self.paged is None else self.paged.used_bytes  # (the most blocks held at once)
+        return sum(v.numel() * v.element_size() for v in views) + self.work_used_bytes + blocks
 
     def bind(self, forward) -> None:
         """The metadata of the forward about to run (what `update` hands each layer's K and V to)."""
@@ -342,9 +402,14 @@ class RolloutKVCache(Cache):
 
     def expand_prompts(self, batch: int, repeats: int, num_tokens: int) -> None:
         """Copy layout: rows [0, batch) hold the prompts; make rows [0, batch*repeats) hold them, in
-        repeat_interleave order, with one operator call per group over its every layer's K and V."""
+        repeat_interleave order, with one operator call per group over its every layer's K and V (the paged
+        layout: the rows' tables, full blocks shared by reference)."""
+        if self.paged is not None:
+            self.paged.fork_prompts(batch, repeats)
+            self._refresh_pools()
         for g in self.groups:
-            g.expand_prompts(batch, repeats, num_tokens)
+            if g.pool is None:
+                g.expand_prompts(batch, repeats, num_tokens)
 
     @property
     def recurrent_groups(self) -> list[CacheGroup]:
@@ -469,6 +534,8 @@ class RolloutKVCache(Cache):
         return int(query_length), 0
 
     def get_max_cache_shape(self, layer_idx: int = 0) -> int:
+        if self.paged is not None:
+            return self.columns
         decode = (self.group_of(layer_idx)[0] if self.slots[layer_idx] is not None else self.groups[0]).decode_kv
         return -1 if decode is None else decode.shape[4]
 

@@ -21,11 +21,13 @@ from torch import Tensor
 from .attention import SharedLevel
 from .cache_groups import KVViews
 from .compaction import BatchMap
+from .paged_store import KV_BLOCK_SIZE
 from .state import DecodeShape
 
 __all__ = [
     "CopyLayout",
     "PrefixLayout",
+    "PagedLayout",
     "LAYOUTS",
     "layout_for",
     "round_up",
@@ -57,6 +59,8 @@ class CopyLayout:
 
     name = "copy"
     needs_shared_prefill = False  # (the expanded baseline prefills every row's copy: this layout's own)
+    paged = False  # the KV in blocks taken as rows grow (PagedLayout)
+    decode_buffer_dims = (2, 4)  # the decode buffers' dims that vary between calls (rows, columns)
     holds_common = True  # a prefix common to every prompt sits in each prompt's rows, before its remainder
 
     def __init__(self, samples: int):
@@ -115,6 +119,10 @@ class CopyLayout:
     def expand_prompts(self, cache, batch: int, prompt_len: int) -> None:
         """After a shared prefill of `batch` prompts: each prompt's KV in its N rows."""
         cache.expand_prompts(batch, self.samples, prompt_len)
+
+    def reserve(self, cache, rows: list[int], until: list[int]) -> None:
+        """Before a forward writes rows `rows` of the decode buffer up to column `until[i]`: nothing here
+        (every row has its buffer's columns; PagedLayout takes blocks)."""
 
     # --- a call's first decode step ----------------------------------------------------------------
     def first_column(self, prompt_len: int) -> int:
@@ -345,7 +353,27 @@ def _storage(views: KVViews) -> int:
     return views.buffers[0].untyped_storage().data_ptr()
 
 
-LAYOUTS = {layout.name: layout for layout in (CopyLayout, PrefixLayout)}
+class PagedLayout(CopyLayout):
+    """The copy layout's rows (each row reads its prompt's KV, then its own, through one block table), their
+    KV in blocks of a pool taken as they grow (`paged_store`): a prompt's full blocks shared by its N rows
+    by reference, a row's memory what it holds, not the longest row's or the budget's (issue #52)."""
+
+    name = "paged"
+    needs_shared_prefill = True  # (a prompt's blocks are written once and shared)
+    paged = True
+    block_size = KV_BLOCK_SIZE
+    # None marked: a pool's blocks change only when it grows (a recompile then, after which Dynamo's
+    # automatic dynamic shapes take over), and a marked pool made the next call's prefill recompile.
+    decode_buffer_dims = ()
+
+    def reserve(self, cache, rows: list[int], until: list[int]) -> None:
+        cache.reserve(rows, until)
+
+    def decode_shape(self, cache, rows: int, prompts: int, max_new_tokens: int, dtype, logprobs: bool, slots: int = 0):
+        return DecodeShape(rows, cache.columns, max_new_tokens, dtype, logprobs=logprobs, kv_block=self.block_size)
+
+
+LAYOUTS = {layout.name: layout for layout in (CopyLayout, PrefixLayout, PagedLayout)}
 
 
 def layout_for(kv_sharing: str, samples: int) -> CopyLayout:

@@ -34,6 +34,7 @@ class DecodeShape:
     logprobs: bool = False
     slots: int = 0
     common_len: int = 0  # prefix layout: the positions of a prefix common to every prompt, kept once (0: none)
+    kv_block: int = 0  # paged layout: the KV pool's block size (0: a decode buffer of one block per row)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +100,20 @@ class DecodeState:
             "the block table of the decode buffer read as a pool of blocks, one row's columns per block "
             "(paged_attention): row i's block is i, since compaction moves the KV with its row",
             fill=lambda t: t.copy_(torch.arange(t.shape[0], dtype=t.dtype, device=t.device)[:, None]),
+        ),
+        _Field(
+            "kv_blocks",
+            "row",
+            lambda s: _if(s.kv_block > 0, (s.rows, s.mask_len // max(s.kv_block, 1))),
+            torch.int32,
+            "paged layout: each row's block table in the KV pool, a block per kv_block columns (block 0, a "
+            "scratch block no row holds, where it has none yet: an ended row's filler writes land there)",
+        ),
+        _Field(
+            "kv_slot",
+            "row",
+            lambda s: _if(s.kv_block > 0, (s.rows,)),
+            doc="paged layout: the pool slot the row writes this step (its table's block for `column`, set by the step)",
         ),
         _Field("finished", "row", lambda s: (s.rows,), torch.bool),
         _Field("keys", "row", lambda s: (s.rows,), doc="per-row sampling keys"),

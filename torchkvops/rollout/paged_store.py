@@ -1,0 +1,169 @@
+"""The paged layout's KV storage (`kv_sharing="paged"`, issue #52): every full-attention cache group's KV in
+a pool of fixed-size blocks (`paged_kv.PagedKV`), and one block table per row for all of them
+(`block_pool.BlockTables`: the groups' rows and columns are the same, so their blocks are too).
+
+A row holds blocks for the columns it has written or is about to write, not for the call's budget: the
+rollout reserves (`reserve`) a prompt's blocks before prefill, forks them to the prompt's N rows after it
+(full blocks shared by reference, the partly filled last one copied: `fork_prompts`), and before each
+stretch of decode steps the blocks its live rows will write (`Decoder._make_room`). Ended rows take no
+more: their filler writes go to block 0, a scratch block no row holds. Every row's blocks are kept after a
+call for `Rollout.extend`, and all of them are given back when the next call prepares the cache.
+
+The tables live twice: on the host (`tables`, where blocks are decided) and on the device (`table`,
+[rows, blocks] int32: what a forward reads; a decode state's `kv_blocks` holds its rows' copy, gathered
+with them when the batch is compacted, so compaction moves no KV). A pool that runs out of blocks is made
+larger (a new allocation, the blocks copied: the addresses change, and a CUDA graph is captured anew).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .block_pool import BlockPool, BlockTables, OutOfBlocks, blocks_for
+from .paged_kv import PagedKV, slot_mapping
+
+__all__ = ["PagedStore", "KV_BLOCK_SIZE", "SCRATCH_BLOCK"]
+
+# Tokens per KV block (vLLM's default): a row wastes less than one block, and a block is a whole number
+# of the operator's partitions' steps.
+KV_BLOCK_SIZE = 16
+# Block 0 is held by no row: table entries for columns a row holds no block for name it, so that an ended
+# row's filler writes (and reads, never used) land somewhere harmless.
+SCRATCH_BLOCK = 0
+
+
+class PagedStore:
+    """The blocks of `shapes` (each full-attention group's KVShape) in pools of `dtype` on `device`."""
+
+    def __init__(self, shapes, dtype: torch.dtype, device: torch.device, block_size: int = KV_BLOCK_SIZE):
+        self.shapes, self.dtype, self.device, self.block_size = list(shapes), dtype, device, block_size
+        self.kv: list[PagedKV] = []
+        self.pool: BlockPool | None = None
+        self.tables: BlockTables | None = None
+        self.table: Tensor | None = None  # [rows, max_blocks] int32, the device copy of `tables`
+        self.peak_blocks = 0  # the most blocks held at once since `prepare`
+
+    # --- a call's tables ------------------------------------------------------------------------------
+    def prepare(self, rows: int, columns: int, expected_blocks: int) -> None:
+        """Every block free, `rows` empty tables of up to `columns` columns; the pools hold at least
+        `expected_blocks` blocks (kept from an earlier call when they are that large)."""
+        need = max(expected_blocks, 1) + 1  # (+ the scratch block)
+        if not self.kv or self.kv[0].num_blocks < need:
+            self.kv = []  # the old pools go before the new ones are made
+            self.kv = [
+                PagedKV(s.layers, s.kv_heads, s.head_dim, self.block_size, need, self.dtype, self.device)
+                for s in self.shapes
+            ]
+        self.pool = BlockPool(self.kv[0].num_blocks, self.block_size)
+        assert self.pool.take(1) == [SCRATCH_BLOCK]
+        self.tables = BlockTables(self.pool, rows, blocks_for(columns, self.block_size))
+        self.table = torch.full((rows, self.tables.max_blocks), SCRATCH_BLOCK, dtype=torch.int32, device=self.device)
+        self.peak_blocks = self.pool.num_held
+
+    def release(self) -> None:
+        self.kv, self.pool, self.tables, self.table = [], None, None, None
+
+    def widen(self, columns: int) -> None:
+        """Tables of up to `columns` columns (a longer history, `Rollout.extend`): the device table widened."""
+        max_blocks = blocks_for(columns, self.block_size)
+        if max_blocks <= self.tables.max_blocks:
+            return
+        self.tables.max_blocks = max_blocks
+        wider = torch.full((self.table.shape[0], max_blocks), SCRATCH_BLOCK, dtype=torch.int32, device=self.device)
+        wider[:, : self.table.shape[1]].copy_(self.table)
+        self.table = wider
+
+    # --- blocks ---------------------------------------------------------------------------------------
+    def reserve(self, rows: list[int], until: list[int]) -> list[int]:
+        """Rows `rows` hold blocks for their columns [0, until[i]) (more taken where they hold fewer; a pool
+        that runs out is made larger). Returns the rows whose tables changed (the device table is updated)."""
+        changed = []
+        for row, end in zip(rows, until):
+            more = min(end, self.tables.max_blocks * self.block_size) - self.tables.lengths[row]
+            if more <= 0:
+                continue
+            while True:
+                try:
+                    self.tables.append(row, more)
+                    break
+                except OutOfBlocks:
+                    self._grow(self.tables.blocks_needed(row, more))
+            changed.append(row)
+        self._upload(changed)
+        return changed
+
+    def fork_prompts(self, batch: int, repeats: int) -> None:
+        """Rows [0, batch) hold the prompts: rows [0, batch * repeats) hold them in repeat_interleave order
+        (row b * repeats + j continues prompt b), full blocks shared by reference, each row's copy of the
+        partly filled last block made on the device."""
+        t = self.tables
+        for b in range(batch - 1, -1, -1):  # (a destination row is never a prompt row still to be read)
+            home = b * repeats
+            if home != b:
+                t.blocks[home], t.first[home], t.lengths[home] = t.blocks[b], t.first[b], t.lengths[b]
+                t.blocks[b], t.first[b], t.lengths[b] = [], 0, 0
+            children = list(range(home + 1, home + repeats))
+            while True:
+                try:
+                    copies = t.fork(home, children)
+                    break
+                except OutOfBlocks:
+                    self._grow(len(children))
+            for kv in self.kv:
+                kv.copy_blocks(copies)
+        self._upload(list(range(batch * repeats)))
+
+    def _grow(self, at_least: int) -> None:
+        """Pools with at least `at_least` more free blocks (doubling): a new allocation each."""
+        size = max(2 * self.pool.num_blocks, self.pool.num_blocks + at_least)
+        for kv in self.kv:
+            kv.grow(size)
+        self.pool.grow(size)
+
+    def _upload(self, rows: list[int]) -> None:
+        self.peak_blocks = max(self.peak_blocks, self.pool.num_held)
+        if not rows:
+            return
+        index = torch.tensor(rows, device=self.device)
+        self.table.index_copy_(0, index, self.tables.tensor()[rows].to(self.device))
+
+    # --- reading and writing --------------------------------------------------------------------------
+    def slots(self, table: Tensor, columns: Tensor) -> Tensor:
+        """The pool slots of each row's `columns` ([rows] or [rows, tokens]) through `table` (its rows')."""
+        return slot_mapping(table, columns, self.block_size)
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block in every group's pool (K and V of every layer)."""
+        return sum(kv.nbytes // kv.num_blocks for kv in self.kv)
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes of the most blocks rows held at once (the scratch block included)."""
+        return self.peak_blocks * self.block_bytes
+
+    @property
+    def allocated_bytes(self) -> int:
+        return sum(kv.nbytes for kv in self.kv)
+
+
+def write_slots(pool: Tensor, layer: int, key: Tensor, value: Tensor, slots: Tensor) -> None:
+    """`key`, `value` [rows, kv_heads, tokens, head_dim] of `layer` to their pool slots ([rows, tokens], or
+    [rows] for one token a row) of `pool` [layers, 2, blocks, kv_heads, block_size, head_dim]."""
+    block_size = pool.shape[4]
+    slots = slots if slots.dim() == 2 else slots[:, None]
+    blocks, offsets = slots // block_size, slots % block_size
+    pool[layer, 0][blocks, :, offsets] = key.transpose(1, 2).to(pool.dtype)
+    pool[layer, 1][blocks, :, offsets] = value.transpose(1, 2).to(pool.dtype)
+
+
+def dense_rows(pool: Tensor, layer: int, table: Tensor, tokens: int) -> tuple[Tensor, Tensor]:
+    """The first `tokens` keys and values of each row of `table` ([rows, blocks] int32) in `pool`, as
+    [rows, kv_heads, tokens, head_dim] each (a copy), for what reads a row's KV densely."""
+    block_size = pool.shape[4]
+    nb = -(-tokens // block_size)
+    kv = pool[layer][:, table[:, :nb].long()]  # [2, rows, nb, kv_heads, block_size, head_dim]
+    two, rows, _, heads, bs, dim = kv.shape
+    kv = kv.permute(0, 1, 3, 2, 4, 5).reshape(two, rows, heads, nb * bs, dim)[:, :, :, :tokens]
+    return kv[0], kv[1]
