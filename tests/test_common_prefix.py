@@ -45,7 +45,7 @@ def test_the_common_prefix_is_found_on_real_tokens_wherever_padding_puts_them():
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-@pytest.mark.parametrize("kv_sharing", ["copy", "prefix"])
+@pytest.mark.parametrize("kv_sharing", ["copy", "prefix", "paged"])
 def test_greedy_rollout_with_a_common_prefix_equals_hf_generate(family_models, family, kv_sharing):
     model = family_models[family]
     ids, mask = system_prompts(3, [4, 1, 7], seed=1)
@@ -64,7 +64,7 @@ def test_greedy_rollout_with_a_common_prefix_equals_hf_generate(family_models, f
     assert rollout.get_last_profile().prefill_tokens == SYSTEM + 4 + 1 + 7
 
 
-@pytest.mark.parametrize("kv_sharing", ["copy", "prefix"])
+@pytest.mark.parametrize("kv_sharing", ["copy", "prefix", "paged"])
 def test_samples_and_logprobs_equal_the_rollout_without_a_common_prefix(llama, kv_sharing):
     """Seeded sampling with EOS ids (rows end at different steps: compaction, with the common prefix kept
     whole), top-k/top-p and log-probabilities: the same tokens, log-probabilities within float32 rounding,
@@ -93,7 +93,7 @@ def test_samples_and_logprobs_equal_the_rollout_without_a_common_prefix(llama, k
         assert plain.cache.common_views is None
 
 
-@pytest.mark.parametrize("kv_sharing", ["copy", "prefix"])
+@pytest.mark.parametrize("kv_sharing", ["copy", "prefix", "paged"])
 def test_turns_after_a_common_prefix_equal_hf_on_the_full_history(llama, kv_sharing):
     ids, mask = system_prompts(2, [3, 5], seed=3)
     n, new = 2, 6
@@ -190,7 +190,7 @@ def decode_cache_lengths(model, run) -> list[int]:
     return seen
 
 
-@pytest.mark.parametrize("kv_sharing", ["copy", "prefix"])
+@pytest.mark.parametrize("kv_sharing", ["copy", "prefix", "paged"])
 @pytest.mark.parametrize("common", [False, True], ids=["plain", "system-prompt"])
 def test_decode_reports_hfs_cache_length_in_every_layout(llama, kv_sharing, common):
     """HF's generate feeds decode step s with a cache of P + s positions (P: the padded input's width), which

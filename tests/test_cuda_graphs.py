@@ -27,7 +27,7 @@ def rollouts(model, **cfg):
     return graphs, eager
 
 
-@pytest.mark.parametrize("kv_sharing", ["copy", "prefix"])
+@pytest.mark.parametrize("kv_sharing", ["copy", "prefix", "paged"])
 @pytest.mark.parametrize(
     "sampling", [dict(), dict(temperature=0.9, top_k=20, top_p=0.9, seed=4)], ids=["greedy", "seeded"]
 )
@@ -116,7 +116,7 @@ def test_a_step_that_cannot_be_captured_falls_back_to_eager_with_one_warning(mod
     assert ok.decode_counters().captured_graphs == 1  # later rollouts still capture
 
 
-@pytest.mark.parametrize("kv_sharing", ["copy", "prefix"])
+@pytest.mark.parametrize("kv_sharing", ["copy", "prefix", "paged"])
 def test_no_host_sync_inside_decode(model, kv_sharing):
     """The decode loop (no EOS ids: no all-ended check) runs with sync debug mode set to error, graphs
     and plain eager steps alike."""

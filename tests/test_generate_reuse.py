@@ -47,7 +47,7 @@ def first_turn():
     return ids.repeat_interleave(2, dim=0), mask.repeat_interleave(2, dim=0)  # GRPO: each prompt N=2 times
 
 
-@pytest.mark.parametrize("layout", ["copy", "prefix"])
+@pytest.mark.parametrize("layout", ["copy", "prefix", "paged"])
 def test_tool_turns_are_served_from_the_kept_kv_and_equal_hf(layout):
     model, twin = FAMILIES["llama"](), FAMILIES["llama"]()
     handle = torchkvops.patch_generate(model, kv_sharing=layout)

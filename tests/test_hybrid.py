@@ -73,7 +73,7 @@ def test_greedy_tokens_equal_hfs_with_a_row_budget_too(hybrid, kv_sharing, scale
         scaled(model, 1 / scale)
 
 
-@pytest.mark.parametrize("kv_sharing", ["copy", "prefix"])
+@pytest.mark.parametrize("kv_sharing", ["copy", "prefix", "paged"])
 def test_rows_that_end_early_are_compacted_and_the_rest_keep_hfs_tokens(hybrid, kv_sharing):
     """EOS ids that end some rows after 2-6 tokens: the batch is compacted (every group's rows gathered,
     the recurrent states with them) and the others go on with HF's tokens."""
@@ -97,7 +97,7 @@ def test_rows_that_end_early_are_compacted_and_the_rest_keep_hfs_tokens(hybrid, 
     assert bool((out.responses[:, expected.shape[1] :] == 0).all())
 
 
-@pytest.mark.parametrize("kv_sharing", ["copy", "prefix"])
+@pytest.mark.parametrize("kv_sharing", ["copy", "prefix", "paged"])
 def test_sampled_tokens_log_probabilities_equal_the_plain_forwards(hybrid, kv_sharing):
     """Seeded sampling (N=3 rows per prompt from one state each): each sampled token's recorded
     log-probability is the plain forward's over the prompt and the response, and the samples do not
@@ -124,7 +124,7 @@ def test_sampled_tokens_log_probabilities_equal_the_plain_forwards(hybrid, kv_sh
     torch.testing.assert_close(out.logprobs, plain, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("kv_sharing", ["copy", "prefix"])
+@pytest.mark.parametrize("kv_sharing", ["copy", "prefix", "paged"])
 def test_turns_equal_hf_on_each_full_history(hybrid, kv_sharing):
     """Two extends (appended chunks of 0-8 tokens, EOS ids: rows of different lengths, one row stopping
     after the first turn): each chunk runs through the recurrent layers row by row from the row's own
@@ -134,7 +134,7 @@ def test_turns_equal_hf_on_each_full_history(hybrid, kv_sharing):
     run_turns(hybrid, config, *left_padded(3), turns=2, finished_at={1: (2,)})
 
 
-@pytest.mark.parametrize("kv_sharing", ["copy", "prefix"])
+@pytest.mark.parametrize("kv_sharing", ["copy", "prefix", "paged"])
 def test_a_system_prompt_is_computed_once_with_hfs_tokens(hybrid, kv_sharing):
     """A prefix every prompt begins with (after left padding of different lengths) computed once; each
     prompt's remainder continues from its states, chunk by chunk."""
@@ -155,7 +155,7 @@ def test_a_system_prompt_is_computed_once_with_hfs_tokens(hybrid, kv_sharing):
     assert rollout.get_last_profile().prefill_tokens == 4 + int(mask.sum()) - 3 * 4  # the 4 common tokens once
 
 
-@pytest.mark.parametrize("kv_sharing", ["copy", "prefix"])
+@pytest.mark.parametrize("kv_sharing", ["copy", "prefix", "paged"])
 def test_patch_generate_serves_hybrids_with_hfs_tokens_call_after_call(hybrid, kv_sharing):
     """Two calls, the second extending the first's rows (as an agent's next turn): both served (no
     fallback warning), each with HF's tokens; the second from the first's KV and states (only what the

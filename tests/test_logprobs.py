@@ -296,7 +296,7 @@ def test_bad_return_logprobs_names_the_field():
 # --- CUDA: graphs and the float32 head on the GPU ---------------------------------------------------
 @pytest.mark.cuda
 @requires_gpu
-@pytest.mark.parametrize("kv_sharing", ["copy", "prefix"])
+@pytest.mark.parametrize("kv_sharing", ["copy", "prefix", "paged"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_cuda_graphs_give_the_eager_logprobs_and_the_trainers(kv_sharing, dtype):
     """CUDA-graph decode records the same log-probabilities as eager decode; in float32 they are the

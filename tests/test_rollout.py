@@ -419,7 +419,7 @@ def test_one_rollout_from_two_threads_gives_the_sequential_results(llama):
         assert torch.equal(results[i], expected[i]), i
 
 
-@pytest.mark.parametrize("kv_sharing", ["copy", "prefix"])
+@pytest.mark.parametrize("kv_sharing", ["copy", "prefix", "paged"])
 def test_rollouts_of_two_models_in_two_threads_give_the_sequential_results(kv_sharing):
     """Two models, one thread each: their decodes must not see each other's attention context (the
     prompt KV of the prefix layout), whatever the interleaving."""
@@ -477,7 +477,7 @@ def test_special_ids_outside_the_vocabulary_are_refused_at_construction(llama, c
         ("eos_token_id", [1, 2**63]),
         ("pad_token_id", 2**63),
         ("seed", 2**64),
-        ("kv_sharing", "paged"),
+        ("kv_sharing", "blocks"),
     ],
 )
 def test_config_values_that_used_to_fail_later(field, value):
@@ -520,7 +520,7 @@ def test_float_and_bool_masks_of_zeros_and_ones_are_accepted(llama):
         assert torch.equal(Rollout(llama, cfg).generate(ids, mask.to(as_type)).sequences, expected)
 
 
-@pytest.mark.parametrize("kv_sharing", ["copy", "prefix"])
+@pytest.mark.parametrize("kv_sharing", ["copy", "prefix", "paged"])
 def test_decode_graph_key_is_stable_across_calls_and_follows_the_weights(kv_sharing):
     """A CUDA graph replays on fixed addresses: calls of the same shape must map to the same key (or
     every call would capture again), and a replaced parameter must change it (or a graph would replay

@@ -80,7 +80,7 @@ def run_turns(model, config, ids, mask, turns, appended_lengths=(0, 8), finished
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-@pytest.mark.parametrize("layout", ["copy", "prefix"])
+@pytest.mark.parametrize("layout", ["copy", "prefix", "paged"])
 def test_greedy_turns_equal_hf_generate_on_each_full_history(family_models, family, layout):
     """Three extends, rows of different history lengths (left-padded prompts, responses that end at
     different steps), a row finished (None) at the second turn that keeps its history."""
@@ -91,7 +91,7 @@ def test_greedy_turns_equal_hf_generate_on_each_full_history(family_models, fami
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("layout", ["copy", "prefix"])
+@pytest.mark.parametrize("layout", ["copy", "prefix", "paged"])
 @pytest.mark.parametrize("compact", [True, False])
 def test_greedy_turns_with_compaction_and_long_appends(layout, compact, device):
     """Responses long enough for compaction in every turn (rows that left a compacted batch keep their
@@ -244,7 +244,7 @@ def test_compiled_turns_equal_eager_turns(llama):
     assert torch.equal(outputs[0].response_mask, outputs[1].response_mask)
 
 
-@pytest.mark.parametrize("layout", ["copy", "prefix"])
+@pytest.mark.parametrize("layout", ["copy", "prefix", "paged"])
 def test_a_generate_after_an_extend_starts_afresh(llama, layout):
     """A new generate on a rollout that has extended: its prompts' KV goes where its decode reads it
     (an extend's forward had moved where prefill writes)."""
@@ -264,7 +264,7 @@ def test_a_generate_after_an_extend_starts_afresh(llama, layout):
     assert torch.equal(again.responses, expected[:, 7:].repeat_interleave(2, dim=0))
 
 
-@pytest.mark.parametrize("layout", ["copy", "prefix"])
+@pytest.mark.parametrize("layout", ["copy", "prefix", "paged"])
 def test_an_extend_in_which_every_row_has_finished_returns_the_history_unchanged(llama, layout):
     """appended all None (every row finished, which extend allows): nothing to compute; the history is
     returned as it is and the next turn goes on from it as if that call had not been made."""

@@ -48,7 +48,7 @@ def sampled(kv_sharing: str, max_new_tokens: int, eos=(41,)) -> RolloutConfig:
     )
 
 
-@pytest.mark.parametrize("kv_sharing", ["copy", "prefix"])
+@pytest.mark.parametrize("kv_sharing", ["copy", "prefix", "paged"])
 def test_widening_changes_no_token_or_logprob(llama, kv_sharing, first_columns):
     """Sampled rows ending at spread steps (so compaction, and widening of a compacted batch): a buffer that
     starts with room for one token a row gives the tokens and log-probabilities of one allocated at the budget."""
@@ -66,10 +66,10 @@ def test_widening_changes_no_token_or_logprob(llama, kv_sharing, first_columns):
     assert rollout.decode_counters().compactions > 0
     # The buffer was widened from its first width (8 columns in the prefix layout's own buffer, 64 with the
     # prompt in the copy layout's) to hold the longest row.
-    assert rollout.cache.home_decode_views.tokens > (8 if kv_sharing == "prefix" else 64)
+    assert rollout.cache.decode_columns > (8 if kv_sharing == "prefix" else 64)
 
 
-@pytest.mark.parametrize("kv_sharing", ["copy", "prefix"])
+@pytest.mark.parametrize("kv_sharing", ["copy", "prefix", "paged"])
 def test_widened_greedy_decode_without_eos_ids_equals_hfs(llama, kv_sharing, first_columns):
     """Without EOS ids decode runs its steps in one stretch: the buffer is widened once before it."""
     first_columns(1)
@@ -82,7 +82,7 @@ def test_widened_greedy_decode_without_eos_ids_equals_hfs(llama, kv_sharing, fir
     assert torch.equal(got.responses, expected)
 
 
-@pytest.mark.parametrize("kv_sharing", ["copy", "prefix"])
+@pytest.mark.parametrize("kv_sharing", ["copy", "prefix", "paged"])
 def test_turns_after_widened_decodes_equal_hf_on_the_full_history(llama, kv_sharing, first_columns):
     first_columns(1)
     ids, mask = prompts(2, 7, seed=4, left_pad=[0, 2])
@@ -92,7 +92,7 @@ def test_turns_after_widened_decodes_equal_hf_on_the_full_history(llama, kv_shar
     run_turns(llama, config, ids, mask, turns=2, appended_lengths=(1, 30))
 
 
-@pytest.mark.parametrize("kv_sharing", ["copy", "prefix"])
+@pytest.mark.parametrize("kv_sharing", ["copy", "prefix", "paged"])
 def test_a_sliding_window_model_widened_past_its_window_equals_hfs(kv_sharing, first_columns):
     model = tiny_model("gemma3_text")
     if model is None:
@@ -106,7 +106,7 @@ def test_a_sliding_window_model_widened_past_its_window_equals_hfs(kv_sharing, f
     assert torch.equal(got.responses, hf_greedy(model, ids, mask, 72).repeat_interleave(2, dim=0))
 
 
-@pytest.mark.parametrize("kv_sharing", ["copy", "prefix"])
+@pytest.mark.parametrize("kv_sharing", ["copy", "prefix", "paged"])
 def test_a_larger_budget_with_the_same_tokens_holds_the_same_kv(llama, kv_sharing):
     """Responses that end long before the budget: the same tokens, and the same KV bytes, at budgets of 256
     and 4096 tokens (the buffer follows the longest row)."""
@@ -153,7 +153,7 @@ def test_a_row_budget_with_a_larger_budget_and_the_same_tokens_holds_the_same_kv
     assert profiles[1].kv_cache_bytes == profiles[0].kv_cache_bytes
 
 
-@pytest.mark.parametrize("kv_sharing", ["copy", "prefix"])
+@pytest.mark.parametrize("kv_sharing", ["copy", "prefix", "paged"])
 @pytest.mark.parametrize("device", DEVICES)
 def test_widened_decode_replayed_from_cuda_graphs_gives_the_eager_tokens(llama, kv_sharing, device, first_columns):
     """On CUDA each width is a decode shape of its own (a graph captured per width, keyed by the new buffers'

@@ -282,7 +282,9 @@ class Rollout:
         cache.bind(self._prefill_kv.bind(layout.common_buffer(cache)))
         self._prefill_fn(prompts.ids[:1, first : first + common], None, torch.arange(common, device=self.device)[None])
         layout.share_common(cache, batch, common)
-        layout.reserve(cache, list(range(batch)), [prompts.width] * batch)
+        # Each prompt's row through its own end, where its samples write first: the block that holds that
+        # column is copied to each sample when the rows are forked, not shared.
+        layout.reserve(cache, list(range(batch)), prompts.ends.tolist())
         start = common if layout.holds_common else 0  # where each remainder's KV starts in its prompt row
         starts = torch.full((batch,), start, dtype=torch.long, device=self.device)
         packed = pack(prompts.remainders(), starts, torch.full_like(starts, common))
