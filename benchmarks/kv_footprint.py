@@ -8,9 +8,9 @@
   answer (`Rollout.extend`), llama-small shape.
 
 For each: the KV bytes the call used (`RolloutProfile.kv_cache_bytes`) and what the rows hold when it ends
-(each row's prompt and tokens, a prompt once in the prefix layout; a sliding layer at most its window:
-`held_bytes`), and their ratio. A paged engine with blocks of 16 tokens would hold the latter plus at
-most one partly filled block per row and layer group. No timing: bytes only.
+(each row's prompt and tokens, a prompt once in the prefix and paged layouts; a sliding layer at most its
+window: `held_bytes`), and their ratio. The paged layout (blocks of 16 tokens) holds the latter plus a
+partly filled block or two per row (and, for now, a sliding layer's every key). No timing: bytes only.
 
     .venv/bin/python benchmarks/kv_footprint.py --threads 2 --output out/kv_footprint.json
 """
@@ -55,7 +55,7 @@ def held(config, layout: str, rows_len: list[int], window: int | None = None, sl
     for layers, cap in ((full_layers, None), (sliding_layers, window)):
         if not layers:
             continue
-        if layout == "prefix" and cap is None:
+        if layout in ("prefix", "paged") and cap is None:  # (the paged layout shares a prompt's blocks)
             tokens = PROMPTS * PROMPT_LEN + sum(rows_len)
         else:
             tokens = sum(min(PROMPT_LEN + n, cap or 1 << 62) for n in rows_len)
@@ -143,7 +143,7 @@ def run_turns(layout: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workloads", nargs="+", default=["tail", "window", "turns"])
-    parser.add_argument("--layouts", nargs="+", default=["copy", "prefix"])
+    parser.add_argument("--layouts", nargs="+", default=["copy", "prefix", "paged"])
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--output", default=None)
     args = parser.parse_args()

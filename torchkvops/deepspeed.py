@@ -55,7 +55,7 @@ class TorchkvopsRolloutConfig:
 
     enable_profiling: bool = False  # get_last_profile() returns the last call's figures (else None)
     run_to_budget: bool = False  # every row decodes max_new_tokens tokens, EOS applied after (HybridEngineRollout's)
-    kv_sharing: str = "copy"  # RolloutConfig.kv_sharing: "copy" or "prefix"
+    kv_sharing: str = "copy"  # RolloutConfig.kv_sharing: "copy", "prefix" or "paged"
     compile: bool = False  # torch.compile the rollout's prefill and decode
     cuda_graphs: bool = True  # on CUDA, replay decode steps from CUDA graphs
     gather_weights: str = "auto"  # a ZeRO-3 model's weights: "auto", "once" or "per_step" (hf.sharded)

@@ -53,7 +53,7 @@ from .. import ops
 from ..fused_attention import MASKED_KEY_BIAS, applied_softcap, attend_softcapped, merge_sinks
 from ..fused_attention import attend as _attend
 from .cache_groups import KVViews, layer_kv, layer_slot
-from .paged_store import dense_rows, write_slots
+from .paged_kv import dense_rows, write_slots
 
 __all__ = [
     "NAME",

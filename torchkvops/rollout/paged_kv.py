@@ -22,7 +22,7 @@ from torch import Tensor
 
 from .. import ops
 
-__all__ = ["PagedKV", "slot_mapping"]
+__all__ = ["PagedKV", "slot_mapping", "write_slots", "dense_rows"]
 
 
 def slot_mapping(tables: Tensor, columns: Tensor, block_size: int) -> Tensor:
@@ -32,6 +32,29 @@ def slot_mapping(tables: Tensor, columns: Tensor, block_size: int) -> Tensor:
     blocks = tables.long().gather(1, cols // block_size)
     slots = blocks * block_size + cols % block_size
     return slots if columns.dim() == 2 else slots[:, 0]
+
+
+def write_slots(pool: Tensor, layer: int, key: Tensor, value: Tensor, slots: Tensor) -> None:
+    """`key`, `value` [rows, kv_heads, tokens, head_dim] of `layer` to their pool slots ([rows, tokens], or
+    [rows] for one token a row) of `pool` [layers, 2, blocks, kv_heads, block_size, head_dim]."""
+    block_size = pool.shape[4]
+    slots = slots if slots.dim() == 2 else slots[:, None]
+    blocks, offsets = slots // block_size, slots % block_size
+    # Advanced indices on dims 0 and 2 around a slice: the indexed view is [rows, tokens, kv_heads, head_dim].
+    pool[layer, 0][blocks, :, offsets] = key.transpose(1, 2).to(pool.dtype)
+    pool[layer, 1][blocks, :, offsets] = value.transpose(1, 2).to(pool.dtype)
+
+
+def dense_rows(pool: Tensor, layer: int, table: Tensor, tokens: int) -> tuple[Tensor, Tensor]:
+    """The first `tokens` keys and values of each row of `table` ([rows, blocks] int32) in `pool`, as
+    [rows, kv_heads, tokens, head_dim] each (a copy); the columns a row has not written hold whatever its
+    table names (mask them)."""
+    block_size = pool.shape[4]
+    nb = -(-tokens // block_size)
+    kv = pool[layer][:, table[:, :nb].long()]  # [2, rows, nb, kv_heads, block_size, head_dim]
+    two, rows, _, heads, bs, dim = kv.shape
+    kv = kv.permute(0, 1, 3, 2, 4, 5).reshape(two, rows, heads, nb * bs, dim)[:, :, :, :tokens]
+    return kv[0], kv[1]
 
 
 class PagedKV:
@@ -69,11 +92,7 @@ class PagedKV:
     def write(self, layer: int, key: Tensor, value: Tensor, slots: Tensor) -> None:
         """`key`, `value` [rows, kv_heads, tokens, head_dim] of `layer` to their `slots` ([rows, tokens]
         int64, or [rows] for one token a row)."""
-        slots = slots if slots.dim() == 2 else slots[:, None]
-        blocks, offsets = slots // self.block_size, slots % self.block_size
-        # Advanced indices on dims 0 and 2 around a slice: the indexed view is [rows, tokens, kv_heads, head_dim].
-        self.pool[layer, 0][blocks, :, offsets] = key.transpose(1, 2).to(self.pool.dtype)
-        self.pool[layer, 1][blocks, :, offsets] = value.transpose(1, 2).to(self.pool.dtype)
+        write_slots(self.pool, layer, key, value, slots)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Block dst = block src, in every layer's K and V, for each (src, dst)."""
@@ -85,11 +104,7 @@ class PagedKV:
         """The first `tokens` keys and values of each row of `tables` ([rows, blocks] int32), as [rows,
         kv_heads, tokens, head_dim] each (a copy); the columns a row has not written hold whatever its
         table names (mask them)."""
-        nb = -(-tokens // self.block_size)
-        kv = self.pool[layer][:, tables[:, :nb].long()]  # [2, rows, nb, kv_heads, block_size, head_dim]
-        two, rows, _, heads, bs, dim = kv.shape
-        kv = kv.permute(0, 1, 3, 2, 4, 5).reshape(two, rows, heads, nb * bs, dim)[:, :, :, :tokens]
-        return kv[0], kv[1]
+        return dense_rows(self.pool, layer, tables, tokens)
 
     def attend(
         self,

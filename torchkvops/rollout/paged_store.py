@@ -125,8 +125,10 @@ class PagedStore:
         self.peak_blocks = max(self.peak_blocks, self.pool.num_held)
         if not rows:
             return
-        index = torch.tensor(rows, device=self.device)
-        self.table.index_copy_(0, index, self.tables.tensor()[rows].to(self.device))
+        t, table = self.tables, torch.zeros(len(rows), self.tables.max_blocks, dtype=torch.int32)
+        for i, r in enumerate(rows):  # (only the changed rows' tables, built on the host)
+            table[i, t.first[r] : len(t.blocks[r])] = torch.tensor(t.held(r), dtype=torch.int32)
+        self.table.index_copy_(0, torch.tensor(rows, device=self.device), table.to(self.device))
 
     # --- reading and writing --------------------------------------------------------------------------
     def slots(self, table: Tensor, columns: Tensor) -> Tensor:
@@ -146,24 +148,3 @@ class PagedStore:
     @property
     def allocated_bytes(self) -> int:
         return sum(kv.nbytes for kv in self.kv)
-
-
-def write_slots(pool: Tensor, layer: int, key: Tensor, value: Tensor, slots: Tensor) -> None:
-    """`key`, `value` [rows, kv_heads, tokens, head_dim] of `layer` to their pool slots ([rows, tokens], or
-    [rows] for one token a row) of `pool` [layers, 2, blocks, kv_heads, block_size, head_dim]."""
-    block_size = pool.shape[4]
-    slots = slots if slots.dim() == 2 else slots[:, None]
-    blocks, offsets = slots // block_size, slots % block_size
-    pool[layer, 0][blocks, :, offsets] = key.transpose(1, 2).to(pool.dtype)
-    pool[layer, 1][blocks, :, offsets] = value.transpose(1, 2).to(pool.dtype)
-
-
-def dense_rows(pool: Tensor, layer: int, table: Tensor, tokens: int) -> tuple[Tensor, Tensor]:
-    """The first `tokens` keys and values of each row of `table` ([rows, blocks] int32) in `pool`, as
-    [rows, kv_heads, tokens, head_dim] each (a copy), for what reads a row's KV densely."""
-    block_size = pool.shape[4]
-    nb = -(-tokens // block_size)
-    kv = pool[layer][:, table[:, :nb].long()]  # [2, rows, nb, kv_heads, block_size, head_dim]
-    two, rows, _, heads, bs, dim = kv.shape
-    kv = kv.permute(0, 1, 3, 2, 4, 5).reshape(two, rows, heads, nb * bs, dim)[:, :, :, :tokens]
-    return kv[0], kv[1]
