@@ -219,7 +219,7 @@ def test_patch_swaps_undoes_and_is_a_context_manager(llama):
     "options,error,match",
     [
         (dict(temperature=1.0), TypeError, "unknown option 'temperature'"),
-        (dict(kv_sharing="paged"), ValueError, "RolloutConfig.kv_sharing"),
+        (dict(kv_sharing="blocks"), ValueError, "RolloutConfig.kv_sharing"),
         (dict(compile="yes"), ValueError, "RolloutConfig.compile must be a bool"),
     ],
 )

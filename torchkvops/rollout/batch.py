@@ -146,6 +146,17 @@ class DecodeBatch:
         self._draw(rows, first_logits)
         self.row_steps += first_logits.shape[0]
 
+    def load_tables(self, rows: list[int]) -> None:
+        """The paged layout: rows `rows` (batch rows) read their samples' block tables again (they took
+        blocks: `PagedStore.reserve`)."""
+        if not rows:
+            return
+        s = self.state
+        index = torch.tensor(rows, device=s.kv_blocks.device)
+        samples = self.map.original[rows].to(s.kv_blocks.device)
+        tables = self.cache.paged.table.index_select(0, samples)
+        s.kv_blocks.index_copy_(0, index, tables[:, : s.kv_blocks.shape[1]])
+
     def set_cache_position(self, position: int) -> None:
         """HF's cache position of the next decode step (the width of the input HF's generate would have;
         the step adds one): what the model numbers the step from and the cache reports as its length."""

@@ -418,11 +418,7 @@ class Decoder:
             return
         until = [min(known[homes[r]][0] + stretch, s.shape.mask_len) for r in rows]
         changed = set(self.cache.reserve([homes[r] for r in rows], until))
-        moved = [r for r in rows if homes[r] in changed]
-        if moved:
-            index = torch.tensor(moved, device=s.kv_blocks.device)
-            home = torch.tensor([homes[r] for r in moved], device=s.kv_blocks.device)
-            s.kv_blocks.index_copy_(0, index, self.cache.paged.table.index_select(0, home)[:, : s.kv_blocks.shape[1]])
+        batch.load_tables([r for r in rows if homes[r] in changed])
 
     @staticmethod
     def apply(batch: DecodeBatch, decisions: Decisions, admission: Admit | None = None) -> bool:
