@@ -119,7 +119,7 @@ def test_every_address_a_decode_step_reads_is_keyed_or_kept(layout, monkeypatch)
     )
 
 
-@pytest.mark.parametrize("layout", ["copy", "prefix"])  # (the paged layout does not stream yet)
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_every_address_a_streamed_decode_step_reads_is_keyed_or_kept(layout, monkeypatch):
     """A row budget: prompts join the running batch as others end (refills), in one decode shape."""
     model = FAMILIES["llama"]()

@@ -56,7 +56,7 @@ def scaled(model, scale: float):
                 p.mul_(scale)
 
 
-@pytest.mark.parametrize("kv_sharing", ["copy", "prefix"])
+@pytest.mark.parametrize("kv_sharing", ["copy", "prefix", "paged"])
 @pytest.mark.parametrize("scale", [1.0, 2.0])
 def test_greedy_tokens_equal_hfs_with_a_row_budget_too(hybrid, kv_sharing, scale):
     model = hybrid

@@ -137,8 +137,8 @@ def test_a_layer_the_paged_operator_does_not_take_reads_the_rows_blocks_densely(
 
 @pytest.mark.parametrize(
     "options,field",
-    [(dict(max_rows=4), "max_rows"), (dict(shared_prefill=False), "kv_sharing")],
-    ids=["row-budget", "expanded"],
+    [(dict(shared_prefill=False), "kv_sharing")],
+    ids=["expanded"],
 )
 def test_what_the_paged_layout_does_not_take_is_refused_by_name(options, field):
     with pytest.raises(ValueError, match=f"RolloutConfig.{field} .*paged"):

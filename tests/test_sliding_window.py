@@ -63,8 +63,7 @@ def test_generate_and_a_row_budget_beyond_the_window_give_hfs_tokens(family, kv_
     model = model_of(family)
     ids, mask = left_padded()
     expected = hf_greedy(model, ids, mask, NEW).repeat_interleave(2, dim=0)
-    # 4: the rows stream through a smaller batch (not in the paged layout, which does not stream yet)
-    for max_rows in (None, 4) if kv_sharing != "paged" else (None,):
+    for max_rows in (None, 4):  # 4: the rows stream through a smaller batch
         config = RolloutConfig(
             samples_per_prompt=2, max_new_tokens=NEW, eos_token_id=[], max_rows=max_rows, kv_sharing=kv_sharing
         )

@@ -32,7 +32,7 @@ def assert_same(budgeted, unbudgeted):
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-@pytest.mark.parametrize("layout", ["copy", "prefix"])
+@pytest.mark.parametrize("layout", ["copy", "prefix", "paged"])
 def test_tokens_equal_the_unbudgeted_rollout_for_every_budget(family_models, family, layout):
     """Budgets from one prompt's group to all rows; prompts of different lengths (left padding) admitted
     into rows other prompts freed; rows ending at every step, sampling with log-probabilities."""
@@ -54,7 +54,7 @@ def test_tokens_equal_the_unbudgeted_rollout_for_every_budget(family_models, fam
         assert profile.refills == max(0, 5 - groups), max_rows  # every prompt admitted after the first groups
 
 
-@pytest.mark.parametrize("layout", ["copy", "prefix"])
+@pytest.mark.parametrize("layout", ["copy", "prefix", "paged"])
 def test_greedy_and_lengths_shorter_than_max_new_tokens(llama, layout):
     """Greedy, every row ending early: the output is as long as the unbudgeted rollout's (which stops at
     its first all-ended check after the longest response), not max_new_tokens."""

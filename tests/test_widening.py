@@ -123,7 +123,7 @@ def test_a_larger_budget_with_the_same_tokens_holds_the_same_kv(llama, kv_sharin
     assert profiles[1].kv_cache_bytes == profiles[0].kv_cache_bytes
 
 
-@pytest.mark.parametrize("kv_sharing", ["copy", "prefix"])
+@pytest.mark.parametrize("kv_sharing", ["copy", "prefix", "paged"])
 def test_a_row_budgets_batch_widens_as_its_rows_grow(llama, kv_sharing, first_columns):
     """A row budget's batch (rows retired and refilled: streaming) widened from one token a row: the tokens and
     log-probabilities of the rollout without a budget, whose buffer holds the budget from the start."""
@@ -140,7 +140,7 @@ def test_a_row_budgets_batch_widens_as_its_rows_grow(llama, kv_sharing, first_co
     torch.testing.assert_close(got.logprobs, expected.logprobs, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("kv_sharing", ["copy", "prefix"])
+@pytest.mark.parametrize("kv_sharing", ["copy", "prefix", "paged"])
 def test_a_row_budget_with_a_larger_budget_and_the_same_tokens_holds_the_same_kv(llama, kv_sharing):
     ids, mask = prompts(3, 9, seed=2, left_pad=[0, 2, 5])
     outputs, profiles = [], []

@@ -110,12 +110,6 @@ class RolloutConfig:
         )
         need(self.kv_sharing in LAYOUTS, "kv_sharing", f"must be one of {', '.join(map(repr, LAYOUTS))}")
         need(
-            self.max_rows is None or self.kv_sharing != "paged",
-            "max_rows",
-            "cannot be set with kv_sharing='paged' yet (its rows are not streamed: use kv_sharing='copy' or "
-            "'prefix' with a row budget)",
-        )
-        need(
             self.shared_prefill or not LAYOUTS[self.kv_sharing].needs_shared_prefill,
             "kv_sharing",
             f"{self.kv_sharing!r} needs shared_prefill=True (the expanded baseline has no shared prompt to keep once)",

@@ -42,6 +42,7 @@ from ..models.adapter import FULL_ATTENTION, RECURRENT, CacheSpec, KVShape
 from ..models.recurrent import RowLayout
 from .cache_groups import CacheGroup, KVViews, make_group
 from .compaction import COMPACT_FRACTION
+from .paged_kv import write_slots
 from .paged_store import PagedStore
 
 __all__ = ["RolloutKVCache", "KVShape", "CacheSpec"]
@@ -158,13 +159,15 @@ class RolloutKVCache(Cache):
         lengths: tuple[int, ...],
         common: int = 0,
         decode_limit: int | None = None,
+        table_rows: int | None = None,
     ) -> None:
         """Buffers of `layout` for `prompts` prompts and `rows` rows, of `lengths` positions each (every
         group's: [group layers, 2, rows of the buffer, kv_heads, positions, head_dim]), and `common` positions
         of a prefix common to every prompt kept once (`common_views`; 0: none). `decode_limit`: the decode
-        buffer's columns at the budget, which `widen` may grow it to (None: its length now)."""
+        buffer's columns at the budget, which `widen` may grow it to (None: its length now). `table_rows`:
+        the paged layout's block tables (None: one a row; a streaming batch keeps one per sample)."""
         self.decode_limit = lengths[-1] if decode_limit is None else max(decode_limit, lengths[-1])
-        self._prepare_paged(layout, rows, lengths[-1])
+        self._prepare_paged(layout, rows, lengths[-1], table_rows or rows)
         buffer_rows = layout.buffer_rows(prompts, rows)
         self._set_home(
             self._home_views([[g.buffer_shape(r, t) for r, t in zip(buffer_rows, lengths)] for g in self.groups])
@@ -180,9 +183,9 @@ class RolloutKVCache(Cache):
                 g.common = view
         self.peak_used_bytes = self.used_bytes
 
-    def _prepare_paged(self, layout, rows: int, columns: int) -> None:
-        """The paged layout: every block free and `rows` empty tables (the pools kept while large enough);
-        each full-attention group's buffer is its pool. Other layouts: no pools."""
+    def _prepare_paged(self, layout, rows: int, columns: int, tables: int) -> None:
+        """The paged layout: every block free and `tables` empty tables for `rows` rows (the pools kept while
+        large enough); each full-attention group's buffer is its pool. Other layouts: no pools."""
         attention = [g for g in self.groups if g.kind == FULL_ATTENTION]
         if not getattr(layout, "paged", False):
             self.paged = None
@@ -194,7 +197,7 @@ class RolloutKVCache(Cache):
         self.columns = columns
         # A first guess of the blocks a call holds (the pools grow as rows do): each row's prompt and a stretch.
         expected = rows * (-(-columns // layout.block_size) // 2 + 2)
-        self.paged.prepare(rows, self.decode_limit, expected)
+        self.paged.prepare(tables, self.decode_limit, expected)
         for g in attention:
             g.pool = None  # (a new view of each pool for this call)
         self._refresh_pools()
@@ -214,7 +217,29 @@ class RolloutKVCache(Cache):
         Returns the rows whose tables changed."""
         changed = self.paged.reserve(rows, until)
         self._refresh_pools()
+        self.peak_used_bytes = max(self.peak_used_bytes, self.used_bytes)
         return changed
+
+    def write_prompt(self, tables: list[int], home: KVViews, rows: Tensor, prompt_len: int) -> None:
+        """The paged layout, a streaming batch: the prompt KV at `home` (every group's, one row) into the
+        blocks of `tables` (reserved through `prompt_len`) for the full-attention groups, and into decode rows
+        `rows` for the others (their states, as the copy layout seats them)."""
+        table = self.paged.table.index_select(0, torch.tensor(tables, device=self.device))
+        columns = torch.arange(prompt_len, device=self.device)[None, :].expand(len(tables), -1)
+        slots = self.paged.slots(table, columns)
+        for g, src in zip(self.groups, home.buffers):
+            dst = g.current[-1]
+            for layer in range(src.shape[0]):
+                if g.pool is not None:
+                    prompt = src[layer][:, :, :, :prompt_len].expand(-1, len(tables), -1, -1, -1)
+                    write_slots(dst, layer, prompt[0], prompt[1], slots)
+                else:
+                    dst[layer][:, rows] = src[layer].expand(-1, rows.numel(), *src[layer].shape[2:])
+
+    def release_tables(self, tables: list[int]) -> None:
+        """The paged layout: these tables' blocks given back (their rows' samples ended)."""
+        for t in tables:
+            self.paged.tables.release(t)
 
     @property
     def decode_columns(self) -> int:

@@ -369,6 +369,26 @@ class PagedLayout(CopyLayout):
     def reserve(self, cache, rows: list[int], until: list[int]) -> None:
         cache.reserve(rows, until)
 
+    # A streaming batch keeps a table per sample (its output row), not per batch row, as a call does: a row's
+    # next occupant starts from an empty table, and the decode loop finds each row's table by its sample.
+    # The scratch cache's prompt KV waits apart until its samples have rows, as in the copy layout.
+    def seat(self, batch, cache, home, row_mask: Tensor, rows: Tensor, samples: Tensor) -> Tensor:
+        """Give rows `rows` (their samples `samples`) the prompt at `home`: blocks for its columns in each
+        sample's table and its KV written there (each row its own copy: a prompt's blocks are shared within
+        a call only, for now), the recurrent groups' states copied as the copy layout copies them. Returns
+        the rows' attention bias over their columns."""
+        prompt_len = row_mask.shape[1]
+        tables = samples.tolist()
+        cache.reserve(tables, [prompt_len] * len(tables))
+        cache.write_prompt(tables, home, rows, prompt_len)
+        visible = torch.full((rows.numel(), cache.decode_columns), float("-inf"), device=rows.device)
+        visible[:, :prompt_len] = torch.where(row_mask, 0.0, float("-inf"))
+        return visible
+
+    def release_rows(self, batch, rows: list[int]) -> None:
+        """Rows whose samples ended give their blocks back (a streamed call keeps no KV for a turn)."""
+        batch.cache.release_tables(batch.map.original[rows].tolist())
+
     def decode_shape(self, cache, rows: int, prompts: int, max_new_tokens: int, dtype, logprobs: bool, slots: int = 0):
         return DecodeShape(rows, cache.columns, max_new_tokens, dtype, logprobs=logprobs, kv_block=self.block_size)
 

@@ -138,7 +138,8 @@ def stream(
     rows = groups * n
     prompt_slots = layout.stream_prompt_slots(prompts, groups)
     lengths, limit = layout.first_kv_lengths(prompt_len, max_new_tokens)  # (widened as rows grow)
-    cache.prepare(layout, prompt_slots, rows, lengths, decode_limit=limit)
+    # (the paged layout keeps a block table per sample: `PagedLayout.seat`)
+    cache.prepare(layout, prompt_slots, rows, lengths, decode_limit=limit, table_rows=prompts * n)
     shape = layout.decode_shape(
         cache, rows, prompt_slots, max_new_tokens, decoder.adapter.dtype, decoder.step.logprobs, layout.stream_slots()
     )
