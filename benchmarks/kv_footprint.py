@@ -5,7 +5,9 @@
 - `window`: gemma3-small's shape (five sliding-window layers of 512 to one global), every row running to
   a length 4x the window;
 - `turns`: a first call, then a turn that appends 1 to 2,000 tokens to the rows (spread), then a short
-  answer (`Rollout.extend`), llama-small shape.
+  answer (`Rollout.extend`), llama-small shape;
+- `rows`: a row budget's bytes (`max_rows`, streaming): the copy layout's at max_rows=16 against the paged
+  layout's at 16 to 64 rows at once, 8 prompts x 8 samples, spread lengths (mean 256, budget 2048).
 
 For each: the KV bytes the call used (`RolloutProfile.kv_cache_bytes`) and what the rows hold when it ends
 (each row's prompt and tokens, a prompt once in the prefix and paged layouts; a sliding layer at most its
@@ -140,9 +142,36 @@ def run_turns(layout: str) -> dict:
     )
 
 
+ROW_BUDGET_PROMPTS, ROW_BUDGET_ROWS = 8, 16  # the rows workload: 8 prompts x 8 samples, max_rows=16 for copy
+
+
+def run_rows() -> list[dict]:
+    """Rows a row budget's bytes hold: the copy layout streaming 64 rows through max_rows=16 (spread lengths,
+    mean 256 under a budget of 2048) uses some KV bytes; the paged layout streams the same rows through
+    max_rows = 16, 32, 48, 64: the most rows it decodes at once within the copy layout's bytes, and the same
+    tokens."""
+    model = build_model("llama-small", seed=0).eval()
+    install(model, "eos-rate", model.config.eos_token_id, 1.0, 256)
+    set_response_length(model, 2048)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, model.config.vocab_size, (ROW_BUDGET_PROMPTS, PROMPT_LEN), generator=g)
+    out, reference = [], None
+    for layout, max_rows in [("copy", ROW_BUDGET_ROWS)] + [("paged", r) for r in (16, 32, 48, 64)]:
+        rollout = rollout_for(model, layout, 2048, max_rows=max_rows)
+        result = rollout.generate(ids)
+        reference = result.sequences if reference is None else reference
+        row = dict(
+            workload="rows", layout=layout, max_rows=max_rows, same_tokens=torch.equal(result.sequences, reference)
+        )
+        row["kv_bytes"] = rollout.get_last_profile().kv_cache_bytes
+        print(row, flush=True)
+        out.append(row)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workloads", nargs="+", default=["tail", "window", "turns"])
+    parser.add_argument("--workloads", nargs="+", default=["tail", "window", "turns", "rows"])
     parser.add_argument("--layouts", nargs="+", default=["copy", "prefix", "paged"])
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--output", default=None)
@@ -157,6 +186,8 @@ def main() -> None:
             rows.append(run_window(layout))
         if "turns" in args.workloads:
             rows.append(run_turns(layout))
+    if "rows" in args.workloads:
+        rows += run_rows()
     if args.output:
         with open(args.output, "w") as f:
             json.dump({"command": "benchmarks/kv_footprint.py", "rows": rows}, f, indent=1)
