@@ -210,7 +210,7 @@ class RolloutKVCache(Cache):
         for g, kv in zip((g for g in self.groups if g.kind == FULL_ATTENTION), self.paged.kv):
             if g.pool is None or g.pool.data_ptr() != kv.pool.data_ptr() or g.pool.shape != kv.pool.shape:
                 g.pool = kv.pool.view(kv.pool.shape)
-            g.home = g.current = [kv.pool]
+            g.home = g.current = [g.pool]
 
     def reserve(self, rows: list[int], until: list[int]) -> list[int]:
         """The paged layout: home rows `rows` hold blocks for their columns [0, until[i]) (`PagedStore.reserve`).
