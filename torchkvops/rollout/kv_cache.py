@@ -165,9 +165,10 @@ class RolloutKVCache(Cache):
         group's: [group layers, 2, rows of the buffer, kv_heads, positions, head_dim]), and `common` positions
         of a prefix common to every prompt kept once (`common_views`; 0: none). `decode_limit`: the decode
         buffer's columns at the budget, which `widen` may grow it to (None: its length now). `table_rows`:
-        the paged layout's block tables (None: one a row; a streaming batch keeps one per sample)."""
+        the paged layout's samples with block tables of their own (None: one a row; a streaming batch keeps
+        one per sample, and one per prompt after them)."""
         self.decode_limit = lengths[-1] if decode_limit is None else max(decode_limit, lengths[-1])
-        self._prepare_paged(layout, rows, lengths[-1], table_rows or rows)
+        self._prepare_paged(layout, rows, lengths[-1], table_rows)
         buffer_rows = layout.buffer_rows(prompts, rows)
         self._set_home(
             self._home_views([[g.buffer_shape(r, t) for r, t in zip(buffer_rows, lengths)] for g in self.groups])
@@ -183,9 +184,10 @@ class RolloutKVCache(Cache):
                 g.common = view
         self.peak_used_bytes = self.used_bytes
 
-    def _prepare_paged(self, layout, rows: int, columns: int, tables: int) -> None:
-        """The paged layout: every block free and `tables` empty tables for `rows` rows (the pools kept while
-        large enough); each full-attention group's buffer is its pool. Other layouts: no pools."""
+    def _prepare_paged(self, layout, rows: int, columns: int, samples: int | None) -> None:
+        """The paged layout: every block free and a table for each of `rows` rows (a streaming batch: for each
+        of `samples` samples, then each prompt's own), the pools kept while large enough; each full-attention
+        group's buffer is its pool. Other layouts: no pools."""
         attention = [g for g in self.groups if g.kind == FULL_ATTENTION]
         if not getattr(layout, "paged", False):
             self.paged = None
@@ -197,7 +199,8 @@ class RolloutKVCache(Cache):
         self.columns = columns
         # A first guess of the blocks a call holds (the pools grow as rows do): each row's prompt and a stretch.
         expected = rows * (-(-columns // layout.block_size) // 2 + 2)
-        self.paged.prepare(tables, self.decode_limit, expected)
+        tables = rows if samples is None else samples + samples // layout.samples
+        self.paged.prepare(tables, self.decode_limit, expected, samples)
         for g in attention:
             g.pool = None  # (a new view of each pool for this call)
         self._refresh_pools()
@@ -220,20 +223,31 @@ class RolloutKVCache(Cache):
         self.peak_used_bytes = max(self.peak_used_bytes, self.used_bytes)
         return changed
 
-    def write_prompt(self, tables: list[int], home: KVViews, rows: Tensor, prompt_len: int) -> None:
-        """The paged layout, a streaming batch: the prompt KV at `home` (every group's, one row) into the
-        blocks of `tables` (reserved through `prompt_len`) for the full-attention groups, and into decode rows
-        `rows` for the others (their states, as the copy layout seats them)."""
+    def write_prompts(self, prompts: list[int], kv: KVViews, prompt_len: int) -> None:
+        """The paged layout, a streaming batch: prompts `prompts`' KV (rows of `kv`, the scratch cache's) into
+        blocks of each one's own table (`PagedStore.prompt_table`), which its samples fork (`seat_samples`)."""
+        tables = [self.paged.prompt_table(p) for p in prompts]
+        self.reserve(tables, [prompt_len] * len(tables))
         table = self.paged.table.index_select(0, torch.tensor(tables, device=self.device))
         columns = torch.arange(prompt_len, device=self.device)[None, :].expand(len(tables), -1)
         slots = self.paged.slots(table, columns)
+        for g, src in zip(self.groups, kv.buffers):
+            if g.pool is not None:
+                for layer in range(src.shape[0]):
+                    written = src[layer][:, : len(tables), :, :prompt_len]
+                    write_slots(g.pool, layer, written[0], written[1], slots)
+
+    def seat_samples(self, samples: list[int], per_prompt: int, home: KVViews, rows: Tensor) -> None:
+        """The paged layout, a streaming batch: samples `samples` (of one prompt, `per_prompt` a prompt)
+        continue their prompt's table (`PagedStore.fork_to`), and their decode rows `rows` get the prompt's
+        states at `home` in the other groups (as the copy layout seats them)."""
+        self.paged.fork_to(samples[0] // per_prompt, samples, per_prompt)
+        self._refresh_pools()
+        self.peak_used_bytes = max(self.peak_used_bytes, self.used_bytes)
         for g, src in zip(self.groups, home.buffers):
-            dst = g.current[-1]
-            for layer in range(src.shape[0]):
-                if g.pool is not None:
-                    prompt = src[layer][:, :, :, :prompt_len].expand(-1, len(tables), -1, -1, -1)
-                    write_slots(dst, layer, prompt[0], prompt[1], slots)
-                else:
+            if g.pool is None:
+                dst = g.current[-1]
+                for layer in range(src.shape[0]):
                     dst[layer][:, rows] = src[layer].expand(-1, rows.numel(), *src[layer].shape[2:])
 
     def release_tables(self, tables: list[int]) -> None:

@@ -371,16 +371,18 @@ class PagedLayout(CopyLayout):
 
     # A streaming batch keeps a table per sample (its output row), not per batch row, as a call does: a row's
     # next occupant starts from an empty table, and the decode loop finds each row's table by its sample.
-    # The scratch cache's prompt KV waits apart until its samples have rows, as in the copy layout.
+    # Each admitted prompt's KV is written once into a table of its own (after the samples'), which its
+    # samples fork as they get rows; the scratch cache's views still carry a hybrid's recurrent states.
+    def place_prompts(self, batch, prompts: list[int], kv: KVViews, mask: Tensor) -> list:
+        batch.cache.write_prompts(prompts, kv, mask.shape[1])
+        return super().place_prompts(batch, prompts, kv, mask)
+
     def seat(self, batch, cache, home, row_mask: Tensor, rows: Tensor, samples: Tensor) -> Tensor:
-        """Give rows `rows` (their samples `samples`) the prompt at `home`: blocks for its columns in each
-        sample's table and its KV written there (each row its own copy: a prompt's blocks are shared within
-        a call only, for now), the recurrent groups' states copied as the copy layout copies them. Returns
-        the rows' attention bias over their columns."""
+        """Give rows `rows` (their samples `samples`) the prompt at `home`: each sample's table forks the
+        prompt's (its full blocks shared, its partly filled one copied), the recurrent groups' states copied
+        as the copy layout copies them. Returns the rows' attention bias over their columns."""
         prompt_len = row_mask.shape[1]
-        tables = samples.tolist()
-        cache.reserve(tables, [prompt_len] * len(tables))
-        cache.write_prompt(tables, home, rows, prompt_len)
+        cache.seat_samples(samples.tolist(), self.samples, home, rows)
         visible = torch.full((rows.numel(), cache.decode_columns), float("-inf"), device=rows.device)
         visible[:, :prompt_len] = torch.where(row_mask, 0.0, float("-inf"))
         return visible

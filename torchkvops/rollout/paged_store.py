@@ -43,11 +43,15 @@ class PagedStore:
         self.tables: BlockTables | None = None
         self.table: Tensor | None = None  # [rows, max_blocks] int32, the device copy of `tables`
         self.peak_blocks = 0  # the most blocks held at once since `prepare`
+        self.samples = 0  # tables of samples before the prompts' own (a streaming batch: `prompt_table`)
+        self.forked: dict[int, int] = {}  # a streaming batch: prompt -> its samples that forked its table
 
     # --- a call's tables ------------------------------------------------------------------------------
-    def prepare(self, rows: int, columns: int, expected_blocks: int) -> None:
-        """Every block free, `rows` empty tables of up to `columns` columns; the pools hold at least
-        `expected_blocks` blocks (kept from an earlier call when they are that large)."""
+    def prepare(self, rows: int, columns: int, expected_blocks: int, samples: int | None = None) -> None:
+        """Every block free, `rows` empty tables of up to `columns` columns (the first `samples` of them the
+        samples', the rest the prompts' own: a streaming batch; None: every one a row's); the pools hold at
+        least `expected_blocks` blocks (kept from an earlier call when they are that large)."""
+        self.samples, self.forked = rows if samples is None else samples, {}
         need = max(expected_blocks, 1) + 1  # (+ the scratch block)
         if not self.kv or self.kv[0].num_blocks < need:
             self.kv = []  # the old pools go before the new ones are made
@@ -113,6 +117,28 @@ class PagedStore:
             for kv in self.kv:
                 kv.copy_blocks(copies)
         self._upload(list(range(batch * repeats)))
+
+    def prompt_table(self, prompt: int) -> int:
+        """A streaming batch: the table that holds prompt `prompt`'s KV while its samples get rows."""
+        return self.samples + prompt
+
+    def fork_to(self, prompt: int, samples: list[int], per_prompt: int) -> None:
+        """A streaming batch: `samples` (empty tables) continue prompt `prompt`'s table (full blocks shared,
+        the partly filled one copied); once all `per_prompt` samples have, the prompt's table gives its
+        blocks back (each sample holds them still)."""
+        parent = self.prompt_table(prompt)
+        while True:
+            try:
+                copies = self.tables.fork(parent, samples)
+                break
+            except OutOfBlocks:
+                self._grow(len(samples))
+        for kv in self.kv:
+            kv.copy_blocks(copies)
+        self.forked[prompt] = self.forked.get(prompt, 0) + len(samples)
+        if self.forked[prompt] == per_prompt:
+            self.tables.release(parent)
+        self._upload(samples)
 
     def _grow(self, at_least: int) -> None:
         """Pools with at least `at_least` more free blocks (doubling): a new allocation each."""
