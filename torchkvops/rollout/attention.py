@@ -53,7 +53,7 @@ from .. import ops
 from ..fused_attention import MASKED_KEY_BIAS, applied_softcap, attend_softcapped, merge_sinks
 from ..fused_attention import attend as _attend
 from .cache_groups import KVViews, layer_kv, layer_slot
-from .paged_kv import dense_rows, write_slots
+from .paged_kv import dense_rows, gather_blocks, write_slots
 
 __all__ = [
     "NAME",
@@ -304,7 +304,7 @@ class PackedAttention:
         kvs = [layer_kv(level.kv, module.layer_idx).index_select(1, level.of_row) for level in self.levels]
         ks, vs = [kv[0] for kv in kvs], [kv[1] for kv in kvs]
         if self._tables is not None:  # a pool: the live rows' columns through their tables
-            own_k, own_v = (_dense_from_blocks(t, self._tables)[:, :, : self.keys] for t in (key, value))
+            own_k, own_v = (gather_blocks(t, self._tables)[:, :, : self.keys] for t in (key, value))
         else:
             own_k, own_v = (t.index_select(0, self.rows)[:, :, : self.keys] for t in (key, value))
         k = torch.cat([*ks, own_k], dim=2)
@@ -530,7 +530,7 @@ def _own_keys(
     rows, heads, _, head_dim = query.shape
     kv_heads = key.shape[1]
     if context.kv_slot is not None and not _reads_paged(query, key):  # a pool: each row's columns, dense
-        key, value = _dense_from_blocks(key, context.kv_table), _dense_from_blocks(value, context.kv_table)
+        key, value = gather_blocks(key, context.kv_table), gather_blocks(value, context.kv_table)
     if _reads_paged(query, key):
         out, lse = ops.paged_attention(
             query[:, :, 0],
@@ -550,14 +550,6 @@ def _own_keys(
         attention_mask = attention_mask.masked_fill(~near[:, None, None, :], MASKED_KEY_BIAS)
     q = query.reshape(rows, kv_heads, heads // kv_heads, head_dim)
     return attend(q, key, value, attention_mask, scale=scaling, with_lse=with_lse)
-
-
-def _dense_from_blocks(blocks: Tensor, table: Tensor) -> Tensor:
-    """A pool's keys or values ([blocks, kv_heads, block_size, head_dim]) as each row of `table` ([rows,
-    n] int32) names them: [rows, kv_heads, n * block_size, head_dim] (a copy)."""
-    gathered = blocks[table.long()]  # [rows, n, kv_heads, block_size, head_dim]
-    rows, n, heads, size, dim = gathered.shape
-    return gathered.permute(0, 2, 1, 3, 4).reshape(rows, heads, n * size, dim)
 
 
 def _window_bias(bias: Tensor, query_positions: Tensor, key_positions: Tensor, window: int, group: int) -> Tensor:

@@ -183,6 +183,13 @@ class BlockTables:
         self.first[row] = keep_from
         return freed
 
+    def move_row(self, src: int, dst: int) -> None:
+        """Row `dst` (empty) takes row `src`'s blocks and length; `src` is empty after."""
+        if self.blocks[dst]:
+            raise AssertionError(f"torchkvops: row {dst} holds blocks: a row moves into an empty one")
+        self.blocks[dst], self.first[dst], self.lengths[dst] = self.blocks[src], self.first[src], self.lengths[src]
+        self.blocks[src], self.first[src], self.lengths[src] = [], 0, 0
+
     def move_rows(self, order: list[int]) -> None:
         """Compaction: the rows are `order`'s rows from now on (row i is old row order[i]); the rows left
         out must have been released."""
@@ -202,15 +209,17 @@ class BlockTables:
             raise AssertionError(f"torchkvops: tokens [{start}, {start + count}) of row {row} have no block")
         return [table[t // bs] * bs + t % bs for t in range(start, start + count)]
 
-    def tensor(self, device: torch.device | str = "cpu", out: Tensor | None = None) -> Tensor:
+    def tensor(
+        self, device: torch.device | str = "cpu", out: Tensor | None = None, rows: list[int] | None = None
+    ) -> Tensor:
         """The tables as paged_attention takes them: [rows, max_blocks] int32, a row's i-th block at i (0
         where it holds none: entries before its first held block are never read, since its reads start
         at its window; entries past its length are not read either). Into `out` when given (a CUDA graph
-        reads the same tensor)."""
-        table = torch.zeros(self.rows, self.max_blocks, dtype=torch.int32)
-        for r, blocks in enumerate(self.blocks):
-            held = blocks[self.first[r] :]
-            table[r, self.first[r] : len(blocks)] = torch.tensor(held, dtype=torch.int32)
+        reads the same tensor). `rows`: those rows' tables only, in that order (None: every row)."""
+        rows = range(self.rows) if rows is None else rows
+        table = torch.zeros(len(rows), self.max_blocks, dtype=torch.int32)
+        for i, r in enumerate(rows):
+            table[i, self.first[r] : len(self.blocks[r])] = torch.tensor(self.held(r), dtype=torch.int32)
         if out is None:
             return table.to(device)
         out.copy_(table, non_blocking=True)

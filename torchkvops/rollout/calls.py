@@ -184,9 +184,8 @@ class ExtendCall(Call):
 
     def prefill(self) -> None:
         r, turn, context, cache = self.rollout, self.turn, self.context, self.rollout.cache
-        live = turn.live.nonzero().flatten().tolist()
-        ends = self.decode_start.tolist()
-        r.layout.reserve(cache, live, [ends[i] for i in live])  # (the blocks its chunks write; before binding)
+        live = turn.live.nonzero().flatten()
+        r.layout.reserve(cache, live, self.decode_start[live])  # (the blocks its chunks write; before binding)
         cache.bind(context.bind(cache.decode_views))
         with attention.decode_attention(r.adapter.model, context), segmented_mixers(r.adapter, cache):
             live_logits = r.adapter.packed_logits(cache, turn.ids, turn.positions, turn.column, turn.last)

@@ -376,10 +376,10 @@ class Decoder:
                 s = batch.state
                 flags = torch.stack([s.finished.long(), s.nonfinite_step, s.column]).cpu()
                 _raise_on_nonfinite(flags[1])
+                homes, ended = batch.map.original.tolist(), flags[0].bool().tolist()
                 if self.cache.paged is not None:  # (what the next stretch's blocks follow, by home row)
-                    homes, columns, ended = batch.map.original.tolist(), flags[2].tolist(), flags[0].tolist()
-                    self._known_rows = {h: (c, bool(e)) for h, c, e in zip(homes, columns, ended)}
-                decisions = scheduler.decide(batch.map.original.tolist(), flags[0].bool().tolist(), steps)
+                    self._known_rows = _by_home(homes, flags[2].tolist(), ended)
+                decisions = scheduler.decide(homes, ended, steps)
                 if self.apply(batch, decisions, admission):
                     break
         finally:
@@ -412,7 +412,7 @@ class Decoder:
         known, self._known_rows = self._known_rows, None
         if known is None or any(h >= 0 and h not in known for h in homes):
             flags = torch.stack([s.column, s.finished.long()]).cpu()  # host sync (none after a check: `known`)
-            known = {h: (c, bool(f)) for h, c, f in zip(homes, flags[0].tolist(), flags[1].tolist())}
+            known = _by_home(homes, flags[0].tolist(), flags[1].bool().tolist())
         rows = [r for r, home in enumerate(homes) if home >= 0 and not known[home][1]]
         if not rows:
             return
@@ -469,6 +469,11 @@ class Decoder:
         while len(self._graph_keys) > _KEYS_KEPT:
             self._graph_keys.popitem(last=False)
         self.runner.start(dynamic, graph_key=key)
+
+
+def _by_home(homes: list[int], columns: list[int], ended: list[bool]) -> dict[int, tuple[int, bool]]:
+    """Each batch row's (column, ended), by its home row (its sample's table: stable across compactions)."""
+    return {h: (c, e) for h, c, e in zip(homes, columns, ended)}
 
 
 def _raise_on_nonfinite(nonfinite_step: Tensor) -> None:

@@ -284,7 +284,7 @@ class Rollout:
         layout.share_common(cache, batch, common)
         # Each prompt's row through its own end, where its samples write first: the block that holds that
         # column is copied to each sample when the rows are forked, not shared.
-        layout.reserve(cache, list(range(batch)), prompts.ends.tolist())
+        layout.reserve(cache, list(range(batch)), prompts.ends)
         start = common if layout.holds_common else 0  # where each remainder's KV starts in its prompt row
         starts = torch.full((batch,), start, dtype=torch.long, device=self.device)
         packed = pack(prompts.remainders(), starts, torch.full_like(starts, common))

@@ -120,9 +120,10 @@ class CopyLayout:
         """After a shared prefill of `batch` prompts: each prompt's KV in its N rows."""
         cache.expand_prompts(batch, self.samples, prompt_len)
 
-    def reserve(self, cache, rows: list[int], until: list[int]) -> None:
-        """Before a forward writes rows `rows` of the decode buffer up to column `until[i]`: nothing here
-        (every row has its buffer's columns; PagedLayout takes blocks)."""
+    def reserve(self, cache, rows: list[int] | Tensor, until: list[int] | Tensor) -> None:
+        """Before a forward writes rows `rows` of the decode buffer up to column `until[i]` (host ints, or
+        device tensors read only where blocks are taken): nothing here (every row has its buffer's columns;
+        PagedLayout takes blocks)."""
 
     # --- a call's first decode step ----------------------------------------------------------------
     def first_column(self, prompt_len: int) -> int:
@@ -366,8 +367,9 @@ class PagedLayout(CopyLayout):
     # automatic dynamic shapes take over), and a marked pool made the next call's prefill recompile.
     decode_buffer_dims = ()
 
-    def reserve(self, cache, rows: list[int], until: list[int]) -> None:
-        cache.reserve(rows, until)
+    def reserve(self, cache, rows: list[int] | Tensor, until: list[int] | Tensor) -> None:
+        host = [t.tolist() if isinstance(t, Tensor) else t for t in (rows, until)]  # (host sync: tensors)
+        cache.reserve(*host)
 
     # A streaming batch keeps a table per sample (its output row), not per batch row, as a call does: a row's
     # next occupant starts from an empty table, and the decode loop finds each row's table by its sample.

@@ -22,7 +22,7 @@ from torch import Tensor
 
 from .. import ops
 
-__all__ = ["PagedKV", "slot_mapping", "write_slots", "dense_rows"]
+__all__ = ["PagedKV", "slot_mapping", "write_slots", "gather_blocks", "dense_rows"]
 
 
 def slot_mapping(tables: Tensor, columns: Tensor, block_size: int) -> Tensor:
@@ -45,16 +45,21 @@ def write_slots(pool: Tensor, layer: int, key: Tensor, value: Tensor, slots: Ten
     pool[layer, 1][blocks, :, offsets] = value.transpose(1, 2).to(pool.dtype)
 
 
+def gather_blocks(blocks: Tensor, table: Tensor) -> Tensor:
+    """A layer's keys or values in a pool ([blocks, kv_heads, block_size, head_dim]) as each row of `table`
+    ([rows, n] int32) names them: [rows, kv_heads, n * block_size, head_dim] (a copy), for what reads a
+    row's KV densely."""
+    gathered = blocks[table.long()]  # [rows, n, kv_heads, block_size, head_dim]
+    rows, n, heads, size, dim = gathered.shape
+    return gathered.permute(0, 2, 1, 3, 4).reshape(rows, heads, n * size, dim)
+
+
 def dense_rows(pool: Tensor, layer: int, table: Tensor, tokens: int) -> tuple[Tensor, Tensor]:
     """The first `tokens` keys and values of each row of `table` ([rows, blocks] int32) in `pool`, as
     [rows, kv_heads, tokens, head_dim] each (a copy); the columns a row has not written hold whatever its
     table names (mask them)."""
-    block_size = pool.shape[4]
-    nb = -(-tokens // block_size)
-    kv = pool[layer][:, table[:, :nb].long()]  # [2, rows, nb, kv_heads, block_size, head_dim]
-    two, rows, _, heads, bs, dim = kv.shape
-    kv = kv.permute(0, 1, 3, 2, 4, 5).reshape(two, rows, heads, nb * bs, dim)[:, :, :, :tokens]
-    return kv[0], kv[1]
+    table = table[:, : -(-tokens // pool.shape[4])]
+    return tuple(gather_blocks(pool[layer, i], table)[:, :, :tokens] for i in (0, 1))
 
 
 class PagedKV:

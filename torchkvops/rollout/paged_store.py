@@ -101,21 +101,11 @@ class PagedStore:
         """Rows [0, batch) hold the prompts: rows [0, batch * repeats) hold them in repeat_interleave order
         (row b * repeats + j continues prompt b), full blocks shared by reference, each row's copy of the
         partly filled last block made on the device."""
-        t = self.tables
         for b in range(batch - 1, -1, -1):  # (a destination row is never a prompt row still to be read)
             home = b * repeats
             if home != b:
-                t.blocks[home], t.first[home], t.lengths[home] = t.blocks[b], t.first[b], t.lengths[b]
-                t.blocks[b], t.first[b], t.lengths[b] = [], 0, 0
-            children = list(range(home + 1, home + repeats))
-            while True:
-                try:
-                    copies = t.fork(home, children)
-                    break
-                except OutOfBlocks:
-                    self._grow(len(children))
-            for kv in self.kv:
-                kv.copy_blocks(copies)
+                self.tables.move_row(b, home)
+            self._fork(home, list(range(home + 1, home + repeats)))
         self._upload(list(range(batch * repeats)))
 
     def prompt_table(self, prompt: int) -> int:
@@ -127,18 +117,23 @@ class PagedStore:
         the partly filled one copied); once all `per_prompt` samples have, the prompt's table gives its
         blocks back (each sample holds them still)."""
         parent = self.prompt_table(prompt)
-        while True:
-            try:
-                copies = self.tables.fork(parent, samples)
-                break
-            except OutOfBlocks:
-                self._grow(len(samples))
-        for kv in self.kv:
-            kv.copy_blocks(copies)
+        self._fork(parent, samples)
         self.forked[prompt] = self.forked.get(prompt, 0) + len(samples)
         if self.forked[prompt] == per_prompt:
             self.tables.release(parent)
         self._upload(samples)
+
+    def _fork(self, parent: int, children: list[int]) -> None:
+        """`children` (empty tables) continue `parent`'s (`BlockTables.fork`, the pools made larger when they
+        have too few blocks for the copies), the partly filled block's copies made in every pool."""
+        while True:
+            try:
+                copies = self.tables.fork(parent, children)
+                break
+            except OutOfBlocks:
+                self._grow(len(children))
+        for kv in self.kv:
+            kv.copy_blocks(copies)
 
     def _grow(self, at_least: int) -> None:
         """Pools with at least `at_least` more free blocks (doubling): a new allocation each."""
@@ -151,10 +146,8 @@ class PagedStore:
         self.peak_blocks = max(self.peak_blocks, self.pool.num_held)
         if not rows:
             return
-        t, table = self.tables, torch.zeros(len(rows), self.tables.max_blocks, dtype=torch.int32)
-        for i, r in enumerate(rows):  # (only the changed rows' tables, built on the host)
-            table[i, t.first[r] : len(t.blocks[r])] = torch.tensor(t.held(r), dtype=torch.int32)
-        self.table.index_copy_(0, torch.tensor(rows, device=self.device), table.to(self.device))
+        table = self.tables.tensor(self.device, rows=rows)  # (only the changed rows', built on the host)
+        self.table.index_copy_(0, torch.tensor(rows, device=self.device), table)
 
     # --- reading and writing --------------------------------------------------------------------------
     def slots(self, table: Tensor, columns: Tensor) -> Tensor:
