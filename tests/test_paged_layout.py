@@ -166,17 +166,19 @@ def test_a_compiled_paged_decode_gives_the_eager_tokens(llama):
 def test_a_streamed_prompts_blocks_are_shared_by_its_samples_and_given_back_by_them():
     """Under a row budget a prompt is written once into a table of its own; each sample that gets a row
     forks it (full blocks shared, the partly filled one copied), and the prompt's table gives its blocks
-    back once its last sample has forked: from then on its samples alone hold them."""
+    back once its last sample has forked (the scheduler releases it): from then on its samples alone hold
+    them."""
     store = PagedStore([KVShape(layers=2, kv_heads=2, head_dim=4)], torch.float32, torch.device("cpu"))
     store.prepare(rows=6 + 2, columns=64, expected_blocks=16, samples=6)  # 2 prompts x 3 samples
     prompt = store.prompt_table(1)
     assert prompt == 7
     store.reserve([prompt], [40])  # 2 full blocks and a partly filled one
     full, partial = store.tables.blocks[prompt][:2], store.tables.blocks[prompt][2]
-    store.fork_to(1, [3, 4], 3)
+    store.fork_to(1, [3, 4])
     assert [store.pool.refs[b] for b in full] == [3, 3] and store.pool.refs[partial] == 1
     assert store.tables.blocks[3][:2] == full and store.tables.blocks[3][2] not in (partial, store.tables.blocks[4][2])
-    store.fork_to(1, [5], 3)
+    store.fork_to(1, [5])
+    store.release_prompt(1)
     assert store.tables.held(prompt) == [] and [store.pool.refs[b] for b in full] == [3, 3]
     assert store.pool.refs[partial] == 0  # the prompt's own partly filled block: back in the pool
     for sample in (3, 4, 5):

@@ -176,7 +176,8 @@ class TorchkvopsRollout:
         module = self.module
         session = self._session_for(module)
         weights = WeightOptions(self.cfg.gather_weights, self.cfg.gather_budget_bytes, self.cfg.merge_lora)
-        output = _serve(session, module, (prompt_ids,), kwargs, session.fallback(module), max_rows, weights)
+        limits = dict(max_rows=max_rows)
+        output = _serve(session, module, (prompt_ids,), kwargs, session.fallback(module), limits, weights)
         generated = sync()
         prompt_len = prompt_ids.shape[1]
         responses, response_mask = pad_after_eos(output[:, prompt_len:], eos, pad)

@@ -72,6 +72,7 @@ ROLLOUT_OPTIONS = (
     "enable_profiling",
     "compact_finished_rows",
     "max_rows",
+    "max_kv_tokens",
     "min_shared_tokens",
 )
 WEIGHT_OPTIONS = tuple(field.name for field in dataclasses.fields(WeightOptions))
@@ -160,19 +161,23 @@ class _Session:
         model: nn.Module,
         samples: int,
         plan: Plan,
-        max_rows: int | None = None,
+        limits: dict | None = None,
         synced: bool = False,
         gathered: bool = False,
     ) -> Rollout:
-        """The rollout for `samples` rows per prompt and the plan's settings; `max_rows`: this call's row
-        budget (torchkvops.generate's), else the patch's; `synced`: the call generates in step with the
-        other processes (which rules out a row budget); `gathered`: a sharded model's weights stay
-        gathered for the whole call (hf.sharded), so decode may replay CUDA graphs."""
+        """The rollout for `samples` rows per prompt and the plan's settings; `limits`: this call's budgets
+        (torchkvops.generate's max_rows and max_kv_tokens; None values: the patch's); a budget of KV tokens
+        decodes in the paged layout, whose blocks it counts; `synced`: the call generates in step with the
+        other processes (which rules out both budgets: a stream's refills prefill where rows end);
+        `gathered`: a sharded model's weights stay gathered for the whole call (hf.sharded), so decode
+        may replay CUDA graphs."""
         options = dict(self.options)
-        if max_rows is not None:
-            options["max_rows"] = max_rows
+        options.update({name: value for name, value in (limits or {}).items() if value is not None})
+        if options.get("max_kv_tokens") is not None:
+            options["kv_sharing"] = "paged"
         if synced:
             options.pop("max_rows", None)
+            options.pop("max_kv_tokens", None)
         if is_sharded(model):
             # Gathered per step, a replayed graph would skip FSDP's hooks, which gather the weights at each
             # forward (gathered once, the graphs are captured on the gathered weights and keyed by their
@@ -181,6 +186,7 @@ class _Session:
             if not gathered:
                 options["cuda_graphs"] = False
             options.pop("max_rows", None)
+            options.pop("max_kv_tokens", None)
         budget = options.get("max_rows")
         if budget is not None and budget < samples:
             raise RowBudgetError(
@@ -311,6 +317,7 @@ def generate(
     generation_config: GenerationConfig | None = None,
     *,
     max_rows: int | None = None,
+    max_kv_tokens: int | None = None,
     gather_weights: str = "auto",
     gather_budget_bytes: int | None = None,
     merge_lora: bool = True,
@@ -324,19 +331,23 @@ def generate(
     a call that needs HF's cache must go to `model.generate` unpatched). Calls the rollout cannot serve
     run the model's own generate (see the module docstring). `max_rows`: the most rows decoded at once
     (RolloutConfig.max_rows): a larger batch is streamed, its prompts admitted as others' rows end.
+    `max_kv_tokens`: the most KV tokens its rows hold at once (RolloutConfig.max_kv_tokens, in the paged
+    layout): rows start while blocks are free, the newest preempted and restarted when they run short.
     `gather_weights` ("auto", "once", "per_step"), `gather_budget_bytes` and `merge_lora`: as
     patch_generate's."""
     weights = WeightOptions(gather_weights, gather_budget_bytes, merge_lora).check("torchkvops.generate")
     model = _compiled_module(model)
     _check_generative(model, "torchkvops.generate")
-    RolloutConfig(max_rows=max_rows)  # the same checks and messages
+    paged = "paged" if max_kv_tokens is not None else "copy"
+    RolloutConfig(max_rows=max_rows, max_kv_tokens=max_kv_tokens, kv_sharing=paged)  # the same checks and messages
     args = () if input_ids is None else (input_ids,)
     if attention_mask is not None:
         kwargs["attention_mask"] = attention_mask
     if generation_config is not None:
         kwargs["generation_config"] = generation_config
     session = _session(model)
-    return _serve(session, model, args, kwargs, session.fallback(model), max_rows, weights)
+    limits = dict(max_rows=max_rows, max_kv_tokens=max_kv_tokens)
+    return _serve(session, model, args, kwargs, session.fallback(model), limits, weights)
 
 
 def _serve(
@@ -345,7 +356,7 @@ def _serve(
     args: tuple,
     kwargs: dict,
     original,
-    max_rows: int | None = None,
+    limits: dict | None = None,
     weights: WeightOptions | None = None,
 ):
     """One call with generate's arguments as the caller passed them: served by a rollout, or passed
@@ -369,7 +380,7 @@ def _serve(
             call, settled = agree(call, synced, sharded, lambda: gather_vote(target, weights))
         if isinstance(call, Call):
             try:
-                sequences = _run(session, target, call, max_rows, weights, settled)
+                sequences = _run(session, target, call, limits, weights, settled)
                 session.proven = True
             except (torch.OutOfMemoryError, NonFiniteLogitsError, RowBudgetError):
                 raise
@@ -410,7 +421,7 @@ def _run(
     session: _Session,
     model: nn.Module,
     call: Call,
-    max_rows: int | None = None,
+    limits: dict | None = None,
     weights: WeightOptions = WeightOptions(),
     settled: Settled | None = None,
 ) -> Tensor:
@@ -434,7 +445,7 @@ def _run(
                 session.rollout,
                 model,
                 plan=call.plan,
-                max_rows=max_rows,
+                limits=limits,
                 synced=call.lockstep,
                 gathered=prepared.gathered.units > 0,
             )
@@ -618,7 +629,8 @@ class GeneratePatch(PatchHandle):
 def patch_generate(model: nn.Module, **options) -> GeneratePatch:
     """Make `model.generate` run through torchkvops (this instance only). `options` are rollout options
     that make sense per model: compile, cuda_graphs, kv_sharing, shared_prefill, enable_profiling,
-    compact_finished_rows (validated as RolloutConfig validates them), reuse_kv (default True: a
+    compact_finished_rows, max_rows, max_kv_tokens (with no kv_sharing given, "paged": the layout whose
+    blocks it counts), min_shared_tokens (validated as RolloutConfig validates them), reuse_kv (default True: a
     call whose rows extend the last served call's, as an agent's next turn does, prefills only what
     they append; hf.generate_reuse), and for a model sharded with FSDP2 gather_weights ("auto": its
     weights gathered once per served call when they fit gather_budget_bytes (and on CUDA the free
@@ -640,6 +652,8 @@ def patch_generate(model: nn.Module, **options) -> GeneratePatch:
             f"patch_generate: unknown option {unknown[0]!r}; the options are {', '.join(PATCH_OPTIONS)} "
             "(the rest comes from each call's generation config)"
         )
+    if options.get("max_kv_tokens") is not None:
+        options.setdefault("kv_sharing", "paged")
     RolloutConfig(**{k: v for k, v in options.items() if k in ROLLOUT_OPTIONS})  # the same checks and messages
     if not isinstance(options.get("reuse_kv", True), bool):
         raise ValueError(f"patch_generate: reuse_kv must be a bool, got {options['reuse_kv']!r}")

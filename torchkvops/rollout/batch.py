@@ -265,6 +265,15 @@ class DecodeBatch:
         self.layout.release_rows(self, rows)
         self.map.original[rows] = -1
 
+    def preempt(self, rows: list[int]) -> None:
+        """Rows `rows` (live) leave without their tokens (a budget of KV tokens ran short: their samples start
+        again later); the rows are free and ended."""
+        if not rows:
+            return
+        self.layout.release_rows(self, rows)
+        self.state.finished[torch.tensor(rows, device=self.state.finished.device)] = True
+        self.map.original[rows] = -1
+
     def free_rows(self) -> list[int]:
         return (self.map.original < 0).nonzero().flatten().tolist()
 

@@ -50,6 +50,7 @@ class Counts:
     prefill_tokens: int = 0
     reused_tokens: int = 0
     refills: int = 0
+    preemptions: int = 0
 
 
 class Call:
@@ -228,8 +229,8 @@ class ExtendCall(Call):
 
 
 class StreamCall(Call):
-    """More rows than RolloutConfig.max_rows: a batch of max_rows rows, refilled as rows end
-    (torchkvops.rollout.streaming). Its prefills (once per prompt) happen as rows free up, within decode;
+    """More rows than RolloutConfig.max_rows, or more KV than RolloutConfig.max_kv_tokens may hold: a batch of
+    max_rows rows, refilled as rows end (torchkvops.rollout.streaming). Its prefills (once per prompt) happen as rows free up, within decode;
     its rows' KV is not kept for extend()."""
 
     stages = ("decode",)
@@ -255,14 +256,12 @@ class StreamCall(Call):
             max_rows=cfg.max_rows,
             compacts=cfg.compact_finished_rows,
             scratch=self.scratch,
+            max_kv_tokens=cfg.max_kv_tokens,
         )
         c, done = self.counts, self.done
-        c.decode_steps, c.kv_cache_bytes, c.computed_row_steps, c.refills = (
-            done.steps,
-            done.kv_bytes,
-            done.row_steps,
-            done.refills,
-        )
+        c.decode_steps, c.kv_cache_bytes, c.computed_row_steps = done.steps, done.kv_bytes, done.row_steps
+        c.refills, c.preemptions = done.refills, done.preemptions
+        c.kv_allocated_bytes = r.cache.allocated_bytes + self.scratch.allocated_bytes
 
     def post_processing(self):
         r, done, live = self.rollout, self.done, self.live

@@ -45,6 +45,11 @@ class RolloutConfig:
     # it decodes max_rows // samples_per_prompt prompts at a time and refills the rows of the prompts whose
     # samples have all ended with waiting prompts (torchkvops.rollout.streaming). Same tokens either way.
     max_rows: int | None = None
+    # The most KV tokens the rows hold at once (None: no bound; kv_sharing="paged", whose blocks of 16 tokens
+    # it counts): rows start while blocks are free, and when the rows' growth runs the budget out the newest
+    # are preempted and restarted later from their prompts, with the same tokens (torchkvops.rollout.kv_budget).
+    # A call whose rows fit at their longest runs as without it. Prefill scratch and recurrent states apart.
+    max_kv_tokens: int | None = None
     # A prefix that every prompt of a call begins with (a system prompt), at least this many tokens long, is
     # computed once; with kv_sharing="prefix" every row's decode reads its KV once a step. None: never
     # looked for. Same tokens either way (torchkvops.rollout.prompts).
@@ -124,6 +129,16 @@ class RolloutConfig:
             "max_rows",
             f"must hold at least one prompt's samples_per_prompt={self.samples_per_prompt} rows (a prompt's "
             "samples decode together)",
+        )
+        need(
+            self.max_kv_tokens is None or (is_int(self.max_kv_tokens) and self.max_kv_tokens >= 1),
+            "max_kv_tokens",
+            "must be None (no bound) or an int >= 1",
+        )
+        need(
+            self.max_kv_tokens is None or LAYOUTS[self.kv_sharing].paged,
+            "max_kv_tokens",
+            f"counts the paged layout's blocks: it needs kv_sharing='paged' (kv_sharing={self.kv_sharing!r})",
         )
         need(
             self.min_shared_tokens is None or (is_int(self.min_shared_tokens) and self.min_shared_tokens >= 1),

@@ -379,7 +379,7 @@ class Decoder:
                 homes, ended = batch.map.original.tolist(), flags[0].bool().tolist()
                 if self.cache.paged is not None:  # (what the next stretch's blocks follow, by home row)
                     self._known_rows = _by_home(homes, flags[2].tolist(), ended)
-                decisions = scheduler.decide(homes, ended, steps)
+                decisions = scheduler.decide(homes, ended, steps, flags[2].tolist())
                 if self.apply(batch, decisions, admission):
                     break
         finally:
@@ -424,7 +424,8 @@ class Decoder:
     def apply(batch: DecodeBatch, decisions: Decisions, admission: Admit | None = None) -> bool:
         """Carry out a scheduler's decisions on `batch`, in their order; whether to stop."""
         batch.retire(decisions.retire)
-        if decisions.prefill or decisions.start:
+        batch.preempt(decisions.preempt)
+        if decisions.prefill or decisions.start or decisions.forget or decisions.release:
             admission(batch, decisions)
         if decisions.compact is not None:
             plan = batch.plan(torch.tensor(decisions.compact))

@@ -32,6 +32,7 @@ from .cache_groups import KVViews
 from .calls import ExtendCall, GenerateCall, StreamCall, run_stages
 from .config import MIN_TEMPERATURE, RolloutConfig, RolloutOutput  # noqa: F401
 from .decode import FINISHED_CHECK_INTERVAL, MAX_DECODE_STATES, Decoder, DecodeStep, NonFiniteLogitsError  # noqa: F401
+from .kv_budget import budget_blocks, call_blocks
 from .kv_cache import RolloutKVCache
 from .layouts import KV_LENGTH_MULTIPLE, RESPONSE_KV_MULTIPLE, CopyLayout, layout_for, round_up  # noqa: F401
 from .lm_head import Float32LMHead
@@ -246,16 +247,29 @@ class Rollout:
             seed = cfg.seed if cfg.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
         if row_ids is None:
             row_ids = torch.arange(rows, device=self.device)
-        if cfg.max_rows is not None and rows > cfg.max_rows:
+        over_rows = cfg.max_rows is not None and rows > cfg.max_rows
+        if over_rows or not self._fits_kv_budget(batch, rows, prompt_len):
             if ended_everywhere is not None:
+                setting = "max_rows" if over_rows else "max_kv_tokens"
                 raise ValueError(
-                    "Rollout: RolloutConfig.max_rows cannot stream the rows of a synced generation (every process "
+                    f"Rollout: RolloutConfig.{setting} cannot stream the rows of a synced generation (every process "
                     "must run as many forwards as the others, and refills prefill where rows end)"
                 )
             call = self._stream_call(input_ids, attention_mask, seed, row_ids, live)
         else:
             call = GenerateCall(self, input_ids, attention_mask, seed, row_ids, live, ended_everywhere)
         return self._profiled(lambda timer: run_stages(timer, call))
+
+    def _fits_kv_budget(self, prompts: int, rows: int, prompt_len: int) -> bool:
+        """Whether a call's rows fit RolloutConfig.max_kv_tokens at their longest (each prompt's blocks and
+        each row's through max_new_tokens and a check interval: `kv_budget.call_blocks`), so that it runs
+        as a call (its KV kept for a turn); else it streams under the budget. True without a budget."""
+        budget = self.config.max_kv_tokens
+        if budget is None:
+            return True
+        block = self.layout.block_size
+        need = call_blocks(prompts, rows, prompt_len, self.config.max_new_tokens, block, FINISHED_CHECK_INTERVAL)
+        return need <= budget_blocks(budget, block)
 
     def _prefill_prompts(self, input_ids: Tensor, attention_mask: Tensor) -> tuple[Tensor, int]:
         """The prompts as given, one forward over all of them (every row's copy in the expanded baseline):

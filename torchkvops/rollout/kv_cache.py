@@ -160,15 +160,17 @@ class RolloutKVCache(Cache):
         common: int = 0,
         decode_limit: int | None = None,
         table_rows: int | None = None,
+        max_blocks: int | None = None,
     ) -> None:
         """Buffers of `layout` for `prompts` prompts and `rows` rows, of `lengths` positions each (every
         group's: [group layers, 2, rows of the buffer, kv_heads, positions, head_dim]), and `common` positions
         of a prefix common to every prompt kept once (`common_views`; 0: none). `decode_limit`: the decode
         buffer's columns at the budget, which `widen` may grow it to (None: its length now). `table_rows`:
         the paged layout's samples with block tables of their own (None: one a row; a streaming batch keeps
-        one per sample, and one per prompt after them)."""
+        one per sample, and one per prompt after them); `max_blocks`: the most blocks they may hold at once
+        (a budget of KV tokens)."""
         self.decode_limit = lengths[-1] if decode_limit is None else max(decode_limit, lengths[-1])
-        self._prepare_paged(layout, rows, lengths[-1], table_rows)
+        self._prepare_paged(layout, rows, lengths[-1], table_rows, max_blocks)
         buffer_rows = layout.buffer_rows(prompts, rows)
         self._set_home(
             self._home_views([[g.buffer_shape(r, t) for r, t in zip(buffer_rows, lengths)] for g in self.groups])
@@ -184,7 +186,7 @@ class RolloutKVCache(Cache):
                 g.common = view
         self.peak_used_bytes = self.used_bytes
 
-    def _prepare_paged(self, layout, rows: int, columns: int, samples: int | None) -> None:
+    def _prepare_paged(self, layout, rows: int, columns: int, samples: int | None, max_blocks: int | None) -> None:
         """The paged layout: every block free and a table for each of `rows` rows (a streaming batch: for each
         of `samples` samples, then each prompt's own), the pools kept while large enough; each full-attention
         group's buffer is its pool. Other layouts: no pools."""
@@ -200,7 +202,7 @@ class RolloutKVCache(Cache):
         # A first guess of the blocks a call holds (the pools grow as rows do): each row's prompt and a stretch.
         expected = rows * (-(-columns // layout.block_size) // 2 + 2)
         tables = rows if samples is None else samples + samples // layout.samples
-        self.paged.prepare(tables, self.decode_limit, expected, samples)
+        self.paged.prepare(tables, self.decode_limit, expected, samples, max_blocks)
         for g in attention:
             g.pool = None  # (a new view of each pool for this call)
         self._refresh_pools()
@@ -237,11 +239,11 @@ class RolloutKVCache(Cache):
                     written = src[layer][:, : len(tables), :, :prompt_len]
                     write_slots(g.pool, layer, written[0], written[1], slots)
 
-    def seat_samples(self, samples: list[int], per_prompt: int, home: KVViews, rows: Tensor) -> None:
-        """The paged layout, a streaming batch: samples `samples` (of one prompt, `per_prompt` a prompt)
-        continue their prompt's table (`PagedStore.fork_to`), and their decode rows `rows` get the prompt's
-        states at `home` in the other groups (as the copy layout seats them)."""
-        self.paged.fork_to(samples[0] // per_prompt, samples, per_prompt)
+    def seat_samples(self, prompt: int, samples: list[int], home: KVViews, rows: Tensor) -> None:
+        """The paged layout, a streaming batch: samples `samples` of prompt `prompt` continue its table
+        (`PagedStore.fork_to`), and their decode rows `rows` get the prompt's states at `home` in the other
+        groups (as the copy layout seats them)."""
+        self.paged.fork_to(prompt, samples)
         self._refresh_pools()
         self.peak_used_bytes = max(self.peak_used_bytes, self.used_bytes)
         for g, src in zip(self.groups, home.buffers):
@@ -249,6 +251,10 @@ class RolloutKVCache(Cache):
                 dst = g.current[-1]
                 for layer in range(src.shape[0]):
                     dst[layer][:, rows] = src[layer].expand(-1, rows.numel(), *src[layer].shape[2:])
+
+    def release_prompt(self, prompt: int) -> None:
+        """The paged layout, a streaming batch: prompt `prompt`'s own table gives its blocks back."""
+        self.paged.release_prompt(prompt)
 
     def release_tables(self, tables: list[int]) -> None:
         """The paged layout: these tables' blocks given back (their rows' samples ended)."""

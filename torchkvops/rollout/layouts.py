@@ -18,10 +18,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..models.adapter import FULL_ATTENTION
 from .attention import SharedLevel
 from .cache_groups import KVViews
 from .compaction import BatchMap
-from .paged_store import KV_BLOCK_SIZE
+from .paged_store import KV_BLOCK_SIZE, SCRATCH_BLOCK
 from .state import DecodeShape
 
 __all__ = [
@@ -199,6 +200,10 @@ class CopyLayout:
 
     def release_rows(self, batch, rows: list[int]) -> None:
         """Rows whose samples ended leave their prompt (nothing to do: each row held its own copy)."""
+
+    def drop_prompt(self, batch, prompt: int) -> None:
+        """A streaming batch no longer keeps prompt `prompt`'s KV for samples that wait (nothing here: the
+        admission drops its copy)."""
 
 
 class PrefixLayout(CopyLayout):
@@ -384,14 +389,33 @@ class PagedLayout(CopyLayout):
         prompt's (its full blocks shared, its partly filled one copied), the recurrent groups' states copied
         as the copy layout copies them. Returns the rows' attention bias over their columns."""
         prompt_len = row_mask.shape[1]
-        cache.seat_samples(samples.tolist(), self.samples, home, rows)
+        samples = samples.tolist()
+        cache.seat_samples(samples[0] // self.samples, samples, home, rows)
         visible = torch.full((rows.numel(), cache.decode_columns), float("-inf"), device=rows.device)
         visible[:, :prompt_len] = torch.where(row_mask, 0.0, float("-inf"))
         return visible
 
     def release_rows(self, batch, rows: list[int]) -> None:
-        """Rows whose samples ended give their blocks back (a streamed call keeps no KV for a turn)."""
+        """Rows whose samples ended (or were preempted) give their blocks back (a streamed call keeps no KV
+        for a turn); until another sample takes them, their filler writes go to the scratch block, not to
+        blocks now free (which another row may take at the next stretch)."""
         batch.cache.release_tables(batch.map.original[rows].tolist())
+        kv_blocks = batch.state.kv_blocks
+        kv_blocks.index_fill_(0, torch.tensor(rows, device=kv_blocks.device), SCRATCH_BLOCK)
+
+    def drop_prompt(self, batch, prompt: int) -> None:
+        """The prompt's own table gives its blocks back (its started samples hold them still)."""
+        batch.cache.release_prompt(prompt)
+
+    def keep_apart(self, home: KVViews, scratch) -> KVViews:
+        """A waiting prompt's states in the groups without a pool (recurrent layers), copied out of the scratch
+        cache; its attention KV waits in its table already (an empty stand-in for those groups)."""
+        pooled = [g.kind == FULL_ATTENTION for g in scratch.groups]  # (the groups a paged cache pools)
+        views = scratch.prompt_views
+        if views is None or _storage(home) != _storage(views):
+            return home
+        buffers = tuple(b[..., :0, :].clone() if p else b.clone() for b, p in zip(home.buffers, pooled))
+        return KVViews(buffers, home.slots, home.states)
 
     def decode_shape(self, cache, rows: int, prompts: int, max_new_tokens: int, dtype, logprobs: bool, slots: int = 0):
         return DecodeShape(rows, cache.columns, max_new_tokens, dtype, logprobs=logprobs, kv_block=self.block_size)

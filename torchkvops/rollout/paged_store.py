@@ -44,22 +44,27 @@ class PagedStore:
         self.table: Tensor | None = None  # [rows, max_blocks] int32, the device copy of `tables`
         self.peak_blocks = 0  # the most blocks held at once since `prepare`
         self.samples = 0  # tables of samples before the prompts' own (a streaming batch: `prompt_table`)
-        self.forked: dict[int, int] = {}  # a streaming batch: prompt -> its samples that forked its table
+        self.limit: int | None = None  # the most blocks held at once (a KV budget; the scratch block included)
 
     # --- a call's tables ------------------------------------------------------------------------------
-    def prepare(self, rows: int, columns: int, expected_blocks: int, samples: int | None = None) -> None:
+    def prepare(
+        self, rows: int, columns: int, expected_blocks: int, samples: int | None = None, limit: int | None = None
+    ) -> None:
         """Every block free, `rows` empty tables of up to `columns` columns (the first `samples` of them the
         samples', the rest the prompts' own: a streaming batch; None: every one a row's); the pools hold at
-        least `expected_blocks` blocks (kept from an earlier call when they are that large)."""
-        self.samples, self.forked = rows if samples is None else samples, {}
+        least `expected_blocks` blocks (kept from an earlier call when they are that large). `limit`: the
+        most blocks rows may hold at once (a budget of KV tokens: the pools never grow past it)."""
+        self.samples = rows if samples is None else samples
+        self.limit = None if limit is None else limit + 1  # (+ the scratch block)
         need = max(expected_blocks, 1) + 1  # (+ the scratch block)
+        need = need if self.limit is None else min(need, self.limit)
         if not self.kv or self.kv[0].num_blocks < need:
             self.kv = []  # the old pools go before the new ones are made
             self.kv = [
                 PagedKV(s.layers, s.kv_heads, s.head_dim, self.block_size, need, self.dtype, self.device)
                 for s in self.shapes
             ]
-        self.pool = BlockPool(self.kv[0].num_blocks, self.block_size)
+        self.pool = BlockPool(self.kv[0].num_blocks if self.limit is None else need, self.block_size)
         assert self.pool.take(1) == [SCRATCH_BLOCK]
         self.tables = BlockTables(self.pool, rows, blocks_for(columns, self.block_size))
         self.table = torch.full((rows, self.tables.max_blocks), SCRATCH_BLOCK, dtype=torch.int32, device=self.device)
@@ -112,16 +117,16 @@ class PagedStore:
         """A streaming batch: the table that holds prompt `prompt`'s KV while its samples get rows."""
         return self.samples + prompt
 
-    def fork_to(self, prompt: int, samples: list[int], per_prompt: int) -> None:
+    def fork_to(self, prompt: int, samples: list[int]) -> None:
         """A streaming batch: `samples` (empty tables) continue prompt `prompt`'s table (full blocks shared,
-        the partly filled one copied); once all `per_prompt` samples have, the prompt's table gives its
-        blocks back (each sample holds them still)."""
-        parent = self.prompt_table(prompt)
-        self._fork(parent, samples)
-        self.forked[prompt] = self.forked.get(prompt, 0) + len(samples)
-        if self.forked[prompt] == per_prompt:
-            self.tables.release(parent)
+        the partly filled one copied)."""
+        self._fork(self.prompt_table(prompt), samples)
         self._upload(samples)
+
+    def release_prompt(self, prompt: int) -> None:
+        """A streaming batch: prompt `prompt`'s own table gives its blocks back (its samples that started
+        hold them still)."""
+        self.tables.release(self.prompt_table(prompt))
 
     def _fork(self, parent: int, children: list[int]) -> None:
         """`children` (empty tables) continue `parent`'s (`BlockTables.fork`, the pools made larger when they
@@ -136,10 +141,20 @@ class PagedStore:
             kv.copy_blocks(copies)
 
     def _grow(self, at_least: int) -> None:
-        """Pools with at least `at_least` more free blocks (doubling): a new allocation each."""
+        """Pools with at least `at_least` more free blocks (doubling, up to `limit`): a new allocation each
+        (not under a limit that the pools' tensors hold already). OutOfBlocks past the limit: the budget's
+        scheduler takes no more than it holds, so this is a bookkeeping error."""
         size = max(2 * self.pool.num_blocks, self.pool.num_blocks + at_least)
-        for kv in self.kv:
-            kv.grow(size)
+        if self.limit is not None:
+            size = min(size, self.limit)
+            if size - self.pool.num_blocks < at_least:
+                raise OutOfBlocks(
+                    f"torchkvops: the KV budget (max_kv_tokens: {self.limit - 1} blocks of {self.block_size}) has "
+                    f"{self.pool.num_free} free, {at_least} more wanted: the scheduler should have preempted"
+                )
+        if self.kv[0].num_blocks < size:
+            for kv in self.kv:
+                kv.grow(size)
         self.pool.grow(size)
 
     def _upload(self, rows: list[int]) -> None:

@@ -56,6 +56,9 @@ class RolloutProfile:
     reused_tokens: int = 0
     # RolloutConfig.max_rows: prompts admitted after the start, into rows that others' samples freed.
     refills: int = 0
+    # RolloutConfig.max_kv_tokens: samples preempted when the budget ran short (each restarted from its prompt,
+    # with the same tokens).
+    preemptions: int = 0
     # A sharded model's weights gathered once for the call (patch_generate's gather_weights, hf.sharded):
     # the gather's milliseconds and the bytes of the weights it gathered (0: none was gathered).
     gather_ms: float = 0.0

@@ -2,17 +2,19 @@
 
 Every FINISHED_CHECK_INTERVAL steps the loop (`Decoder.run`) reads which rows have ended (its one host
 sync) and asks its scheduler; the scheduler looks at that and at the batch's row -> sample map only, and
-returns `Decisions`: rows to retire, prompts to prefill, samples to start in free rows, whether to
-compact and whether to stop. The loop carries them out through the batch (`DecodeBatch.retire`,
+returns `Decisions`: rows to retire (or preempt), prompts to prefill (or let go of), samples to start in
+free rows, whether to compact and whether to stop. The loop carries them out through the batch (`DecodeBatch.retire`,
 `admit`, `compact`) and, for prefills and starts, the call's admission (streaming's `Admission`). No
 scheduler touches a tensor, the model or the KV cache, so each is tested alone.
 
 - `UntilEnded`: a call (generate, extend): decode until every row has its tokens or has ended (on every
   process, when the check is a collective), compacting as rows end while a check interval is left.
-- `Refill`: a rollout larger than the row budget (`RolloutConfig.max_rows`): ended rows leave, waiting
-  samples take the free rows (a prompt prefilled once, as its first sample gets a row; at most
-  `prompt_slots` prompts with samples in the batch at once, when the layout keeps prompts in slots), and
-  once nothing waits the rows still decoding are compacted.
+- `Refill`: a rollout larger than the row budget (`RolloutConfig.max_rows`) or under a budget of KV tokens
+  (`RolloutConfig.max_kv_tokens`): ended rows leave, waiting samples take the free rows (a prompt prefilled
+  once, as its first sample gets a row; at most `prompt_slots` prompts with samples in the batch at once,
+  when the layout keeps prompts in slots; under a KV budget, while blocks are free, and the newest rows
+  preempted when the live rows' next interval does not fit: `kv_budget`), and once nothing waits the rows
+  still decoding are compacted.
 """
 
 from __future__ import annotations
@@ -26,10 +28,14 @@ __all__ = ["Decisions", "UntilEnded", "Refill"]
 @dataclasses.dataclass
 class Decisions:
     """What the loop does, in this order: `retire` these batch rows (ended: their tokens go to their
-    samples' places); `prefill` these prompts (once each, in order); `start` samples in free rows:
-    (prompt, its samples' output rows, the batch rows they take); `compact`: go on without the rows
-    marked True ([rows] host bools, after the retirements and starts; None: no compaction), the batch's
-    tokens so far kept up to `compact_tokens`; then `stop` or go on."""
+    samples' places); `preempt` these batch rows (a budget of KV tokens ran short: their blocks go back and
+    their samples start again later, nothing of them kept); `forget` these prompts (the KV kept for their
+    samples that wait goes, before any prefill: they will be prefilled again); `prefill` these prompts
+    (once each, in order); `start` samples in free rows: (prompt, its samples' output rows, the batch rows
+    they take); `release` these prompts (every sample that waited for them has started: the KV kept for
+    them goes); `compact`: go on without the rows marked True ([rows] host bools, after the retirements
+    and starts; None: no compaction), the batch's tokens so far kept up to `compact_tokens`; then `stop`
+    or go on."""
 
     retire: list[int] = dataclasses.field(default_factory=list)
     prefill: list[int] = dataclasses.field(default_factory=list)
@@ -37,6 +43,9 @@ class Decisions:
     compact: list[bool] | None = None
     compact_tokens: int = 0
     stop: bool = False
+    preempt: list[int] = dataclasses.field(default_factory=list)
+    forget: list[int] = dataclasses.field(default_factory=list)
+    release: list[int] = dataclasses.field(default_factory=list)
 
 
 class UntilEnded:
@@ -53,9 +62,11 @@ class UntilEnded:
         self.max_steps = max_new_tokens - 1  # the first token is sampled from prefill's logits
         self.compacts, self.interval, self.ended_everywhere = compacts, interval, ended_everywhere
 
-    def decide(self, samples: list[int], finished: list[bool], steps: int) -> Decisions:
+    def decide(
+        self, samples: list[int], finished: list[bool], steps: int, columns: list[int] | None = None
+    ) -> Decisions:
         """`samples`: each batch row's sample (unused here: every row of a call is one); `finished`: each
-        batch row has ended; `steps`: decode steps so far."""
+        batch row has ended; `steps`: decode steps so far; `columns`: each row's next column (unused here)."""
         ended = all(finished)
         if self.ended_everywhere is not None:  # a collective: every process asks at every check
             ended = self.ended_everywhere(ended)
@@ -69,54 +80,121 @@ class UntilEnded:
 class Refill:
     """A streaming batch's scheduler (module docstring): `prompts` prompts of `samples` samples each (sample
     s of prompt p is output row p * samples + s), over a batch whose rows start free; `prompt_slots`:
-    how many prompts may have samples in the batch at once (None: no bound besides the rows)."""
+    how many prompts may have samples in the batch at once (None: no bound besides the rows); `budget`:
+    a budget of KV tokens (`kv_budget.BlockBudget`; None: rows are the only bound), under which samples
+    start while blocks are free and the newest rows are preempted when the live rows' next interval does
+    not fit."""
 
     max_steps = None  # rows join later: only the scheduler stops
 
-    def __init__(self, prompts: int, samples: int, *, prompt_slots: int | None, compacts: bool):
-        self.samples, self.prompt_slots, self.compacts = samples, prompt_slots, compacts
-        self.waiting = list(range(prompts))  # prompts not prefilled yet, in order
-        self.unstarted: list[tuple[int, list[int]]] = []  # prefilled prompts' samples without a row yet
+    def __init__(self, prompts: int, samples: int, *, prompt_slots: int | None, compacts: bool, budget=None):
+        self.samples, self.prompt_slots, self.compacts, self.budget = samples, prompt_slots, compacts, budget
+        # Samples that wait for a prefill of their prompt, in order: every prompt's at first; preempted
+        # samples and those of a forgotten prompt go to the front.
+        self.queue: list[tuple[int, list[int]]] = [
+            (p, [p * samples + j for j in range(samples)]) for p in range(prompts)
+        ]
+        self.held: dict[int, list[int]] = {}  # prefilled prompts -> their samples without a row yet, in order
         self.left: dict[int, int] = {}  # prompts in the batch -> their samples not ended yet
+        self.order: list[int] = []  # (a budget) the samples decoding, oldest started first
         self.refills = 0  # prompts prefilled after the start
+        self.preemptions = 0  # samples preempted (a budget)
 
-    def decide(self, samples: list[int], finished: list[bool], steps: int) -> Decisions:
+    def decide(
+        self, samples: list[int], finished: list[bool], steps: int, columns: list[int] | None = None
+    ) -> Decisions:
         """`samples`: each batch row's sample (-1: free); `finished`: each batch row has ended (free rows
-        count as ended); `steps`: decode steps so far."""
+        count as ended); `steps`: decode steps so far; `columns`: each row's next column (a budget: what its
+        next interval's blocks follow)."""
         n = self.samples
-        retire = [r for r, s in enumerate(samples) if s >= 0 and finished[r]]
-        for r in retire:
-            prompt = samples[r] // n
-            self.left[prompt] -= 1
-            if not self.left[prompt]:
-                del self.left[prompt]
-        occupant = [-1 if r in set(retire) else s for r, s in enumerate(samples)]
+        d = Decisions(retire=[r for r, s in enumerate(samples) if s >= 0 and finished[r]])
+        occupant = list(samples)
+        for r in d.retire:
+            self._ended(samples[r])
+            occupant[r] = -1
+        avail = None if self.budget is None else self._make_room(d, samples, occupant, columns)
         free = [r for r, s in enumerate(occupant) if s < 0]
-        # Prompts to prefill: enough for the free rows that samples prefilled already will not take, as
-        # slots allow (a prompt holds its slot until every sample of it has ended).
-        unstarted = sum(len(rest) for _, rest in self.unstarted)
-        wanted = -(-max(0, len(free) - unstarted) // n)
-        if self.prompt_slots is not None:
-            wanted = min(wanted, self.prompt_slots - len(self.left))
-        prefill = self.waiting[: max(0, wanted)]
-        del self.waiting[: len(prefill)]
-        self.refills += len(prefill) if steps > 0 else 0
-        for prompt in prefill:
-            self.left[prompt] = n
-            self.unstarted.append((prompt, [prompt * n + j for j in range(n)]))
-        start = []
-        while free and self.unstarted:
-            prompt, rest = self.unstarted[0]
-            take, rows = rest[: len(free)], free[: len(rest)]
-            start.append((prompt, take, rows))
+        # Samples take free rows in order: those of prompts held first, then those waiting for a prefill
+        # (one prefill a prompt, when its first sample starts; with prompt slots, while a slot is free).
+        candidates = [(p, rest, False) for p, rest in self.held.items()] + [(p, rest, True) for p, rest in self.queue]
+        for prompt, rest, prefill in candidates:
+            if not free:
+                break
+            k = min(len(free), len(rest))
+            if avail is not None:  # blocks for the prompt's table when it must be prefilled, and each sample's own
+                k = min(k, (avail - (self.budget.prompt_blocks if prefill else 0)) // self.budget.sample_blocks)
+            if k < 1 or (
+                prefill
+                and self.prompt_slots is not None
+                and prompt not in self.left
+                and len(self.left) >= self.prompt_slots
+            ):
+                break  # in order: the samples after it wait too
+            if prefill:
+                d.prefill.append(prompt)
+                self.queue = [(p, r) for p, r in self.queue if p != prompt]
+                self.held[prompt] = rest
+                self.left.setdefault(prompt, n)
+                avail = None if avail is None else avail - self.budget.prompt_blocks
+            take, rows = rest[:k], free[:k]
+            d.start.append((prompt, take, rows))
             for row, sample in zip(rows, take):
                 occupant[row] = sample
-            free, rest[:] = free[len(take) :], rest[len(take) :]
+            self.order += take
+            free, rest[:] = free[k:], rest[k:]
+            avail = None if avail is None else avail - k * self.budget.sample_blocks
             if not rest:
-                self.unstarted.pop(0)
-        if self.waiting or self.unstarted:
-            return Decisions(retire, prefill, start)
+                del self.held[prompt]
+                d.release.append(prompt)
+        self.refills += len(d.prefill) if steps > 0 else 0
+        if self.queue or self.held:
+            return d
         if all(s < 0 for s in occupant):
-            return Decisions(retire, prefill, start, stop=True)  # every sample has ended
-        compact = [s < 0 for s in occupant] if self.compacts and any(s < 0 for s in occupant) else None
-        return Decisions(retire, prefill, start, compact=compact)
+            d.stop = True  # every sample has ended
+        elif self.compacts and any(s < 0 for s in occupant):
+            d.compact = [s < 0 for s in occupant]
+        return d
+
+    def _ended(self, sample: int) -> None:
+        prompt = sample // self.samples
+        self.left[prompt] -= 1
+        if not self.left[prompt]:
+            del self.left[prompt]
+        if self.budget is not None:
+            self.order.remove(sample)
+
+    def _make_room(self, d: Decisions, samples: list[int], occupant: list[int], columns: list[int]) -> int:
+        """A budget: blocks for every live row's next interval, letting go of held prompts (newest first) and
+        then preempting the newest rows until they fit (decisions into `d`, `occupant` updated). Returns the
+        blocks left for samples to start."""
+        budget = self.budget
+        released = [samples[r] for r in d.retire]
+        row_of = {s: r for r, s in enumerate(occupant) if s >= 0}
+        growth = {s: budget.growth(s, columns[r]) for s, r in row_of.items()}
+        avail = budget.free(released) - sum(growth.values())
+        while avail < 0:
+            if self.held:  # a prompt kept for samples that wait: they will prefill it again
+                prompt, rest = self.held.popitem()
+                d.forget.append(prompt)
+                released.append(budget.prompt_table(prompt))
+                self._requeue(prompt, rest)
+            else:
+                if len(self.order) <= 1:
+                    raise AssertionError("torchkvops: one row alone outgrows the KV budget (check_budget)")
+                victim = self.order.pop()
+                row = row_of.pop(victim)
+                d.preempt.append(row)
+                occupant[row] = -1
+                released.append(victim)
+                del growth[victim]
+                self._requeue(victim // self.samples, [victim])
+                self.preemptions += 1
+            avail = budget.free(released) - sum(growth.values())
+        return avail
+
+    def _requeue(self, prompt: int, samples: list[int]) -> None:
+        """`samples` of `prompt` wait for a new prefill of it, at the front of the queue (with any of its
+        samples that wait there already: one prefill serves them all)."""
+        waiting = [rest for p, rest in self.queue if p == prompt]
+        self.queue = [(p, rest) for p, rest in self.queue if p != prompt]
+        self.queue.insert(0, (prompt, sorted(samples + (waiting[0] if waiting else []))))

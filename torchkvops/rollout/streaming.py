@@ -29,6 +29,7 @@ from torch import Tensor
 from .batch import DecodeBatch
 from .cache_groups import KVViews
 from .decode import FINISHED_CHECK_INTERVAL, Decoder
+from .kv_budget import BlockBudget, check_budget
 from .sampling import row_keys
 from .scheduler import Decisions, Refill
 
@@ -43,6 +44,7 @@ class Streamed:
     row_steps: int  # rows sampled, summed over the steps (the batch's rows at every step)
     refills: int  # prompts admitted after the start
     kv_bytes: int  # the batch's KV buffers, the scratch cache prompts are prefilled into, pending prompts' KV
+    preemptions: int = 0  # samples preempted under a budget of KV tokens (each restarted from its prompt)
 
 
 def unbudgeted_width(lengths: list[int], max_new_tokens: int, has_eos: bool) -> int:
@@ -69,27 +71,34 @@ class Admission:
         self.seed, self.row_ids, self.live = seed, row_ids, live
         self.first_column = self.layout.first_column(prompt_mask.shape[1])  # where an admitted row writes first
         # Prompts prefilled whose samples have not all started: where their KV waits, their first logits and
-        # mask, and how many of their samples have not started.
-        self.pending: dict[int, tuple[object, Tensor, Tensor, int]] = {}
+        # mask (until the scheduler releases them).
+        self.pending: dict[int, tuple[object, Tensor, Tensor]] = {}
         self.peak_pending_bytes = 0  # the KV of prompts waiting for rows apart from the batch, at most
 
     def __call__(self, batch: DecodeBatch, decisions: Decisions) -> None:
+        for prompt in decisions.forget:  # (first: a budget's blocks go to the prefills below)
+            self.drop(prompt)
         if decisions.prefill:
             kv, logits, mask = self.prefill(decisions.prefill)
             homes = self.layout.place_prompts(batch, decisions.prefill, kv, mask)
             for i, prompt in enumerate(decisions.prefill):
-                self.pending[prompt] = (homes[i], logits[i : i + 1], mask[i : i + 1], self.layout.samples)
+                self.pending[prompt] = (homes[i], logits[i : i + 1], mask[i : i + 1])
         for prompt, samples, rows in decisions.start:
-            home, logits, mask, left = self.pending[prompt]
-            self.start(home, logits, mask, samples, rows)
-            self.pending[prompt] = (home, logits, mask, left - len(samples))
+            self.start(*self.pending[prompt], samples, rows)
+        for prompt in decisions.release:
+            self.drop(prompt)
         self.pending = {
             prompt: (self.layout.keep_apart(home, self.scratch), *rest)
             for prompt, (home, *rest) in self.pending.items()
-            if rest[-1]
         }
         held = sum(home.nbytes for home, *_ in self.pending.values() if isinstance(home, KVViews))
         self.peak_pending_bytes = max(self.peak_pending_bytes, held)
+
+    def drop(self, prompt: int) -> None:
+        """Prompt `prompt`'s KV is no longer kept for samples that wait (they have all started, or a budget
+        of KV tokens let go of it: they will prefill it again)."""
+        del self.pending[prompt]
+        self.layout.drop_prompt(self.batch, prompt)
 
     def start(self, home, logits: Tensor, mask: Tensor, samples: list[int], rows: list[int]) -> None:
         """Start samples `samples` (output rows) of the prompt at `home` at batch rows `rows`."""
@@ -124,22 +133,27 @@ def stream(
     row_ids: Tensor,
     live: Tensor | None,
     max_new_tokens: int,
-    max_rows: int,
+    max_rows: int | None,
     compacts: bool,
     scratch,
+    max_kv_tokens: int | None = None,
 ) -> Streamed:
-    """Decode every prompt's N rows within `max_rows` rows (module docstring), as `scheduler.Refill`
-    decides. `prompt_mask` [B, P]: the prompts' masks; `prefill`: prefills prompts by index into
-    `scratch`, the cache admitted prompts are prefilled into."""
+    """Decode every prompt's N rows within `max_rows` rows (None: every row) and `max_kv_tokens` tokens of
+    KV (None: no bound; the paged layout's blocks) (module docstring), as `scheduler.Refill` decides.
+    `prompt_mask` [B, P]: the prompts' masks; `prefill`: prefills prompts by index into `scratch`, the
+    cache admitted prompts are prefilled into."""
     layout, cache, device = decoder.layout, decoder.cache, prompt_mask.device
     n = layout.samples
     prompts, prompt_len = prompt_mask.shape
-    groups = min(max_rows // n, prompts)
+    groups = prompts if max_rows is None else min(max_rows // n, prompts)
     rows = groups * n
     prompt_slots = layout.stream_prompt_slots(prompts, groups)
     lengths, limit = layout.first_kv_lengths(prompt_len, max_new_tokens)  # (widened as rows grow)
+    blocks = None
+    if max_kv_tokens is not None:
+        blocks = check_budget(max_kv_tokens, layout.block_size, prompt_len, max_new_tokens, FINISHED_CHECK_INTERVAL)
     # (the paged layout keeps a block table per sample: `PagedLayout.seat`)
-    cache.prepare(layout, prompt_slots, rows, lengths, decode_limit=limit, table_rows=prompts * n)
+    cache.prepare(layout, prompt_slots, rows, lengths, decode_limit=limit, table_rows=prompts * n, max_blocks=blocks)
     shape = layout.decode_shape(
         cache, rows, prompt_slots, max_new_tokens, decoder.adapter.dtype, decoder.step.logprobs, layout.stream_slots()
     )
@@ -156,9 +170,10 @@ def stream(
     admission = Admission(batch, prefill, prompt_mask, scratch, seed=seed, row_ids=row_ids.to(device), live=live)
     # A layout that keeps prompts in slots (prefix) bounds the prompts with samples in the batch; one that
     # gives each row its own copy (copy: 0 slots) does not.
-    scheduler = Refill(prompts, n, prompt_slots=prompt_slots or None, compacts=compacts)
-    decoder.apply(batch, scheduler.decide(batch.map.original.tolist(), [True] * rows, 0), admission)
+    budget = None if blocks is None else BlockBudget(cache.paged, prompt_len, FINISHED_CHECK_INTERVAL)
+    scheduler = Refill(prompts, n, prompt_slots=prompt_slots or None, compacts=compacts, budget=budget)
+    decoder.apply(batch, scheduler.decide(batch.map.original.tolist(), [True] * rows, 0, [0] * rows), admission)
     steps = decoder.run(batch, scheduler, admission)
     # (the peak: the tail's in-place compaction makes the views smaller)
     kv_bytes = cache.peak_used_bytes + scratch.allocated_bytes + admission.peak_pending_bytes
-    return Streamed(responses, logprobs, steps, batch.row_steps, scheduler.refills, kv_bytes)
+    return Streamed(responses, logprobs, steps, batch.row_steps, scheduler.refills, kv_bytes, scheduler.preemptions)
