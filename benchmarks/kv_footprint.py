@@ -1,4 +1,4 @@
-"""The rollout's KV bytes against what its rows hold (issue #52's memory goals), on three workloads:
+"""The rollout's KV bytes against what its rows hold (issue #52's memory goals), on five workloads:
 
 - `tail`: responses that end at spread lengths under a larger budget (`--length-profile eos-rate`: EOS with
   probability 1/M at every step), llama-small shape;
@@ -7,12 +7,17 @@
 - `turns`: a first call, then a turn that appends 1 to 2,000 tokens to the rows (spread), then a short
   answer (`Rollout.extend`), llama-small shape;
 - `rows`: a row budget's bytes (`max_rows`, streaming): the copy layout's at max_rows=16 against the paged
-  layout's at 16 to 64 rows at once, 8 prompts x 8 samples, spread lengths (mean 256, budget 2048).
+  layout's at 16 to 64 rows at once, and a budget of KV tokens as large as 16 rows at their longest
+  (`max_kv_tokens`), 8 prompts x 8 samples, spread lengths (mean 256, budget 2048);
+- `budget`: a budget of KV tokens against a row budget in the same bytes: 32 prompts x 8 samples, the copy
+  layout through max_rows=16 against the paged layout under max_kv_tokens = 16 rows at their longest: the
+  rows each decodes at once on average (generated tokens / decode steps).
 
 For each: the KV bytes the call used (`RolloutProfile.kv_cache_bytes`) and what the rows hold when it ends
 (each row's prompt and tokens, a prompt once in the prefix and paged layouts; a sliding layer at most its
 window: `held_bytes`), and their ratio. The paged layout (blocks of 16 tokens) holds the latter plus a
-partly filled block or two per row (and, for now, a sliding layer's every key). No timing: bytes only.
+partly filled block or two per row (and, for now, a sliding layer's every key). No timing is compared
+(decode_ms is printed for the record only): bytes and rows.
 
     .venv/bin/python benchmarks/kv_footprint.py --threads 2 --output out/kv_footprint.json
 """
@@ -156,14 +161,64 @@ def run_rows() -> list[dict]:
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(3, model.config.vocab_size, (ROW_BUDGET_PROMPTS, PROMPT_LEN), generator=g)
     out, reference = [], None
-    for layout, max_rows in [("copy", ROW_BUDGET_ROWS)] + [("paged", r) for r in (16, 32, 48, 64)]:
-        rollout = rollout_for(model, layout, 2048, max_rows=max_rows)
+    # A budget of KV tokens as large as the copy layout's 16 rows at their longest: a quarter of the rows.
+    kv_tokens = ROW_BUDGET_ROWS * (PROMPT_LEN + 2048)
+    cases = [("copy", ROW_BUDGET_ROWS, None)] + [("paged", r, None) for r in (16, 32, 48, 64)]
+    for layout, max_rows, max_kv_tokens in cases + [("paged", None, kv_tokens)]:
+        rollout = rollout_for(model, layout, 2048, max_rows=max_rows, max_kv_tokens=max_kv_tokens)
         result = rollout.generate(ids)
         reference = result.sequences if reference is None else reference
+        profile = rollout.get_last_profile()
         row = dict(
-            workload="rows", layout=layout, max_rows=max_rows, same_tokens=torch.equal(result.sequences, reference)
+            workload="rows",
+            layout=layout,
+            max_rows=max_rows,
+            max_kv_tokens=max_kv_tokens,
+            same_tokens=torch.equal(result.sequences, reference),
+            kv_bytes=profile.kv_cache_bytes,
+            batch_kv_bytes=rollout.cache.peak_used_bytes,  # (without the dense scratch prompts are prefilled into)
+            preemptions=profile.preemptions,
         )
-        row["kv_bytes"] = rollout.get_last_profile().kv_cache_bytes
+        print(row, flush=True)
+        out.append(row)
+    return out
+
+
+BUDGET_PROMPTS = 32  # the budget workload: 32 prompts x 8 samples, so that rows wait for most of the rollout
+
+
+def run_budget() -> list[dict]:
+    """A budget of KV tokens against a row budget in the same bytes (#52's goal): 32 prompts x 8 samples,
+    spread lengths (mean 256 under a budget of 2048), the copy layout streaming through max_rows=16 against
+    the paged layout under max_kv_tokens = 16 rows at their longest (what the copy layout's 16 rows
+    hold at their longest). The rows decoding at once on average (tokens / decode steps: the
+    rollout is long enough that rows wait for most of it), the KV bytes, the preemptions, the same tokens."""
+    model = build_model("llama-small", seed=0).eval()
+    install(model, "eos-rate", model.config.eos_token_id, 1.0, 256)
+    set_response_length(model, 2048)
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(3, model.config.vocab_size, (BUDGET_PROMPTS, PROMPT_LEN), generator=g)
+    kv_tokens = ROW_BUDGET_ROWS * (PROMPT_LEN + 2048)
+    out, reference = [], None
+    for layout, max_rows, max_kv_tokens in (("copy", ROW_BUDGET_ROWS, None), ("paged", None, kv_tokens)):
+        rollout = rollout_for(model, layout, 2048, max_rows=max_rows, max_kv_tokens=max_kv_tokens)
+        result = rollout.generate(ids)
+        reference = result.sequences if reference is None else reference
+        profile = rollout.get_last_profile()
+        row = dict(
+            workload="budget",
+            layout=layout,
+            max_rows=max_rows,
+            max_kv_tokens=max_kv_tokens,
+            same_tokens=torch.equal(result.sequences, reference),
+            kv_bytes=profile.kv_cache_bytes,
+            batch_kv_bytes=rollout.cache.peak_used_bytes,  # (without the dense scratch prompts are prefilled into)
+            rows_per_step=profile.generated_tokens / max(1, profile.decode_steps),
+            decode_steps=profile.decode_steps,
+            preemptions=profile.preemptions,
+            refills=profile.refills,
+            decode_ms=profile.decode_ms,
+        )
         print(row, flush=True)
         out.append(row)
     return out
@@ -171,7 +226,7 @@ def run_rows() -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workloads", nargs="+", default=["tail", "window", "turns", "rows"])
+    parser.add_argument("--workloads", nargs="+", default=["tail", "window", "turns", "rows", "budget"])
     parser.add_argument("--layouts", nargs="+", default=["copy", "prefix", "paged"])
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--output", default=None)
@@ -188,6 +243,8 @@ def main() -> None:
             rows.append(run_turns(layout))
     if "rows" in args.workloads:
         rows += run_rows()
+    if "budget" in args.workloads:
+        rows += run_budget()
     if args.output:
         with open(args.output, "w") as f:
             json.dump({"command": "benchmarks/kv_footprint.py", "rows": rows}, f, indent=1)

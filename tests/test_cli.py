@@ -1348,10 +1348,11 @@ def test_a_failed_write_mid_run_is_retried_after_the_next_case(tmp_path, monkeyp
 
 
 def test_rollout_max_rows_streams_the_same_samples(tmp_path):
-    """--max-rows 2 (one prompt's 2 samples at a time, the others admitted as rows end): the same
-    samples as every row at once."""
+    """--max-rows 2 (one prompt's 2 samples at a time, the others admitted as rows end), and
+    --max-kv-tokens 48 (a prompt and one row at its longest, in blocks of 16: rows preempted and
+    restarted): the same samples as every row at once."""
     records = []
-    for budget in ([], ["--max-rows", "2"]):
+    for budget in ([], ["--max-rows", "2"], ["--max-kv-tokens", "48"]):
         out = tmp_path / f"samples{len(budget)}.jsonl"
         proc = run_cli(
             "rollout",
@@ -1361,7 +1362,7 @@ def test_rollout_max_rows_streams_the_same_samples(tmp_path):
         )
         assert proc.returncode == 0, proc.stderr
         records.append([json.loads(line)["token_ids"] for line in out.read_text().splitlines()])
-    assert records[0] == records[1] and len(records[0]) == 6
+    assert records[0] == records[1] == records[2] and len(records[0]) == 6
 
 
 def test_max_rows_smaller_than_a_prompts_samples_fails_at_parse_time():
@@ -1370,3 +1371,9 @@ def test_max_rows_smaller_than_a_prompts_samples_fails_at_parse_time():
         assert proc.returncode == 2
         assert error_lines(proc)[-1].startswith("torchkvops: error:")
         assert "--max-rows 3 is smaller than one prompt's 4 samples" in proc.stderr
+
+
+def test_bench_max_kv_tokens_without_the_paged_mode_fails_at_parse_time():
+    proc = run_cli("bench", "--modes", "shared", "hf", "--max-kv-tokens", "4096")
+    assert proc.returncode == 2
+    assert "--max-kv-tokens 4096 applies to the paged mode only" in proc.stderr and "add paged" in proc.stderr

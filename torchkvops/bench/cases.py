@@ -153,6 +153,7 @@ class Settings:
     roofline_gbps: float | None = None  # copy_roofline's, to report each mode's fraction of (CUDA)
     mismatch: bool = False  # also measure each case's rollout-vs-trainer log-probability mismatch (mismatch.py)
     max_rows: int | None = None  # the rollout modes' RolloutConfig.max_rows (HF generate: every row at once)
+    max_kv_tokens: int | None = None  # the paged mode's RolloutConfig.max_kv_tokens (the others: no bound)
 
     @property
     def greedy(self) -> bool:

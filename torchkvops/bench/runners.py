@@ -41,6 +41,7 @@ def rollout_config(case: Case, mode: str, s: Settings, eos_token_id: list[int], 
         eos_token_id=eos_token_id,
         compact_finished_rows=not mode.endswith("-nocompact"),
         max_rows=s.max_rows,
+        max_kv_tokens=s.max_kv_tokens if layout == "paged" else None,
         **options,
     )
 

@@ -66,6 +66,7 @@ def cmd_bench(args) -> int:
         trace_dir=args.trace,
         mismatch=args.mismatch,
         max_rows=args.max_rows,
+        max_kv_tokens=args.max_kv_tokens,
         roofline_gbps=roofline["copy_roofline_gbps"] if roofline else None,
     )
     traffic = metrics.Traffic.of(model, settings.roofline_gbps)

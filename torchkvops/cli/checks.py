@@ -254,6 +254,11 @@ def check_rollout_args(args) -> None:
 
 def check_bench_args(args) -> None:
     check_max_rows(args, max(args.samples_per_prompt))
+    if args.max_kv_tokens is not None and "paged" not in args.modes:
+        raise CLIError(
+            f"--max-kv-tokens {args.max_kv_tokens} applies to the paged mode only (the layout whose blocks it "
+            f"counts), and --modes has none ({' '.join(args.modes)}): add paged"
+        )
     if args.model:
         model_source(args.model)
     check_output_file(args.output, "--output")

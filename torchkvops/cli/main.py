@@ -176,6 +176,14 @@ def _model_args(p: argparse.ArgumentParser) -> None:
         help="the most sample rows decoded at once (RolloutConfig.max_rows): more are streamed, prompts "
         "admitted as others' rows end; default: every row at once",
     )
+    g.add_argument(
+        "--max-kv-tokens",
+        type=int_in(1),
+        default=None,
+        help="the most KV tokens the rows hold at once (RolloutConfig.max_kv_tokens, the paged layout; bench: "
+        "its paged mode): rows start while blocks are free, the newest preempted when they run short; "
+        "default: no bound",
+    )
     g.add_argument("--seed", type=int_in(0, MAX_SEED, " (2**63 - 1)"), default=0, help="sampling and prompt seed")
     add_threads_argument(g)
 

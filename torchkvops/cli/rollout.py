@@ -66,6 +66,8 @@ def cmd_rollout(args) -> int:
         top_p=args.top_p,
         seed=args.seed,
         max_rows=args.max_rows,
+        max_kv_tokens=args.max_kv_tokens,
+        kv_sharing="paged" if args.max_kv_tokens is not None else "copy",  # (the layout whose blocks it counts)
     )
     model_config, source = load_config(args)
     n = args.samples_per_prompt

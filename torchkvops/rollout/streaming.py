@@ -65,8 +65,11 @@ class Admission:
     cache, which the next prefill overwrites), and samples started in free rows (`layouts.seat` and
     `DecodeBatch.admit`)."""
 
-    def __init__(self, batch: DecodeBatch, prefill: Prefill, prompt_mask: Tensor, scratch, *, seed, row_ids, live):
+    def __init__(
+        self, batch: DecodeBatch, prefill: Prefill, prompt_mask: Tensor, scratch, *, seed, row_ids, live, chunk=None
+    ):
         self.batch, self.prefill, self.scratch = batch, prefill, scratch
+        self.prefill_chunk = chunk  # the most prompts prefilled in one forward (None: all a decision asks)
         self.layout, self.cache = batch.layout, batch.cache
         self.seed, self.row_ids, self.live = seed, row_ids, live
         self.first_column = self.layout.first_column(prompt_mask.shape[1])  # where an admitted row writes first
@@ -78,11 +81,15 @@ class Admission:
     def __call__(self, batch: DecodeBatch, decisions: Decisions) -> None:
         for prompt in decisions.forget:  # (first: a budget's blocks go to the prefills below)
             self.drop(prompt)
-        if decisions.prefill:
-            kv, logits, mask = self.prefill(decisions.prefill)
-            homes = self.layout.place_prompts(batch, decisions.prefill, kv, mask)
-            for i, prompt in enumerate(decisions.prefill):
-                self.pending[prompt] = (homes[i], logits[i : i + 1], mask[i : i + 1])
+        prefill, chunk = decisions.prefill, self.prefill_chunk or max(1, len(decisions.prefill))
+        for first in range(0, len(prefill), chunk):
+            part = prefill[first : first + chunk]
+            kv, logits, mask = self.prefill(part)
+            homes = self.layout.place_prompts(batch, part, kv, mask)
+            last = first + chunk >= len(prefill)  # (an earlier chunk's KV is copied out before the next prefill)
+            for i, prompt in enumerate(part):
+                home = homes[i] if last else self.layout.keep_apart(homes[i], self.scratch)
+                self.pending[prompt] = (home, logits[i : i + 1], mask[i : i + 1])
         for prompt, samples, rows in decisions.start:
             self.start(*self.pending[prompt], samples, rows)
         for prompt in decisions.release:
@@ -167,7 +174,12 @@ def stream(
     # single padded input whose columns they would be).
     batch.set_cache_position(prompt_len)
     live = torch.ones(prompts * n, dtype=torch.bool, device=device) if live is None else live.to(device, torch.bool)
-    admission = Admission(batch, prefill, prompt_mask, scratch, seed=seed, row_ids=row_ids.to(device), live=live)
+    # Under a budget of KV tokens the prompts a check admits are prefilled in chunks, so that the dense scratch
+    # cache they are prefilled into holds at most an eighth of the budget (at least one prompt).
+    chunk = None if max_kv_tokens is None else max(1, max_kv_tokens // (8 * prompt_len))
+    admission = Admission(
+        batch, prefill, prompt_mask, scratch, seed=seed, row_ids=row_ids.to(device), live=live, chunk=chunk
+    )
     # A layout that keeps prompts in slots (prefix) bounds the prompts with samples in the batch; one that
     # gives each row its own copy (copy: 0 slots) does not.
     budget = None if blocks is None else BlockBudget(cache.paged, prompt_len, FINISHED_CHECK_INTERVAL)
