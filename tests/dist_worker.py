@@ -44,6 +44,17 @@ CONFIGS = {
     "budgeted": dict(
         samples_per_prompt=2, max_new_tokens=16, eos_token_id=[5, 7, 9, 11], temperature=1.0, seed=4, max_rows=2
     ),
+    # Each shard streamed within a budget of KV tokens (RolloutConfig.max_kv_tokens): a prompt and one row at
+    # its longest, rows preempted and restarted.
+    "kv-budgeted": dict(
+        samples_per_prompt=2,
+        max_new_tokens=16,
+        eos_token_id=[5, 7, 9, 11],
+        temperature=1.0,
+        seed=4,
+        kv_sharing="paged",
+        max_kv_tokens=64,
+    ),
     # Long enough, with enough EOS ids, that each shard's batch is compacted as its rows end (issue #19).
     "compacted": dict(
         samples_per_prompt=4,

@@ -1374,6 +1374,6 @@ def test_max_rows_smaller_than_a_prompts_samples_fails_at_parse_time():
 
 
 def test_bench_max_kv_tokens_without_the_paged_mode_fails_at_parse_time():
-    proc = run_cli("bench", "--modes", "shared", "hf", "--max-kv-tokens", "4096")
+    proc = run_cli("bench", "--modes", "shared", "hf-generate", "--max-kv-tokens", "4096")
     assert proc.returncode == 2
     assert "--max-kv-tokens 4096 applies to the paged mode only" in proc.stderr and "add paged" in proc.stderr

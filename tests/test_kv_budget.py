@@ -16,8 +16,9 @@ import random
 
 import pytest
 import torch
+from devices import DEVICES
 from families import tiny_model, unavailable
-from models import prompts
+from models import FAMILIES, prompts
 
 from torchkvops import Rollout, RolloutConfig
 from torchkvops.models.adapter import KVShape
@@ -258,3 +259,25 @@ def test_patch_generate_and_generate_take_a_budget_with_the_same_tokens(llama):
         handle.undo()
     assert torch.equal(results[1], results[0]) and torch.equal(results[2], results[0])
     assert preemptions[0] == 0 and preemptions[1] > 0 and preemptions[2] > 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_budget_that_preempts_on_each_device(device):
+    """One decode shape across preemptions and restarts (without compaction); on CUDA one CUDA graph
+    replayed for all of them: the pool is the budget's size from the start, so its address stays."""
+    model = FAMILIES["llama"]().to(device)
+    ids, mask = prompts(4, 21, seed=3, left_pad=[0, 5, 2, 9])
+    config = dict(
+        samples_per_prompt=4, max_new_tokens=40, kv_sharing="paged", eos_token_id=FEW_EOS, temperature=1.0, seed=5
+    )
+    config["compact_finished_rows"] = False
+    unbudgeted = Rollout(model, RolloutConfig(**config)).generate(ids.to(device), mask.to(device))
+    rollout = Rollout(
+        model, RolloutConfig(max_kv_tokens=least_budget(21, 40) + 2 * BLOCK, enable_profiling=True, **config)
+    )
+    budgeted = rollout.generate(ids.to(device), mask.to(device))
+    assert torch.equal(budgeted.sequences, unbudgeted.sequences)
+    assert rollout.get_last_profile().preemptions > 0
+    assert rollout.decode_counters().decode_shapes == 1
+    if device == "cuda":
+        assert rollout.decode_counters().captured_graphs == 1

@@ -53,11 +53,12 @@ class PagedStore:
         """Every block free, `rows` empty tables of up to `columns` columns (the first `samples` of them the
         samples', the rest the prompts' own: a streaming batch; None: every one a row's); the pools hold at
         least `expected_blocks` blocks (kept from an earlier call when they are that large). `limit`: the
-        most blocks rows may hold at once (a budget of KV tokens: the pools never grow past it)."""
+        most blocks rows may hold at once (a budget of KV tokens: the pools are that large)."""
         self.samples = rows if samples is None else samples
         self.limit = None if limit is None else limit + 1  # (+ the scratch block)
-        need = max(expected_blocks, 1) + 1  # (+ the scratch block)
-        need = need if self.limit is None else min(need, self.limit)
+        # (+ the scratch block.) Under a limit, the pools are its size from the start, as vLLM allocates its KV
+        # cache up front: they never grow, so a CUDA graph's addresses stay across the call.
+        need = max(expected_blocks, 1) + 1 if self.limit is None else self.limit
         if not self.kv or self.kv[0].num_blocks < need:
             self.kv = []  # the old pools go before the new ones are made
             self.kv = [
