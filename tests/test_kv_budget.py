@@ -63,6 +63,8 @@ class Loop:
 
     def apply(self, d) -> None:
         tables = self.store.tables
+        # A check that preempts (or lets a prompt go) starts nothing: the samples just stopped would restart.
+        assert not ((d.preempt or d.forget) and d.start), d
         for r in d.retire:
             s = self.occupant[r]
             self.out[s] = self.progress.pop(s)
@@ -216,6 +218,20 @@ def test_tokens_equal_the_unbudgeted_rollout_under_a_budget_that_preempts(family
     block_bytes = rollout.cache.paged.block_bytes
     assert rollout.cache.paged.peak_blocks - 1 <= budget // BLOCK  # (the scratch block apart)
     assert profile.kv_cache_bytes >= rollout.cache.paged.peak_blocks * block_bytes
+
+
+def test_rows_preempted_at_a_check_in_trls_layout_end_with_the_unbudgeted_tokens(llama):
+    """8 prompts x 8 samples under the bytes of 16 rows at their longest (a case that once restarted rows
+    in the check that preempted them, and their reservation then read the preempted row's column): the
+    budget is never passed (a capped pool raises) and the tokens are the unbudgeted ones."""
+    ids, mask = prompts(8, 21, seed=3, left_pad=[0, 3, 5, 1, 0, 7, 2, 4])
+    config = dict(
+        samples_per_prompt=8, max_new_tokens=64, kv_sharing="paged", eos_token_id=[40, 41], temperature=1.0, seed=3
+    )
+    unbudgeted = Rollout(llama, RolloutConfig(**config)).generate(ids, mask)
+    rollout = Rollout(llama, RolloutConfig(max_kv_tokens=16 * (21 + 64), enable_profiling=True, **config))
+    assert torch.equal(rollout.generate(ids, mask).sequences, unbudgeted.sequences)
+    assert rollout.get_last_profile().preemptions > 0
 
 
 def test_a_budget_that_holds_every_row_runs_as_a_call_and_keeps_its_kv_for_a_turn(llama):

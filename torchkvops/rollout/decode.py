@@ -380,6 +380,10 @@ class Decoder:
                 if self.cache.paged is not None:  # (what the next stretch's blocks follow, by home row)
                     self._known_rows = _by_home(homes, flags[2].tolist(), ended)
                 decisions = scheduler.decide(homes, ended, steps, flags[2].tolist())
+                if self._known_rows is not None:  # a sample started now is a new row, whatever it was at the check
+                    for _, samples, _ in decisions.start:
+                        for sample in samples:
+                            self._known_rows.pop(sample, None)
                 if self.apply(batch, decisions, admission):
                     break
         finally:

@@ -113,7 +113,9 @@ class Refill:
             self._ended(samples[r])
             occupant[r] = -1
         avail = None if self.budget is None else self._make_room(d, samples, occupant, columns)
-        free = [r for r, s in enumerate(occupant) if s < 0]
+        # Rows preempted or prompts let go of: nothing starts at this check (as vLLM's scheduler admits none in
+        # a step that preempts), or the blocks just freed would restart the samples just stopped.
+        free = [] if d.preempt or d.forget else [r for r, s in enumerate(occupant) if s < 0]
         # Samples take free rows in order: those of prompts held first, then those waiting for a prefill
         # (one prefill a prompt, when its first sample starts; with prompt slots, while a slot is free).
         candidates = [(p, rest, False) for p, rest in self.held.items()] + [(p, rest, True) for p, rest in self.queue]

@@ -1,4 +1,5 @@
-"""Rollouts larger than the row budget (`RolloutConfig.max_rows`): a fixed batch of rows, refilled.
+"""Rollouts larger than the row budget (`RolloutConfig.max_rows`) or the KV budget (`max_kv_tokens`): a fixed
+batch of rows, refilled.
 
 When B x N sample rows exceed max_rows, the rollout decodes in one batch of max_rows rows (rounded down
 to whole prompts' samples) whose KV buffers are sized for those rows only. At every all-ended check
@@ -10,6 +11,12 @@ its own columns, and the KV of a prompt whose samples still wait for rows is kep
 ended, and its samples' rows read it through the compacted prefix layout's query slots). Decode goes on
 with one batch, one decode shape (one CUDA graph). Once no prompt waits, the rows still decoding are
 compacted in place as compaction compacts them.
+
+Under a budget of KV tokens (`RolloutConfig.max_kv_tokens`, the paged layout) the batch has a row for
+every sample (or max_rows), and the scheduler starts samples while the pool has blocks for them and
+preempts the newest rows when the live rows' next interval does not fit (`kv_budget`); a preempted row
+leaves like a retired one without its tokens (`DecodeBatch.preempt`), and its sample starts again later
+from its prompt, prefilled again if it was let go of.
 
 The same tokens as without a budget: a row samples with its global row's key and its own step (the
 sampler takes a step per row), its attention sees its own prompt and tokens only (the columns of other
