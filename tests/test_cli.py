@@ -1352,15 +1352,18 @@ def test_rollout_max_rows_streams_the_same_samples(tmp_path):
     --max-kv-tokens 48 (a prompt and one row at its longest, in blocks of 16: rows preempted and
     restarted): the same samples as every row at once."""
     records = []
-    for budget in ([], ["--max-rows", "2"], ["--max-kv-tokens", "48"]):
-        out = tmp_path / f"samples{len(budget)}.jsonl"
-        proc = run_cli(
-            "rollout",
-            *TINY,
-            *("--device", "cpu", "--prompt-length", "6", "--num-prompts", "3", "-n", "2", "--max-new-tokens", "8"),
-            *("--temperature", "0.9", "--seed", "4", "--threads", "1", "--output", str(out), *budget),
+    for i, budget in enumerate(([], ["--max-rows", "2"], ["--max-kv-tokens", "48"])):
+        out = tmp_path / f"samples{i}.jsonl"
+        # In this process (a subprocess would import torch again for each): the same code behind `main`.
+        rc = cli.main(
+            [
+                "rollout",
+                *TINY,
+                *("--device", "cpu", "--prompt-length", "6", "--num-prompts", "3", "-n", "2", "--max-new-tokens", "8"),
+                *("--temperature", "0.9", "--seed", "4", "--output", str(out), *budget),
+            ]
         )
-        assert proc.returncode == 0, proc.stderr
+        assert rc == 0
         records.append([json.loads(line)["token_ids"] for line in out.read_text().splitlines()])
     assert records[0] == records[1] == records[2] and len(records[0]) == 6
 
