@@ -150,63 +150,26 @@ def run_turns(layout: str) -> dict:
 ROW_BUDGET_PROMPTS, ROW_BUDGET_ROWS = 8, 16  # the rows workload: 8 prompts x 8 samples, max_rows=16 for copy
 
 
-def run_rows() -> list[dict]:
-    """Rows a row budget's bytes hold: the copy layout streaming 64 rows through max_rows=16 (spread lengths,
-    mean 256 under a budget of 2048) uses some KV bytes; the paged layout streams the same rows through
-    max_rows = 16, 32, 48, 64: the most rows it decodes at once within the copy layout's bytes, and the same
-    tokens."""
+def run_streamed(
+    workload: str, prompts_: int, seed: int, cases: list[tuple[str, int | None, int | None]]
+) -> list[dict]:
+    """`prompts_` prompts x 8 samples of llama-small, spread lengths (EOS rate 1/256 under a budget of 2048),
+    through each of `cases` (layout, max_rows, max_kv_tokens): the KV bytes (with and without the dense
+    scratch prompts are prefilled into), the rows decoding per step on average (generated tokens / decode
+    steps), the steps, preemptions and refills, and whether the tokens are the first case's."""
     model = build_model("llama-small", seed=0).eval()
     install(model, "eos-rate", model.config.eos_token_id, 1.0, 256)
     set_response_length(model, 2048)
-    g = torch.Generator().manual_seed(3)
-    ids = torch.randint(3, model.config.vocab_size, (ROW_BUDGET_PROMPTS, PROMPT_LEN), generator=g)
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, model.config.vocab_size, (prompts_, PROMPT_LEN), generator=g)
     out, reference = [], None
-    # A budget of KV tokens as large as the copy layout's 16 rows at their longest: a quarter of the rows.
-    kv_tokens = ROW_BUDGET_ROWS * (PROMPT_LEN + 2048)
-    cases = [("copy", ROW_BUDGET_ROWS, None)] + [("paged", r, None) for r in (16, 32, 48, 64)]
-    for layout, max_rows, max_kv_tokens in cases + [("paged", None, kv_tokens)]:
+    for layout, max_rows, max_kv_tokens in cases:
         rollout = rollout_for(model, layout, 2048, max_rows=max_rows, max_kv_tokens=max_kv_tokens)
         result = rollout.generate(ids)
         reference = result.sequences if reference is None else reference
         profile = rollout.get_last_profile()
         row = dict(
-            workload="rows",
-            layout=layout,
-            max_rows=max_rows,
-            max_kv_tokens=max_kv_tokens,
-            same_tokens=torch.equal(result.sequences, reference),
-            kv_bytes=profile.kv_cache_bytes,
-            batch_kv_bytes=rollout.cache.peak_used_bytes,  # (without the dense scratch prompts are prefilled into)
-            preemptions=profile.preemptions,
-        )
-        print(row, flush=True)
-        out.append(row)
-    return out
-
-
-BUDGET_PROMPTS = 32  # the budget workload: 32 prompts x 8 samples, so that rows wait for most of the rollout
-
-
-def run_budget() -> list[dict]:
-    """A budget of KV tokens against a row budget in the same bytes (#52's goal): 32 prompts x 8 samples,
-    spread lengths (mean 256 under a budget of 2048), the copy layout streaming through max_rows=16 against
-    the paged layout under max_kv_tokens = 16 rows at their longest (what the copy layout's 16 rows
-    hold at their longest). The rows decoding at once on average (tokens / decode steps: the
-    rollout is long enough that rows wait for most of it), the KV bytes, the preemptions, the same tokens."""
-    model = build_model("llama-small", seed=0).eval()
-    install(model, "eos-rate", model.config.eos_token_id, 1.0, 256)
-    set_response_length(model, 2048)
-    g = torch.Generator().manual_seed(4)
-    ids = torch.randint(3, model.config.vocab_size, (BUDGET_PROMPTS, PROMPT_LEN), generator=g)
-    kv_tokens = ROW_BUDGET_ROWS * (PROMPT_LEN + 2048)
-    out, reference = [], None
-    for layout, max_rows, max_kv_tokens in (("copy", ROW_BUDGET_ROWS, None), ("paged", None, kv_tokens)):
-        rollout = rollout_for(model, layout, 2048, max_rows=max_rows, max_kv_tokens=max_kv_tokens)
-        result = rollout.generate(ids)
-        reference = result.sequences if reference is None else reference
-        profile = rollout.get_last_profile()
-        row = dict(
-            workload="budget",
+            workload=workload,
             layout=layout,
             max_rows=max_rows,
             max_kv_tokens=max_kv_tokens,
@@ -217,11 +180,34 @@ def run_budget() -> list[dict]:
             decode_steps=profile.decode_steps,
             preemptions=profile.preemptions,
             refills=profile.refills,
-            decode_ms=profile.decode_ms,
+            decode_ms=profile.decode_ms,  # (one run: for the record, not a timing comparison)
         )
         print(row, flush=True)
         out.append(row)
     return out
+
+
+# A budget of KV tokens as large as the copy layout's 16 rows at their longest.
+KV_TOKENS = ROW_BUDGET_ROWS * (PROMPT_LEN + 2048)
+
+
+def run_rows() -> list[dict]:
+    """Rows a row budget's bytes hold: the copy layout streaming 64 rows through max_rows=16 (spread lengths,
+    mean 256 under a budget of 2048) uses some KV bytes; the paged layout streams the same rows through
+    max_rows = 16, 32, 48, 64, and under max_kv_tokens = the copy layout's 16 rows at their longest: the most
+    rows it decodes at once within the copy layout's bytes, and the same tokens."""
+    cases = [("copy", ROW_BUDGET_ROWS, None)] + [("paged", r, None) for r in (16, 32, 48, 64)]
+    return run_streamed("rows", ROW_BUDGET_PROMPTS, 3, cases + [("paged", None, KV_TOKENS)])
+
+
+BUDGET_PROMPTS = 32  # the budget workload: 32 prompts x 8 samples, so that rows wait for most of the rollout
+
+
+def run_budget() -> list[dict]:
+    """A budget of KV tokens against a row budget in the same bytes (#52's goal): 32 prompts x 8 samples, the
+    copy layout streaming through max_rows=16 against the paged layout under max_kv_tokens = what the copy
+    layout's 16 rows hold at their longest; the rollout is long enough that rows wait for most of it."""
+    return run_streamed("budget", BUDGET_PROMPTS, 4, [("copy", ROW_BUDGET_ROWS, None), ("paged", None, KV_TOKENS)])
 
 
 def main() -> None:
