@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from torchkvops import ops
-from torchkvops.rollout.block_pool import BlockPool, BlockTables, OutOfBlocks, blocks_for
+from torchkvops.rollout.block_pool import BlockPool, BlockTables, OutOfBlocks, WindowBlocks, blocks_for
 
 
 def test_blocks_are_taken_once_and_every_one_comes_back():
@@ -165,6 +165,63 @@ def test_a_random_workload_returns_every_block_and_never_shares_a_written_slot(b
     for r in list(live):
         tables.release(r)
     assert pool.num_free == pool.num_blocks and all(ref == 0 for ref in pool.refs)
+
+
+@pytest.mark.parametrize("block_size, window", [(4, 10), (16, 16), (1, 3)])
+def test_a_window_pool_holds_each_rows_window_and_gives_every_block_back(block_size, window):
+    """Prompts are forked to samples that grow a token at a time (sliding before each write, as the decode
+    loop does), end at random and move; the oracle is each live row's window counted from its column:
+    every table block holding a key some row still reads has a window block of its own (two table blocks
+    never share one), the pool holds no block no row reads, and every block comes back."""
+    rng = random.Random(block_size * window)
+    rows = 12
+    pool = BlockPool(1000, block_size)
+    tables = BlockTables(pool, rows=rows, max_blocks=400)
+    windows = WindowBlocks(tables, BlockPool(1000, block_size), window)
+    written = [0] * rows  # the column each row writes next
+    live: set[int] = set()
+    for _ in range(800):
+        r = rng.randrange(rows)
+        if r not in live:
+            prompt = rng.randrange(1, 40)
+            windows.appended(r, tables.append(r, prompt))
+            kids = [c for c in range(rows) if c not in live and c != r][: rng.randrange(0, 4)]
+            copies = tables.fork(r, kids)
+            assert len(windows.forked(r, kids, copies)) == len(copies)
+            for row in (r, *kids):
+                written[row] = prompt
+                live.add(row)
+                windows.slide(row, prompt)  # (the decode loop's first stretch)
+        elif rng.random() < 0.08:
+            windows.released(r)
+            tables.release(r)
+            live.discard(r)
+        elif rng.random() < 0.05 and len(live) < rows:  # a row moves to an empty one (fork_prompts' move)
+            dst = next(c for c in range(rows) if c not in live)
+            tables.move_row(r, dst)
+            windows.moved(r, dst)
+            written[dst] = written[r]
+            live.discard(r)
+            live.add(dst)
+        else:
+            windows.slide(r, written[r])
+            if tables.lengths[r] <= written[r]:
+                windows.appended(r, tables.append(r, 1))
+            written[r] += 1
+        read = set()  # the table blocks of the keys some live row's next query reads
+        for row in live:
+            first = max(0, written[row] + 1 - window)
+            read |= {tables.blocks[row][t // block_size] for t in range(first, written[row])}
+        assert all(windows.of[b] for b in read), "a key a row reads has no window block"
+        assert len({windows.of[b] for b in read}) == len(read)
+        held = {b for b in range(len(windows.of)) if windows.of[b]}
+        # The only extra blocks: a row's last one before it writes into it, and one a row straddles.
+        assert read <= held and len(held - read) <= len(live)
+        assert windows.pool.num_held == len(held) + 1  # (+ the scratch block)
+    for r in list(live):
+        windows.released(r)
+        tables.release(r)
+    assert windows.pool.num_free == windows.pool.num_blocks - 1 and not any(windows.of)
 
 
 def test_the_tables_tensor_is_what_paged_attention_reads():

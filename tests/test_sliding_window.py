@@ -17,6 +17,7 @@ from test_turns import EOS, run_turns
 
 import torchkvops
 from torchkvops import Rollout, RolloutConfig
+from torchkvops.rollout.layouts import PagedLayout
 
 SLIDING_FAMILIES = [
     "olmo3",
@@ -68,6 +69,34 @@ def test_generate_and_a_row_budget_beyond_the_window_give_hfs_tokens(family, kv_
             samples_per_prompt=2, max_new_tokens=NEW, eos_token_id=[], max_rows=max_rows, kv_sharing=kv_sharing
         )
         assert torch.equal(Rollout(model, config).generate(ids, mask).responses, expected), max_rows
+
+
+@pytest.mark.parametrize("family", SLIDING_FAMILIES)
+def test_the_paged_layout_gives_back_blocks_out_of_the_window_with_hfs_tokens(family):
+    """Rows 6x the window: the paged layout's sliding groups keep their KV in a window pool whose blocks go
+    back as rows slide past them (`block_pool.WindowBlocks`), with HF's tokens, as a call and streamed. The
+    window pool's peak, counted from the rows: each row's window and the stretch of 8 tokens it reserves
+    ahead, in blocks (+ the one it straddles), each prompt's blocks (shared), and the scratch block; the
+    full groups' tables hold every row's every key (what a window pool of their size would hold)."""
+    model = model_of(family)
+    ids, mask = left_padded()
+    new = 6 * WINDOW
+    expected = hf_greedy(model, ids, mask, new).repeat_interleave(2, dim=0)
+    block = PagedLayout.block_size
+    for max_rows in (None, 4):
+        config = RolloutConfig(
+            samples_per_prompt=2, max_new_tokens=new, eos_token_id=[], max_rows=max_rows, kv_sharing="paged"
+        )
+        rollout = Rollout(model, config)
+        assert torch.equal(rollout.generate(ids, mask).responses, expected), max_rows
+        store = rollout.cache.paged
+        if family == "mistral_every_layer":  # (no layer types: the config says no layer slides)
+            assert store.windows is None
+            continue
+        rows = 6 if max_rows is None else max_rows
+        per_row = -(-(WINDOW + 8) // block) + 1
+        assert store.peak_window_blocks <= rows * per_row + 3 * -(-PROMPT // block) + 1, max_rows
+        assert store.peak_blocks >= rows * ((PROMPT + new) // block)
 
 
 def system_prompted(seed: int):

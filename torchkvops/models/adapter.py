@@ -69,6 +69,9 @@ class GroupSpec:
     kv_heads: int
     head_dim: int
     states: tuple = ()  # RECURRENT: the StateFields of each layer's row
+    # FULL_ATTENTION: the sliding window its layers read (a key `window` or more positions before the
+    # query is never read again: the paged layout gives its blocks back); None: every key
+    window: int | None = None
 
     @property
     def shape(self) -> KVShape:
@@ -140,11 +143,18 @@ class CacheSpec:
                     f"torchkvops: layer {layer} reuses the KV of an earlier {kinds[layer]} layer, but none stores it"
                 )
             reads.append(last_store[kinds[layer]])
-        by_shape: dict[tuple[int, int], list[int]] = {}
+        # One group per KV shape and window: sliding-window layers (layer_types' "sliding_attention", as the
+        # models' own attention reads them) apart from full-attention ones, whose keys are all kept.
+        window = sliding_window(config)
+        by_shape: dict[tuple[int, int, int | None], list[int]] = {}
         for layer, source in enumerate(reads):
             if source == layer:
-                by_shape.setdefault(shapes[layer], []).append(layer)
-        groups = [GroupSpec(FULL_ATTENTION, tuple(layers), *shape) for shape, layers in by_shape.items()]
+                slides = window if kinds[layer] == "sliding_attention" else None
+                by_shape.setdefault((*shapes[layer], slides), []).append(layer)
+        groups = [
+            GroupSpec(FULL_ATTENTION, tuple(layers), kv_heads, head_dim, window=slides)
+            for (kv_heads, head_dim, slides), layers in by_shape.items()
+        ]
         by_row: dict[tuple, list[int]] = {}
         for layer, kept in sorted((states or {}).items()):
             if kept.fields:

@@ -53,7 +53,7 @@ from .. import ops
 from ..fused_attention import MASKED_KEY_BIAS, applied_softcap, attend_softcapped, merge_sinks
 from ..fused_attention import attend as _attend
 from .cache_groups import KVViews, layer_kv, layer_slot
-from .paged_kv import dense_rows, gather_blocks, write_slots
+from .paged_kv import dense_rows, gather_blocks, window_slots, window_table, write_slots
 
 __all__ = [
     "NAME",
@@ -89,7 +89,8 @@ class PrefillForward:
         buffer, index = layer_slot(self.into, layer)
         if cache.paged is not None:  # the paged layout: rows [0, k)'s columns [0, P) through their tables
             columns = torch.arange(key.shape[2], device=key.device)[None, :].expand(key.shape[0], -1)
-            write_slots(buffer, index, key, value, cache.paged.slots(cache.paged.table[: key.shape[0]], columns))
+            slots = cache.paged.slots(cache.paged.table[: key.shape[0]], columns)
+            write_slots(buffer, index, key, value, cache.paged.group_slots(self.into.slots[layer][0], slots))
         else:
             ops.write_kv_(buffer, key, value, index, self.start)
         return key, value
@@ -98,7 +99,8 @@ class PrefillForward:
         """A layer that reads another layer's KV: that layer's, at this forward's rows and columns."""
         if cache.paged is not None:
             buffer, index = layer_slot(self.into, layer)
-            return dense_rows(buffer, index, cache.paged.table[: key.shape[0]], key.shape[2])
+            table = cache.paged.group_table(self.into.slots[layer][0], cache.paged.table[: key.shape[0]])
+            return dense_rows(buffer, index, table, key.shape[2])
         kv = layer_kv(self.into, layer)[:, : key.shape[0], :, : key.shape[2]]
         return kv[0], kv[1]
 
@@ -127,6 +129,11 @@ class DecodeAttention:
     kv_length: Tensor | None = None  # [rows] int32
     kv_table: Tensor | None = None  # [rows, 1] int32 (the paged layout: [rows, blocks], its rows' block tables)
     kv_slot: Tensor | None = None  # the paged layout: [rows] the pool slot each row writes this step
+    # The paged layout's sliding-window groups (`paged_store`): which groups read through `window_map`
+    # (table block -> window pool block), for their tables and slots.
+    windowed: tuple[bool, ...] = ()
+    window_map: Tensor | None = None
+    kept_window: int = 0  # the keys before its query such a group keeps (the store's window)
 
     # Prefix layout (None in the copy layout, where each row holds its prompt's KV): rows [i*N, (i+1)*N)
     # answer prompt i, whose KV is row i of prompt_kv's buffers.
@@ -154,6 +161,10 @@ class DecodeAttention:
         self.kv_start, self.kv_length = state.kv_start, state.kv_length
         self.kv_table = state.kv_table if state.kv_blocks is None else state.kv_blocks
         self.kv_slot = state.kv_slot
+        paged = getattr(cache, "paged", None)
+        self.window_map = None if paged is None else paged.window_map
+        self.windowed = () if self.window_map is None else tuple(paged.windowed)
+        self.kept_window = 0 if self.window_map is None else paged.window
         self.prompt_kv = cache.prompt_views if prefix else None
         self.prompt_bias = state.prompt_bias if prefix else None
         self.prompt_positions = state.prompt_positions if prefix else None
@@ -166,10 +177,21 @@ class DecodeAttention:
         checks (prefill made them for this model): a step is what a CUDA graph replays."""
         buffer, index = layer_slot(self.kv, layer)
         if self.kv_slot is not None:  # the paged layout: at the slot its table names for its column
-            write_slots(buffer, index, key, value, self.kv_slot)
+            slots = self.kv_slot
+            if self._windowed(layer):
+                slots = window_slots(self.window_map, slots, buffer.shape[4])
+            write_slots(buffer, index, key, value, slots)
         else:
             ops.write_kv_(buffer, key, value, index, self.columns)
         return buffer[index, 0], buffer[index, 1]
+
+    def _windowed(self, layer: int) -> bool:
+        """Whether `layer` reads a sliding-window group's KV (the paged layout's window pool)."""
+        return bool(self.windowed) and self.windowed[self.kv.slots[layer][0]]
+
+    def table(self, layer: int) -> Tensor:
+        """The tables through which `layer` reads each row's KV (kv_table, or its window pool blocks)."""
+        return window_table(self.window_map, self.kv_table) if self._windowed(layer) else self.kv_table
 
     def read(self, cache, key: Tensor, layer: int) -> tuple[Tensor, Tensor]:
         """A layer that reads another layer's KV: that layer's whole decode buffer."""
@@ -222,6 +244,7 @@ class PackedAttention:
     # (from the cache's tables, once per forward); None in the others.
     _tables: Tensor | None = None
     _slots: Tensor | None = None
+    _store: object | None = None  # (the paged store: sliding-window groups read through its window_map)
 
     def bind(self, into: KVViews) -> PackedAttention:
         self.into = into
@@ -233,7 +256,7 @@ class PackedAttention:
         cache.check_layout(key, value, layer)
         if self._paged(cache):
             buffer, index = layer_slot(self.into, layer)
-            write_slots(buffer, index, key, value, self._slots)
+            write_slots(buffer, index, key, value, cache.paged.group_slots(self.into.slots[layer][0], self._slots))
             return buffer[index, 0], buffer[index, 1]
         kv = layer_kv(self.into, layer)
         kv[0][self.token_rows, :, self.token_columns] = key[0].transpose(0, 1)
@@ -249,6 +272,7 @@ class PackedAttention:
             self._tables = table.index_select(0, self.rows)[:, :blocks]
             token_tables = table.index_select(0, self.token_rows)
             self._slots = cache.paged.slots(token_tables, self.token_columns[:, None]).view(1, -1)
+            self._store = cache.paged
         return True
 
     def read(self, cache, key: Tensor, layer: int) -> tuple[Tensor, Tensor]:
@@ -304,7 +328,8 @@ class PackedAttention:
         kvs = [layer_kv(level.kv, module.layer_idx).index_select(1, level.of_row) for level in self.levels]
         ks, vs = [kv[0] for kv in kvs], [kv[1] for kv in kvs]
         if self._tables is not None:  # a pool: the live rows' columns through their tables
-            own_k, own_v = (gather_blocks(t, self._tables)[:, :, : self.keys] for t in (key, value))
+            tables = self._store.group_table(self.into.slots[module.layer_idx][0], self._tables)
+            own_k, own_v = (gather_blocks(t, tables)[:, :, : self.keys] for t in (key, value))
         else:
             own_k, own_v = (t.index_select(0, self.rows)[:, :, : self.keys] for t in (key, value))
         k = torch.cat([*ks, own_k], dim=2)
@@ -442,7 +467,10 @@ def torchkvops_attention(
             f"torchkvops: decode attention expects one query token and heads divisible by "
             f"kv_heads, got query {tuple(query.shape)} and keys {tuple(key.shape)}"
         )
-    own = functools.partial(_own_keys, context, query, key, value, attention_mask, scaling, window, softcap, attend)
+    _check_window(context, module.layer_idx, window)
+    own = functools.partial(
+        _own_keys, context, module.layer_idx, query, key, value, attention_mask, scaling, window, softcap, attend
+    )
     if context.prompt_kv is None:  # the copy layout: each row's decode buffer holds its prompt too
         out, lse = own(with_lse=sinks is not None)
         return _with_sinks(out, lse, sinks, kv_heads).reshape(rows, 1, heads, head_dim), None
@@ -510,6 +538,7 @@ def _reads_paged(query: Tensor, key: Tensor) -> bool:
 
 def _own_keys(
     context: DecodeAttention,
+    layer: int,
     query: Tensor,
     key: Tensor,
     value: Tensor,
@@ -529,14 +558,15 @@ def _own_keys(
     None unless `with_lse` on the dense path)."""
     rows, heads, _, head_dim = query.shape
     kv_heads = key.shape[1]
+    table = context.table(layer)
     if context.kv_slot is not None and not _reads_paged(query, key):  # a pool: each row's columns, dense
-        key, value = gather_blocks(key, context.kv_table), gather_blocks(value, context.kv_table)
+        key, value = gather_blocks(key, table), gather_blocks(value, table)
     if _reads_paged(query, key):
         out, lse = ops.paged_attention(
             query[:, :, 0],
             key,
             value,
-            context.kv_table,
+            table,
             context.kv_length,
             None,
             scaling,
@@ -550,6 +580,20 @@ def _own_keys(
         attention_mask = attention_mask.masked_fill(~near[:, None, None, :], MASKED_KEY_BIAS)
     q = query.reshape(rows, kv_heads, heads // kv_heads, head_dim)
     return attend(q, key, value, attention_mask, scale=scaling, with_lse=with_lse)
+
+
+def _check_window(context: DecodeAttention, layer: int, window) -> None:
+    """A layer whose KV the paged layout keeps for a sliding window only must read no further back than
+    that window (the cache groups' windows come from the config's layer_types: a model whose attention
+    windows otherwise would read keys whose blocks were given back)."""
+    if context._windowed(layer):
+        kept = context.kept_window
+        if window is None or int(window) > kept:
+            raise AssertionError(
+                f"torchkvops: layer {layer} reads keys back to a window of {window}, but its cache group keeps "
+                f"{kept} (the config's sliding_window for its layer type): a model whose attention windows "
+                "differently from its config"
+            )
 
 
 def _window_bias(bias: Tensor, query_positions: Tensor, key_positions: Tensor, window: int, group: int) -> Tensor:

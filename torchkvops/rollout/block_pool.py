@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["OutOfBlocks", "BlockPool", "BlockTables", "blocks_for"]
+__all__ = ["OutOfBlocks", "BlockPool", "BlockTables", "WindowBlocks", "blocks_for"]
 
 
 class OutOfBlocks(RuntimeError):
@@ -228,3 +228,88 @@ class BlockTables:
     def tokens_held(self) -> int:
         """The token slots of every block some row holds (shared blocks once)."""
         return self.pool.num_held * self.pool.block_size
+
+
+class WindowBlocks:
+    """A sliding-window pool's blocks beside a `BlockTables` of full-attention blocks (issue #52: "sliding-
+    window groups return blocks that fall entirely out of the window").
+
+    A sliding-window layer reads a row's keys less than `window` columns before its query; the rows' tables
+    stay the full-attention layers' (one table a row, moved by compaction and admission as they are), and
+    each table block some row still reads in its window has a block of this pool (`of[b]`; 0, the scratch
+    block, where none). A forward reads a sliding layer's KV through `of[table]` (`paged_kv.window_table`):
+    entries for blocks out of every holder's window name the scratch block, never read (the reads start at
+    the window). `refs[b]`: the rows that hold table block b and still read it in their window (a prompt's
+    block, shared by its samples, keeps its window block until the last of them slides past it); `first[row]`:
+    the first of the row's table blocks it still reads. So a sliding layer holds about `window` tokens and
+    one block per row, however long the rows grow.
+
+    The store (`paged_store.PagedStore`) calls these after each change of the tables, with room in this
+    pool made first (`need`); nothing here touches a tensor."""
+
+    def __init__(self, tables: BlockTables, pool: BlockPool, window: int):
+        if window < 1:
+            raise ValueError(f"torchkvops: a sliding window must be at least 1 token, got {window}")
+        self.tables, self.pool, self.window = tables, pool, window
+        if pool.take(1) != [0]:  # block 0: the scratch block, which entries out of every window name
+            raise AssertionError("torchkvops: a window pool starts with every block free")
+        self.of: list[int] = []
+        self.refs: list[int] = []
+        self.first = [0] * tables.rows
+
+    def fit(self) -> None:
+        """Entries for every block of the tables' pool (which grows)."""
+        more = self.tables.pool.num_blocks - len(self.of)
+        if more > 0:
+            self.of += [0] * more
+            self.refs += [0] * more
+
+    def _hold(self, blocks: list[int]) -> None:
+        """One more row reads each of `blocks` in its window (a window block taken for those none read)."""
+        self.fit()
+        for b in blocks:
+            if not self.refs[b]:
+                self.of[b] = self.pool.take(1)[0]
+            self.refs[b] += 1
+
+    def _drop(self, blocks: list[int]) -> None:
+        """One row less reads each of `blocks` in its window (the window blocks none reads given back)."""
+        for b in blocks:
+            if self.refs[b] < 1:
+                raise AssertionError(f"torchkvops: table block {b} left a window it was not in")
+            self.refs[b] -= 1
+            if not self.refs[b]:
+                self.pool.give_back([self.of[b]])
+                self.of[b] = 0
+
+    def appended(self, row: int, new: list[int]) -> None:
+        """`row` took table blocks `new` (its last ones)."""
+        self._hold(new)
+
+    def forked(self, parent: int, children: list[int], copies: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """`children` continue `parent` (`BlockTables.fork` returned `copies`): each reads the parent's blocks
+        from the parent's first on. Returns the window pool's block copies (source, destination)."""
+        self.fit()
+        fresh = {dst for _, dst in copies}
+        for c in children:
+            self.first[c] = self.first[parent]
+            self._hold([b for b in self.tables.blocks[c][self.first[c] :] if b not in fresh])
+        self._hold(sorted(fresh))
+        return [(self.of[src], self.of[dst]) for src, dst in copies]
+
+    def released(self, row: int) -> None:
+        """`row` is about to give back its table blocks (call before `BlockTables.release`)."""
+        self._drop(self.tables.blocks[row][self.first[row] :])
+        self.first[row] = 0
+
+    def slide(self, row: int, column: int) -> None:
+        """`row` writes its next token at `column`: the blocks wholly before that token's window are read
+        no more (by this row)."""
+        keep_from = min(max(0, column + 1 - self.window) // self.pool.block_size, len(self.tables.blocks[row]))
+        if keep_from > self.first[row]:
+            self._drop(self.tables.blocks[row][self.first[row] : keep_from])
+            self.first[row] = keep_from
+
+    def moved(self, src: int, dst: int) -> None:
+        """`BlockTables.move_row(src, dst)` was made."""
+        self.first[dst], self.first[src] = self.first[src], 0

@@ -84,7 +84,7 @@ class CacheGroup:
 
     def __init__(self, spec: GroupSpec):
         assert spec.kind == self.kind, (spec.kind, self.kind)
-        self.layers, self.shape = spec.layers, spec.shape
+        self.layers, self.shape, self.window = spec.layers, spec.shape, spec.window
         # One view per buffer of the layout: `home` where every row's KV stays after the call (for
         # Rollout.extend), `current` where decode writes and reads (a compacted batch's, or the home ones).
         self.home: list[Tensor] = []

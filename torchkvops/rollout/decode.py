@@ -360,6 +360,8 @@ class Decoder:
             while limit is None or steps < limit:
                 stretch = FINISHED_CHECK_INTERVAL - steps % FINISHED_CHECK_INTERVAL if checks else limit - steps
                 stretch = stretch if limit is None else min(stretch, limit - steps)
+                if not checks and self._slides():  # (sliding-window blocks go back between stretches only)
+                    stretch = min(stretch, FINISHED_CHECK_INTERVAL)
                 written = self._make_room(batch, written, stretch)
                 self._reserve_blocks(batch, stretch)
                 self._bind(batch.state)  # (again after a compaction or a widening)
@@ -407,6 +409,10 @@ class Decoder:
         batch.widen(columns)
         return written
 
+    def _slides(self) -> bool:
+        """Whether the rows' KV has sliding-window blocks to give back as they grow (the paged layout)."""
+        return self.cache.paged is not None and self.cache.paged.windows is not None
+
     def _reserve_blocks(self, batch: DecodeBatch, stretch: int) -> None:
         """The paged layout, before `stretch` steps: each live row holds blocks for the columns it will
         write (its table in the batch's state updated); ended rows take none. Host sync: the rows' columns."""
@@ -421,7 +427,8 @@ class Decoder:
         if not rows:
             return
         until = [min(known[homes[r]][0] + stretch, s.shape.mask_len) for r in rows]
-        changed = set(self.cache.reserve([homes[r] for r in rows], until))
+        written = [known[homes[r]][0] for r in rows]  # (sliding-window blocks before their windows go back)
+        changed = set(self.cache.reserve([homes[r] for r in rows], until, written))
         batch.load_tables([r for r in rows if homes[r] in changed])
 
     @staticmethod
@@ -448,6 +455,7 @@ class Decoder:
         current views (again only when the state or the views changed)."""
         cache = self.cache
         views = tuple(id(t) for v in (cache.decode_views, cache.prompt_views) for t in v.buffers)
+        views += (id(getattr(cache.paged, "window_map", None)),)  # (the paged layout's, made anew as its pool grows)
         if self._bound is state and self._bound_views == views:
             return
         self._bound, self._bound_views = state, views

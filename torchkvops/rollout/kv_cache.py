@@ -197,7 +197,8 @@ class RolloutKVCache(Cache):
                 g.pool = None
             return
         if self.paged is None:
-            self.paged = PagedStore([g.shape for g in attention], self.dtype, self.device, layout.block_size)
+            windows = [g.window for g in attention]
+            self.paged = PagedStore([g.shape for g in attention], self.dtype, self.device, layout.block_size, windows)
         self.columns = columns
         # A first guess of the blocks a call holds (the pools grow as rows do): each row's prompt and a stretch.
         expected = rows * (-(-columns // layout.block_size) // 2 + 2)
@@ -217,10 +218,10 @@ class RolloutKVCache(Cache):
                 g.pool = kv.pool.view(kv.pool.shape)
             g.home = g.current = [g.pool]
 
-    def reserve(self, rows: list[int], until: list[int]) -> list[int]:
-        """The paged layout: home rows `rows` hold blocks for their columns [0, until[i]) (`PagedStore.reserve`).
-        Returns the rows whose tables changed."""
-        changed = self.paged.reserve(rows, until)
+    def reserve(self, rows: list[int], until: list[int], written: list[int] | None = None) -> list[int]:
+        """The paged layout: home rows `rows` hold blocks for their columns [0, until[i]) (`PagedStore.reserve`;
+        `written`: the columns they write next, where known). Returns the rows whose tables changed."""
+        changed = self.paged.reserve(rows, until, written)
         self._refresh_pools()
         self.peak_used_bytes = max(self.peak_used_bytes, self.used_bytes)
         return changed
@@ -233,11 +234,12 @@ class RolloutKVCache(Cache):
         table = self.paged.table.index_select(0, torch.tensor(tables, device=self.device))
         columns = torch.arange(prompt_len, device=self.device)[None, :].expand(len(tables), -1)
         slots = self.paged.slots(table, columns)
-        for g, src in zip(self.groups, kv.buffers):
+        for i, (g, src) in enumerate(zip(self.groups, kv.buffers)):
             if g.pool is not None:
+                group_slots = self.paged.group_slots(i, slots)
                 for layer in range(src.shape[0]):
                     written = src[layer][:, : len(tables), :, :prompt_len]
-                    write_slots(g.pool, layer, written[0], written[1], slots)
+                    write_slots(g.pool, layer, written[0], written[1], group_slots)
 
     def seat_samples(self, prompt: int, samples: list[int], home: KVViews, rows: Tensor) -> None:
         """The paged layout, a streaming batch: samples `samples` of prompt `prompt` continue its table
@@ -259,7 +261,7 @@ class RolloutKVCache(Cache):
     def release_tables(self, tables: list[int]) -> None:
         """The paged layout: these tables' blocks given back (their rows' samples ended)."""
         for t in tables:
-            self.paged.tables.release(t)
+            self.paged.release_table(t)
 
     @property
     def decode_columns(self) -> int:

@@ -420,6 +420,10 @@ class PagedLayout(CopyLayout):
     def decode_shape(self, cache, rows: int, prompts: int, max_new_tokens: int, dtype, logprobs: bool, slots: int = 0):
         return DecodeShape(rows, cache.columns, max_new_tokens, dtype, logprobs=logprobs, kv_block=self.block_size)
 
+    def dynamic_tensors(self, state, cache) -> list[tuple[Tensor, tuple[int, ...]]]:
+        window_map = cache.paged.window_map  # (sliding-window groups: read by a step, made anew as the pool grows)
+        return [] if window_map is None else [(window_map, ())]
+
 
 LAYOUTS = {layout.name: layout for layout in (CopyLayout, PrefixLayout, PagedLayout)}
 

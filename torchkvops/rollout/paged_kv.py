@@ -22,7 +22,7 @@ from torch import Tensor
 
 from .. import ops
 
-__all__ = ["PagedKV", "slot_mapping", "write_slots", "gather_blocks", "dense_rows"]
+__all__ = ["PagedKV", "slot_mapping", "window_table", "window_slots", "write_slots", "gather_blocks", "dense_rows"]
 
 
 def slot_mapping(tables: Tensor, columns: Tensor, block_size: int) -> Tensor:
@@ -32,6 +32,18 @@ def slot_mapping(tables: Tensor, columns: Tensor, block_size: int) -> Tensor:
     blocks = tables.long().gather(1, cols // block_size)
     slots = blocks * block_size + cols % block_size
     return slots if columns.dim() == 2 else slots[:, 0]
+
+
+def window_table(window_map: Tensor, tables: Tensor) -> Tensor:
+    """A sliding-window group's tables: the window pool's block of each entry of `tables` (int32, any
+    shape) through `window_map` ([table pool's blocks] int32; 0, the scratch block, for blocks out of every
+    holder's window: entries the window's reads never reach)."""
+    return window_map[tables.long()]
+
+
+def window_slots(window_map: Tensor, slots: Tensor, block_size: int) -> Tensor:
+    """A sliding-window group's pool slots of tokens whose table slots are `slots` (int64, any shape)."""
+    return window_map[slots // block_size].long() * block_size + slots % block_size
 
 
 def write_slots(pool: Tensor, layer: int, key: Tensor, value: Tensor, slots: Tensor) -> None:

@@ -13,6 +13,11 @@ The tables live twice: on the host (`tables`, where blocks are decided) and on t
 [rows, blocks] int32: what a forward reads; a decode state's `kv_blocks` holds its rows' copy, gathered
 with them when the batch is compacted, so compaction moves no KV). A pool that runs out of blocks is made
 larger (a new allocation, the blocks copied: the addresses change, and a CUDA graph is captured anew).
+
+Sliding-window groups (`GroupSpec.window`) keep their KV in a pool of their own whose blocks follow the
+rows' windows (`block_pool.WindowBlocks`): the rows' tables are the same, and a sliding layer reads and
+writes through `window_map` (table block -> window block, on the device), so that those layers hold about
+a window and one block per row whatever the rows' lengths, and nothing that moves tables changes.
 """
 
 from __future__ import annotations
@@ -20,8 +25,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .block_pool import BlockPool, BlockTables, OutOfBlocks, blocks_for
-from .paged_kv import PagedKV, slot_mapping
+from .block_pool import BlockPool, BlockTables, OutOfBlocks, WindowBlocks, blocks_for
+from .paged_kv import PagedKV, slot_mapping, window_slots, window_table
 
 __all__ = ["PagedStore", "KV_BLOCK_SIZE", "SCRATCH_BLOCK"]
 
@@ -34,17 +39,33 @@ SCRATCH_BLOCK = 0
 
 
 class PagedStore:
-    """The blocks of `shapes` (each full-attention group's KVShape) in pools of `dtype` on `device`."""
+    """The blocks of `shapes` (each full-attention group's KVShape) in pools of `dtype` on `device`;
+    `windows[g]`: group g's sliding window (None: it keeps every key). Sliding groups share one window pool
+    of the largest window (a smaller one keeps a few more keys than it reads)."""
 
-    def __init__(self, shapes, dtype: torch.dtype, device: torch.device, block_size: int = KV_BLOCK_SIZE):
+    def __init__(self, shapes, dtype: torch.dtype, device: torch.device, block_size: int = KV_BLOCK_SIZE, windows=None):
         self.shapes, self.dtype, self.device, self.block_size = list(shapes), dtype, device, block_size
-        self.kv: list[PagedKV] = []
+        self.windowed = [w is not None for w in (windows or [None] * len(self.shapes))]
+        self.window = max((w for w in (windows or []) if w is not None), default=None)
+        self.kv: list[PagedKV] = []  # one per group, in the groups' order (a sliding group's: the window pool's)
         self.pool: BlockPool | None = None
         self.tables: BlockTables | None = None
         self.table: Tensor | None = None  # [rows, max_blocks] int32, the device copy of `tables`
-        self.peak_blocks = 0  # the most blocks held at once since `prepare`
+        self.windows: WindowBlocks | None = None  # the sliding groups' blocks (None: no sliding group)
+        self.window_map: Tensor | None = None  # [table pool's blocks] int32, the device copy of `windows.of`
+        self.peak_blocks = 0  # the most table blocks held at once since `prepare`
+        self.peak_bytes = 0  # the most bytes held at once since `prepare` (every pool's blocks)
+        self.peak_window_blocks = 0  # the most window pool blocks held at once since `prepare`
         self.samples = 0  # tables of samples before the prompts' own (a streaming batch: `prompt_table`)
         self.limit: int | None = None  # the most blocks held at once (a KV budget; the scratch block included)
+
+    @property
+    def full_kv(self) -> list[PagedKV]:
+        return [kv for kv, w in zip(self.kv, self.windowed) if not w]
+
+    @property
+    def window_kv(self) -> list[PagedKV]:
+        return [kv for kv, w in zip(self.kv, self.windowed) if w]
 
     # --- a call's tables ------------------------------------------------------------------------------
     def prepare(
@@ -53,26 +74,41 @@ class PagedStore:
         """Every block free, `rows` empty tables of up to `columns` columns (the first `samples` of them the
         samples', the rest the prompts' own: a streaming batch; None: every one a row's); the pools hold at
         least `expected_blocks` blocks (kept from an earlier call when they are that large). `limit`: the
-        most blocks rows may hold at once (a budget of KV tokens: the pools are that large)."""
+        most blocks rows may hold at once (a budget of KV tokens: the pools are that large; the window pool
+        too, as it never holds more blocks than the tables do)."""
         self.samples = rows if samples is None else samples
         self.limit = None if limit is None else limit + 1  # (+ the scratch block)
         # (+ the scratch block.) Under a limit, the pools are its size from the start, as vLLM allocates its KV
         # cache up front: they never grow, so a CUDA graph's addresses stay across the call.
         need = max(expected_blocks, 1) + 1 if self.limit is None else self.limit
-        if not self.kv or self.kv[0].num_blocks < need:
+        max_blocks = blocks_for(columns, self.block_size)
+        # A window pool's first guess: every row's window and a block, or the tables' guess if that is less.
+        window_need = need
+        if self.window is not None and self.limit is None:
+            window_need = min(need, rows * (blocks_for(self.window, self.block_size) + 2) + 1)
+        sizes = [window_need if w else need for w in self.windowed]
+        if not self.kv or any(kv.num_blocks < size for kv, size in zip(self.kv, sizes)):
             self.kv = []  # the old pools go before the new ones are made
             self.kv = [
-                PagedKV(s.layers, s.kv_heads, s.head_dim, self.block_size, need, self.dtype, self.device)
-                for s in self.shapes
+                PagedKV(s.layers, s.kv_heads, s.head_dim, self.block_size, size, self.dtype, self.device)
+                for s, size in zip(self.shapes, sizes)
             ]
-        self.pool = BlockPool(self.kv[0].num_blocks if self.limit is None else need, self.block_size)
+        full = [kv.num_blocks for kv in self.full_kv]
+        self.pool = BlockPool(min(full, default=need) if self.limit is None else need, self.block_size)
         assert self.pool.take(1) == [SCRATCH_BLOCK]
-        self.tables = BlockTables(self.pool, rows, blocks_for(columns, self.block_size))
+        self.tables = BlockTables(self.pool, rows, max_blocks)
         self.table = torch.full((rows, self.tables.max_blocks), SCRATCH_BLOCK, dtype=torch.int32, device=self.device)
+        self.windows = self.window_map = None
+        if self.window is not None:
+            window_pool = BlockPool(min(kv.num_blocks for kv in self.window_kv), self.block_size)
+            self.windows = WindowBlocks(self.tables, window_pool, self.window)
+            self.window_map = torch.zeros(self.pool.num_blocks, dtype=torch.int32, device=self.device)
         self.peak_blocks = self.pool.num_held
+        self.peak_bytes = self.held_bytes
+        self.peak_window_blocks = 0 if self.windows is None else self.windows.pool.num_held
 
     def release(self) -> None:
-        self.kv, self.pool, self.tables, self.table = [], None, None, None
+        self.kv, self.pool, self.tables, self.table, self.windows, self.window_map = [], None, None, None, None, None
 
     def widen(self, columns: int) -> None:
         """Tables of up to `columns` columns (a longer history, `Rollout.extend`): the device table widened."""
@@ -85,20 +121,27 @@ class PagedStore:
         self.table = wider
 
     # --- blocks ---------------------------------------------------------------------------------------
-    def reserve(self, rows: list[int], until: list[int]) -> list[int]:
+    def reserve(self, rows: list[int], until: list[int], written: list[int] | None = None) -> list[int]:
         """Rows `rows` hold blocks for their columns [0, until[i]) (more taken where they hold fewer; a pool
-        that runs out is made larger). Returns the rows whose tables changed (the device table is updated)."""
+        that runs out is made larger). `written[i]`: the column row i writes next (known in decode: its
+        sliding-window blocks before that token's window are given back first); None: unknown. Returns the
+        rows whose tables changed (the device table is updated)."""
         changed = []
-        for row, end in zip(rows, until):
+        for i, (row, end) in enumerate(zip(rows, until)):
+            if self.windows is not None and written is not None:
+                self.windows.slide(row, written[i])
             more = min(end, self.tables.max_blocks * self.block_size) - self.tables.lengths[row]
             if more <= 0:
                 continue
             while True:
                 try:
-                    self.tables.append(row, more)
+                    self._window_room(self.tables.blocks_needed(row, more))
+                    new = self.tables.append(row, more)
                     break
                 except OutOfBlocks:
                     self._grow(self.tables.blocks_needed(row, more))
+            if self.windows is not None:
+                self.windows.appended(row, new)
             changed.append(row)
         self._upload(changed)
         return changed
@@ -111,6 +154,8 @@ class PagedStore:
             home = b * repeats
             if home != b:
                 self.tables.move_row(b, home)
+                if self.windows is not None:
+                    self.windows.moved(b, home)
             self._fork(home, list(range(home + 1, home + repeats)))
         self._upload(list(range(batch * repeats)))
 
@@ -127,19 +172,44 @@ class PagedStore:
     def release_prompt(self, prompt: int) -> None:
         """A streaming batch: prompt `prompt`'s own table gives its blocks back (its samples that started
         hold them still)."""
-        self.tables.release(self.prompt_table(prompt))
+        self.release_table(self.prompt_table(prompt))
+
+    def release_table(self, table: int) -> None:
+        """Table `table` gives its blocks back (its sample ended; those others hold stay)."""
+        if self.windows is not None:
+            self.windows.released(table)
+        self.tables.release(table)
 
     def _fork(self, parent: int, children: list[int]) -> None:
         """`children` (empty tables) continue `parent`'s (`BlockTables.fork`, the pools made larger when they
         have too few blocks for the copies), the partly filled block's copies made in every pool."""
         while True:
             try:
+                self._window_room(len(children))  # (the shared blocks have theirs: the parent reads them)
                 copies = self.tables.fork(parent, children)
                 break
             except OutOfBlocks:
                 self._grow(len(children))
-        for kv in self.kv:
+        for kv in self.full_kv:
             kv.copy_blocks(copies)
+        if self.windows is not None:
+            window_copies = self.windows.forked(parent, children, copies)
+            for kv in self.window_kv:
+                kv.copy_blocks(window_copies)
+
+    def _window_room(self, blocks: int) -> None:
+        """The window pool has at least `blocks` free blocks (made larger when it has fewer: up to the
+        tables' pool's size, which it never needs to pass)."""
+        if self.windows is None or self.windows.pool.num_free >= blocks:
+            return
+        pool = self.windows.pool
+        size = min(
+            max(2 * pool.num_blocks, pool.num_blocks + blocks), max(self.pool.num_blocks, pool.num_blocks + blocks)
+        )
+        for kv in self.window_kv:
+            if kv.num_blocks < size:
+                kv.grow(size)
+        pool.grow(size)
 
     def _grow(self, at_least: int) -> None:
         """Pools with at least `at_least` more free blocks (doubling, up to `limit`): a new allocation each
@@ -153,13 +223,21 @@ class PagedStore:
                     f"torchkvops: the KV budget (max_kv_tokens: {self.limit - 1} blocks of {self.block_size}) has "
                     f"{self.pool.num_free} free, {at_least} more wanted: the scheduler should have preempted"
                 )
-        if self.kv[0].num_blocks < size:
-            for kv in self.kv:
+        for kv in self.full_kv:
+            if kv.num_blocks < size:
                 kv.grow(size)
         self.pool.grow(size)
 
     def _upload(self, rows: list[int]) -> None:
         self.peak_blocks = max(self.peak_blocks, self.pool.num_held)
+        self.peak_bytes = max(self.peak_bytes, self.held_bytes)
+        if self.windows is not None:  # (the whole map: a few thousand int32, once a stretch)
+            self.peak_window_blocks = max(self.peak_window_blocks, self.windows.pool.num_held)
+            self.windows.fit()
+            mapped = torch.tensor(self.windows.of, dtype=torch.int32)
+            if self.window_map.numel() != mapped.numel():  # (the tables' pool grew: a new tensor, a new graph)
+                self.window_map = torch.zeros_like(mapped, device=self.device)
+            self.window_map.copy_(mapped, non_blocking=True)
         if not rows:
             return
         table = self.tables.tensor(self.device, rows=rows)  # (only the changed rows', built on the host)
@@ -170,15 +248,36 @@ class PagedStore:
         """The pool slots of each row's `columns` ([rows] or [rows, tokens]) through `table` (its rows')."""
         return slot_mapping(table, columns, self.block_size)
 
+    def group_table(self, group: int, table: Tensor) -> Tensor:
+        """What group `group` reads through rows' `table`: the table itself, or for a sliding group the
+        window pool's blocks of its entries."""
+        return window_table(self.window_map, table) if self.windowed[group] else table
+
+    def group_slots(self, group: int, slots: Tensor) -> Tensor:
+        """Where group `group` writes tokens whose table slots are `slots` (a sliding group: in the window
+        pool)."""
+        return window_slots(self.window_map, slots, self.block_size) if self.windowed[group] else slots
+
+    def _bytes_per_block(self, windowed: bool) -> int:
+        return sum(kv.nbytes // kv.num_blocks for kv, w in zip(self.kv, self.windowed) if w == windowed)
+
     @property
     def block_bytes(self) -> int:
-        """Bytes of one block in every group's pool (K and V of every layer)."""
-        return sum(kv.nbytes // kv.num_blocks for kv in self.kv)
+        """Bytes of one block in every full-attention group's pool (K and V of every layer)."""
+        return self._bytes_per_block(False)
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of the blocks held now (the scratch blocks included)."""
+        held = self.pool.num_held * self.block_bytes
+        if self.windows is not None:
+            held += self.windows.pool.num_held * self._bytes_per_block(True)
+        return held
 
     @property
     def used_bytes(self) -> int:
-        """Bytes of the most blocks rows held at once (the scratch block included)."""
-        return self.peak_blocks * self.block_bytes
+        """Bytes of the most blocks rows held at once (the scratch blocks included)."""
+        return self.peak_bytes
 
     @property
     def allocated_bytes(self) -> int:
