@@ -1,5 +1,7 @@
 """The `torchkvops` command line, run as a user runs it: `python -m torchkvops ...` in a subprocess
-(offline), on the tiny random-weight shape with small sizes. The modules behind it, called directly, have
+(offline), or `cli.main` in this process where a test needs nothing a process of its own gives (`run_here`:
+the same code behind the entry point, without importing torch again), on the tiny random-weight shape
+with small sizes. The modules behind it, called directly, have
 their own test modules: tests/test_bench_stats.py, test_bench_cases.py, test_bench_metrics.py,
 test_atomic_write.py; the README's and docs/'s examples are tests/test_docs.py's."""
 
@@ -45,6 +47,22 @@ def assert_one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> s
     for needle in needles:
         assert needle in lines[0], lines[0]
     return lines[0]
+
+
+def run_here(capsys, *args: str) -> subprocess.CompletedProcess:
+    """The command line in this process (`cli.main`, what `python -m torchkvops` runs), its return code and
+    output as run_cli gives them, without importing torch again (5 s a subprocess here); the thread count
+    a `--threads` sets is put back. The subprocess tests keep what needs a process of its own (the entry
+    points, imports, signals, torchrun)."""
+    threads = torch.get_num_threads()
+    try:
+        rc = cli.main(list(args))
+    except SystemExit as e:
+        rc = e.code
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(list(args), rc, out.out, out.err)
 
 
 # --- bench ---------------------------------------------------------------------------------------
@@ -112,7 +130,7 @@ def _table_rows(stdout: str, case: str) -> dict[str, dict[str, str]]:
     return {r[0]: dict(zip(header, r)) for r in rows[1:]}
 
 
-def test_bench_json_tables_trace_and_order(tmp_path):
+def test_bench_json_tables_trace_and_order(tmp_path, capsys):
     from torchkvops.models import build_model, model_config
 
     def round_up(n: int, multiple: int) -> int:  # the rollout's rule: prompts to 64 positions, responses to 8
@@ -120,7 +138,8 @@ def test_bench_json_tables_trace_and_order(tmp_path):
 
     out, trace = tmp_path / "bench.json", tmp_path / "trace"
     P, R = 130, 4
-    proc = run_cli(
+    proc = run_here(
+        capsys,
         "bench",
         *TINY,
         "--device",
@@ -295,9 +314,10 @@ def test_bench_json_tables_trace_and_order(tmp_path):
     assert c["modes"]["shared"]["summary"]["kv_expand_ms"]["p50"] > 0
 
 
-def test_bench_sampling_agreement_and_mode_subset(tmp_path):
+def test_bench_sampling_agreement_and_mode_subset(tmp_path, capsys):
     out = tmp_path / "bench.json"
-    proc = run_cli(
+    proc = run_here(
+        capsys,
         *SMALL_BENCH,
         "--iterations",
         "1",
@@ -481,9 +501,10 @@ def test_plot_png(tmp_path):
 
 
 # --- rollout -------------------------------------------------------------------------------------
-def test_rollout_synthetic_prompts_print_and_jsonl(tmp_path):
+def test_rollout_synthetic_prompts_print_and_jsonl(tmp_path, capsys):
     out = tmp_path / "samples.jsonl"
-    proc = run_cli(
+    proc = run_here(
+        capsys,
         "rollout",
         *TINY,
         "--device",
@@ -636,12 +657,13 @@ def checkpoint(tmp_path_factory):
     return path, model, tokenizer
 
 
-def test_rollout_from_a_checkpoint_left_pads_and_matches_hf_greedy(tmp_path, checkpoint):
+def test_rollout_from_a_checkpoint_left_pads_and_matches_hf_greedy(tmp_path, checkpoint, capsys):
     path, model, tokenizer = checkpoint
     prompts_file = tmp_path / "prompts.jsonl"
     prompts_file.write_text(json.dumps({"prompt": "a big red dog ran fast and the cat sat"}) + "\n")
     out = tmp_path / "samples.jsonl"
-    proc = run_cli(
+    proc = run_here(
+        capsys,
         "rollout",
         "--model",
         str(path),
@@ -709,9 +731,9 @@ BAD = {
 
 
 @pytest.mark.parametrize("name", list(BAD))
-def test_bad_input_is_one_line_and_non_zero(name, tmp_path):
+def test_bad_input_is_one_line_and_non_zero(name, tmp_path, capsys):
     args, needles = BAD[name]
-    assert_one_line_error(run_cli(*[a.replace("{tmp}", str(tmp_path)) for a in args]), *needles)
+    assert_one_line_error(run_here(capsys, *[a.replace("{tmp}", str(tmp_path)) for a in args]), *needles)
 
 
 @pytest.mark.parametrize(
@@ -742,10 +764,10 @@ def test_bad_numbers_are_argparse_errors_on_one_line(args, needle, capsys):
     assert err.count("\n") == 1 and err.startswith("torchkvops: error: ") and needle in err, err
 
 
-def test_prompt_longer_than_the_checkpoint_allows(checkpoint):
+def test_prompt_longer_than_the_checkpoint_allows(checkpoint, capsys):
     path, _, _ = checkpoint
-    proc = run_cli(
-        "rollout", "--model", str(path), "--device", "cpu", "--prompt", "the cat sat", "--max-new-tokens", "62"
+    proc = run_here(
+        capsys, "rollout", "--model", str(path), "--device", "cpu", "--prompt", "the cat sat", "--max-new-tokens", "62"
     )
     assert_one_line_error(proc, "64 positions", "--max-new-tokens")
 
