@@ -186,12 +186,13 @@ def test_a_token_budget_holds_over_three_times_the_rows_max_rows_holds_in_the_sa
 FEW_EOS = [40, 41, 42]  # rows of the random models end at spread lengths, some at max_new_tokens
 
 
-@pytest.mark.parametrize("family", ["llama", "lfm2"])
+@pytest.mark.parametrize("family", ["llama", "lfm2", "gemma3_text"])
 def test_tokens_equal_the_unbudgeted_rollout_under_a_budget_that_preempts(family_models, family):
     """Sampling with log-probabilities, prompts of different lengths, rows ending at spread lengths; a
     budget of a few rows at their longest: rows preempted and restarted from their prompts (prefilled
     again), the same tokens as without the budget; the blocks held within it. A hybrid's recurrent states
-    start again with each restart."""
+    start again with each restart; a sliding-window model's window blocks go back as rows slide, end and
+    are preempted (its window of 8 is passed 7 times)."""
     model = family_models[family] if family in family_models else tiny_model(family)
     if model is None:
         pytest.skip(unavailable(family))
