@@ -8,7 +8,8 @@
   answer (`Rollout.extend`), llama-small shape;
 - `rows`: a row budget's bytes (`max_rows`, streaming): the copy layout's at max_rows=16 against the paged
   layout's at 16 to 64 rows at once, and a budget of KV tokens as large as 16 rows at their longest
-  (`max_kv_tokens`), 8 prompts x 8 samples, spread lengths (mean 256, budget 2048);
+  (`max_kv_tokens`), 8 prompts x 8 samples, spread lengths (mean 256, budget 2048: an EOS rate of 1/256, or
+  with `--length-profile log-normal` log-normal lengths of sigma 1, a heavier tail);
 - `budget`: a budget of KV tokens against a row budget in the same bytes: 32 prompts x 8 samples, the copy
   layout through max_rows=16 against the paged layout under max_kv_tokens = 16 rows at their longest: the
   rows each decodes at once on average (generated tokens / decode steps).
@@ -18,8 +19,7 @@ For each: the KV bytes the call used (`RolloutProfile.kv_cache_bytes`) and what 
 window: `held_bytes`), and their ratio. The paged layout (blocks of 16 tokens) holds the latter plus a
 partly filled block or two per row; its sliding layers' own pool holds a window, the stretch of 8 tokens
 a row reserves ahead and a block per row (`sliding_kv_bytes`, against `sliding_goal_bytes`: a window and
-one block a row). No timing is compared
-(decode_ms is printed for the record only): bytes and rows.
+one block a row). No timing is compared (decode_ms is printed for the record only): bytes and rows.
 
     .venv/bin/python benchmarks/kv_footprint.py --threads 2 --output out/kv_footprint.json
 """
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 import torch
 
@@ -161,15 +162,16 @@ ROW_BUDGET_PROMPTS, ROW_BUDGET_ROWS = 8, 16  # the rows workload: 8 prompts x 8 
 
 
 def run_streamed(
-    workload: str, prompts_: int, seed: int, cases: list[tuple[str, int | None, int | None]]
+    workload: str, prompts_: int, seed: int, cases: list[tuple[str, int | None, int | None]], length_profile: str
 ) -> list[dict]:
-    """`prompts_` prompts x 8 samples of llama-small, spread lengths (EOS rate 1/256 under a budget of 2048),
-    through each of `cases` (layout, max_rows, max_kv_tokens): the KV bytes (with and without the dense
-    scratch prompts are prefilled into), the rows decoding per step on average (generated tokens / decode
-    steps), the steps, preemptions and refills, and whether the tokens are the first case's."""
+    """`prompts_` prompts x 8 samples of llama-small, spread lengths of mean 256 under a budget of 2048
+    (`length_profile`: "eos-rate", EOS rate 1/256; or "log-normal", sigma 1), through each of `cases` (layout,
+    max_rows, max_kv_tokens): the KV bytes (with and without the dense scratch prompts are prefilled into),
+    the rows decoding per step on average (generated tokens / decode steps), the steps, preemptions and
+    refills, and whether the tokens are the first case's."""
     model = build_model("llama-small", seed=0).eval()
-    install(model, "eos-rate", model.config.eos_token_id, 1.0, 256)
-    set_response_length(model, 2048)
+    install(model, length_profile, model.config.eos_token_id, 1.0, 256)
+    set_response_length(model, 2048, prompt_length=PROMPT_LEN)
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, model.config.vocab_size, (prompts_, PROMPT_LEN), generator=g)
     out, reference = [], None
@@ -178,8 +180,12 @@ def run_streamed(
         result = rollout.generate(ids)
         reference = result.sequences if reference is None else reference
         profile = rollout.get_last_profile()
+        lens = result.response_mask.sum(dim=1).float()
         row = dict(
             workload=workload,
+            length_profile=length_profile,
+            mean_len=lens.mean().item(),
+            longest=int(lens.max()),
             layout=layout,
             max_rows=max_rows,
             max_kv_tokens=max_kv_tokens,
@@ -201,23 +207,24 @@ def run_streamed(
 KV_TOKENS = ROW_BUDGET_ROWS * (PROMPT_LEN + 2048)
 
 
-def run_rows() -> list[dict]:
+def run_rows(profile: str) -> list[dict]:
     """Rows a row budget's bytes hold: the copy layout streaming 64 rows through max_rows=16 (spread lengths,
     mean 256 under a budget of 2048) uses some KV bytes; the paged layout streams the same rows through
     max_rows = 16, 32, 48, 64, and under max_kv_tokens = the copy layout's 16 rows at their longest: the most
     rows it decodes at once within the copy layout's bytes, and the same tokens."""
     cases = [("copy", ROW_BUDGET_ROWS, None)] + [("paged", r, None) for r in (16, 32, 48, 64)]
-    return run_streamed("rows", ROW_BUDGET_PROMPTS, 3, cases + [("paged", None, KV_TOKENS)])
+    return run_streamed("rows", ROW_BUDGET_PROMPTS, 3, cases + [("paged", None, KV_TOKENS)], profile)
 
 
 BUDGET_PROMPTS = 32  # the budget workload: 32 prompts x 8 samples, so that rows wait for most of the rollout
 
 
-def run_budget() -> list[dict]:
+def run_budget(profile: str) -> list[dict]:
     """A budget of KV tokens against a row budget in the same bytes (#52's goal): 32 prompts x 8 samples, the
     copy layout streaming through max_rows=16 against the paged layout under max_kv_tokens = what the copy
     layout's 16 rows hold at their longest; the rollout is long enough that rows wait for most of it."""
-    return run_streamed("budget", BUDGET_PROMPTS, 4, [("copy", ROW_BUDGET_ROWS, None), ("paged", None, KV_TOKENS)])
+    cases = [("copy", ROW_BUDGET_ROWS, None), ("paged", None, KV_TOKENS)]
+    return run_streamed("budget", BUDGET_PROMPTS, 4, cases, profile)
 
 
 def main() -> None:
@@ -225,6 +232,12 @@ def main() -> None:
     parser.add_argument("--workloads", nargs="+", default=["tail", "window", "turns", "rows", "budget"])
     parser.add_argument("--layouts", nargs="+", default=["copy", "prefix", "paged"])
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument(
+        "--length-profile",
+        choices=["eos-rate", "log-normal"],
+        default="eos-rate",
+        help="the rows and budget workloads' lengths (mean 256 under 2048): EOS rate 1/256, or log-normal (sigma 1)",
+    )
     parser.add_argument("--output", default=None)
     args = parser.parse_args()
     if args.threads:
@@ -238,12 +251,12 @@ def main() -> None:
         if "turns" in args.workloads:
             rows.append(run_turns(layout))
     if "rows" in args.workloads:
-        rows += run_rows()
+        rows += run_rows(args.length_profile)
     if "budget" in args.workloads:
-        rows += run_budget()
+        rows += run_budget(args.length_profile)
     if args.output:
         with open(args.output, "w") as f:
-            json.dump({"command": "benchmarks/kv_footprint.py", "rows": rows}, f, indent=1)
+            json.dump({"command": "benchmarks/kv_footprint.py " + " ".join(sys.argv[1:]), "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,12 @@
 """The bench's response-length profiles (torchkvops.bench.lengths): the EOS probability the wrapped LM head
 gives, and eos-rate's point: with a mean that does not follow the budget, the rows sample the same tokens
-at a small and a large max_new_tokens (what a benchmark of cost against the budget needs)."""
+at a small and a large max_new_tokens (what a benchmark of cost against the budget needs); log-normal's
+hazard at each response token, and its lengths against the distribution through the rollout and HF."""
 
 from __future__ import annotations
 
 import math
+from statistics import NormalDist
 
 import pytest
 import torch
@@ -57,3 +59,68 @@ def test_eos_rate_needs_a_mean_and_sampling():
     with pytest.raises(ValueError, match="needs sampling"):
         lengths.install(model, "eos-rate", EOS, temperature=0.0, mean_length=4)
     assert math.isclose(lengths.eos_probability(64), 1 / 16)
+
+
+def log_normal_cdf(length: int, mean: float, sigma: float) -> float:
+    """P(L <= length) for L = ceil(X), X log-normal of mean `mean` (the standard library's normal CDF of
+    log X: an implementation apart from the profile's erfc)."""
+    return NormalDist(math.log(mean) - sigma * sigma / 2, sigma).cdf(math.log(length)) if length > 0 else 0.0
+
+
+def test_log_normal_eos_has_the_hazard_of_its_length_at_each_response_token():
+    """The EOS probability at a row's response token t (its position less the prompt's last) is
+    P(L = t + 1 | L > t); the prompt's own positions draw as its first token does (the prefill's last)."""
+    model = FAMILIES["llama"]()
+    lengths.install(model, "log-normal", EOS, temperature=0.7, mean_length=10, sigma=0.8)
+    lengths.set_response_length(model, 64, prompt_length=6)
+    assert lengths.eos_id(model) == EOS
+    positions = torch.arange(0, 40)[None, :].expand(2, -1)
+    with torch.no_grad():
+        logits = model(input_ids=torch.randint(3, 90, (2, 40)), position_ids=positions).logits.double()
+    p = torch.softmax(logits / 0.7, dim=-1)[..., EOS]
+    want = []
+    for position in range(40):
+        t = max(0, position - 5)
+        before, upto = log_normal_cdf(t, 10, 0.8), log_normal_cdf(t + 1, 10, 0.8)
+        want.append((upto - before) / (1 - before))
+    torch.testing.assert_close(p, torch.tensor(want, dtype=torch.float64).expand(2, -1), rtol=1e-4, atol=1e-9)
+
+
+@pytest.mark.parametrize("sampler", ["torchkvops", "hf"])
+def test_log_normal_lengths_follow_their_distribution_in_the_rollout_and_in_hf_generate(sampler):
+    """256 samples of one prompt: the empirical CDF of their lengths within 0.12 of the log-normal's at
+    every length (the DKW inequality: a larger gap has probability < 0.2%), through the rollout's decode
+    and through HF generate (both pass the positions the profile reads)."""
+    model = FAMILIES["llama"]()
+    mean, sigma, budget, rows = 12, 0.8, 100, 256
+    lengths.install(model, "log-normal", EOS, temperature=1.0, mean_length=mean, sigma=sigma)
+    lengths.set_response_length(model, budget, prompt_length=8)
+    ids = torch.randint(3, 90, (1, 8), generator=torch.Generator().manual_seed(2))
+    if sampler == "torchkvops":
+        config = RolloutConfig(
+            samples_per_prompt=rows, max_new_tokens=budget, eos_token_id=EOS, temperature=1.0, seed=7
+        )
+        lens = Rollout(model, config).generate(ids).response_mask.sum(dim=1)
+    else:
+        torch.manual_seed(7)
+        with torch.no_grad():
+            out = model.generate(
+                ids.expand(rows, -1), do_sample=True, max_new_tokens=budget, eos_token_id=EOS, pad_token_id=0, top_k=0
+            )
+        ended = out[:, 8:] == EOS
+        lens = torch.where(ended.any(dim=1), ended.int().argmax(dim=1) + 1, budget)
+    for length in range(1, budget):
+        empirical = (lens <= length).float().mean().item()
+        assert abs(empirical - log_normal_cdf(length, mean, sigma)) < 0.12, (length, empirical)
+    assert len(set(lens.tolist())) > 10  # spread
+
+
+def test_log_normal_needs_a_mean_a_sigma_and_a_prompt_length():
+    model = FAMILIES["llama"]()
+    with pytest.raises(ValueError, match="mean length >= 1"):
+        lengths.install(model, "log-normal", EOS, temperature=1.0, mean_length=None)
+    with pytest.raises(ValueError, match=r"sigma in \(0, 4\]"):
+        lengths.install(model, "log-normal", EOS, temperature=1.0, mean_length=8, sigma=0.0)
+    lengths.install(model, "log-normal", EOS, temperature=1.0, mean_length=8)
+    with pytest.raises(ValueError, match="prompt length"):
+        lengths.set_response_length(model, 64)

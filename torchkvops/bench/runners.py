@@ -174,7 +174,8 @@ def _up_to_first_eos(responses: Tensor, eos: int) -> Tensor:
 
 
 def make_runner(mode: str, model: nn.Module, case: Case, s: Settings, prompts: Tensor, pad_token_id: int, clock: Clock):
-    lengths.set_response_length(model, case.response_length)  # the modes of a case are made together
+    # (the modes of a case are made together)
+    lengths.set_response_length(model, case.response_length, prompt_length=case.prompt_length)
     if mode in ROLLOUT_MODES:
         return _RolloutRunner(model, case, mode, s, prompts)
     if mode in HF_MODES:

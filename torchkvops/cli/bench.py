@@ -51,7 +51,9 @@ def cmd_bench(args) -> int:
             raise CLIError(f"--trace {args.trace}: cannot create the folder: {e}") from None
     model, tokenizer, model_desc = load_model(args, model_config, source, device, dtype)
     try:
-        lengths.install(model, args.length_profile, eos_id(model, tokenizer), args.temperature, args.mean_length)
+        lengths.install(
+            model, args.length_profile, eos_id(model, tokenizer), args.temperature, args.mean_length, args.length_sigma
+        )
     except ValueError as e:
         raise CLIError(f"--length-profile {args.length_profile}: {e}") from None
 
@@ -131,7 +133,7 @@ def cmd_bench(args) -> int:
         "peak_memory_method": "cuda_allocator" if device.type == "cuda" else "cpu_profiler",
         "peak_memory_note": metrics.PEAK_NOTE[device.type],
         "sampling": "greedy" if settings.greedy else f"temperature={args.temperature} top_p={args.top_p} top_k=0",
-        "length_profile": lengths.describe(args.length_profile, args.mean_length),
+        "length_profile": lengths.describe(args.length_profile, args.mean_length, args.length_sigma),
         "modes": {m: descriptions[m] for m in modes},
         "file_note": report.FILE_NOTE,
         "median_stages_note": stats.MEDIAN_STAGES_NOTE,

@@ -105,6 +105,13 @@ def top_p(text: str) -> float:
     return v
 
 
+def length_sigma(text: str) -> float:
+    v = _float(text)
+    if not 0.0 < v <= 4.0:
+        raise argparse.ArgumentTypeError(f"must be in (0, 4], got {v}")
+    return v
+
+
 def device_name(text: str) -> str:
     """cpu, cuda or cuda:N (syntax only: whether the GPU exists is checked once torch is loaded)."""
     if re.fullmatch(r"cpu|cuda(:\d+)?", text):

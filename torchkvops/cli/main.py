@@ -52,6 +52,7 @@ from .checks import (
     check_rollout_args,
     device_name,
     int_in,
+    length_sigma,
     non_negative_int,
     positive_int,
     temperature,
@@ -96,7 +97,7 @@ MODE_NAMES = (
     "prefix-nocompact",
 )
 # torchkvops.bench.lengths.LENGTH_PROFILES, spelled out for the same reason (checked by the same test).
-LENGTH_PROFILE_NAMES = ("fixed", "geometric", "eos-rate")
+LENGTH_PROFILE_NAMES = ("fixed", "geometric", "eos-rate", "log-normal")
 DEFAULT_MODES = ("expanded", "shared", "prefix", "hf-generate")
 # The bare `torchkvops`: measured at 38 s on a shared 2-core CPU, model build included (5 iterations: 59 s);
 # with the four default modes (prefix added), 28 s on the same CPU, less loaded (2026-11-30).
@@ -292,14 +293,24 @@ def build_parser() -> _Parser:
         help="fixed: no EOS, every sample has R tokens; geometric: every row samples EOS with probability "
         "4/R at every step (the random-weight model's EOS logit set so), lengths geometric with mean "
         "R/4, capped at R, as real responses spread (needs --temperature > 0); eos-rate: the same with "
-        "mean --mean-length whatever R (a generous budget R: the same rows and tokens at every R)",
+        "mean --mean-length whatever R (a generous budget R: the same rows and tokens at every R); "
+        "log-normal: lengths log-normal with mean --mean-length and shape --length-sigma, capped at R (a "
+        "heavier tail)",
     )
     m.add_argument(
         "--mean-length",
         type=positive_int,
         default=32,
         metavar="M",
-        help="--length-profile eos-rate: the mean response length (EOS probability 1/M at every step)",
+        help="--length-profile eos-rate or log-normal: the mean response length (eos-rate: EOS probability "
+        "1/M at every step)",
+    )
+    m.add_argument(
+        "--length-sigma",
+        type=length_sigma,
+        default=1.0,
+        metavar="S",
+        help="--length-profile log-normal: the shape of the log-normal (the sigma of log(length)), in (0, 4]",
     )
     m.add_argument(
         "--modes",
