@@ -226,3 +226,25 @@ def test_the_prefix_decode_attention_reads_each_layer_from_its_group():
             torch.testing.assert_close(out, expected.transpose(1, 2), rtol=1e-5, atol=1e-5)
     finally:
         attention._active = None
+
+
+def test_a_config_with_sliding_layers_gives_a_sliding_window_group_beside_the_full_one():
+    """gemma3-small's config (five sliding layers of window 512, then a global one): one group of each
+    kind, the window on the sliding one only, and the cache's groups of those kinds; a group whose kind
+    and window disagree is refused."""
+    from torchkvops.models import model_config
+    from torchkvops.models.adapter import SLIDING_WINDOW
+    from torchkvops.rollout.cache_groups import CacheGroup, SlidingWindowGroup
+
+    spec = CacheSpec.from_config(model_config("gemma3-small"))
+    assert [(g.kind, g.layers, g.window) for g in spec.groups] == [
+        (SLIDING_WINDOW, (0, 1, 2, 3, 4), 512),
+        (FULL_ATTENTION, (5,), None),
+    ]
+    cache = RolloutKVCache(spec, torch.float32, torch.device("cpu"))
+    assert [type(g) for g in cache.groups] == [SlidingWindowGroup, CacheGroup]
+    assert cache.slots == tuple((0, i) for i in range(5)) + ((1, 0),)
+    with pytest.raises(ValueError, match="only a sliding one has one"):
+        GroupSpec(FULL_ATTENTION, (0,), 1, 4, window=8)
+    with pytest.raises(ValueError, match="only a sliding one has one"):
+        GroupSpec(SLIDING_WINDOW, (0,), 1, 4)

@@ -20,7 +20,9 @@ __all__ = [
     "GroupSpec",
     "CacheSpec",
     "FULL_ATTENTION",
+    "SLIDING_WINDOW",
     "RECURRENT",
+    "ATTENTION_KINDS",
     "model_state",
     "unwrap_model",
     "is_peft_model",
@@ -51,11 +53,15 @@ class KVShape:
         return (self.layers, 2, rows, self.kv_heads, tokens, self.head_dim)
 
 
-# The kinds of cache group (`GroupSpec.kind`): what a group's layers store, and so how its rows are
-# expanded, gathered and extended (`torchkvops.rollout.cache_groups`): attention layers' KV, or recurrent
-# layers' fixed-size states (a convolution window, a recurrent state: `torchkvops.models.recurrent`).
+# The kinds of cache group (`GroupSpec.kind`, as vLLM's KVCacheSpec kinds): what a group's layers store,
+# and so how its rows are expanded, gathered and extended (`torchkvops.rollout.cache_groups`): attention
+# layers' KV, every key (FULL_ATTENTION) or the keys of a sliding window (SLIDING_WINDOW: a key `window`
+# or more positions before the query is never read again, so the paged layout gives its blocks back), or
+# recurrent layers' fixed-size states (a convolution window, a recurrent state: `models.recurrent`).
 FULL_ATTENTION = "full_attention"
+SLIDING_WINDOW = "sliding_window"
 RECURRENT = "recurrent"
+ATTENTION_KINDS = (FULL_ATTENTION, SLIDING_WINDOW)  # the kinds that store KV
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,9 +75,13 @@ class GroupSpec:
     kv_heads: int
     head_dim: int
     states: tuple = ()  # RECURRENT: the StateFields of each layer's row
-    # FULL_ATTENTION: the sliding window its layers read (a key `window` or more positions before the
-    # query is never read again: the paged layout gives its blocks back); None: every key
-    window: int | None = None
+    window: int | None = None  # SLIDING_WINDOW: the keys before the query its layers read
+
+    def __post_init__(self):
+        if (self.kind == SLIDING_WINDOW) != (self.window is not None):
+            raise ValueError(
+                f"torchkvops: a {self.kind} cache group with window {self.window}: only a sliding one has one"
+            )
 
     @property
     def shape(self) -> KVShape:
@@ -90,11 +100,11 @@ class CacheSpec:
     reads: tuple[int | None, ...]  # one entry per model layer
 
     def __post_init__(self):
-        for kinds in ((FULL_ATTENTION,), (RECURRENT,)):
+        for kinds in (ATTENTION_KINDS, (RECURRENT,)):
             stored = [layer for group in self.groups if group.kind in kinds for layer in group.layers]
             if len(set(stored)) != len(stored):
                 raise ValueError(f"torchkvops: a layer is in two cache groups of one kind: {self.groups}")
-        stored = {layer for group in self.groups if group.kind == FULL_ATTENTION for layer in group.layers}
+        stored = {layer for group in self.groups if group.kind in ATTENTION_KINDS for layer in group.layers}
         for layer, source in enumerate(self.reads):
             if source is None:
                 if layer in stored:
@@ -107,7 +117,7 @@ class CacheSpec:
                 )
         # Attention groups first: the buffers' shared properties (positions, device) are read off group 0.
         kinds = [group.kind for group in self.groups]
-        if kinds and kinds[0] != FULL_ATTENTION or kinds != sorted(kinds, key=lambda k: k == RECURRENT):
+        if kinds and kinds[0] not in ATTENTION_KINDS or kinds != sorted(kinds, key=lambda k: k == RECURRENT):
             raise ValueError(f"torchkvops: the attention cache groups come before the recurrent ones: {self.groups}")
 
     @classmethod
@@ -152,7 +162,9 @@ class CacheSpec:
                 slides = window if kinds[layer] == "sliding_attention" else None
                 by_shape.setdefault((*shapes[layer], slides), []).append(layer)
         groups = [
-            GroupSpec(FULL_ATTENTION, tuple(layers), kv_heads, head_dim, window=slides)
+            GroupSpec(
+                FULL_ATTENTION if slides is None else SLIDING_WINDOW, tuple(layers), kv_heads, head_dim, window=slides
+            )
             for (kv_heads, head_dim, slides), layers in by_shape.items()
         ]
         by_row: dict[tuple, list[int]] = {}
@@ -167,7 +179,7 @@ class CacheSpec:
     @property
     def values_per_token(self) -> int:
         """The K and V elements one position of one row holds, over every stored layer."""
-        return sum(len(g.layers) * 2 * g.kv_heads * g.head_dim for g in self.groups if g.kind == FULL_ATTENTION)
+        return sum(len(g.layers) * 2 * g.kv_heads * g.head_dim for g in self.groups if g.kind in ATTENTION_KINDS)
 
     @property
     def values_per_row(self) -> int:

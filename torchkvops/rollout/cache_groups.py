@@ -22,10 +22,19 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from ..models.adapter import FULL_ATTENTION, RECURRENT, GroupSpec
+from ..models.adapter import FULL_ATTENTION, RECURRENT, SLIDING_WINDOW, GroupSpec
 from ..ops import repeat_kv_cache, repeat_kv_cache_
 
-__all__ = ["CacheGroup", "RecurrentGroup", "KVViews", "GROUP_KINDS", "make_group", "layer_kv", "layer_slot"]
+__all__ = [
+    "CacheGroup",
+    "SlidingWindowGroup",
+    "RecurrentGroup",
+    "KVViews",
+    "GROUP_KINDS",
+    "make_group",
+    "layer_kv",
+    "layer_slot",
+]
 
 
 class KVViews(NamedTuple):
@@ -213,8 +222,23 @@ def _decode_columns(buffer: Tensor, written: int | None) -> Tensor:
     return buffer if written is None else buffer[..., : min(written, buffer.shape[4]), :]
 
 
-# Each kind of group, by GroupSpec.kind: a sliding window's group is one more class.
-GROUP_KINDS: dict[str, type[CacheGroup]] = {FULL_ATTENTION: CacheGroup, RECURRENT: RecurrentGroup}
+class SlidingWindowGroup(CacheGroup):
+    """The KV of a group of sliding-window layers (`window`: the keys before its query a layer reads). The
+    copy and prefix layouts keep every key of it, masked, as a full-attention group's; the paged layout
+    keeps its blocks in a window pool whose blocks go back as rows slide past them (`paged_store`)."""
+
+    kind = SLIDING_WINDOW
+
+    def __repr__(self) -> str:
+        return f"{super().__repr__()[:-1]}, window={self.window})"
+
+
+# Each kind of group, by GroupSpec.kind.
+GROUP_KINDS: dict[str, type[CacheGroup]] = {
+    FULL_ATTENTION: CacheGroup,
+    SLIDING_WINDOW: SlidingWindowGroup,
+    RECURRENT: RecurrentGroup,
+}
 
 
 def make_group(spec: GroupSpec) -> CacheGroup:

@@ -38,7 +38,7 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import Cache
 
-from ..models.adapter import FULL_ATTENTION, RECURRENT, CacheSpec, KVShape
+from ..models.adapter import ATTENTION_KINDS, RECURRENT, SLIDING_WINDOW, CacheSpec, KVShape
 from ..models.recurrent import RowLayout
 from .cache_groups import CacheGroup, KVViews, make_group
 from .compaction import COMPACT_FRACTION
@@ -87,11 +87,11 @@ class RolloutKVCache(Cache):
         self.dtype, self.device = dtype, torch.device(device)
         self.groups: tuple[CacheGroup, ...] = tuple(make_group(g) for g in self.spec.groups)
 
-        def slots(kind: str) -> dict[int, tuple[int, int]]:
+        def slots(*kinds: str) -> dict[int, tuple[int, int]]:
             groups = enumerate(self.groups)
-            return {layer: (g, i) for g, group in groups if group.kind == kind for i, layer in enumerate(group.layers)}
+            return {layer: (g, i) for g, group in groups if group.kind in kinds for i, layer in enumerate(group.layers)}
 
-        stored, kept = slots(FULL_ATTENTION), slots(RECURRENT)
+        stored, kept = slots(*ATTENTION_KINDS), slots(RECURRENT)
         # Each model layer's slot: (group, index in it) of the KV its attention reads (KVViews.slots), and of
         # its states (KVViews.states); None where it has none.
         self.slots = tuple(None if source is None else stored[source] for source in self.spec.reads)
@@ -190,14 +190,14 @@ class RolloutKVCache(Cache):
         """The paged layout: every block free and a table for each of `rows` rows (a streaming batch: for each
         of `samples` samples, then each prompt's own), the pools kept while large enough; each full-attention
         group's buffer is its pool. Other layouts: no pools."""
-        attention = [g for g in self.groups if g.kind == FULL_ATTENTION]
+        attention = [g for g in self.groups if g.kind in ATTENTION_KINDS]
         if not getattr(layout, "paged", False):
             self.paged = None
             for g in attention:
                 g.pool = None
             return
         if self.paged is None:
-            windows = [g.window for g in attention]
+            windows = [g.window if g.kind == SLIDING_WINDOW else None for g in attention]
             self.paged = PagedStore([g.shape for g in attention], self.dtype, self.device, layout.block_size, windows)
         self.columns = columns
         # A first guess of the blocks a call holds (the pools grow as rows do): each row's prompt and a stretch.
@@ -213,7 +213,7 @@ class RolloutKVCache(Cache):
         anew for each call, as the other layouts' views are."""
         if self.paged is None:
             return
-        for g, kv in zip((g for g in self.groups if g.kind == FULL_ATTENTION), self.paged.kv):
+        for g, kv in zip((g for g in self.groups if g.kind in ATTENTION_KINDS), self.paged.kv):
             if g.pool is None or g.pool.data_ptr() != kv.pool.data_ptr() or g.pool.shape != kv.pool.shape:
                 g.pool = kv.pool.view(kv.pool.shape)
             g.home = g.current = [g.pool]

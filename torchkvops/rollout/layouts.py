@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..models.adapter import FULL_ATTENTION
+from ..models.adapter import ATTENTION_KINDS
 from .attention import SharedLevel
 from .cache_groups import KVViews
 from .compaction import BatchMap
@@ -410,7 +410,7 @@ class PagedLayout(CopyLayout):
     def keep_apart(self, home: KVViews, scratch) -> KVViews:
         """A waiting prompt's states in the groups without a pool (recurrent layers), copied out of the scratch
         cache; its attention KV waits in its table already (an empty stand-in for those groups)."""
-        pooled = [g.kind == FULL_ATTENTION for g in scratch.groups]  # (the groups a paged cache pools)
+        pooled = [g.kind in ATTENTION_KINDS for g in scratch.groups]  # (the groups a paged cache pools)
         views = scratch.prompt_views
         if views is None or _storage(home) != _storage(views):
             return home
