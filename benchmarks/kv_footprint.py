@@ -219,11 +219,13 @@ def run_rows(profile: str) -> list[dict]:
 BUDGET_PROMPTS = 32  # the budget workload: 32 prompts x 8 samples, so that rows wait for most of the rollout
 
 
-def run_budget(profile: str) -> list[dict]:
+def run_budget(profile: str, budget_rows: list[int]) -> list[dict]:
     """A budget of KV tokens against a row budget in the same bytes (#52's goal): 32 prompts x 8 samples, the
     copy layout streaming through max_rows=16 against the paged layout under max_kv_tokens = what the copy
     layout's 16 rows hold at their longest; the rollout is long enough that rows wait for most of it."""
-    cases = [("copy", ROW_BUDGET_ROWS, None), ("paged", None, KV_TOKENS)]
+    cases = []
+    for rows in budget_rows:  # (16 of the 256 rows at their longest; 64: a quarter of them)
+        cases += [("copy", rows, None), ("paged", None, rows * (PROMPT_LEN + 2048))]
     return run_streamed("budget", BUDGET_PROMPTS, 4, cases, profile)
 
 
@@ -232,6 +234,13 @@ def main() -> None:
     parser.add_argument("--workloads", nargs="+", default=["tail", "window", "turns", "rows", "budget"])
     parser.add_argument("--layouts", nargs="+", default=["copy", "prefix", "paged"])
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument(
+        "--budget-rows",
+        type=int,
+        nargs="+",
+        default=[ROW_BUDGET_ROWS],
+        help="the budget workload: the copy layout's max_rows, and the paged layout's max_kv_tokens as that many rows at their longest",
+    )
     parser.add_argument(
         "--length-profile",
         choices=["eos-rate", "log-normal"],
@@ -253,7 +262,7 @@ def main() -> None:
     if "rows" in args.workloads:
         rows += run_rows(args.length_profile)
     if "budget" in args.workloads:
-        rows += run_budget(args.length_profile)
+        rows += run_budget(args.length_profile, args.budget_rows)
     if args.output:
         with open(args.output, "w") as f:
             json.dump({"command": "benchmarks/kv_footprint.py " + " ".join(sys.argv[1:]), "rows": rows}, f, indent=1)
