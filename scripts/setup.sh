@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Sets up .venv (torch, transformers, test tools, trl, peft, deepspeed, ruff, clang-format) and builds torchkvops._C into it. Idempotent and
 # cheap when nothing changed (about 2 s, the final import check): it installs only what is missing and
-# rebuilds only when a C++/CUDA source, setup.py, pyproject.toml or the torch version changed.
+# rebuilds only when a C++/CUDA source, setup.py, pyproject.toml or the torch version changed (and then
+# reuses a build of the same sources made on this machine before, from a cache outside the clone).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export MAX_JOBS="${MAX_JOBS:-2}"
@@ -53,9 +54,32 @@ stamp=build/.torchkvops-built
 torch_version="$(sed -n "s/^__version__ = '\(.*\)'$/\1/p" .venv/lib/python3*/site-packages/torch/version.py)"
 # pyproject.toml too: it names the packages and the console script that the install writes.
 want="$torch_version $(cat setup.py pyproject.toml torchkvops/csrc/*.* torchkvops/csrc/*/*.* | sha1sum)"
-if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ] || ! ls torchkvops/_C*.so >/dev/null 2>&1; then
-  mkdir -p build
-  log=build/torchkvops-build.log
+# A build of the same sources is kept outside the clone, keyed by everything it is made from (the key
+# above, the Python, and the settings setup.py reads), as ccache keeps a compiler's: a fresh clone on a
+# machine that built these sources once installs the same library without compiling it again (5 minutes
+# of a 2-core machine). TORCHKVOPS_NO_BUILD_CACHE=1 always compiles; the cache is
+# ${TORCHKVOPS_BUILD_CACHE:-~/.cache/torchkvops/builds}, one folder per key.
+build_key="$(printf '%s|%s|%s|%s|%s|%s' "$want" "$("$py" -c 'import sys; print(sys.version)')" \
+  "${TORCH_CUDA_ARCH_LIST:-}" "${TORCHKVOPS_NO_CUDA:-}" "${DEBUG:-}" "${CUDA_HOME:-}" | sha1sum | cut -c1-20)"
+cached="${TORCHKVOPS_BUILD_CACHE:-$HOME/.cache/torchkvops/builds}/$build_key"
+needs_build() { [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ] || ! ls torchkvops/_C*.so >/dev/null 2>&1; }
+mkdir -p build
+log=build/torchkvops-build.log
+if needs_build && [ "${TORCHKVOPS_NO_BUILD_CACHE:-0}" != "1" ] && ls "$cached"/_C*.so >/dev/null 2>&1; then
+  echo "setup.sh: these sources were built here before: installing that build ($cached;"
+  echo "  TORCHKVOPS_NO_BUILD_CACHE=1 compiles them again)"
+  cp "$cached"/_C*.so torchkvops/
+  # The editable install without compiling (setup.py leaves the extension out): the package, its console
+  # script and its metadata, as a build installs them.
+  if ! TORCHKVOPS_PREBUILT=1 "$py" -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps \
+      -e . >"$log" 2>&1; then
+    echo "setup.sh: the install failed; the end of $log:" >&2
+    tail -n 40 "$log" >&2
+    exit 1
+  fi
+  echo "$want" > "$stamp"
+fi
+if needs_build; then
   echo "setup.sh: building torchkvops._C (the C++ kernels, and the CUDA kernels when torch is a CUDA build and a"
   echo "  toolkit is found) with MAX_JOBS=$MAX_JOBS: 3 minutes on an idle 2-core machine, up to 10 while other jobs"
   echo "  share it; ninja's [done/total] steps follow (the CUDA files take longest), the full log goes to $log"
@@ -67,6 +91,10 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ] || ! ls torchkvops/_C*.
     exit 1
   fi
   echo "$want" > "$stamp"
+  if [ "${TORCHKVOPS_NO_BUILD_CACHE:-0}" != "1" ]; then  # (kept for the next clone; a failed copy is no error)
+    mkdir -p "$cached.tmp$$" && cp torchkvops/_C*.so "$cached.tmp$$"/ && mv -T "$cached.tmp$$" "$cached" 2>/dev/null \
+      || rm -rf "$cached.tmp$$"
+  fi
 fi
 # out/ (git-ignored): where the README's benchmark commands write their JSON.
 mkdir -p out
