@@ -11,7 +11,9 @@ if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
 fi
 py=.venv/bin/python
-pip_install() { "$py" -m pip install -q --disable-pip-version-check "$@"; }
+# --no-compile: the modules are byte-compiled when first imported, not every file of torch and transformers
+# at install time (most are never imported here).
+pip_install() { "$py" -m pip install -q --disable-pip-version-check --no-compile "$@"; }
 
 # What the environment needs, in two groups, each with the imports that prove it is installed.
 # torch 2.14.1 (a CUDA build, so the CUDA kernels compile here) lies on this machine's disk.
