@@ -245,7 +245,7 @@ class WindowBlocks:
     one block per row, however long the rows grow.
 
     The store (`paged_store.PagedStore`) calls these after each change of the tables, with room in this
-    pool made first (`need`); nothing here touches a tensor."""
+    pool made first, and uploads `of` when `changed` says it changed; nothing here touches a tensor."""
 
     def __init__(self, tables: BlockTables, pool: BlockPool, window: int):
         if window < 1:
@@ -256,6 +256,7 @@ class WindowBlocks:
         self.of: list[int] = []
         self.refs: list[int] = []
         self.first = [0] * tables.rows
+        self.changed = True  # `of` changed since the store last uploaded it
 
     def fit(self) -> None:
         """Entries for every block of the tables' pool (which grows)."""
@@ -270,6 +271,7 @@ class WindowBlocks:
         for b in blocks:
             if not self.refs[b]:
                 self.of[b] = self.pool.take(1)[0]
+                self.changed = True
             self.refs[b] += 1
 
     def _drop(self, blocks: list[int]) -> None:
@@ -281,6 +283,7 @@ class WindowBlocks:
             if not self.refs[b]:
                 self.pool.give_back([self.of[b]])
                 self.of[b] = 0
+                self.changed = True
 
     def appended(self, row: int, new: list[int]) -> None:
         """`row` took table blocks `new` (its last ones)."""

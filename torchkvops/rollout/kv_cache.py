@@ -38,7 +38,7 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import Cache
 
-from ..models.adapter import ATTENTION_KINDS, RECURRENT, SLIDING_WINDOW, CacheSpec, KVShape
+from ..models.adapter import ATTENTION_KINDS, RECURRENT, CacheSpec, KVShape
 from ..models.recurrent import RowLayout
 from .cache_groups import CacheGroup, KVViews, make_group
 from .compaction import COMPACT_FRACTION
@@ -197,7 +197,7 @@ class RolloutKVCache(Cache):
                 g.pool = None
             return
         if self.paged is None:
-            windows = [g.window if g.kind == SLIDING_WINDOW else None for g in attention]
+            windows = [g.window for g in attention]  # (None but in a SLIDING_WINDOW group: GroupSpec checks)
             self.paged = PagedStore([g.shape for g in attention], self.dtype, self.device, layout.block_size, windows)
         self.columns = columns
         # A first guess of the blocks a call holds (the pools grow as rows do): each row's prompt and a stretch.

@@ -231,13 +231,16 @@ class PagedStore:
     def _upload(self, rows: list[int]) -> None:
         self.peak_blocks = max(self.peak_blocks, self.pool.num_held)
         self.peak_bytes = max(self.peak_bytes, self.held_bytes)
-        if self.windows is not None:  # (the whole map: a few thousand int32, once a stretch)
-            self.peak_window_blocks = max(self.peak_window_blocks, self.windows.pool.num_held)
-            self.windows.fit()
-            mapped = torch.tensor(self.windows.of, dtype=torch.int32)
-            if self.window_map.numel() != mapped.numel():  # (the tables' pool grew: a new tensor, a new graph)
-                self.window_map = torch.zeros_like(mapped, device=self.device)
-            self.window_map.copy_(mapped, non_blocking=True)
+        windows = self.windows
+        if windows is not None:
+            self.peak_window_blocks = max(self.peak_window_blocks, windows.pool.num_held)
+            windows.fit()
+            if windows.changed or self.window_map.numel() != len(windows.of):  # (the whole map, a few thousand int32)
+                mapped = torch.tensor(windows.of, dtype=torch.int32)
+                if self.window_map.numel() != mapped.numel():  # (the tables' pool grew: a new tensor, a new graph)
+                    self.window_map = torch.zeros_like(mapped, device=self.device)
+                self.window_map.copy_(mapped, non_blocking=True)
+                windows.changed = False
         if not rows:
             return
         table = self.tables.tensor(self.device, rows=rows)  # (only the changed rows', built on the host)
