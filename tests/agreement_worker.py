@@ -1,12 +1,12 @@
 """One process of a test of what every process must agree on, launched by torchrun (tests/test_agreement.py):
 
-    torchrun --nproc-per-node 2 tests/agreement_worker.py SCENARIO OUT_DIR
+    torchrun --nproc-per-node 2 tests/agreement_worker.py SCENARIO[,SCENARIO...] OUT_DIR
 
 Tiny Llamas sharded with FSDP2 on CPU over gloo, with a short process-group timeout (DIST_TIMEOUT_S), so that
 a collective one process waits in alone ends the scenario with an error instead of a hang. The oracle is
 HF's generate (the model class's) on the same wrapper. A rank's call "falls back" where its attention
 mask is right-padded (which the rollout refuses and HF's generate takes). Each rank writes
-OUT_DIR/rank<r>.pt. Scenarios:
+OUT_DIR/rank<r>_<scenario>.pt. Scenarios:
 - "unsynced_mixed": synced_gpus resolved False (decoder layers sharded, the model not: HF then resolves
   False), or the root sharded with synced_gpus=False; rank 0's call can be served, rank 1's falls back;
   then a training step.
@@ -126,7 +126,7 @@ def unused_token(model, rank: int) -> int:
 
 
 def main() -> None:
-    scenario, out_dir = sys.argv[1], sys.argv[2]
+    scenarios, out_dir = sys.argv[1].split(","), sys.argv[2]
     timeout = float(os.environ.get("DIST_TIMEOUT_S", "60"))
     backend = os.environ.get("BACKEND", "gloo")
     if backend == "nccl":
@@ -135,6 +135,16 @@ def main() -> None:
     rank = dist.get_rank()
     warnings.simplefilter("ignore")
     rollouts = count_rollouts()
+    for scenario in scenarios:  # (one launch runs several scenarios: each process imports torch once)
+        print(f"scenario {scenario}", file=sys.stderr, flush=True)  # (which one failed, in the log)
+        result = run(scenario, rank, rollouts, timeout, backend)
+        torch.save(result, os.path.join(out_dir, f"rank{rank}_{scenario}.pt"))
+    end_worker()
+
+
+def run(scenario: str, rank: int, rollouts: list[int], timeout: float, backend: str) -> dict:
+    """One scenario's record on this rank."""
+    rollouts[0] = 0  # (counted from this scenario's start)
     result = {"rank": rank}
     if scenario == "unsynced_mixed":
         for sharding in ("layers", "root"):
@@ -192,8 +202,7 @@ def main() -> None:
         combinations_scenario(result, rank, rollouts, timeout)
     elif scenario == "nccl_graphs":
         nccl_graphs_scenario(result, rank, backend)
-    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-    end_worker()
+    return result
 
 
 def count_fsdp_hooks() -> tuple[list[int], list[int]]:

@@ -1,10 +1,10 @@
 """One process of an FSDP2 test, launched by torchrun (tests/test_fsdp.py):
 
-    torchrun --nproc-per-node 2 tests/fsdp_worker.py SCENARIO OUT_DIR
+    torchrun --nproc-per-node 2 tests/fsdp_worker.py SCENARIO[,SCENARIO...] OUT_DIR
 
 The model is a tiny Llama sharded with `fully_shard` (each decoder layer, then the root) and marked
 FSDP-managed as accelerate marks it, so HF's generate resolves synced_gpus=True. Each rank writes
-OUT_DIR/rank<r>.pt with HF's output (the model class's generate on the same wrapper: the oracle), the
+OUT_DIR/rank<r>_<scenario>.pt with HF's output (the model class's generate on the same wrapper: the oracle), the
 patched generate's output and how many rollouts ran. Scenarios: "synced" (ranks' rows end at different
 steps; then a call that one rank cannot serve: every rank falls back), "train" (synced_gpus=False: a
 served generate, then a training step on its sequences, then a generate that follows the new weights),
@@ -106,10 +106,19 @@ def reshard_setting(module) -> list[bool]:
 
 
 def main() -> None:
-    scenario, out_dir = sys.argv[1], sys.argv[2]
+    scenarios, out_dir = sys.argv[1].split(","), sys.argv[2]
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=float(os.environ.get("DIST_TIMEOUT_S", "60"))))
     rank = dist.get_rank()
     warnings.simplefilter(os.environ.get("WORKER_WARNINGS", "ignore"))
+    for scenario in scenarios:  # (one launch runs several scenarios: each process imports torch once)
+        print(f"scenario {scenario}", file=sys.stderr, flush=True)  # (which one failed, in the log)
+        result = run(scenario, rank)
+        torch.save(result, os.path.join(out_dir, f"rank{rank}_{scenario}.pt"))
+    end_worker()
+
+
+def run(scenario: str, rank: int) -> dict:
+    """One scenario's record on this rank."""
     model = sharded_llama(lora=scenario == "lora")
     rollouts = []
     original = torchkvops.Rollout.generate_rows
@@ -276,8 +285,8 @@ def main() -> None:
         result["got_after_step"] = model.generate(ids, **kwargs)
         result["served"] = len(rollouts)
         handle.undo()
-    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-    end_worker()
+    torchkvops.Rollout.generate_rows = original  # (the next scenario counts its own)
+    return result
 
 
 if __name__ == "__main__":

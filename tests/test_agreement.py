@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from devices import requires_gpu
-from test_fsdp import run_scenario
+from test_fsdp import launched_once, run_scenario
 
 pytest.importorskip("torch.distributed.fsdp")
 
@@ -20,45 +20,45 @@ WORKER = str(Path(__file__).with_name("agreement_worker.py"))
 DIST_TIMEOUT_S = "60"
 
 
-def run(scenario: str, out: Path) -> list[dict]:
-    return run_scenario(scenario, out, WORKER, DIST_TIMEOUT_S=DIST_TIMEOUT_S)
+SCENARIOS = ["unsynced_mixed", "eos_one_rank", "common_prefix_one_rank", "multi_root", "hooks", "combinations"]
+records = launched_once(WORKER, SCENARIOS, DIST_TIMEOUT_S=DIST_TIMEOUT_S)
 
 
-def test_a_call_served_on_one_rank_and_refused_on_the_other_falls_back_on_both(tmp_path):
+def test_a_call_served_on_one_rank_and_refused_on_the_other_falls_back_on_both(records):
     """Unsynced generation on a sharded model (decoder layers sharded: HF resolves synced_gpus=False; or
     the root sharded with synced_gpus=False), rank 1's call refused: every rank runs HF's generate (the
     served rank would otherwise wait in the gather's collectives while the other runs HF's forwards),
     both return HF's tokens, and the training step after works."""
-    for r in run(scenario="unsynced_mixed", out=tmp_path):
+    for r in records("unsynced_mixed"):
         for sharding in ("layers", "root"):
             assert torch.equal(r[f"got_{sharding}"], r[f"expected_{sharding}"]), (r["rank"], sharding)
             assert r[f"served_{sharding}"] == 0, (r["rank"], sharding)
             assert torch.isfinite(r[f"loss_{sharding}"])
 
 
-def test_synced_generation_with_eos_ids_on_one_rank_only_gives_hfs_tokens(tmp_path):
+def test_synced_generation_with_eos_ids_on_one_rank_only_gives_hfs_tokens(records):
     """The all-ended check (a collective) runs on every rank, whether or not its call has EOS ids: served
     on both ranks, gathered once and per step, with HF's tokens."""
-    for r in run(scenario="eos_one_rank", out=tmp_path):
+    for r in records("eos_one_rank"):
         for mode in ("per_step", "once"):
             assert r[f"served_{mode}"] == 1, (r["rank"], mode)
             assert torch.equal(r[f"got_{mode}"], r["expected"]), (r["rank"], mode)
         assert torch.isfinite(r["loss"])
 
 
-def test_a_common_prefix_on_one_rank_keeps_the_ranks_in_step(tmp_path):
+def test_a_common_prefix_on_one_rank_keeps_the_ranks_in_step(records):
     """Synced generation where only rank 0's prompts begin with a common prefix: a rollout in lockstep
     prefills as every rank does (a common prefix computed once is one more forward, and per step every
     forward is FSDP's gathers), so both ranks are served with HF's tokens, gathered per step and once."""
-    for r in run(scenario="common_prefix_one_rank", out=tmp_path):
+    for r in records("common_prefix_one_rank"):
         for mode in ("per_step", "once"):
             assert r[f"served_{mode}"] == 1, (r["rank"], mode)
             assert torch.equal(r[f"got_{mode}"], r["expected"]), (r["rank"], mode)
         assert torch.isfinite(r["loss"])
 
 
-def test_a_model_with_several_fsdp_roots_is_gathered_and_served_from_its_first_call(tmp_path):
-    for r in run(scenario="multi_root", out=tmp_path):
+def test_a_model_with_several_fsdp_roots_is_gathered_and_served_from_its_first_call(records):
+    for r in records("multi_root"):
         assert r["warnings"] == [], r["warnings"]
         assert r["served"] == 1 and r["served_again"] == 1
         assert r["profile"]["gathered_bytes"] > 0
@@ -66,13 +66,13 @@ def test_a_model_with_several_fsdp_roots_is_gathered_and_served_from_its_first_c
         assert torch.isfinite(r["loss"])
 
 
-def test_no_fsdp_hook_runs_inside_a_gathered_decode_step_and_mixed_precision_caches_in_its_dtype(tmp_path):
+def test_no_fsdp_hook_runs_inside_a_gathered_decode_step_and_mixed_precision_caches_in_its_dtype(records):
     """FSDP2 with param_dtype=bf16. Gathered once, none of FSDP's forward hooks runs during the call (on
     CUDA they would make FSDP's all-gather streams wait on the capturing stream, forking them into the
     CUDA graph); per step they do (so the count sees them). The tokens are HF's either way (its casts are
     applied without its hooks), the KV cache is bf16 (the dtype of the gathered weights, also for a Rollout
     built while the weights are sharded fp32), and the hooks are back for the training step after."""
-    for r in run(scenario="hooks", out=tmp_path):
+    for r in records("hooks"):
         assert r["served_once"] == 1 == r["served_per_step"]
         assert r["hooks_once"] == 0 and r["hooks_in_steps_once"] == 0
         assert r["hooks_in_steps_per_step"] > 0
@@ -85,11 +85,11 @@ def test_no_fsdp_hook_runs_inside_a_gathered_decode_step_and_mixed_precision_cac
         assert r["hooks_training"] > 0 and torch.isfinite(r["loss"])
 
 
-def test_every_combination_of_served_synced_eos_and_gather_mode_returns_hfs_tokens(tmp_path):
+def test_every_combination_of_served_synced_eos_and_gather_mode_returns_hfs_tokens(records):
     """served/fallback on each rank x synced/unsynced x EOS ids on each rank x gather_weights: every call
     returns (within the process-group timeout: no collective waited for alone), with HF's tokens, served on
     both ranks exactly when both can serve it, and the training step after each works."""
-    ranks = run(scenario="combinations", out=tmp_path)
+    ranks = records("combinations")
     for r in ranks:
         assert r["error"] is None, r["error"]
         assert len(r["records"]) == 4 * 2 * 4 * 3

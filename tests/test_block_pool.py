@@ -83,25 +83,6 @@ def test_a_block_given_back_is_caught_when_a_table_still_names_it():
         pool.check_held(read, epochs)
 
 
-def test_a_sliding_window_row_gives_back_the_blocks_wholly_before_its_window():
-    pool = BlockPool(64, 4)
-    tables = BlockTables(pool, rows=1, max_blocks=64)
-    window = 10
-    peak = 0
-    for _ in range(100):
-        tables.slide(0, window)
-        tables.append(0, 1)
-        peak = max(peak, pool.num_held)
-        # The window of the token just written: keys (length - window, length - 1]; every one has a block.
-        length = tables.lengths[0]
-        tables.slots(0, max(0, length - window), min(window, length))
-    assert peak <= blocks_for(window, 4) + 1  # the window, and one block it straddles
-    with pytest.raises(AssertionError, match="have no block"):
-        tables.slots(0, 0, 1)
-    tables.release(0)
-    assert pool.num_free == 64
-
-
 def test_compaction_moves_tables_not_kv_and_refuses_to_drop_a_row_that_holds_blocks():
     pool = BlockPool(16, 4)
     tables = BlockTables(pool, rows=3, max_blocks=4)
@@ -128,7 +109,7 @@ def test_a_grown_pool_keeps_its_blocks_and_frees_the_new_ones():
 
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 def test_a_random_workload_returns_every_block_and_never_shares_a_written_slot(block_size):
-    """Rows start (some forked from a prompt row), grow, slide and end at random; at every point each
+    """Rows start (some forked from a prompt row), grow and end at random; at every point each
     slot a row may write belongs to that row alone, and at the end every block is free."""
     rng = random.Random(block_size)
     pool = BlockPool(400, block_size)
@@ -152,8 +133,6 @@ def test_a_random_workload_returns_every_block_and_never_shares_a_written_slot(b
             tables.release(r)
             live.discard(r)
         else:
-            if rng.random() < 0.3:
-                tables.slide(r, 24)
             try:
                 tables.append(r, 1)
             except (OutOfBlocks, ValueError):

@@ -6,6 +6,7 @@ a served call leaves the model trainable (it ran under inference mode, and FSDP'
 broke the next training step), and the next call follows the trained weights. Every launch is bounded by
 a timeout."""
 
+import importlib.util
 import subprocess
 from pathlib import Path
 
@@ -20,9 +21,11 @@ WORKER = str(Path(__file__).with_name("fsdp_worker.py"))
 pytest.importorskip("torch.distributed.fsdp")
 
 
-def run_scenario(scenario: str, out: Path, worker: str = WORKER, nproc: int = 2, **extra_env) -> list[dict]:
-    """Each rank's record of `worker SCENARIO OUT` on `nproc` processes (torchrun, 127.0.0.1); `extra_env`:
-    more environment variables for the workers."""
+def run_scenarios(scenarios: list[str], out: Path, worker: str = WORKER, nproc: int = 2, **extra_env) -> dict:
+    """Each scenario's ranks' records (`{scenario: [rank 0's, rank 1's, ...]}`) of one launch of `worker
+    SCENARIO,SCENARIO,... OUT` on `nproc` processes (torchrun, 127.0.0.1), which runs them one after
+    another: each process imports torch, transformers and the library once, not once a scenario.
+    `extra_env`: more environment variables for the workers."""
     cmd = torchrun(
         "--nproc-per-node",
         str(nproc),
@@ -31,16 +34,47 @@ def run_scenario(scenario: str, out: Path, worker: str = WORKER, nproc: int = 2,
         "--master-port",
         str(free_port()),
         worker,
-        scenario,
+        ",".join(scenarios),
         str(out),
     )
     proc = subprocess.run(cmd, cwd=ROOT, env=env(**extra_env), capture_output=True, text=True, timeout=TIMEOUT)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(nproc)]
+    return {s: [torch.load(out / f"rank{r}_{s}.pt", weights_only=False) for r in range(nproc)] for s in scenarios}
 
 
-def test_synced_generation_is_served_on_every_rank_with_hfs_tokens(tmp_path):
-    ranks = run_scenario("synced", tmp_path)
+def run_scenario(scenario: str, out: Path, worker: str = WORKER, nproc: int = 2, **extra_env) -> list[dict]:
+    """Each rank's record of `scenario` alone, in a launch of its own."""
+    return run_scenarios([scenario], out, worker, nproc, **extra_env)[scenario]
+
+
+def launched_once(worker: str, scenarios: list[str], **extra_env):
+    """A module's fixture: its scenarios run in one launch, the first time a test asks for one of them (a
+    failing scenario's stderr, which names it, is then every test's failure)."""
+
+    @pytest.fixture(scope="module")
+    def records(tmp_path_factory):
+        launched: dict = {}
+
+        def of(scenario: str) -> list[dict]:
+            if not launched:
+                launched.update(run_scenarios(scenarios, tmp_path_factory.mktemp("ranks"), worker, **extra_env))
+            return launched[scenario]
+
+        return of
+
+    return records
+
+
+def installed(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+SCENARIOS = ["synced", "train", "gather", "grad", *(["lora"] if installed("peft") else []), "distributed", "fsdp1"]
+records = launched_once(WORKER, SCENARIOS)
+
+
+def test_synced_generation_is_served_on_every_rank_with_hfs_tokens(records):
+    ranks = records("synced")
     for r in ranks:
         assert r["served"] == 1, r["rank"]
         assert torch.equal(r["got"], r["expected"]), r["rank"]
@@ -51,19 +85,19 @@ def test_synced_generation_is_served_on_every_rank_with_hfs_tokens(tmp_path):
     assert ranks[0]["got"].shape[1] - 6 != ranks[1]["got"].shape[1] - 9
 
 
-def test_a_served_call_leaves_the_sharded_model_trainable(tmp_path):
-    for r in run_scenario("train", tmp_path):
+def test_a_served_call_leaves_the_sharded_model_trainable(records):
+    for r in records("train"):
         assert r["served"] == 2 and torch.isfinite(r["loss"])
         assert torch.equal(r["got"], r["expected"])
         assert not torch.equal(r["expected_after_step"], r["expected"])  # the step changed the tokens ...
         assert torch.equal(r["got_after_step"], r["expected_after_step"])  # ... and the rollout follows
 
 
-def test_weights_are_gathered_once_per_call_with_hfs_tokens(tmp_path):
+def test_weights_are_gathered_once_per_call_with_hfs_tokens(records):
     """gather_weights="once": one parameter all-gather per FSDP unit for the whole call (not one per unit
     per step), HF's tokens, FSDP's reshard-after-forward settings as before; a budget the weights do not
     fit keeps the per-step gathers, with one warning that says why."""
-    for r in run_scenario("gather", tmp_path):
+    for r in records("gather"):
         assert r["served"] == 3
         for mode in ("per_step", "once", "auto"):
             assert torch.equal(r[f"got_{mode}"], r["expected"]), (r["rank"], mode)
@@ -81,19 +115,19 @@ def test_weights_are_gathered_once_per_call_with_hfs_tokens(tmp_path):
         assert r["cuda_graphs_once"] == [True] and r["cuda_graphs_per_step"] == [False] == r["cuda_graphs_auto"]
 
 
-def test_a_training_step_after_a_gathered_call_has_the_gradients_of_one_after_no_call(tmp_path):
-    for r in run_scenario("grad", tmp_path):
+def test_a_training_step_after_a_gathered_call_has_the_gradients_of_one_after_no_call(records):
+    for r in records("grad"):
         assert r["served"] == 1 and r["gathered_bytes"] > 0
         for before, after in zip(r["without_call"], r["after_call"]):
             assert torch.equal(before, after)
 
 
-def test_a_sharded_lora_model_is_gathered_then_merged_and_left_bit_identical(tmp_path):
+def test_a_sharded_lora_model_is_gathered_then_merged_and_left_bit_identical(records):
     """LoRA on every linear layer of the sharded model: the call gathers, merges the adapters into the
     gathered weights, gives PEFT's own (unmerged, per-step gathered) generate's tokens, and leaves every
     rank's shards bit-identical; torchkvops.distributed.generate does the same."""
     pytest.importorskip("peft")
-    for r in run_scenario("lora", tmp_path):
+    for r in records("lora"):
         assert r["served"] == 1 and torch.equal(r["got"], r["expected"]), r["rank"]
         assert r["profile"]["gathered_bytes"] > 0 and r["profile"]["merged_lora_layers"] == r["lora_layers"] == 14
         assert r["changed"] == []
@@ -109,22 +143,22 @@ def test_a_sharded_lora_model_is_gathered_then_merged_and_left_bit_identical(tmp
         assert torch.equal(r["distributed_got"], r["expected"][:, -8:]) and r["distributed_adapter_calls"] == 0
 
 
-def test_distributed_generate_gathers_a_sharded_model_once(tmp_path):
+def test_distributed_generate_gathers_a_sharded_model_once(records):
     """torchkvops.distributed.generate: the ranks decode different numbers of rows and prompt lengths with
     no collective between the gather and the results (at most one all-gather per FSDP unit, then the
     result exchange's); each rank's tokens are HF's on its own prompts; per-step gathers are refused."""
-    for r in run_scenario("distributed", tmp_path):
+    for r in records("distributed"):
         assert torch.equal(r["got"], r["expected"]), r["rank"]
         assert 0 < r["gathers"] <= r["units"]
         assert "gather_weights='per_step' cannot serve" in r["per_step_error"]
 
 
-def test_fsdp1_wrappers_are_summoned_once_per_call_with_hfs_tokens(tmp_path):
+def test_fsdp1_wrappers_are_summoned_once_per_call_with_hfs_tokens(records):
     """FSDP1 (the wrappers inside the model TRL generates from, the root's parameters summoned around the
     call): one all-gather per wrapper for the call instead of one per wrapper and forward, HF's tokens,
     the budget fallback with one warning, and a training step after the calls has the gradients of one
     before them."""
-    for r in run_scenario("fsdp1", tmp_path):
+    for r in records("fsdp1"):
         assert r["served"] == 3
         for mode in ("per_step", "once", "auto"):
             assert torch.equal(r[f"got_{mode}"], r["expected"]), (r["rank"], mode)

@@ -99,11 +99,11 @@ def test_the_kv_held_follows_what_the_rows_hold(llama):
 def assert_every_block_is_held_by_a_row_that_reads_it(store) -> None:
     """The blocks the pool holds are exactly the scratch block and those the rows' tables name (none lost,
     none returned while a table names it), and the device tables name the host tables' blocks."""
-    named = {b for r in range(store.tables.rows) for b in store.tables.held(r)}
+    named = {b for r in range(store.tables.rows) for b in store.tables.blocks[r]}
     assert store.pool.num_held == len(named) + 1 and SCRATCH_BLOCK not in named
     store.pool.check_held(sorted(named))
     for r in range(store.tables.rows):
-        held = store.tables.held(r)
+        held = store.tables.blocks[r]
         assert store.table[r, : len(held)].tolist() == held
 
 
@@ -179,7 +179,7 @@ def test_a_streamed_prompts_blocks_are_shared_by_its_samples_and_given_back_by_t
     assert store.tables.blocks[3][:2] == full and store.tables.blocks[3][2] not in (partial, store.tables.blocks[4][2])
     store.fork_to(1, [5])
     store.release_prompt(1)
-    assert store.tables.held(prompt) == [] and [store.pool.refs[b] for b in full] == [3, 3]
+    assert store.tables.blocks[prompt] == [] and [store.pool.refs[b] for b in full] == [3, 3]
     assert store.pool.refs[partial] == 0  # the prompt's own partly filled block: back in the pool
     for sample in (3, 4, 5):
         store.tables.release(sample)

@@ -17,12 +17,17 @@ pytest.importorskip("deepspeed")
 WORKER = str(Path(__file__).with_name("zero3_worker.py"))
 
 
-def run_scenario(scenario: str, out: Path, **extra_env) -> list[dict]:
-    return test_fsdp.run_scenario(scenario, out, WORKER, **extra_env)
+SCENARIOS = [
+    "gather",
+    *(["lora"] if test_fsdp.installed("peft") else []),
+    "eos_one_rank",
+    *(["rollout_engine"] if test_fsdp.installed("deepspeed.runtime.rollout") else []),
+]
+records = test_fsdp.launched_once(WORKER, SCENARIOS)
 
 
-def test_zero3_weights_are_gathered_once_per_call_with_hfs_tokens(tmp_path):
-    for r in run_scenario("gather", tmp_path):
+def test_zero3_weights_are_gathered_once_per_call_with_hfs_tokens(records):
+    for r in records("gather"):
         for mode in ("per_step", "once", "auto"):
             assert torch.equal(r[f"got_{mode}"], r["expected"]), (r["rank"], mode)
             assert r[f"status_after_{mode}"] == ["NOT_AVAILABLE"], mode  # partitioned again
@@ -38,9 +43,9 @@ def test_zero3_weights_are_gathered_once_per_call_with_hfs_tokens(tmp_path):
             assert torch.equal(after, without)
 
 
-def test_a_zero3_lora_model_is_gathered_then_merged_and_left_bit_identical(tmp_path):
+def test_a_zero3_lora_model_is_gathered_then_merged_and_left_bit_identical(records):
     pytest.importorskip("peft")
-    for r in run_scenario("lora", tmp_path):
+    for r in records("lora"):
         assert torch.equal(r["got"], r["expected"]), r["rank"]
         assert r["profile"]["gathered_bytes"] > 0 and r["profile"]["merged_lora_layers"] == r["lora_layers"] == 14
         assert r["changed"] == [] and r["status_after"] == ["NOT_AVAILABLE"]
@@ -48,23 +53,23 @@ def test_a_zero3_lora_model_is_gathered_then_merged_and_left_bit_identical(tmp_p
         assert r["profile_per_step"]["merged_lora_layers"] == 0 == r["profile_per_step"]["gathered_bytes"]
 
 
-def test_zero3_synced_generation_with_eos_ids_on_one_rank_only_gives_hfs_tokens(tmp_path):
+def test_zero3_synced_generation_with_eos_ids_on_one_rank_only_gives_hfs_tokens(records):
     """The all-ended check (a collective) runs on both ranks although only rank 0's call has EOS ids
     (a check on one rank only aborted gloo gathered once and hung per step); a 60 s process-group timeout
     turns a hang into a failure."""
-    for r in run_scenario("eos_one_rank", tmp_path, DIST_TIMEOUT_S="60"):
+    for r in records("eos_one_rank"):
         assert r["served"] == 2, r["rank"]
         for mode in ("per_step", "once"):
             assert torch.equal(r[f"got_{mode}"], r["expected"]), (r["rank"], mode)
         assert torch.isfinite(r["loss"])
 
 
-def test_torchkvops_rollout_engine_equals_hybrid_engine_rollout_under_zero3_gathered_once(tmp_path):
+def test_torchkvops_rollout_engine_equals_hybrid_engine_rollout_under_zero3_gathered_once(records):
     """torchkvops.deepspeed.TorchkvopsRollout on a ZeRO-3 engine, ranks with different prompts: run to the
     budget, the batch HybridEngineRollout gives (per-step gathers); with EOS honoured, its first columns
     and padding after; each call gathers every parameter once, and leaves them partitioned."""
     pytest.importorskip("deepspeed.runtime.rollout")
-    for r in run_scenario("rollout_engine", tmp_path):
+    for r in records("rollout_engine"):
         expected, got, eos = r["expected"], r["got"], r["got_eos"]
         for field in ("input_ids", "attention_mask", "response_start_idx"):
             assert torch.equal(got[field], expected[field]), (r["rank"], field)

@@ -1,11 +1,11 @@
 """One process of a DeepSpeed ZeRO-3 test, launched by torchrun (tests/test_zero3.py):
 
-    torchrun --nproc-per-node 2 tests/zero3_worker.py SCENARIO OUT_DIR
+    torchrun --nproc-per-node 2 tests/zero3_worker.py SCENARIO[,SCENARIO...] OUT_DIR
 
 A tiny Llama (a LoRA one for "lora") wrapped by `deepspeed.initialize` with ZeRO-3 on DeepSpeed's CPU
 accelerator over gloo, with persistence and parameter reuse off, so that every parameter is partitioned
 and every module's forward gathers it (as a model too large to keep whole would). Each rank writes
-OUT_DIR/rank<r>.pt. Scenarios: "gather" (HF's generate on the same engine, the oracle, then
+OUT_DIR/rank<r>_<scenario>.pt. Scenarios: "gather" (HF's generate on the same engine, the oracle, then
 gather_weights "per_step", "once" and "auto" with a budget of 1 byte: tokens, parameter all-gathers per
 call, the parameters' status after, warnings; then the loss and weights of a training step after a
 gathered call against those of the same step on a second engine that made no call), "lora" (LoRA on
@@ -69,13 +69,22 @@ def training_step(engine, sequences) -> torch.Tensor:
 
 
 def main() -> None:
-    scenario, out_dir = sys.argv[1], sys.argv[2]
+    scenarios, out_dir = sys.argv[1].split(","), sys.argv[2]
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=float(os.environ.get("DIST_TIMEOUT_S", "60"))))
     rank = dist.get_rank()
     warnings.simplefilter("ignore")
     gathers = count_parameter_gathers()  # before DeepSpeed's communication layer binds the function
     import deepspeed  # noqa: F401  (after the process group: DeepSpeed takes the existing one)
 
+    for scenario in scenarios:  # (one launch runs several scenarios: each process imports torch once)
+        print(f"scenario {scenario}", file=sys.stderr, flush=True)  # (which one failed, in the log)
+        result = run(scenario, rank, gathers)
+        torch.save(result, os.path.join(out_dir, f"rank{rank}_{scenario}.pt"))
+    end_worker()
+
+
+def run(scenario: str, rank: int, gathers: list[int]) -> dict:
+    """One scenario's record on this rank."""
     result = {"rank": rank}
     # Different prompts per rank (rank 1's longer and more of them), so their rows end at different steps.
     ids, mask = prompts(2 + 2 * rank, 6 + 3 * rank, seed=40 + rank, left_pad=[0, 1] + [2, 0] * rank)
@@ -157,8 +166,7 @@ def main() -> None:
             result[name] = dataclasses.asdict(rollout.generate(request, sampling))
             result[f"gathers_{name}"] = gathers[0] - before
         result["status_after"] = sorted({p.ds_status.name for p in model.parameters()})
-    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-    end_worker()
+    return result
 
 
 if __name__ == "__main__":

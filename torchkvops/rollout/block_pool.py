@@ -110,22 +110,18 @@ class BlockPool:
 
 
 class BlockTables:
-    """Each of `rows` rows' blocks of one pool, in order, and its length in tokens; a row holds
-    `blocks[row][first[row]:]` (the ones before `first` given back: out of a sliding window, or never
-    taken). A row's table has at most `max_blocks` entries (its longest length's blocks)."""
+    """Each of `rows` rows' blocks of one pool, in order, and its length in tokens. A row's table has at
+    most `max_blocks` entries (its longest length's blocks). Sliding-window layers give blocks back through
+    a `WindowBlocks` beside these tables; a table itself always holds every block of its row."""
 
     def __init__(self, pool: BlockPool, rows: int, max_blocks: int):
         self.pool, self.max_blocks = pool, max_blocks
         self.blocks: list[list[int]] = [[] for _ in range(rows)]
-        self.first = [0] * rows  # the first block each row still holds
         self.lengths = [0] * rows  # the tokens each row has written (or reserved)
 
     @property
     def rows(self) -> int:
         return len(self.blocks)
-
-    def held(self, row: int) -> list[int]:
-        return self.blocks[row][self.first[row] :]
 
     def blocks_needed(self, row: int, tokens: int) -> int:
         """Blocks `row` takes to hold `tokens` more tokens."""
@@ -160,52 +156,40 @@ class BlockTables:
         partial = length % bs != 0
         copies = self.pool.take(len(children)) if partial else []
         for i, c in enumerate(children):
-            self.pool.share(shared[self.first[parent] :])
+            self.pool.share(shared)
             self.blocks[c] = list(shared) + ([copies[i]] if partial else [])
-            self.first[c], self.lengths[c] = self.first[parent], length
+            self.lengths[c] = length
         return [(self.blocks[parent][full], dst) for dst in copies]
 
     def release(self, row: int) -> list[int]:
         """`row` ends: it gives back every block it holds (those no other row holds are returned) and is
         empty again."""
-        freed = self.pool.give_back(self.held(row))
-        self.blocks[row], self.first[row], self.lengths[row] = [], 0, 0
-        return freed
-
-    def slide(self, row: int, window: int) -> list[int]:
-        """A sliding-window layer's `row`: give back its blocks that lie wholly before the window of the
-        next token it writes (keys `window` or more positions before it are never read again)."""
-        bs = self.pool.block_size
-        keep_from = max(0, self.lengths[row] + 1 - window) // bs  # the block holding the window's first key
-        if keep_from <= self.first[row]:
-            return []
-        freed = self.pool.give_back(self.blocks[row][self.first[row] : keep_from])
-        self.first[row] = keep_from
+        freed = self.pool.give_back(self.blocks[row])
+        self.blocks[row], self.lengths[row] = [], 0
         return freed
 
     def move_row(self, src: int, dst: int) -> None:
         """Row `dst` (empty) takes row `src`'s blocks and length; `src` is empty after."""
         if self.blocks[dst]:
             raise AssertionError(f"torchkvops: row {dst} holds blocks: a row moves into an empty one")
-        self.blocks[dst], self.first[dst], self.lengths[dst] = self.blocks[src], self.first[src], self.lengths[src]
-        self.blocks[src], self.first[src], self.lengths[src] = [], 0, 0
+        self.blocks[dst], self.lengths[dst] = self.blocks[src], self.lengths[src]
+        self.blocks[src], self.lengths[src] = [], 0
 
     def move_rows(self, order: list[int]) -> None:
         """Compaction: the rows are `order`'s rows from now on (row i is old row order[i]); the rows left
         out must have been released."""
         kept = set(order)
         for r in range(self.rows):
-            if r not in kept and self.held(r):
+            if r not in kept and self.blocks[r]:
                 raise AssertionError(f"torchkvops: row {r} still holds blocks but is left out of the batch")
         self.blocks = [self.blocks[r] for r in order]
-        self.first = [self.first[r] for r in order]
         self.lengths = [self.lengths[r] for r in order]
 
     def slots(self, row: int, start: int, count: int) -> list[int]:
         """The pool slots (block * block_size + offset) of `row`'s tokens [start, start + count): where a
         write puts them."""
         bs, table = self.pool.block_size, self.blocks[row]
-        if start + count > self.lengths[row] or start < self.first[row] * bs:
+        if start + count > self.lengths[row] or start < 0:
             raise AssertionError(f"torchkvops: tokens [{start}, {start + count}) of row {row} have no block")
         return [table[t // bs] * bs + t % bs for t in range(start, start + count)]
 
@@ -213,13 +197,12 @@ class BlockTables:
         self, device: torch.device | str = "cpu", out: Tensor | None = None, rows: list[int] | None = None
     ) -> Tensor:
         """The tables as paged_attention takes them: [rows, max_blocks] int32, a row's i-th block at i (0
-        where it holds none: entries before its first held block are never read, since its reads start
-        at its window; entries past its length are not read either). Into `out` when given (a CUDA graph
+        past its blocks: entries past its length are never read). Into `out` when given (a CUDA graph
         reads the same tensor). `rows`: those rows' tables only, in that order (None: every row)."""
         rows = range(self.rows) if rows is None else rows
         table = torch.zeros(len(rows), self.max_blocks, dtype=torch.int32)
         for i, r in enumerate(rows):
-            table[i, self.first[r] : len(self.blocks[r])] = torch.tensor(self.held(r), dtype=torch.int32)
+            table[i, : len(self.blocks[r])] = torch.tensor(self.blocks[r], dtype=torch.int32)
         if out is None:
             return table.to(device)
         out.copy_(table, non_blocking=True)

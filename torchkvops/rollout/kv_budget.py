@@ -76,7 +76,7 @@ class BlockBudget:
         """Blocks free under the budget once tables `released` have given theirs back (a block another table
         holds too stays held)."""
         tables = self.store.tables
-        holders = Counter(b for t in released for b in tables.held(t))
+        holders = Counter(b for t in released for b in tables.blocks[t])
         freed = sum(1 for b, n in holders.items() if tables.pool.refs[b] == n)
         return self.store.limit - tables.pool.num_held + freed
 

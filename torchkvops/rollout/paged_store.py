@@ -203,19 +203,13 @@ class PagedStore:
         if self.windows is None or self.windows.pool.num_free >= blocks:
             return
         pool = self.windows.pool
-        size = min(
-            max(2 * pool.num_blocks, pool.num_blocks + blocks), max(self.pool.num_blocks, pool.num_blocks + blocks)
-        )
-        for kv in self.window_kv:
-            if kv.num_blocks < size:
-                kv.grow(size)
-        pool.grow(size)
+        _grow_to(pool, self.window_kv, min(_doubled(pool, blocks), max(self.pool.num_blocks, pool.num_blocks + blocks)))
 
     def _grow(self, at_least: int) -> None:
         """Pools with at least `at_least` more free blocks (doubling, up to `limit`): a new allocation each
         (not under a limit that the pools' tensors hold already). OutOfBlocks past the limit: the budget's
         scheduler takes no more than it holds, so this is a bookkeeping error."""
-        size = max(2 * self.pool.num_blocks, self.pool.num_blocks + at_least)
+        size = _doubled(self.pool, at_least)
         if self.limit is not None:
             size = min(size, self.limit)
             if size - self.pool.num_blocks < at_least:
@@ -223,10 +217,7 @@ class PagedStore:
                     f"torchkvops: the KV budget (max_kv_tokens: {self.limit - 1} blocks of {self.block_size}) has "
                     f"{self.pool.num_free} free, {at_least} more wanted: the scheduler should have preempted"
                 )
-        for kv in self.full_kv:
-            if kv.num_blocks < size:
-                kv.grow(size)
-        self.pool.grow(size)
+        _grow_to(self.pool, self.full_kv, size)
 
     def _upload(self, rows: list[int]) -> None:
         self.peak_blocks = max(self.peak_blocks, self.pool.num_held)
@@ -285,3 +276,18 @@ class PagedStore:
     @property
     def allocated_bytes(self) -> int:
         return sum(kv.nbytes for kv in self.kv)
+
+
+def _doubled(pool: BlockPool, at_least: int) -> int:
+    """A pool's next size: doubled, or more where `at_least` more free blocks are wanted (amortized growth,
+    as a list's)."""
+    return max(2 * pool.num_blocks, pool.num_blocks + at_least)
+
+
+def _grow_to(pool: BlockPool, kvs: list[PagedKV], size: int) -> None:
+    """`pool` and the KV tensors of its blocks (a new allocation each, not where one holds `size` already)
+    made `size` blocks."""
+    for kv in kvs:
+        if kv.num_blocks < size:
+            kv.grow(size)
+    pool.grow(size)
