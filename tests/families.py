@@ -111,8 +111,17 @@ FAMILIES: dict[str, dict] = {
     "qwen3_5_moe_text": dict(_GATED_DELTANET, **_MOE, shared_expert_intermediate_size=32),
     "qwen3_next": dict(_GATED_DELTANET, **_MOE, shared_expert_intermediate_size=32),
     "granitemoehybrid": dict(_MAMBA2, **_MOE, shared_intermediate_size=32),
-    "nemotron_h": dict(
-        _MAMBA2, **_MOE, layer_types=["linear_attention", "full_attention", "mlp", "moe"], num_hidden_layers=4
+    "nemotron_h": dict(  # (its Mamba2 and shared-expert fields have names of their own: 128 heads of 64 else)
+        _MAMBA2,
+        **_MOE,
+        layer_types=["linear_attention", "full_attention", "mlp", "moe"],
+        num_hidden_layers=4,
+        mamba_num_heads=8,
+        mamba_head_dim=16,
+        ssm_state_size=8,
+        n_groups=1,
+        chunk_size=8,
+        moe_shared_expert_intermediate_size=32,
     ),
     "falcon_h1": dict(_MAMBA2, mamba_d_ssm=64),  # (each layer "hybrid": Mamba2 beside attention)
     "lfm2": dict(
