@@ -1,8 +1,8 @@
 """One process of a data-parallel test, launched by torchrun (tests/test_distributed.py):
 
-    torchrun --nproc-per-node 2 tests/dist_worker.py SCENARIO OUT_DIR
+    torchrun --nproc-per-node 2 tests/dist_worker.py SCENARIO[,SCENARIO...] OUT_DIR
 
-Each rank writes OUT_DIR/rank<r>.pt with what it saw; the test compares it with a single-process rollout.
+Each rank writes OUT_DIR/rank<r>_<scenario>.pt with what it saw; the test compares it with a single-process rollout.
 Scenarios: "equivalence" (uneven shards, one of them empty in the last case; greedy and sampled;
 gather on and off), "failure" (rank 1 passes bad input: both ranks must raise), "absent" (rank 1 exits
 without calling: rank 0 must get an error within the group's timeout), "mismatch" (rank 1 runs another
@@ -77,9 +77,18 @@ def shard(case: str, rank: int):
 
 
 def main() -> None:
-    scenario, out_dir = sys.argv[1], sys.argv[2]
+    scenarios, out_dir = sys.argv[1].split(","), sys.argv[2]
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=float(os.environ.get("DIST_TIMEOUT_S", "20"))))
     rank = dist.get_rank()
+    for scenario in scenarios:  # (one launch runs several scenarios: each process imports torch once)
+        print(f"scenario {scenario}", file=sys.stderr, flush=True)  # (which one failed, in the log)
+        result = run(scenario, rank, out_dir)
+        torch.save(result, os.path.join(out_dir, f"rank{rank}_{scenario}.pt"))
+    end_worker(barrier=False)
+
+
+def run(scenario: str, rank: int, out_dir: str) -> dict:
+    """One scenario's record on this rank ("absent" breaks the group: it writes its record and exits)."""
     model = FAMILIES["llama"]()
     result = {"rank": rank, "world": dist.get_world_size()}
     if scenario == "equivalence":
@@ -128,10 +137,11 @@ def main() -> None:
             except Exception as e:  # noqa: BLE001 - what the caller sees
                 result["errors"][name] = f"{type(e).__name__}: {e}"
         result["generated"] = len(generated)
+        Rollout.generate_rows = real_generate
         result["after"] = torchkvops.distributed.generate(Rollout(model, RolloutConfig(max_new_tokens=2)), ids, mask)
     elif scenario == "absent":
         if rank == 1:
-            torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+            torch.save(result, os.path.join(out_dir, f"rank{rank}_{scenario}.pt"))
             os._exit(0)  # never calls, never says goodbye
         start = time.monotonic()
         try:
@@ -140,10 +150,9 @@ def main() -> None:
         except Exception as e:  # noqa: BLE001 - what the user sees
             result["error"] = f"{type(e).__name__}: {e}"
         result["seconds"] = time.monotonic() - start
-        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+        torch.save(result, os.path.join(out_dir, f"rank{rank}_{scenario}.pt"))
         os._exit(0)  # the group is broken: no clean shutdown to wait for
-    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-    end_worker(barrier=False)
+    return result
 
 
 if __name__ == "__main__":

@@ -39,7 +39,8 @@ def torchrun(*args: str) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", *args]
 
 
-def launch(scenario: str, out: Path, timeout: float = TIMEOUT, **extra_env) -> None:
+def launch(scenarios: str, out: Path, timeout: float = TIMEOUT, **extra_env) -> None:
+    """`scenarios` (comma-separated) in one launch of the worker on 2 processes."""
     cmd = torchrun(
         "--nproc-per-node",
         "2",
@@ -48,15 +49,15 @@ def launch(scenario: str, out: Path, timeout: float = TIMEOUT, **extra_env) -> N
         "--master-port",
         str(free_port()),
         WORKER,
-        scenario,
+        scenarios,
         str(out),
     )
     proc = subprocess.run(cmd, cwd=ROOT, env=env(**extra_env), capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
-def load(out: Path, rank: int) -> dict:
-    return torch.load(out / f"rank{rank}.pt", weights_only=False)
+def load(out: Path, rank: int, scenario: str) -> dict:
+    return torch.load(out / f"rank{rank}_{scenario}.pt", weights_only=False)
 
 
 def single_process(case: str, cfg: dict):
@@ -74,10 +75,17 @@ def single_process(case: str, cfg: dict):
 
 
 @pytest.fixture(scope="module")
-def equivalence(tmp_path_factory):
-    out = tmp_path_factory.mktemp("equivalence")
-    launch("equivalence", out)
-    return [load(out, r) for r in range(2)]
+def launched(tmp_path_factory):
+    """The scenarios that leave the group working, in one launch (each process imports torch once); a
+    group timeout the "failure" scenario must not wait for."""
+    out = tmp_path_factory.mktemp("ranks")
+    launch("equivalence,failure,mismatch", out, DIST_TIMEOUT_S="900")
+    return out
+
+
+@pytest.fixture(scope="module")
+def equivalence(launched):
+    return [load(launched, r, "equivalence") for r in range(2)]
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -110,19 +118,17 @@ def test_gathered_output_equals_a_single_process_rollout(equivalence, case, conf
             assert profile.useful_row_steps < profile.computed_row_steps < rows * r, (rank, case, profile)
 
 
-def test_a_rank_that_raises_makes_every_rank_raise(tmp_path):
-    launch("failure", tmp_path, DIST_TIMEOUT_S="900")
+def test_a_rank_that_raises_makes_every_rank_raise(launched):
     for rank in range(2):
-        result = load(tmp_path, rank)
+        result = load(launched, rank, "failure")
         assert result["error"] is not None and "rank 1 failed while generating" in result["error"]
         assert "input_ids must be token ids" in result["error"]
         assert result["seconds"] < 900  # raised before the group's timeout: no waiting for it
         assert result["after"].sequences.shape[0] == 3  # and the group still works
 
 
-def test_ranks_with_different_settings_raise_the_same_error_before_generating(tmp_path):
-    launch("mismatch", tmp_path)
-    results = [load(tmp_path, r) for r in range(2)]
+def test_ranks_with_different_settings_raise_the_same_error_before_generating(launched):
+    results = [load(launched, r, "mismatch") for r in range(2)]
     expected = {
         "samples_per_prompt": "samples_per_prompt: 2 on rank 0; 3 on rank 1",
         "temperature": "temperature: 1.0 on rank 0; 0.7 on rank 1",
@@ -143,7 +149,7 @@ def test_ranks_with_different_settings_raise_the_same_error_before_generating(tm
 
 def test_a_rank_that_never_calls_gives_an_error_not_a_hang(tmp_path):
     launch("absent", tmp_path, DIST_TIMEOUT_S="8")  # a hang instead would end at launch's TIMEOUT, failing
-    result = load(tmp_path, 0)
+    result = load(tmp_path, 0, "absent")
     assert result["error"] is not None
 
 
@@ -176,7 +182,7 @@ def test_two_nodes_through_a_c10d_rendezvous(tmp_path, equivalence):
             a.kill()
     for a, (_, err) in zip(agents, outputs):
         assert a.returncode == 0, err[-3000:]
-    results = [load(tmp_path, r) for r in range(2)]
+    results = [load(tmp_path, r, "equivalence") for r in range(2)]
     assert [r["world"] for r in results] == [2, 2]
     for key in ("uneven/sampled/gathered", "rank1-empty/greedy/gathered"):
         assert torch.equal(results[0][key].sequences, equivalence[0][key].sequences)
