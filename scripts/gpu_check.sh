@@ -83,14 +83,14 @@ fi
 
 if "$PY" -c "import pytest" 2>/dev/null; then
   # First the direct tests of every kernel changed since the last GPU run (2026-11-30, a1b73be: write_kv_,
-  # paged_attention (new), the sampler, merge_attention_states, repeat_kv_cache_, the fused attention's
+  # write_kv_slots_ and paged_attention (new), the sampler, merge_attention_states, repeat_kv_cache_, the fused attention's
   # CUDA branch) and the NCCL
   # FSDP2 call (tests/test_agreement.py, which launches its own process): what a timeout must not cut.
   # Then every other CUDA test, its limit sized from how many there are (counted here, at collection) at
   # 1.5 s each: the last run took 66 s for 81 model-level tests (0.8 s each). --durations shows where
   # the time went. --continue-on-collection-errors: a test module whose imports are missing here must
   # not keep the others from running.
-  kernel_tests=(tests/test_write_kv.py tests/test_paged_attention.py tests/test_sample_tokens.py tests/test_merge_attention_states.py
+  kernel_tests=(tests/test_write_kv.py tests/test_write_kv_slots.py tests/test_paged_attention.py tests/test_sample_tokens.py tests/test_merge_attention_states.py
     tests/test_repeat_kv_cache.py tests/test_fused_attention.py tests/test_agreement.py)
   step pytest-kernels 150 "$PY" -m pytest -q -m cuda -p no:cacheprovider --continue-on-collection-errors -rs \
     --durations=10 "${kernel_tests[@]}"
@@ -113,6 +113,9 @@ fi
 # small and a large budget: SDPA over the budget-wide buffer (today's decode) and over the longest row.
 step bench-paged 40 "$PY" benchmarks/bench_paged_attention.py --device cuda --dtype bf16 --rows 64 --heads 16 \
   --kv-heads 2 --head-dim 128 --block-size 16 --mean-length 1000 --capacity 2048 16384 --iters 20
+# write_kv_slots_ (the paged layout's writes) against the indexing it replaced: a decode step's and a prefill's.
+step bench-write-slots 15 "$PY" benchmarks/bench_write_kv_slots.py --device cuda --cases 256x1,16x1024 --kv-heads 8 \
+  --head-dim 128 --dtypes bf16 --iters 100
 step bench-op 25 "$PY" -m torchkvops bench-op --device cuda --max-mib 1024 --output "$out/bench_op.json"
 
 # The decode goals of issues #8 and #9, most important first (each JSON has decode ms/step, GB/s and the

@@ -20,6 +20,7 @@ __all__ = [
     "repeat_kv_cache_",
     "repeat_kv_cache",
     "write_kv_",
+    "write_kv_slots_",
     "merge_attention_states",
     "paged_attention",
     "sample_tokens",
@@ -106,6 +107,49 @@ def _write_kv_fake(cache: Tensor, key: Tensor, value: Tensor, layer: int, start:
         ),
     )
     torch._check(start.dtype == torch.long, lambda: f"write_kv_: start must be int64, got {start.dtype}")
+
+
+def write_kv_slots_(cache: Tensor, key: Tensor, value: Tensor, layer: int, slots: Tensor) -> None:
+    """Store one layer's keys and values in a pool of KV blocks, each token at its slot, in place (vLLM's
+    `reshape_and_cache` with a slot mapping; the paged layout's writes).
+
+    `cache` is `[layers, 2, blocks, kv_heads, block_size, head_dim]`; `key` and `value` are
+    `[r, kv_heads, q, head_dim]`; `slots` is a contiguous int64 tensor on the cache's device, `[r, q]` (or
+    `[r]` when q == 1). Token t of row i goes to slot `s = slots[i, t]`, block `s // block_size` at offset
+    `s % block_size`: afterwards `cache[layer, 0, s // block_size, :, s % block_size] == key[i, :, t]` (index 1
+    for `value`). Slots must be distinct (two tokens written to one slot leave either). Every argument is
+    checked before anything is written; on CUDA the slots stay on the device and the kernel checks their
+    range (an out-of-range slot writes nothing and raises a device-side assert) instead of syncing with the
+    host, so a decode step that writes through it can be captured in a CUDA graph.
+    """
+    torch.ops.torchkvops.write_kv_slots_.default(cache, key, value, layer, slots)
+
+
+@torch.library.register_fake("torchkvops::write_kv_slots_")
+def _write_kv_slots_fake(cache: Tensor, key: Tensor, value: Tensor, layer: int, slots: Tensor) -> None:
+    """The shape checks the kernels make (the slots' range is a value, checked by the kernels)."""
+    torch._check(
+        cache.dim() == 6 and cache.shape[1] == 2,
+        lambda: (
+            "write_kv_slots_: cache must be [layers, 2, blocks, kv_heads, block_size, head_dim], "
+            f"got {tuple(cache.shape)}"
+        ),
+    )
+    torch._check(
+        key.dim() == 4 and key.shape == value.shape,
+        lambda: "write_kv_slots_: key and value must both be [rows, kv_heads, tokens, head_dim]",
+    )
+    shaped = (slots.dim() == 2 and slots.shape[0] == key.shape[0] and slots.shape[1] == key.shape[2]) or (
+        slots.dim() == 1 and key.shape[2] == 1 and slots.shape[0] == key.shape[0]
+    )
+    torch._check(
+        shaped,
+        lambda: (
+            f"write_kv_slots_: slots must be [{key.shape[0]}, {key.shape[2]}] (one slot per token of key), "
+            f"got {tuple(slots.shape)}"
+        ),
+    )
+    torch._check(slots.dtype == torch.long, lambda: f"write_kv_slots_: slots must be int64, got {slots.dtype}")
 
 
 # The dtypes the attention operators (merge_attention_states, paged_attention) take; the rollout asks it too.

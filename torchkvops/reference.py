@@ -40,6 +40,15 @@ def write_kv_(cache: Tensor, key: Tensor, value: Tensor, layer: int, start: Tens
         cache[layer, 1, row, :, first : first + tokens] = value[row]
 
 
+def write_kv_slots_(cache: Tensor, key: Tensor, value: Tensor, layer: int, slots: Tensor) -> None:
+    block_size = cache.shape[4]
+    for (row, token), slot in zip(
+        ((r, t) for r in range(key.shape[0]) for t in range(key.shape[2])), slots.reshape(-1).tolist()
+    ):
+        cache[layer, 0, slot // block_size, :, slot % block_size] = key[row, :, token]
+        cache[layer, 1, slot // block_size, :, slot % block_size] = value[row, :, token]
+
+
 def merge_attention_states(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> tuple[Tensor, Tensor]:
     """ops.merge_attention_states in eager PyTorch, with the same edge cases (see its docstring)."""
     a, b = out_a.float(), out_b.float()

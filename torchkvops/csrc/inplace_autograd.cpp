@@ -75,6 +75,7 @@ void inplace_or_view_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet k
 constexpr const char* kMutatingOps[] = {
     "repeat_kv_cache_",
     "write_kv_",
+    "write_kv_slots_",
 };
 
 }  // namespace

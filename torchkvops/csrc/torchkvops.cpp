@@ -25,6 +25,11 @@ TORCH_LIBRARY(torchkvops, m) {
   // Taking the whole buffer (not a per-layer view) keeps Inductor from rewriting the buffer around
   // the write.
   m.def("write_kv_(Tensor(a!) cache, Tensor key, Tensor value, int layer, Tensor start) -> ()");
+  // In place, by slot (a paged pool, as vLLM's reshape_and_cache writes): cache is [layers, 2, blocks,
+  // kv_heads, block_size, head_dim], key and value [r, kv_heads, q, head_dim], slots int64 [r, q] ([r] when
+  // q == 1); token t of row i goes to slot s = slots[i][t]: cache[layer, 0, s / block_size, :, s %
+  // block_size] = key[i, :, t] (index 1 for value). Slots stay on the device: one launch, no host sync.
+  m.def("write_kv_slots_(Tensor(a!) cache, Tensor key, Tensor value, int layer, Tensor slots) -> ()");
   // Functional: merge two partial attentions over disjoint key sets into the attention over their
   // union. out_a, out_b: [..., heads, head_dim] (float32/16, bfloat16; may differ); lse_a, lse_b:
   // [..., heads] float32, natural log. Returns (out in out_a's dtype, lse float32), both contiguous:

@@ -48,13 +48,9 @@ def window_slots(window_map: Tensor, slots: Tensor, block_size: int) -> Tensor:
 
 def write_slots(pool: Tensor, layer: int, key: Tensor, value: Tensor, slots: Tensor) -> None:
     """`key`, `value` [rows, kv_heads, tokens, head_dim] of `layer` to their pool slots ([rows, tokens], or
-    [rows] for one token a row) of `pool` [layers, 2, blocks, kv_heads, block_size, head_dim]."""
-    block_size = pool.shape[4]
-    slots = slots if slots.dim() == 2 else slots[:, None]
-    blocks, offsets = slots // block_size, slots % block_size
-    # Advanced indices on dims 0 and 2 around a slice: the indexed view is [rows, tokens, kv_heads, head_dim].
-    pool[layer, 0][blocks, :, offsets] = key.transpose(1, 2).to(pool.dtype)
-    pool[layer, 1][blocks, :, offsets] = value.transpose(1, 2).to(pool.dtype)
+    [rows] for one token a row) of `pool` [layers, 2, blocks, kv_heads, block_size, head_dim]: one
+    `write_kv_slots_` (a launch for K and V together, no index arithmetic around it)."""
+    ops.write_kv_slots_(pool, key.to(pool.dtype), value.to(pool.dtype), layer, slots.contiguous())
 
 
 def gather_blocks(blocks: Tensor, table: Tensor) -> Tensor:

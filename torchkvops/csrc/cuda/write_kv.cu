@@ -1,4 +1,5 @@
-// CUDA kernel of write_kv_: one launch writes a layer's K and V (as vLLM's reshape_and_cache does),
+// CUDA kernel of write_kv_ and write_kv_slots_: one launch writes a layer's K and V (as vLLM's
+// reshape_and_cache does; write_kv_slots_ by slot, into a pool of blocks),
 // on the current stream, with no host sync and no allocation, so a decode step can be captured in a
 // CUDA graph. `start` (one position, or one per row) stays on the device: each thread reads its row's and
 // checks the range before writing, so an out-of-range start writes nothing of its row and raises a
@@ -29,14 +30,15 @@ __global__ void write_kv_kernel(
     const KVWritePlan p,
     const char* __restrict__ key,       // [rows, heads, tokens, head_dim]
     const char* __restrict__ value,     // same shape as key
-    char* __restrict__ layer_cache,     // cache[layer]: [2, rows', heads, max_tokens, head_dim]
-    const int64_t* __restrict__ start,  // [1] or [rows]
+    char* __restrict__ layer_cache,     // cache[layer]: [2, rows' (or blocks), heads, max_tokens, head_dim]
+    const int64_t* __restrict__ start,  // [1] or [rows]; slot mode: [rows * tokens], the slots
     int64_t elem, int64_t vecs_per_run, int64_t items) {
-  if (p.start_stride == 0) {  // one start for every row: checked once, before anything is written
+  // (Slot mode: each item checks its own slot below; with nothing to write there is no slot to check.)
+  if (!p.slot_mode && p.start_stride == 0) {  // one start for every row: checked once, before anything is written
     const bool in_range = p.start_fits(*start);
     CUDA_KERNEL_ASSERT(in_range && "write_kv_: start + tokens must fit the cache's max_tokens");
     if (!in_range) return;
-  } else if (items == 0) {  // nothing to write: each row's start is still checked, as on the CPU
+  } else if (!p.slot_mode && items == 0) {  // nothing to write: each row's start is still checked, as on the CPU
     for (int64_t r = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; r < p.rows;
          r += static_cast<int64_t>(gridDim.x) * blockDim.x) {
       CUDA_KERNEL_ASSERT(p.start_fits(start[r]) && "write_kv_: start + tokens must fit the cache's max_tokens");
@@ -47,11 +49,11 @@ __global__ void write_kv_kernel(
   for (int64_t item = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; item < items;
        item += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t v = item % vecs_per_run;
-    int64_t src_off, dst_off, row;
-    const int64_t kv = p.run_offsets(item / vecs_per_run, start, &src_off, &dst_off, &row);
-    if (p.start_stride != 0) {
-      const bool in_range = p.start_fits(start[row]);
-      CUDA_KERNEL_ASSERT(in_range && "write_kv_: start + tokens must fit the cache's max_tokens");
+    int64_t src_off, dst_off, placed_by;
+    const int64_t kv = p.run_offsets(item / vecs_per_run, start, &src_off, &dst_off, &placed_by);
+    if (p.slot_mode || p.start_stride != 0) {
+      const bool in_range = p.fits(placed_by);
+      CUDA_KERNEL_ASSERT(in_range && "write_kv_ / write_kv_slots_: a start or slot outside the cache");
       if (!in_range) continue;
     }
     const int64_t d = v * elems_per_vec;  // first element of this Vec within head_dim
@@ -90,9 +92,9 @@ int vector_bytes(const KVWritePlan& p, const void* key, const void* value, const
   return static_cast<int>(bits & (~bits + 1));  // lowest set bit
 }
 
-void write_kv_cuda_(at::Tensor& cache, const at::Tensor& key, const at::Tensor& value, int64_t layer,
-                    const at::Tensor& start) {
-  const KVWritePlan p = check_write_kv_args(cache, key, value, layer, start);
+// Both ops, once their arguments were checked (`index`: the starts or the slots, on the device).
+void write_runs(const KVWritePlan& p, at::Tensor& cache, const at::Tensor& key, const at::Tensor& value, int64_t layer,
+                const at::Tensor& start) {
   const c10::cuda::OptionalCUDAGuard guard(cache.device());
   const int64_t elem = static_cast<int64_t>(cache.element_size());
   char* layer_cache = static_cast<char*>(cache.data_ptr()) + layer * cache.stride(0) * elem;
@@ -110,8 +112,21 @@ void write_kv_cuda_(at::Tensor& cache, const at::Tensor& key, const at::Tensor& 
   }
 }
 
+void write_kv_cuda_(at::Tensor& cache, const at::Tensor& key, const at::Tensor& value, int64_t layer,
+                    const at::Tensor& start) {
+  write_runs(check_write_kv_args(cache, key, value, layer, start), cache, key, value, layer, start);
+}
+
+void write_kv_slots_cuda_(at::Tensor& cache, const at::Tensor& key, const at::Tensor& value, int64_t layer,
+                          const at::Tensor& slots) {
+  write_runs(check_write_kv_slots_args(cache, key, value, layer, slots), cache, key, value, layer, slots);
+}
+
 }  // namespace
 
-TORCH_LIBRARY_IMPL(torchkvops, CUDA, m) { m.impl("write_kv_", &write_kv_cuda_); }
+TORCH_LIBRARY_IMPL(torchkvops, CUDA, m) {
+  m.impl("write_kv_", &write_kv_cuda_);
+  m.impl("write_kv_slots_", &write_kv_slots_cuda_);
+}
 
 }  // namespace torchkvops
