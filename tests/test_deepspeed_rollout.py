@@ -133,7 +133,7 @@ def test_bad_sampling_settings_are_named(llama, request_, sampling, match):
 
 
 def test_bad_configs_are_named(llama):
-    with pytest.raises(ValueError, match="TorchkvopsRolloutConfig.kv_sharing must be one of 'copy', 'prefix'"):
+    with pytest.raises(ValueError, match="TorchkvopsRolloutConfig.kv_sharing must be None or one of 'copy', 'prefix'"):
         TorchkvopsRolloutConfig(kv_sharing="blocks")
     with pytest.raises(ValueError, match="tokenizer must define pad_token_id or eos_token_id"):
         TorchkvopsRollout(llama, types.SimpleNamespace(pad_token_id=None, eos_token_id=None))

@@ -214,7 +214,8 @@ def test_profiling_off_gives_none_never_synchronizes_and_changes_nothing(llama, 
 
 def test_stages_show_in_a_torch_profiler_trace(llama):
     ids, mask = prompts(1, 6)
-    r = Rollout(llama, RolloutConfig(samples_per_prompt=2, max_new_tokens=3, eos_token_id=NO_EOS))
+    # (The copy layout, whose expansion is repeat_kv_cache_; the paged layout's rows share the prompt's blocks.)
+    r = Rollout(llama, RolloutConfig(samples_per_prompt=2, max_new_tokens=3, eos_token_id=NO_EOS, kv_sharing="copy"))
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         r.generate(ids, mask)
     names = {e.name for e in prof.events()}

@@ -55,7 +55,7 @@ class TorchkvopsRolloutConfig:
 
     enable_profiling: bool = False  # get_last_profile() returns the last call's figures (else None)
     run_to_budget: bool = False  # every row decodes max_new_tokens tokens, EOS applied after (HybridEngineRollout's)
-    kv_sharing: str = "copy"  # RolloutConfig.kv_sharing: "copy", "prefix" or "paged"
+    kv_sharing: str | None = None  # RolloutConfig.kv_sharing: "copy", "prefix" or "paged" (None: its default)
     compile: bool = False  # torch.compile the rollout's prefill and decode
     cuda_graphs: bool = True  # on CUDA, replay decode steps from CUDA graphs
     gather_weights: str = "auto"  # a ZeRO-3 model's weights: "auto", "once" or "per_step" (hf.sharded)
@@ -66,9 +66,9 @@ class TorchkvopsRolloutConfig:
         for flag in ("enable_profiling", "run_to_budget", "compile", "cuda_graphs", "merge_lora"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"TorchkvopsRolloutConfig.{flag} must be a bool, got {getattr(self, flag)!r}")
-        if self.kv_sharing not in LAYOUTS:
+        if self.kv_sharing is not None and self.kv_sharing not in LAYOUTS:
             raise ValueError(
-                f"TorchkvopsRolloutConfig.kv_sharing must be one of {', '.join(map(repr, LAYOUTS))}, "
+                f"TorchkvopsRolloutConfig.kv_sharing must be None or one of {', '.join(map(repr, LAYOUTS))}, "
                 f"got {self.kv_sharing!r}"
             )
         WeightOptions(self.gather_weights, self.gather_budget_bytes, self.merge_lora).check("TorchkvopsRolloutConfig")

@@ -67,7 +67,8 @@ def cmd_rollout(args) -> int:
         seed=args.seed,
         max_rows=args.max_rows,
         max_kv_tokens=args.max_kv_tokens,
-        kv_sharing="paged" if args.max_kv_tokens is not None else "copy",  # (the layout whose blocks it counts)
+        # (None: RolloutConfig's default, "paged", the layout whose blocks max_kv_tokens counts; "copy" with
+        # --no-shared-prefill)
     )
     model_config, source = load_config(args)
     n = args.samples_per_prompt

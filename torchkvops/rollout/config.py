@@ -34,8 +34,10 @@ class RolloutConfig:
     eos_token_id: int | list[int] | None = None  # None: the model's generation config; []: none
     pad_token_id: int | None = None  # None: the model's generation config; 0 is a valid id
     # "copy": each row holds its prompt's KV; "prefix": one copy per prompt; "paged": the copy layout's rows,
-    # their KV in blocks taken as they grow, a prompt's full blocks shared by its rows (torchkvops.rollout.paged_store)
-    kv_sharing: str = "copy"
+    # their KV in blocks taken as they grow, a prompt's full blocks shared by its rows (torchkvops.rollout.paged_store).
+    # None: "paged" (memory follows what the rows hold), or "copy" where shared_prefill=False (the expanded
+    # baseline: no prompt's blocks to share).
+    kv_sharing: str | None = None
     return_logprobs: bool = False  # RolloutOutput.logprobs: each token's log-probability as sampled
     lm_head_dtype: torch.dtype | None = None  # torch.float32: run a half-precision model's LM head in float32
     # As rows end, decode goes on with the live rows only (gathered into a smaller batch at the all-ended
@@ -113,6 +115,8 @@ class RolloutConfig:
             "pad_token_id",
             "must be None or a token id (an int in [0, 2**63))",
         )
+        if self.kv_sharing is None:
+            self.kv_sharing = "paged" if self.shared_prefill is True else "copy"
         need(self.kv_sharing in LAYOUTS, "kv_sharing", f"must be one of {', '.join(map(repr, LAYOUTS))}")
         need(
             self.shared_prefill or not LAYOUTS[self.kv_sharing].needs_shared_prefill,
