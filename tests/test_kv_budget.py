@@ -246,7 +246,8 @@ def test_a_budget_that_holds_every_row_runs_as_a_call_and_keeps_its_kv_for_a_tur
 
 def test_bad_budgets_are_refused_naming_the_setting(llama):
     with pytest.raises(ValueError, match=r"max_kv_tokens .*needs kv_sharing='paged'.*'copy'"):
-        RolloutConfig(max_kv_tokens=4096)
+        RolloutConfig(max_kv_tokens=4096, kv_sharing="copy")
+    assert RolloutConfig(max_kv_tokens=4096).kv_sharing == "paged"  # (the default layout: the one it counts)
     with pytest.raises(ValueError, match=r"max_kv_tokens must be None .*or an int >= 1"):
         RolloutConfig(max_kv_tokens=0, kv_sharing="paged")
     ids, mask = prompts(2, 9, seed=4)

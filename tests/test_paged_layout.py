@@ -51,6 +51,17 @@ def test_paged_greedy_matches_hf_generate(family, padded):
     assert torch.equal(out.responses, hf_greedy(model, ids, mask, 40).repeat_interleave(2, dim=0))
 
 
+def test_the_paged_layout_is_the_default_but_for_the_expanded_baseline():
+    """RolloutConfig's kv_sharing=None: "paged", or "copy" with shared_prefill=False (no prompt's blocks to
+    share); a layout named is kept, and the paged one still refuses the expanded baseline by name."""
+    assert RolloutConfig().kv_sharing == "paged"
+    assert RolloutConfig(shared_prefill=False).kv_sharing == "copy"
+    for layout in ("copy", "prefix", "paged"):
+        assert RolloutConfig(kv_sharing=layout).kv_sharing == layout
+    with pytest.raises(ValueError, match=r"kv_sharing 'paged' needs shared_prefill=True"):
+        RolloutConfig(kv_sharing="paged", shared_prefill=False)
+
+
 def test_paged_samples_and_logprobs_equal_the_copy_layouts(llama):
     """Rows that end at spread steps (compaction: the tables move, not the KV), prompts whose last blocks are
     partly filled (16-token blocks, prompts of 21 columns): the copy layout's tokens and log-probabilities."""

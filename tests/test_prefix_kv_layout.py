@@ -59,7 +59,7 @@ def test_prefix_eos_and_response_masks_equal_copy(family_models):
     ).generate(ids, mask)
     eos = int(free.responses[0, 3])
     cfg = dict(samples_per_prompt=3, max_new_tokens=12, eos_token_id=eos, pad_token_id=0, temperature=1.0, seed=2)
-    copy = Rollout(model, RolloutConfig(**cfg)).generate(ids, mask)
+    copy = Rollout(model, RolloutConfig(kv_sharing="copy", **cfg)).generate(ids, mask)
     prefix = Rollout(model, RolloutConfig(kv_sharing="prefix", **cfg)).generate(ids, mask)
     assert torch.equal(prefix.sequences, copy.sequences)
     assert torch.equal(prefix.response_mask, copy.response_mask)
@@ -86,7 +86,10 @@ def test_prefix_buffer_reuse_across_lengths_and_kv_cache_bytes(family_models):
     p = r.get_last_profile()
     assert p.kv_cache_bytes == per_position * (2 * 64 + 8 * 8)
     copy = Rollout(
-        model, RolloutConfig(samples_per_prompt=4, max_new_tokens=6, eos_token_id=NO_EOS, enable_profiling=True)
+        model,
+        RolloutConfig(
+            samples_per_prompt=4, max_new_tokens=6, eos_token_id=NO_EOS, enable_profiling=True, kv_sharing="copy"
+        ),
     )
     copy.generate(long_ids, long_mask)
     assert copy.get_last_profile().kv_cache_bytes == per_position * 8 * 64  # B*N rows of P+R-1 = 45 -> 64

@@ -77,7 +77,9 @@ def test_no_eos_and_min_new_tokens(llama):
 def test_kv_buffers_follow_the_budget(llama):
     """The decode buffers hold max_rows rows (and the scratch cache one prompt per row group), not B x N."""
     ids, mask = prompts(8, 16, seed=5)
-    config = dict(samples_per_prompt=4, max_new_tokens=16, eos_token_id=MANY_EOS, temperature=1.0, seed=1)
+    config = dict(
+        samples_per_prompt=4, max_new_tokens=16, eos_token_id=MANY_EOS, temperature=1.0, seed=1, kv_sharing="copy"
+    )  # (the copy layout's buffers: the paged layout's blocks are tests/test_paged_layout.py's)
     (unbudgeted, budgeted), (full, streamed) = budgeted_and_not(llama, ids, mask, 8, **config)
     assert_same(budgeted, unbudgeted)
     rollout = Rollout(llama, RolloutConfig(**config))
