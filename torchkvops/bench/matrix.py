@@ -5,7 +5,8 @@ generates up to R tokens for the same synthetic prompts (exactly R with the defa
 fixed; torchkvops.bench.lengths):
 
   expanded     Rollout(shared_prefill=False): the prompts are repeated N times, then prefilled
-  shared       Rollout(shared_prefill=True): each prompt is prefilled once, its KV copied to its N rows
+  shared       Rollout(shared_prefill=True, kv_sharing="copy"): each prompt is prefilled once, its KV copied
+               to its N rows
   prefix       Rollout(shared_prefill=True, kv_sharing="prefix"): each prompt is prefilled once and its
                KV kept once; the N rows read it through the shared-prefix attention, nothing is copied
   paged        Rollout(shared_prefill=True, kv_sharing="paged"): the shared layout's rows, their KV in
