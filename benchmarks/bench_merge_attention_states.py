@@ -25,7 +25,7 @@ import torch
 
 import torchkvops
 from torchkvops import reference
-from torchkvops.bench.op import time_methods
+from torchkvops.bench.op import add_device_arguments, device_from, time_methods
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -40,7 +40,7 @@ def formula(out_a, lse_a, out_b, lse_b):
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
+    add_device_arguments(p)
     p.add_argument("--sizes", default="32x16x128,512x32x128", help="comma-separated rows x heads x head_dim")
     p.add_argument("--dtypes", default="fp32,bf16", help=f"comma-separated, of {sorted(DTYPES)}")
     p.add_argument(
@@ -51,13 +51,8 @@ def main(argv=None) -> int:
     )
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=50)
-    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
     args = p.parse_args(argv)
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda but no CUDA GPU is available")
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    device = device_from(args)
     print(
         f"device={device} threads={torch.get_num_threads()} layout={args.layout} "
         f"warmup={args.warmup} iters={args.iters} (median of interleaved runs)"

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 import torchkvops
-from torchkvops.bench.op import time_methods
+from torchkvops.bench.op import add_device_arguments, device_from, time_methods
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -83,7 +83,7 @@ def dense_buffers(key_cache, value_cache, tables, lengths, width, window=0):
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
+    add_device_arguments(p)
     p.add_argument("--rows", type=int, default=16)
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--kv-heads", type=int, default=4)
@@ -94,14 +94,9 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
     p.add_argument("--window", type=int, default=0, help="a sliding window (0: none)")
     args = p.parse_args(argv)
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda but no CUDA GPU is available")
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    device = device_from(args)
     dtype = DTYPES[args.dtype]
     per_kv = args.heads // args.kv_heads
     print(

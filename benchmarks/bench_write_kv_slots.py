@@ -24,7 +24,7 @@ import statistics
 import torch
 
 import torchkvops
-from torchkvops.bench.op import time_methods
+from torchkvops.bench.op import add_device_arguments, device_from, time_methods
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -39,7 +39,7 @@ def indexing(pool, key, value, layer, slots) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
+    add_device_arguments(p)
     p.add_argument("--cases", default="64x1,16x256", help="comma-separated rows x tokens")
     p.add_argument("--kv-heads", type=int, default=4)
     p.add_argument("--head-dim", type=int, default=64)
@@ -47,13 +47,8 @@ def main(argv=None) -> int:
     p.add_argument("--dtypes", default="fp32,bf16", help=f"comma-separated, of {sorted(DTYPES)}")
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--iters", type=int, default=200)
-    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
     args = p.parse_args(argv)
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda but no CUDA GPU is available")
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    device = device_from(args)
     print(
         f"device={device} threads={torch.get_num_threads()} kv_heads={args.kv_heads} head_dim={args.head_dim} "
         f"block_size={args.block_size} warmup={args.warmup} iters={args.iters} (median of interleaved runs)"

@@ -39,10 +39,11 @@ def test_matches_reference(device, dtype, rows, tokens, block_size):
     assert cache.data_ptr() == ptr
     assert torch.equal(cache, expected)
     # What the reference wrote, read back slot by slot (and the other layer untouched).
-    for (row, token), slot in zip(((r, t) for r in range(rows) for t in range(tokens)), slots.reshape(-1).tolist()):
-        block, offset = divmod(slot, block_size)
-        assert torch.equal(cache[layer, 0, block, :, offset], key[row, :, token])
-        assert torch.equal(cache[layer, 1, block, :, offset], value[row, :, token])
+    for row, row_slots in enumerate(slots.tolist()):
+        for token, slot in enumerate(row_slots):
+            block, offset = divmod(slot, block_size)
+            assert torch.equal(cache[layer, 0, block, :, offset], key[row, :, token])
+            assert torch.equal(cache[layer, 1, block, :, offset], value[row, :, token])
 
 
 @pytest.mark.parametrize("device", DEVICES)

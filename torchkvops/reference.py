@@ -42,11 +42,10 @@ def write_kv_(cache: Tensor, key: Tensor, value: Tensor, layer: int, start: Tens
 
 def write_kv_slots_(cache: Tensor, key: Tensor, value: Tensor, layer: int, slots: Tensor) -> None:
     block_size = cache.shape[4]
-    for (row, token), slot in zip(
-        ((r, t) for r in range(key.shape[0]) for t in range(key.shape[2])), slots.reshape(-1).tolist()
-    ):
-        cache[layer, 0, slot // block_size, :, slot % block_size] = key[row, :, token]
-        cache[layer, 1, slot // block_size, :, slot % block_size] = value[row, :, token]
+    for row, row_slots in enumerate(slots.reshape(key.shape[0], key.shape[2]).tolist()):
+        for token, slot in enumerate(row_slots):
+            cache[layer, 0, slot // block_size, :, slot % block_size] = key[row, :, token]
+            cache[layer, 1, slot // block_size, :, slot % block_size] = value[row, :, token]
 
 
 def merge_attention_states(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> tuple[Tensor, Tensor]:

@@ -79,6 +79,28 @@ def _time_once(device) -> Callable[[Callable[[], object]], float]:
     return once_cpu
 
 
+def add_device_arguments(parser) -> None:
+    """--device (CUDA where there is one) and --threads, as every operator benchmark takes them; read back by
+    `device_from`."""
+    import torch
+
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
+
+
+def device_from(args):
+    """`add_device_arguments`' device (SystemExit where CUDA is asked for and there is none), torch's threads
+    set from --threads first."""
+    import torch
+
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda but no CUDA GPU is available")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return device
+
+
 def time_methods(fns: dict[str, Callable[[], object]], device, warmup: int, iters: int) -> dict[str, list[float]]:
     """Warm each method up, then time them in interleaved rounds (op, copy, ..., op, copy, ...): a
     machine whose speed drifts (other processes, clocks) then affects every method alike, and the
