@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Sets up .venv (torch, transformers, test tools, trl, peft, deepspeed, ruff, clang-format) and builds torchkvops._C into it. Idempotent and
 # cheap when nothing changed (about 2 s, the final import check): it installs only what is missing and
-# rebuilds only when a C++/CUDA source, setup.py, pyproject.toml or the torch version changed (and then
-# reuses a build of the same sources made on this machine before, from a cache outside the clone).
+# rebuilds only when a C++/CUDA source, setup.py or the torch version changed (and then reuses a build of
+# the same sources made on this machine before, from a cache outside the clone; an edit of pyproject.toml
+# installs the same build again).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export MAX_JOBS="${MAX_JOBS:-2}"
@@ -54,14 +55,19 @@ fi
 
 stamp=build/.torchkvops-built
 torch_version="$(sed -n "s/^__version__ = '\(.*\)'$/\1/p" .venv/lib/python3*/site-packages/torch/version.py)"
-# pyproject.toml too: it names the packages and the console script that the install writes.
-want="$torch_version $(cat setup.py pyproject.toml torchkvops/csrc/*.* torchkvops/csrc/*/*.* | sha1sum)"
-# A build of the same sources is kept outside the clone, keyed by everything it is made from (the key
-# above, the Python, and the settings setup.py reads), as ccache keeps a compiler's: a fresh clone on a
-# machine that built these sources once installs the same library without compiling it again (5 minutes
-# of a 2-core machine). TORCHKVOPS_NO_BUILD_CACHE=1 always compiles; the cache is
-# ${TORCHKVOPS_BUILD_CACHE:-~/.cache/torchkvops/builds}, one folder per key.
-build_key="$(printf '%s|%s|%s|%s|%s|%s' "$want" "$("$py" -c 'import sys; print(sys.version)')" \
+# What the library is compiled from: setup.py and the C++/CUDA sources and headers (not csrc's README).
+sources="$torch_version $(find setup.py torchkvops/csrc -type f \( -name setup.py -o -name '*.h' -o -name '*.cpp' \
+  -o -name '*.cu' -o -name '*.cuh' \) | LC_ALL=C sort | xargs cat | sha1sum)"
+# When to install again: the sources, or pyproject.toml (it names the packages and the console script that
+# the install writes).
+want="$sources $(sha1sum < pyproject.toml)"
+# A build of the same sources is kept outside the clone, keyed by everything it is compiled from (the
+# sources above, the Python, and the settings setup.py reads; not pyproject.toml, whose edit only installs
+# the same build again), as ccache keeps a compiler's: a fresh clone on a machine that built these sources
+# once installs the same library without compiling it again (5 minutes of a 2-core machine).
+# TORCHKVOPS_NO_BUILD_CACHE=1 always compiles; the cache is ${TORCHKVOPS_BUILD_CACHE:-~/.cache/torchkvops/builds},
+# one folder per key.
+build_key="$(printf '%s|%s|%s|%s|%s|%s' "$sources" "$("$py" -c 'import sys; print(sys.version)')" \
   "${TORCH_CUDA_ARCH_LIST:-}" "${TORCHKVOPS_NO_CUDA:-}" "${DEBUG:-}" "${CUDA_HOME:-}" | sha1sum | cut -c1-20)"
 cached="${TORCHKVOPS_BUILD_CACHE:-$HOME/.cache/torchkvops/builds}/$build_key"
 needs_build() { [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ] || ! ls torchkvops/_C*.so >/dev/null 2>&1; }
