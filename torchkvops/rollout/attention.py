@@ -15,6 +15,11 @@ see `decode_attention`), so every attention layer of any supported decoder-only 
   (`torchkvops.rollout.compaction`), the rows of a prompt are no longer N consecutive ones: the queries are
   gathered into S slots per prompt (`slot_rows`), and each row reads its slot's prefix attention back.
 
+The paged layout reads a long prompt the same way, on the pool (`PagedLayout.stacked_tokens`): the
+prompt's whole blocks, which every row of it names in its table, once a step for its rows' stacked queries
+(`ops.paged_attention` over the prompt's blocks, a KV head's queries of every sample as one head group),
+each row's own keys after them, merged by log-sum-exp (`_stacked_prompts`).
+
 Each row's own keys are read by `ops.paged_attention`, the decode buffer taken as a pool of one block per
 row (`DecodeState.kv_table`): columns [kv_start, column] of its row, so that the work follows what rows hold,
 not the buffer's width. The shared levels (a prompt's, a common prefix's) go through torch's own fused
@@ -134,6 +139,12 @@ class DecodeAttention:
     windowed: tuple[bool, ...] = ()
     window_map: Tensor | None = None
     kept_window: int = 0  # the keys before its query such a group keeps (the store's window)
+    # The paged layout with its prompts read stacked (the decode state's; None otherwise): each prompt's
+    # whole blocks [prompts, blocks], gathered and read, as prompt_bias shows them, for its rows' stacked
+    # queries (rows [i*N, (i+1)*N) answer prompt i, or through slot_rows once compacted, as in the prefix
+    # layout), and each row's own keys from own_start ([rows] int32) on.
+    prompt_table: Tensor | None = None
+    own_start: Tensor | None = None
 
     # Prefix layout (None in the copy layout, where each row holds its prompt's KV): rows [i*N, (i+1)*N)
     # answer prompt i, whose KV is row i of prompt_kv's buffers.
@@ -165,8 +176,9 @@ class DecodeAttention:
         self.window_map = None if paged is None else paged.window_map
         self.windowed = () if self.window_map is None else tuple(paged.windowed)
         self.kept_window = 0 if self.window_map is None else paged.window
+        self.prompt_table, self.own_start = state.prompt_table, state.own_start
         self.prompt_kv = cache.prompt_views if prefix else None
-        self.prompt_bias = state.prompt_bias if prefix else None
+        self.prompt_bias = state.prompt_bias  # (the prefix layout's, or the paged layout's read stacked)
         self.prompt_positions = state.prompt_positions if prefix else None
         self.slot_rows, self.row_prompt, self.row_sample = state.slot_rows, state.row_prompt, state.row_sample
         self.common_kv = cache.common_views if prefix else None
@@ -471,8 +483,11 @@ def torchkvops_attention(
     own = functools.partial(
         _own_keys, context, module.layer_idx, query, key, value, attention_mask, scaling, window, softcap, attend
     )
-    if context.prompt_kv is None:  # the copy layout: each row's decode buffer holds its prompt too
-        out, lse = own(with_lse=sinks is not None)
+    if context.prompt_kv is None:  # the copy and paged layouts: each row's buffer (table) holds its prompt too
+        if context.prompt_table is not None and not context._windowed(module.layer_idx) and _reads_paged(query, key):
+            out, lse = _stacked_prompts(context, query, key, value, scaling, softcap)
+        else:
+            out, lse = own(with_lse=sinks is not None)
         return _with_sinks(out, lse, sinks, kv_heads).reshape(rows, 1, heads, head_dim), None
 
     q = query.reshape(rows, kv_heads, group, head_dim)  # the heads of one KV head, as query length
@@ -526,6 +541,56 @@ def torchkvops_attention(
         )
     out = _with_sinks(out.reshape(rows, kv_heads, group, head_dim), lse.reshape(rows, kv_heads, group), sinks, kv_heads)
     return out.reshape(rows, 1, heads, head_dim), None
+
+
+def _stacked_prompts(
+    context: DecodeAttention, query: Tensor, key: Tensor, value: Tensor, scaling, softcap
+) -> tuple[Tensor, Tensor]:
+    """The paged layout with its prompts read stacked: each prompt's whole blocks gathered once (not once
+    per row) and read by the fused attention for the stacked queries of its rows ([prompts, kv_heads, N *
+    group, head_dim], as the prefix layout reads its prompt KV), each row's own keys after them through
+    its table, the two merged by their log-sum-exps (Hydragen's split). query [rows, heads, 1, head_dim];
+    key, value: the layer's pool [blocks, kv_heads, block_size, head_dim]. Returns out [rows, kv_heads,
+    group, head_dim] and its lse [rows, kv_heads, group] (no window: a windowed layer reads its tables).
+
+    Why a gather and the fused attention rather than `ops.paged_attention` over the prompt's blocks with
+    the queries stacked as heads: that operator computes each query head's scores key by key, so stacking
+    saves reads of the keys but no arithmetic, and on the CPU the step cost the same as each row reading
+    its own table; the fused attention's matrix products make the stacked read pay (docs/benchmarks.md)."""
+    rows, heads, _, head_dim = query.shape
+    kv_heads = key.shape[1]
+    group = heads // kv_heads
+    prompts = context.prompt_table.shape[0]  # (from shapes: a compiled step keeps them symbolic)
+    slotted = context.slot_rows is not None
+    samples = (context.slot_rows.shape[0] if slotted else rows) // prompts
+    q = query.reshape(rows, kv_heads, group, head_dim)
+    stacked = q.index_select(0, context.slot_rows) if slotted else q
+    stacked = stacked.view(prompts, samples, kv_heads, group, head_dim).transpose(1, 2)
+    stacked = stacked.reshape(prompts, kv_heads, samples * group, head_dim)
+    prompt_k, prompt_v = gather_blocks(key, context.prompt_table), gather_blocks(value, context.prompt_table)
+    if softcap is not None:
+        out_p, lse_p = attend_softcapped(
+            stacked, prompt_k, prompt_v, context.prompt_bias, softcap=softcap, scale=scaling
+        )
+    else:
+        out_p, lse_p = _attend(stacked, prompt_k, prompt_v, context.prompt_bias, scale=scaling)
+    out_p = out_p.view(prompts, kv_heads, samples, group, head_dim).transpose(1, 2)
+    lse_p = lse_p.view(prompts, kv_heads, samples, group).transpose(1, 2)
+    cap = 0.0 if softcap is None else float(softcap)
+    out_s, lse_s = ops.paged_attention(
+        query[:, :, 0], key, value, context.kv_table, context.kv_length, None, scaling, 0, cap, context.own_start
+    )
+    out_s, lse_s = out_s.view(rows, kv_heads, group, head_dim), lse_s.view(rows, kv_heads, group)
+    if slotted:  # each row's prompt part from its slot (prompt, sample)
+        prompt, sample = context.row_prompt, context.row_sample
+        return ops.merge_attention_states(out_p[prompt, sample], lse_p[prompt, sample], out_s, lse_s)
+    out, lse = ops.merge_attention_states(
+        out_p,
+        lse_p,
+        out_s.view(prompts, samples, kv_heads, group, head_dim),
+        lse_s.view(prompts, samples, kv_heads, group),
+    )
+    return out.view(rows, kv_heads, group, head_dim), lse.view(rows, kv_heads, group)
 
 
 def _reads_paged(query: Tensor, key: Tensor) -> bool:

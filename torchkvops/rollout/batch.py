@@ -26,6 +26,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from ..fused_attention import MASKED_KEY_BIAS
 from . import compaction
 from .state import DecodeShape, DecodeState
 
@@ -171,6 +172,27 @@ class DecodeBatch:
         index = slice(None) if groups is None else groups
         s.prompt_bias[index, 0, 0] = visible_bias(visible, s.shape.prompt_len).to(s.prompt_bias.dtype)
         s.prompt_positions[index, : visible.shape[1]] = first_position + visible.long().cumsum(dim=1) - 1
+
+    def show_prompt_blocks(self, visible: Tensor, samples: int) -> None:
+        """The paged layout, its prompts read stacked, a call's rows (row i answers prompt i // `samples`,
+        its table the sample's): each prompt's whole blocks, which its rows' tables name (`visible` [prompts,
+        W] bool: the columns that hold its tokens, ending where its rows' first token is written), read from
+        its first visible column; each row reads its own keys after them (or from its own start, if later)."""
+        s = self.state
+        block, shared = s.shape.kv_block, s.shape.prompt_len
+        visible = visible.bool()
+        # Each prompt's tokens end where its rows write first: its whole blocks are those before that end.
+        end = visible.shape[1] - visible.flip(1).int().argmax(dim=1)
+        whole = torch.where(visible.any(dim=1), end // block * block, 0)
+        columns = torch.arange(shared, device=visible.device)[None, :]
+        seen = visible[:, :shared] & (columns < whole[:, None])
+        # A masked key's bias finite (MASKED_KEY_BIAS): a prompt whose whole blocks are all padding keeps a
+        # finite log-sum-exp, which then weighs nothing in the merge with its rows' own keys.
+        s.prompt_bias[:, 0, 0] = torch.where(seen, 0.0, MASKED_KEY_BIAS).to(s.prompt_bias.dtype)
+        homes = torch.arange(s.shape.prompts, device=s.prompt_table.device) * samples
+        s.prompt_table.copy_(self.cache.paged.table.index_select(0, homes)[:, : s.prompt_table.shape[1]])
+        own = whole.repeat_interleave(samples).to(s.kv_start.device, s.kv_start.dtype)
+        s.own_start.copy_(torch.maximum(s.kv_start, own))
 
     def show_common(self, visible: Tensor) -> None:
         """Prefix layout: every row shows `visible` ([1, common buffer length] bool) of the prefix common

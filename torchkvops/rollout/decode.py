@@ -288,14 +288,20 @@ class Decoder:
         first token decode feeds (the width of the input HF's generate would have: it goes up by one a step).
         `live` [rows] (bool, optional): False for rows that have ended before they start."""
         rows = first_logits.shape[0]
-        prompts = 0 if prompt_visible is None else prompt_visible.shape[0]
+        prompts, prompt_columns = (0, 0) if prompt_visible is None else prompt_visible.shape
         shape = self.layout.decode_shape(
-            self.cache, rows, prompts, max_new_tokens, self.adapter.dtype, self.step.logprobs
+            self.cache,
+            rows,
+            prompts,
+            max_new_tokens,
+            self.adapter.dtype,
+            self.step.logprobs,
+            prompt_columns=prompt_columns,
         )
         batch = self.batch(self.state_for(shape), self.layout.batch_map(rows))
         if common_visible is not None:
             batch.show_common(common_visible)
-        if prompt_visible is not None:
+        if prompt_visible is not None and batch.state.prompt_positions is not None:  # (the prefix layout's)
             common = 0 if common_visible is None else int(common_visible.sum())  # host sync: once per call
             batch.show_prompts(None, prompt_visible, common)
         self.step.bind(batch.state)
@@ -309,6 +315,8 @@ class Decoder:
             bias=visible_bias(visible, shape.mask_len),
             live=live,
         )
+        if batch.state.prompt_table is not None:  # (the paged layout, its prompts read stacked)
+            batch.show_prompt_blocks(prompt_visible, self.layout.samples)
         batch.set_cache_position(cache_position)
         return batch
 

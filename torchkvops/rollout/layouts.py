@@ -139,7 +139,19 @@ class CopyLayout:
         """What each prompt's shared KV shows ([prompts, prompt buffer length] bool), or None."""
         return None
 
-    def decode_shape(self, cache, rows: int, prompts: int, max_new_tokens: int, dtype, logprobs: bool, slots: int = 0):
+    def decode_shape(
+        self,
+        cache,
+        rows: int,
+        prompts: int,
+        max_new_tokens: int,
+        dtype,
+        logprobs: bool,
+        slots: int = 0,
+        prompt_columns: int = 0,
+    ):
+        """The decode state's shape for `rows` rows; `prompts` (and their `slots` query slots, and
+        `prompt_columns`, the columns of their `prompt_visible`): the prompts' KV read apart from the rows'."""
         return DecodeShape(rows, cache.decode_views.tokens, max_new_tokens, dtype, logprobs=logprobs)
 
     def batch_map(self, rows: int) -> BatchMap:
@@ -280,7 +292,17 @@ class PrefixLayout(CopyLayout):
         visible[:, : prompt_mask.shape[1]] = prompt_mask.bool()
         return visible
 
-    def decode_shape(self, cache, rows: int, prompts: int, max_new_tokens: int, dtype, logprobs: bool, slots: int = 0):
+    def decode_shape(
+        self,
+        cache,
+        rows: int,
+        prompts: int,
+        max_new_tokens: int,
+        dtype,
+        logprobs: bool,
+        slots: int = 0,
+        prompt_columns: int = 0,
+    ):
         common = 0 if cache.common_views is None else cache.common_views.tokens
         return DecodeShape(
             rows,
@@ -372,9 +394,28 @@ class PagedLayout(CopyLayout):
     # automatic dynamic shapes take over), and a marked pool made the next call's prefill recompile.
     decode_buffer_dims = ()
 
+    # A call's rows read their prompt's whole blocks (which every row of the prompt names in its table, shared
+    # by reference) once a step for the rows' stacked queries, as the prefix layout reads its prompt KV, when
+    # the widest prompt has at least this many tokens in whole blocks; each row then reads its own keys from
+    # there on, and the two parts are merged by their log-sum-exps. Shorter prompts are read through each
+    # row's table: a second read and a merge cost more than they save (docs/benchmarks.md, "Paged KV:
+    # prompts read stacked"). A streaming batch (rows of prompts that come and go) reads through its tables.
+    stacked_tokens = 256
+
     def reserve(self, cache, rows: list[int] | Tensor, until: list[int] | Tensor) -> None:
         host = [t.tolist() if isinstance(t, Tensor) else t for t in (rows, until)]  # (host sync: tensors)
         cache.reserve(*host)
+
+    def prompt_visible(self, prompt_mask: Tensor, cache) -> Tensor | None:
+        """The prompts' columns ([prompts, W] bool, `prompt_mask`) when a call's rows read their prompts'
+        shared blocks stacked (`stacked_tokens`), else None (each row reads its prompt through its table)."""
+        whole = prompt_mask.shape[1] // self.block_size * self.block_size
+        return prompt_mask.bool() if self.samples > 1 and whole >= max(self.stacked_tokens, 1) else None
+
+    def batch_map(self, rows: int) -> BatchMap:
+        """N rows per prompt, grouped: compaction keeps the prompt groups of the rows it keeps and their
+        query slots (as the prefix layout's), which the stacked prompt reads use."""
+        return BatchMap(rows, self.samples)
 
     # A streaming batch keeps a table per sample (its output row), not per batch row, as a call does: a row's
     # next occupant starts from an empty table, and the decode loop finds each row's table by its sample.
@@ -417,8 +458,31 @@ class PagedLayout(CopyLayout):
         buffers = tuple(b[..., :0, :].clone() if p else b.clone() for b, p in zip(home.buffers, pooled))
         return KVViews(buffers, home.slots, home.states)
 
-    def decode_shape(self, cache, rows: int, prompts: int, max_new_tokens: int, dtype, logprobs: bool, slots: int = 0):
-        return DecodeShape(rows, cache.columns, max_new_tokens, dtype, logprobs=logprobs, kv_block=self.block_size)
+    def decode_shape(
+        self,
+        cache,
+        rows: int,
+        prompts: int,
+        max_new_tokens: int,
+        dtype,
+        logprobs: bool,
+        slots: int = 0,
+        prompt_columns: int = 0,
+    ):
+        """A call's rows read their prompts' shared blocks stacked when `prompts` (`prompt_visible`):
+        `prompt_len` the columns of the whole blocks of the widest prompt."""
+        shared = prompt_columns // self.block_size * self.block_size if prompts else 0
+        return DecodeShape(
+            rows,
+            cache.columns,
+            max_new_tokens,
+            dtype,
+            prompts=prompts if shared else 0,
+            prompt_len=shared,
+            logprobs=logprobs,
+            slots=slots if shared else 0,
+            kv_block=self.block_size,
+        )
 
     def dynamic_tensors(self, state, cache) -> list[tuple[Tensor, tuple[int, ...]]]:
         window_map = cache.paged.window_map  # (sliding-window groups: read by a step, made anew as the pool grows)

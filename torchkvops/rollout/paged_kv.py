@@ -55,11 +55,10 @@ def write_slots(pool: Tensor, layer: int, key: Tensor, value: Tensor, slots: Ten
 
 def gather_blocks(blocks: Tensor, table: Tensor) -> Tensor:
     """A layer's keys or values in a pool ([blocks, kv_heads, block_size, head_dim]) as each row of `table`
-    ([rows, n] int32) names them: [rows, kv_heads, n * block_size, head_dim] (a copy), for what reads a
-    row's KV densely."""
-    gathered = blocks[table.long()]  # [rows, n, kv_heads, block_size, head_dim]
-    rows, n, heads, size, dim = gathered.shape
-    return gathered.permute(0, 2, 1, 3, 4).reshape(rows, heads, n * size, dim)
+    ([rows, n] int32) names them: [rows, kv_heads, n * block_size, head_dim] (one copy, heads outermost:
+    a view of it whose tokens are contiguous), for what reads a row's KV densely."""
+    gathered = blocks.transpose(0, 1)[:, table.long()]  # [kv_heads, rows, n, block_size, head_dim]
+    return gathered.permute(1, 0, 2, 3, 4).flatten(2, 3)
 
 
 def dense_rows(pool: Tensor, layer: int, table: Tensor, tokens: int) -> tuple[Tensor, Tensor]:

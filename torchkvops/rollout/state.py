@@ -21,9 +21,10 @@ __all__ = ["DecodeShape", "DecodeState"]
 @dataclasses.dataclass(frozen=True)
 class DecodeShape:
     """What fixes a decode step's tensors (and so its graph): rows, the decode buffer's key length, the
-    response length, the model's dtype; in the prefix layout the prompts and their key length, and for a
-    compacted prefix-layout batch its query slots per prompt (torchkvops.rollout.compaction); whether
-    log-probabilities are recorded."""
+    response length, the model's dtype; in the prefix layout the prompts and their key length (in the paged
+    layout with its prompts read stacked: the columns of their whole blocks), and for a compacted batch of
+    either its query slots per prompt (torchkvops.rollout.compaction); whether log-probabilities are
+    recorded."""
 
     rows: int
     mask_len: int
@@ -54,6 +55,11 @@ class _Field:
 
 def _if(condition: bool, dims: tuple[int, ...]) -> tuple[int, ...] | None:
     return dims if condition else None
+
+
+def _stacked(s: DecodeShape) -> bool:
+    """Whether a paged-layout shape reads its prompts' shared blocks stacked (prompt_len: their columns)."""
+    return s.prompts > 0 and s.kv_block > 0 and s.prompt_len > 0
 
 
 class DecodeState:
@@ -137,16 +143,36 @@ class DecodeState:
         _Field(
             "prompt_bias",
             "prompt",
-            lambda s: _if(s.prompts > 0, (s.prompts, 1, 1, s.prompt_len)),
+            lambda s: _if(s.prompts > 0 and s.prompt_len > 0, (s.prompts, 1, 1, s.prompt_len)),
             None,
-            "prefix layout: the bias over each prompt's shared KV",
+            "prefix layout (and paged, its prompts read stacked): the bias over each prompt's shared KV",
         ),
         _Field(
             "prompt_positions",
             "prompt",
-            lambda s: _if(s.prompts > 0, (s.prompts, s.prompt_len)),
+            lambda s: _if(s.prompts > 0 and s.kv_block == 0, (s.prompts, s.prompt_len)),
             doc="prefix layout: the position of each column of a prompt's shared KV (what a sliding window "
             "measures a query's distance to; a hidden column's is never read)",
+        ),
+        # The paged layout with its prompts read stacked (`PagedLayout.stacked_tokens`): each prompt's whole
+        # blocks, which every row of it names in its table (shared by reference), are read once a step for
+        # its rows' stacked queries, as prompt_bias shows them (prompt_len: the columns they hold, a
+        # multiple of kv_block); each row reads its own keys from own_start on; the two parts are merged by
+        # their log-sum-exps.
+        _Field(
+            "prompt_table",
+            "prompt",
+            lambda s: _if(_stacked(s), (s.prompts, s.prompt_len // max(s.kv_block, 1))),
+            torch.int32,
+            "paged layout, prompts read stacked: each prompt's shared blocks, as its rows' tables name them",
+        ),
+        _Field(
+            "own_start",
+            "row",
+            lambda s: _if(_stacked(s), (s.rows,)),
+            torch.int32,
+            "paged layout, prompts read stacked: the first column a row reads as its own (after its prompt's "
+            "shared blocks, or its kv_start if later)",
         ),
         _Field(
             "common_bias",

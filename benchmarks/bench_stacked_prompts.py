@@ -1,0 +1,99 @@
+"""The paged layout's two ways of reading a prompt's shared blocks in a decode step, beside the dense layouts:
+
+  paged-rows     each row reads its prompt's blocks through its own table (N reads of the prompt a step)
+  paged-stacked  the prompt's whole blocks read once for its N rows' stacked queries, each row's own keys
+                 after them, merged by log-sum-exp (`PagedLayout.stacked_tokens`, the switch between the two)
+  copy, prefix   the dense layouts (`kv_sharing="copy"`: a buffer row per row; `"prefix"`: the prompt's KV
+                 once, its rows' queries stacked against it)
+
+A model of a named shape with random weights, B prompts x N samples of P tokens, R new tokens each (no EOS:
+every row decodes R - 1 steps, so the step's cost is what is compared); the modes alternate (A B C D A B C D
+...) after a warm-up round, each call's decode ms per step from its profile; medians, and each mode's ratio
+to paged-rows. The same seed in every mode: the tokens agree (printed).
+
+    .venv/bin/python benchmarks/bench_stacked_prompts.py --model-shape llama-small --batch 1 --samples 16 \\
+        --prompt 2048 --new-tokens 32 --rounds 3 --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+
+from torchkvops import Rollout, RolloutConfig
+from torchkvops.models.shapes import MODEL_SHAPES, build_model
+from torchkvops.rollout.layouts import PagedLayout
+
+MODES = ("paged-rows", "paged-stacked", "copy", "prefix")
+
+
+def run(model, mode: str, ids: torch.Tensor, samples: int, new_tokens: int) -> tuple[float, torch.Tensor]:
+    """One call's decode ms per step and its responses."""
+    layout = "paged" if mode.startswith("paged") else mode
+    PagedLayout.stacked_tokens = 1 if mode == "paged-stacked" else 1 << 30
+    config = RolloutConfig(
+        samples_per_prompt=samples,
+        max_new_tokens=new_tokens,
+        kv_sharing=layout,
+        temperature=1.0,
+        seed=0,
+        eos_token_id=[],
+        enable_profiling=True,
+    )
+    rollout = Rollout(model, config)
+    out = rollout.generate(ids, torch.ones_like(ids))
+    profile = rollout.get_last_profile()
+    return profile.decode_ms / max(profile.decode_steps, 1), out.responses
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model-shape", default="llama-small", choices=sorted(MODEL_SHAPES))
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--samples", type=int, default=16)
+    p.add_argument("--prompt", type=int, default=2048)
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--output", default=None, help="a JSON file for every call's figures")
+    a = p.parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    model = build_model(a.model_shape)
+    vocab = model.config.vocab_size
+    ids = torch.randint(3, vocab, (a.batch, a.prompt), generator=torch.Generator().manual_seed(0))
+    default = PagedLayout.stacked_tokens
+    times: dict[str, list[float]] = {m: [] for m in a.modes}
+    tokens: dict[str, torch.Tensor] = {}
+    try:
+        for r in range(a.rounds + 1):  # round 0: the warm-up
+            for mode in a.modes:
+                ms, responses = run(model, mode, ids, a.samples, a.new_tokens)
+                tokens.setdefault(mode, responses)
+                if r:
+                    times[mode].append(ms)
+    finally:
+        PagedLayout.stacked_tokens = default
+    base = statistics.median(times[a.modes[0]])
+    print(
+        f"{a.model_shape}, B={a.batch} x N={a.samples}, P={a.prompt}, R={a.new_tokens}, "
+        f"threads {torch.get_num_threads()}, medians of {a.rounds} interleaved rounds"
+    )
+    print(f"{'mode':<15}{'decode ms/step':>16}{'vs ' + a.modes[0]:>18}   rounds")
+    for mode in a.modes:
+        med = statistics.median(times[mode])
+        rounds = ", ".join(f"{t:.2f}" for t in times[mode])
+        print(f"{mode:<15}{med:>16.2f}{med / base:>17.2f}x   {rounds}")
+    same = all(torch.equal(tokens[m], tokens[a.modes[0]]) for m in a.modes)
+    print("tokens: " + ("the same in every mode" if same else "DIFFER between modes"))
+    if a.output:
+        with open(a.output, "w") as f:
+            json.dump({"args": vars(a), "decode_ms_per_step": times, "same_tokens": same}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
