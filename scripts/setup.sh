@@ -18,8 +18,10 @@ pip_install() { "$py" -m pip install -q --disable-pip-version-check --no-compile
 
 # What the environment needs, in two groups, each with the imports that prove it is installed.
 # torch 2.14.1 (a CUDA build, so the CUDA kernels compile here) lies on this machine's disk.
-base_reqs=("torch>=2.11,<=2.14.1" "transformers>=5.0" ninja pytest expecttest hypothesis)
-base_check="import torch, transformers, ninja, pytest, expecttest, hypothesis"
+# pytest-xdist: the README's test command runs the suite in two processes (`-n 2`: 18.8 min against 23.7 in
+# one, the same 2-core machine and day; docs/benchmarks.md, "The suite's wall time").
+base_reqs=("torch>=2.11,<=2.14.1" "transformers>=5.0" ninja pytest pytest-xdist expecttest hypothesis)
+base_check="import torch, transformers, ninja, pytest, xdist, expecttest, hypothesis"
 # TRL (with accelerate and datasets) for tests/test_trl.py and examples/grpo_trl.py: the `trl` extra;
 # peft (LoRA adapters) for the tests that use one: in the `test` extra; DeepSpeed for tests/test_zero3.py
 # (ZeRO-3 on its CPU accelerator): the `deepspeed` extra.

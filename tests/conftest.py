@@ -30,6 +30,12 @@ def compiled(rollout) -> bool:
 # `compiled(rollout)`); the one test of the limit itself patches it back down.
 torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
 
+# Under pytest-xdist (the README's test command runs `-n 2`) each worker is a process of its own: the
+# workers' threads together are the machine's cores, not each worker's (two workers of two OpenMP threads
+# each on a 2-core machine stall each other's small ops).
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
 
 @pytest.fixture(scope="module")
 def family_models():

@@ -84,7 +84,7 @@ def test_readme_rollout_snippet_runs_as_written(page, heading):
 def test_readme_holds_the_commands_ci_and_a_new_user_run():
     """.ci/run runs the README's test command: the README must hold that line exactly, and the main job's."""
     ci = [line for line in (ROOT / ".ci" / "run").read_text().splitlines() if line.startswith("bash ")]
-    assert ci == ["bash scripts/setup.sh && bash scripts/lint.sh && .venv/bin/python -m pytest -q"]
+    assert ci == ["bash scripts/setup.sh && bash scripts/lint.sh && .venv/bin/python -m pytest -q -n 2 --dist loadfile"]
     commands = [" ".join(words) for words in shell_commands(README.read_text())]
     assert ci[0] in commands
     assert "bash scripts/setup.sh && .venv/bin/python -m torchkvops" in commands
