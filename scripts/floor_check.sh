@@ -45,6 +45,9 @@ fi
 mkdir -p "$src"
 find "$src" -name '*.py' -not -path "$src/build/*" -delete
 git ls-files -z --cached --others --exclude-standard | tar --null -T - -cf - | tar -xf - -C "$src"
+# out/ (git-ignored, made by setup.sh in a checkout): where the docs' commands, which tests/test_docs.py
+# parses, write their files.
+mkdir -p "$src/out"
 built=$src/build/.floor-built
 want="$("$py" -c 'import torch; print(torch.__version__)') $(cat setup.py pyproject.toml torchkvops/csrc/*.* torchkvops/csrc/*/*.* | sha1sum)"
 if [ ! -f "$built" ] || [ "$(cat "$built")" != "$want" ] || ! ls "$src"/torchkvops/_C*.so >/dev/null 2>&1; then
