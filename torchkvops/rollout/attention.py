@@ -492,38 +492,21 @@ def torchkvops_attention(
 
     q = query.reshape(rows, kv_heads, group, head_dim)  # the heads of one KV head, as query length
 
-    # B and N from shapes, not Python ints: a compiled decode then keeps them symbolic (no recompile).
+    # B from a shape, not a Python int: a compiled decode then keeps it symbolic (no recompile).
     prompts = context.prompt_kv.buffers[0].shape[2]
-    slotted = context.slot_rows is not None
-    samples = (context.slot_rows.shape[0] if slotted else rows) // prompts
     layer = module.layer_idx
     position = None if window is None else context.positions[:, 0]  # [rows] each row's query's position
     # Prefix: the N rows' queries of each prompt, stacked, against that prompt's KV (read once).
-    stacked = q.index_select(0, context.slot_rows) if slotted else q
-    stacked = stacked.view(prompts, samples, kv_heads, group, head_dim).transpose(1, 2)
-    stacked = stacked.reshape(prompts, kv_heads, samples * group, head_dim)
     prompt_kv = layer_kv(context.prompt_kv, layer)
     prefix_k, prefix_v = prompt_kv[0], prompt_kv[1]
     prompt_bias = context.prompt_bias
     if window is not None:  # a query's distance to a shared key is in positions: its columns are not the row's
-        stacked_position = (position.index_select(0, context.slot_rows) if slotted else position).view(prompts, samples)
+        stacked_position = _by_prompt(context, position, prompts)
         prompt_bias = _window_bias(prompt_bias, stacked_position, context.prompt_positions, window, group)
-    out_p, lse_p = attend(stacked, prefix_k, prefix_v, prompt_bias, scale=scaling)
+    out_p, lse_p = attend(_stacked_queries(context, q, prompts), prefix_k, prefix_v, prompt_bias, scale=scaling)
     # Suffix: each row's own response KV, written up to and including this step.
     out_s, lse_s = own(with_lse=True)
-    # Merge, in the rows' layout [B, N, kv_heads, group, ...] (the prefix part as a strided view).
-    out_p = out_p.view(prompts, kv_heads, samples, group, head_dim).transpose(1, 2)
-    lse_p = lse_p.view(prompts, kv_heads, samples, group).transpose(1, 2)
-    if slotted:  # each row's prefix part from its slot (prompt, sample): [rows, kv_heads, group, ...], one gather
-        prompt, sample = context.row_prompt, context.row_sample
-        out, lse = ops.merge_attention_states(out_p[prompt, sample], lse_p[prompt, sample], out_s, lse_s)
-    else:
-        out, lse = ops.merge_attention_states(
-            out_p,
-            lse_p,
-            out_s.view(prompts, samples, kv_heads, group, head_dim),
-            lse_s.view(prompts, samples, kv_heads, group),
-        )
+    out, lse = _merge_prompt_part(context, out_p, lse_p, out_s, lse_s)
     if context.common_kv is not None:
         # A prefix common to every prompt: every row's queries, stacked, against its one copy (read once).
         common_kv = layer_kv(context.common_kv, layer)
@@ -560,13 +543,8 @@ def _stacked_prompts(
     rows, heads, _, head_dim = query.shape
     kv_heads = key.shape[1]
     group = heads // kv_heads
-    prompts = context.prompt_table.shape[0]  # (from shapes: a compiled step keeps them symbolic)
-    slotted = context.slot_rows is not None
-    samples = (context.slot_rows.shape[0] if slotted else rows) // prompts
-    q = query.reshape(rows, kv_heads, group, head_dim)
-    stacked = q.index_select(0, context.slot_rows) if slotted else q
-    stacked = stacked.view(prompts, samples, kv_heads, group, head_dim).transpose(1, 2)
-    stacked = stacked.reshape(prompts, kv_heads, samples * group, head_dim)
+    prompts = context.prompt_table.shape[0]  # (from a shape: a compiled step keeps it symbolic)
+    stacked = _stacked_queries(context, query.reshape(rows, kv_heads, group, head_dim), prompts)
     prompt_k, prompt_v = gather_blocks(key, context.prompt_table), gather_blocks(value, context.prompt_table)
     if softcap is not None:
         out_p, lse_p = attend_softcapped(
@@ -574,22 +552,44 @@ def _stacked_prompts(
         )
     else:
         out_p, lse_p = _attend(stacked, prompt_k, prompt_v, context.prompt_bias, scale=scaling)
-    out_p = out_p.view(prompts, kv_heads, samples, group, head_dim).transpose(1, 2)
-    lse_p = lse_p.view(prompts, kv_heads, samples, group).transpose(1, 2)
     cap = 0.0 if softcap is None else float(softcap)
     out_s, lse_s = ops.paged_attention(
         query[:, :, 0], key, value, context.kv_table, context.kv_length, None, scaling, 0, cap, context.own_start
     )
     out_s, lse_s = out_s.view(rows, kv_heads, group, head_dim), lse_s.view(rows, kv_heads, group)
-    if slotted:  # each row's prompt part from its slot (prompt, sample)
+    return _merge_prompt_part(context, out_p, lse_p, out_s, lse_s)
+
+
+def _by_prompt(context: DecodeAttention, per_row: Tensor, prompts) -> Tensor:
+    """A per-row tensor [rows, ...] as [prompts, N, ...]: rows [i*N, (i+1)*N) answer prompt i, or, once the
+    batch is compacted, prompt i's N query slots hold the rows slot_rows[i*N : (i+1)*N] (padding slots
+    repeat a row)."""
+    slotted = per_row.index_select(0, context.slot_rows) if context.slot_rows is not None else per_row
+    return slotted.view(prompts, -1, *per_row.shape[1:])
+
+
+def _stacked_queries(context: DecodeAttention, q: Tensor, prompts) -> Tensor:
+    """The rows' queries q [rows, kv_heads, group, head_dim] stacked per prompt, a KV head's query heads
+    of every sample as one query length: [prompts, kv_heads, N * group, head_dim]."""
+    kv_heads, head_dim = q.shape[1], q.shape[3]
+    return _by_prompt(context, q, prompts).transpose(1, 2).reshape(prompts, kv_heads, -1, head_dim)
+
+
+def _merge_prompt_part(
+    context: DecodeAttention, out_p: Tensor, lse_p: Tensor, out_s: Tensor, lse_s: Tensor
+) -> tuple[Tensor, Tensor]:
+    """Each row's attention over its prompt's shared keys (out_p [prompts, kv_heads, N * group, head_dim],
+    lse_p [prompts, kv_heads, N * group]: the stacked queries') merged with its attention over its own keys
+    (out_s [rows, kv_heads, group, head_dim], lse_s [rows, kv_heads, group]) by their log-sum-exps. Returns
+    out [rows, kv_heads, group, head_dim] and lse [rows, kv_heads, group]."""
+    rows, kv_heads, group, head_dim = out_s.shape
+    prompts = out_p.shape[0]
+    out_p = out_p.view(prompts, kv_heads, -1, group, head_dim).transpose(1, 2)  # [prompts, N, ...]: a view
+    lse_p = lse_p.view(prompts, kv_heads, -1, group).transpose(1, 2)
+    if context.slot_rows is not None:  # each row's prompt part from its slot (prompt, sample): one gather
         prompt, sample = context.row_prompt, context.row_sample
         return ops.merge_attention_states(out_p[prompt, sample], lse_p[prompt, sample], out_s, lse_s)
-    out, lse = ops.merge_attention_states(
-        out_p,
-        lse_p,
-        out_s.view(prompts, samples, kv_heads, group, head_dim),
-        lse_s.view(prompts, samples, kv_heads, group),
-    )
+    out, lse = ops.merge_attention_states(out_p, lse_p, out_s.view(out_p.shape), lse_s.view(lse_p.shape))
     return out.view(rows, kv_heads, group, head_dim), lse.view(rows, kv_heads, group)
 
 
