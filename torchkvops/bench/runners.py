@@ -87,9 +87,11 @@ class _RolloutRunner:
 
 class _HFRunner:
     """model.generate, default or static cache. A forward pre-hook records the clock at the start of
-    every forward of this runner's calls (DECODE_STEP_NOTE); it stays registered from construction to
-    close(), so that a compiled decode (hf-static on CUDA) sees the same hooks in its warm-up and timed
-    calls and is not recompiled between them."""
+    every forward of this runner's calls (DECODE_STEP_NOTE). It is registered for this runner's calls
+    only: the rollout's modes share the model, and their compiled decode (`--compile`, one graph) cannot
+    call a hook that runs outside graphs. Each call registers the same function, and Dynamo does not guard
+    on a module's hooks (`skip_nnmodule_hook_guards`), so HF's compiled decode (hf-static on CUDA) is not
+    recompiled between calls."""
 
     def __init__(
         self, model: nn.Module, case: Case, s: Settings, prompts: Tensor, pad_token_id: int, clock: Clock, static: bool
@@ -118,14 +120,16 @@ class _HFRunner:
                 self._recording.append(clock.mark())
 
         # Outside any compiled graph: a compiled call breaks its graph here and runs the hook eagerly.
-        self._hook = model.register_forward_pre_hook(torch.compiler.disable(mark))
+        self._mark = torch.compiler.disable(mark)
 
     def run(self) -> Tensor:
         torch.manual_seed(self.s.seed)
         self._recording = []
+        hook = self.model.register_forward_pre_hook(self._mark)
         try:
             out = self.model.generate(self.input_ids, attention_mask=self.attention_mask, **self.kwargs)
         finally:
+            hook.remove()
             self.marks, self._recording = self._recording, None
         c = self.case
         responses = out[:, c.prompt_length :]
@@ -164,7 +168,7 @@ class _HFRunner:
         pass
 
     def close(self) -> None:
-        self._hook.remove()
+        pass
 
 
 def _up_to_first_eos(responses: Tensor, eos: int) -> Tensor:
