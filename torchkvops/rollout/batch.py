@@ -237,9 +237,13 @@ class DecodeBatch:
         device = state.tokens.device
         rows = plan.rows.to(device)
         groups = None if plan.groups is None else plan.groups.to(device)
-        new = self.states(dataclasses.replace(state.shape, rows=plan.size, prompts=plan.prompts, slots=plan.slots))
+        # A batch whose rows read no prompt stacked (the paged layout reading through each row's table) keeps
+        # no prompt groups or query slots in its shape: the plan's would only multiply its decode shapes.
+        stacked = state.shape.prompts > 0
+        prompts, slots = (plan.prompts, plan.slots) if stacked else (0, 0)
+        new = self.states(dataclasses.replace(state.shape, rows=plan.size, prompts=prompts, slots=slots))
         state.gather_into(new, rows, groups)
-        if plan.slot_rows is not None:
+        if plan.slot_rows is not None and stacked:
             new.slot_rows.copy_(plan.slot_rows)
             new.row_prompt.copy_(plan.row_slot // plan.slots)
             new.row_sample.copy_(plan.row_slot % plan.slots)
