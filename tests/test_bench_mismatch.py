@@ -100,9 +100,9 @@ def test_mismatch_stats():
 def test_mismatch_of_a_nocompact_mode_is_measured_on_its_layout():
     """`prefix-nocompact` is the prefix layout with compaction off: with --mismatch (no EOS, so nothing to
     compact) its log-probabilities are the prefix layout's to the bit, not the copy layout's (which
-    differ from them in bf16)."""
+    differ from them in bf16: prompts of 40 tokens, whose 2 whole blocks the prefix layout reads stacked)."""
     model = FAMILIES["llama"]().to(torch.bfloat16)
-    case = bench_cases.Case(batch_size=2, samples_per_prompt=2, prompt_length=8, response_length=6)
+    case = bench_cases.Case(batch_size=2, samples_per_prompt=2, prompt_length=40, response_length=6)
     settings = bench_cases.Settings(temperature=1.0, seed=3)
     prompts = bench_cases.synthetic_prompts(case, 96, [0, 1, 2], 0, torch.device("cpu"))
     engines = mismatch.measure_mismatch(model, case, ["shared", "prefix", "prefix-nocompact"], settings, prompts, 0)

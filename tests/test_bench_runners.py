@@ -18,7 +18,9 @@ def test_hf_generates_timing_hook_is_registered_only_during_its_calls():
     prompts = torch.randint(5, model.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
     seen = []
     model.register_forward_pre_hook(lambda module, args: seen.append(len(module._forward_pre_hooks)))
-    runner = make_runner("hf-generate", model, case, Settings(), prompts, pad_token_id=0, clock=Clock(torch.device("cpu")))
+    runner = make_runner(
+        "hf-generate", model, case, Settings(), prompts, pad_token_id=0, clock=Clock(torch.device("cpu"))
+    )
     assert len(model._forward_pre_hooks) == 1  # only this test's
     responses = runner.run()
     assert responses.shape == (4, 4)

@@ -133,7 +133,7 @@ def _table_rows(stdout: str, case: str) -> dict[str, dict[str, str]]:
 def test_bench_json_tables_trace_and_order(tmp_path, capsys):
     from torchkvops.models import build_model, model_config
 
-    def round_up(n: int, multiple: int) -> int:  # the rollout's rule: prompts to 64 positions, responses to 8
+    def round_up(n: int, multiple: int) -> int:  # the dense buffer's rule: rows to a multiple of 64 positions
         return -(-n // multiple) * multiple
 
     out, trace = tmp_path / "bench.json", tmp_path / "trace"
@@ -278,10 +278,16 @@ def test_bench_json_tables_trace_and_order(tmp_path, capsys):
             (it["started_ms"], mode, it["round"]) for mode, e in c["modes"].items() for it in e["iterations"]
         )
         assert [(m, k) for _, m, k in starts] == [(m, k) for k in range(3) for m in modes]
-        # KV storage: the buffers as the rollout sizes them; the prefix layout keeps each prompt once.
+        # KV storage: the expanded baseline's dense buffer, every row at P + R - 1 positions rounded to 64; the
+        # shared modes' pool (the copy and prefix layouts differ in how rows read their prompt's blocks, not in
+        # what they hold): each prompt's 8 whole blocks of 16 once, each row one block (the prompt's last 2
+        # tokens copied, then its own 3), and at most a block a row (and one) taken ahead.
         kv_bytes = {m: c["modes"][m]["summary"]["kv_cache_bytes"]["p50"] for m in ("expanded", "shared", "prefix")}
-        assert kv_bytes["shared"] == kv_bytes["expanded"] == rows * round_up(P + R - 1, 64) * per_token
-        assert kv_bytes["prefix"] == (b * round_up(P, 64) + rows * round_up(R - 1, 8)) * per_token < kv_bytes["shared"]
+        assert kv_bytes["expanded"] == rows * round_up(P + R - 1, 64) * per_token
+        block = 16 * per_token
+        held = (b * (P // 16) + rows) * block
+        assert kv_bytes["shared"] == kv_bytes["prefix"]
+        assert held <= kv_bytes["prefix"] <= held + (rows + 1) * block < kv_bytes["expanded"]
         # The table shows the median-total iteration's figures; --wide, made here from the JSON's case as
         # bench makes it, all of them.
         cells = _table_rows(proc.stdout, c["case"])

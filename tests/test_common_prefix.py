@@ -68,8 +68,8 @@ def test_greedy_rollout_with_a_common_prefix_equals_hf_generate(family_models, f
 def test_samples_and_logprobs_equal_the_rollout_without_a_common_prefix(llama, kv_sharing):
     """Seeded sampling with EOS ids (rows end at different steps: compaction, with the common prefix kept
     whole), top-k/top-p and log-probabilities: the same tokens, log-probabilities within float32 rounding,
-    and in the prefix layout the common prefix's KV kept once."""
-    ids, mask = system_prompts(4, [3, 6, 2, 8], seed=2)
+    and (a system prompt of 36 tokens) its two whole blocks held once in the pool, named by every row."""
+    ids, mask = system_prompts(4, [3, 6, 2, 8], seed=2, system=36)
     base = dict(
         samples_per_prompt=3,
         max_new_tokens=20,
@@ -88,9 +88,11 @@ def test_samples_and_logprobs_equal_the_rollout_without_a_common_prefix(llama, k
     assert torch.equal(a.sequences, b.sequences) and torch.equal(a.response_mask, b.response_mask)
     torch.testing.assert_close(a.logprobs, b.logprobs, rtol=1e-4, atol=1e-5)
     assert shared.decode_counters().compactions > 0
-    if kv_sharing == "prefix":
-        assert shared.cache.common_views is not None and shared.cache.common_views.rows == 1  # one copy
-        assert plain.cache.common_views is None
+    assert shared.get_last_profile().prefill_tokens == 36 + 3 + 6 + 2 + 8  # the system prompt computed once
+    store = shared.cache.paged  # (every row's table is kept after the call, for a turn)
+    first = store.tables.blocks[0][:2]
+    assert all(store.tables.blocks[r][:2] == first for r in range(12))
+    assert [store.pool.refs[b] for b in first] == [12, 12]  # one copy in the pool, named by the 12 rows
 
 
 @pytest.mark.parametrize("kv_sharing", ["copy", "prefix", "paged"])

@@ -186,13 +186,17 @@ def test_a_token_budget_holds_over_three_times_the_rows_max_rows_holds_in_the_sa
 FEW_EOS = [40, 41, 42]  # rows of the random models end at spread lengths, some at max_new_tokens
 
 
-@pytest.mark.parametrize("family", ["llama", "lfm2", "gemma3_text"])
-def test_tokens_equal_the_unbudgeted_rollout_under_a_budget_that_preempts(family_models, family):
+@pytest.mark.parametrize(
+    "family,kv_sharing", [("llama", "paged"), ("lfm2", "paged"), ("gemma3_text", "paged"), ("llama", "prefix")]
+)
+def test_tokens_equal_the_unbudgeted_rollout_under_a_budget_that_preempts(family_models, family, kv_sharing):
     """Sampling with log-probabilities, prompts of different lengths, rows ending at spread lengths; a
     budget of a few rows at their longest: rows preempted and restarted from their prompts (prefilled
     again), the same tokens as without the budget; the blocks held within it. A hybrid's recurrent states
     start again with each restart; a sliding-window model's window blocks go back as rows slide, end and
-    are preempted (its window of 8 is passed 7 times)."""
+    are preempted (its window of 8 is passed 7 times). kv_sharing="prefix": without the budget each prompt's
+    whole block is read stacked for its rows; under it (a streaming batch, its rows' prompts coming and
+    going) each row reads through its table: the same tokens either way."""
     model = family_models[family] if family in family_models else tiny_model(family)
     if model is None:
         pytest.skip(unavailable(family))
@@ -200,7 +204,7 @@ def test_tokens_equal_the_unbudgeted_rollout_under_a_budget_that_preempts(family
     config = dict(
         samples_per_prompt=4,
         max_new_tokens=40,
-        kv_sharing="paged",
+        kv_sharing=kv_sharing,
         eos_token_id=FEW_EOS,
         temperature=1.0,
         seed=5,
@@ -245,8 +249,8 @@ def test_a_budget_that_holds_every_row_runs_as_a_call_and_keeps_its_kv_for_a_tur
 
 
 def test_bad_budgets_are_refused_naming_the_setting(llama):
-    with pytest.raises(ValueError, match=r"max_kv_tokens .*needs kv_sharing='paged'.*'copy'"):
-        RolloutConfig(max_kv_tokens=4096, kv_sharing="copy")
+    with pytest.raises(ValueError, match=r"max_kv_tokens .*needs shared_prefill=True"):
+        RolloutConfig(max_kv_tokens=4096, shared_prefill=False)
     assert RolloutConfig(max_kv_tokens=4096).kv_sharing == "paged"  # (the default layout: the one it counts)
     with pytest.raises(ValueError, match=r"max_kv_tokens must be None .*or an int >= 1"):
         RolloutConfig(max_kv_tokens=0, kv_sharing="paged")

@@ -53,20 +53,24 @@ def test_paged_greedy_matches_hf_generate(family, padded):
 
 def test_the_paged_layout_is_the_default_but_for_the_expanded_baseline():
     """RolloutConfig's kv_sharing=None: "paged", or "copy" with shared_prefill=False (no prompt's blocks to
-    share); a layout named is kept, and the paged one still refuses the expanded baseline by name."""
+    share); a layout named is kept, each on the pool (its name says how rows read their prompt's blocks)
+    but the expanded baseline's dense copy, and the paged one still refuses the expanded baseline by name."""
     assert RolloutConfig().kv_sharing == "paged"
     assert RolloutConfig(shared_prefill=False).kv_sharing == "copy"
     for layout in ("copy", "prefix", "paged"):
         assert RolloutConfig(kv_sharing=layout).kv_sharing == layout
+        assert Rollout(FAMILIES["llama"](), RolloutConfig(kv_sharing=layout)).layout.paged
+    assert not Rollout(FAMILIES["llama"](), RolloutConfig(shared_prefill=False)).layout.paged
     with pytest.raises(ValueError, match=r"kv_sharing 'paged' needs shared_prefill=True"):
         RolloutConfig(kv_sharing="paged", shared_prefill=False)
 
 
 def test_paged_samples_and_logprobs_equal_the_copy_layouts(llama):
     """Rows that end at spread steps (compaction: the tables move, not the KV), prompts whose last blocks are
-    partly filled (16-token blocks, prompts of 21 columns): the copy layout's tokens and log-probabilities."""
+    partly filled (16-token blocks, prompts of 21 columns): the tokens and log-probabilities of the dense
+    copy layout (the expanded baseline's: a buffer row per row, each prefilled alone)."""
     ids, mask = prompts(3, 21, seed=2, left_pad=[0, 2, 5])
-    copy = Rollout(llama, sampled("copy", 200)).generate(ids, mask)
+    copy = Rollout(llama, sampled("copy", 200, shared_prefill=False)).generate(ids, mask)
     rollout = Rollout(llama, sampled("paged", 200))
     paged = rollout.generate(ids, mask)
     assert torch.equal(paged.sequences, copy.sequences)
@@ -78,12 +82,13 @@ def test_paged_samples_and_logprobs_equal_the_copy_layouts(llama):
 
 def test_the_kv_held_follows_what_the_rows_hold(llama):
     """The peak KV bytes of a call: each prompt's blocks once, each row's own blocks for its tokens, and at
-    most a block a row of headroom (blocks are taken a stretch of steps ahead), whatever the budget; the copy
-    layout holds every row at the longest row's width."""
+    most a block a row of headroom (blocks are taken a stretch of steps ahead), whatever the budget; the
+    expanded baseline's dense buffer holds every row at the longest row's width."""
     ids, mask = prompts(3, 40, seed=2)
     outputs, profiles = {}, {}
     for kv_sharing, budget in (("paged", 256), ("paged", 4096), ("copy", 4096)):
-        rollout = Rollout(llama, sampled(kv_sharing, budget))
+        options = dict(shared_prefill=False) if kv_sharing == "copy" else {}
+        rollout = Rollout(llama, sampled(kv_sharing, budget, **options))
         outputs[kv_sharing, budget] = rollout.generate(ids, mask)
         profiles[kv_sharing, budget] = rollout.get_last_profile()
     out = outputs["paged", 4096]

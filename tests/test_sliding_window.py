@@ -42,9 +42,9 @@ def model_of(family: str):
     return model
 
 
-def left_padded(seed: int = 0):
+def left_padded(seed: int = 0, length: int = PROMPT):
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, 97, (3, PROMPT), generator=g)
+    ids = torch.randint(3, 97, (3, length), generator=g)
     mask = torch.ones_like(ids)
     mask[0, :3] = mask[2, :5] = 0
     return ids.masked_fill(mask == 0, 0), mask
@@ -167,14 +167,14 @@ def test_patch_generate_serves_a_sliding_window_model_beyond_its_window():
 
 @pytest.mark.parametrize("kv_sharing", ["prefix"])
 def test_the_windowed_decode_bias_on_the_emulated_cuda_attention_needs_no_copy(kv_sharing):
-    """Decode beyond the window with the shared prompts' level through fused_attention's CUDA branch against
-    the emulated memory-efficient kernels: the CPU branch's tokens, and the windowed biases (new tensors
-    each layer: [prompts, 1, N * group, P] over a shared prompt) aligned as the kernels read them, never
-    copied. (A row's own keys go through paged_attention, windowed by position in the kernel.)"""
+    """Decode beyond the window with the prompts' whole blocks read stacked (the full-attention layers) through
+    fused_attention's CUDA branch against the emulated memory-efficient kernels: the CPU branch's tokens,
+    and the prompt biases aligned as the kernels read them, never copied. (The windowed layers read each
+    row's blocks through paged_attention, windowed by position in the kernel.)"""
     from mem_eff_emulator import emulated_cuda_branch, recording_bias_copies
 
     model = model_of("gemma3_text")
-    ids, mask = left_padded(3)
+    ids, mask = left_padded(3, length=2 * PROMPT)  # (a whole block of 16 tokens and more: read stacked)
     config = RolloutConfig(
         samples_per_prompt=2, max_new_tokens=NEW, temperature=1.0, seed=0, eos_token_id=[], kv_sharing=kv_sharing
     )

@@ -75,21 +75,26 @@ def test_no_eos_and_min_new_tokens(llama):
 
 
 def test_kv_buffers_follow_the_budget(llama):
-    """The decode buffers hold max_rows rows (and the scratch cache one prompt per row group), not B x N."""
+    """The KV held follows max_rows rows (and the scratch cache one prompt per row group), not B x N: each
+    row holds its prompt's 16 tokens (one whole block, shared by reference) and at most 16 of its own (one
+    block), the expanded baseline's dense buffers each row's P + R - 1 = 31 positions rounded to 64."""
     ids, mask = prompts(8, 16, seed=5)
-    config = dict(
-        samples_per_prompt=4, max_new_tokens=16, eos_token_id=MANY_EOS, temperature=1.0, seed=1, kv_sharing="copy"
-    )  # (the copy layout's buffers: the paged layout's blocks are tests/test_paged_layout.py's)
+    config = dict(samples_per_prompt=4, max_new_tokens=16, eos_token_id=MANY_EOS, temperature=1.0, seed=1)
     (unbudgeted, budgeted), (full, streamed) = budgeted_and_not(llama, ids, mask, 8, **config)
     assert_same(budgeted, unbudgeted)
-    rollout = Rollout(llama, RolloutConfig(**config))
+    dense = dict(config, shared_prefill=False)
+    (_, dense_budgeted), (dense_full, dense_streamed) = budgeted_and_not(llama, ids, mask, 8, **dense)
+    assert_same(dense_budgeted, unbudgeted)
+    rollout = Rollout(llama, RolloutConfig(**dense))
     shape = rollout.cache.shape
     per_position = shape.layers * 2 * shape.kv_heads * shape.head_dim * 4  # float32
-    positions = 64  # P + R - 1 = 31, rounded up to 64
-    # 8 rows; the scratch cache of 2 prompts of 16; at most one prompt of 16 whose samples wait for rows
-    assert per_position * (8 * positions + 2 * 16) <= streamed.kv_cache_bytes
-    assert streamed.kv_cache_bytes <= per_position * (8 * positions + 3 * 16)
-    assert streamed.kv_cache_bytes < 0.3 * full.kv_cache_bytes
+    # 8 rows of 64 positions; the scratch cache of 2 prompts of 16; at most one prompt of 16 waiting for rows
+    assert per_position * (8 * 64 + 2 * 16) <= dense_streamed.kv_cache_bytes
+    assert dense_streamed.kv_cache_bytes <= per_position * (8 * 64 + 3 * 16)
+    assert dense_streamed.kv_cache_bytes < 0.3 * dense_full.kv_cache_bytes
+    # The pool: 8 rows of at most 2 blocks, 8 prompts' blocks at most (a prompt's block is held while its
+    # samples run), the scratch of 2 prompts; without a budget its 32 rows' blocks.
+    assert streamed.kv_cache_bytes <= per_position * (8 * 2 * 16 + 8 * 16 + 2 * 16) < full.kv_cache_bytes
     assert streamed.refills == 8 - 2
 
 

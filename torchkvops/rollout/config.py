@@ -33,10 +33,12 @@ class RolloutConfig:
     seed: int | None = None
     eos_token_id: int | list[int] | None = None  # None: the model's generation config; []: none
     pad_token_id: int | None = None  # None: the model's generation config; 0 is a valid id
-    # "copy": each row holds its prompt's KV; "prefix": one copy per prompt; "paged": the copy layout's rows,
-    # their KV in blocks taken as they grow, a prompt's full blocks shared by its rows (torchkvops.rollout.paged_store).
-    # None: "paged" (memory follows what the rows hold), or "copy" where shared_prefill=False (the expanded
-    # baseline: no prompt's blocks to share).
+    # Every layout keeps the KV in a pool of blocks of 16 tokens taken as rows grow, a prompt's whole blocks
+    # shared by its rows by reference (torchkvops.rollout.paged_store); the name says how a decode step reads
+    # a prompt's blocks: "copy": each row through its own table; "prefix": once for its rows' stacked queries,
+    # merged with each row's own keys; "paged": "prefix" from 256 tokens of whole blocks, "copy" below (what
+    # measured faster on each side). None: "paged", or "copy" where shared_prefill=False (the expanded
+    # baseline: every row prefilled alone into a dense buffer row of its own).
     kv_sharing: str | None = None
     return_logprobs: bool = False  # RolloutOutput.logprobs: each token's log-probability as sampled
     lm_head_dtype: torch.dtype | None = None  # torch.float32: run a half-precision model's LM head in float32
@@ -47,13 +49,13 @@ class RolloutConfig:
     # it decodes max_rows // samples_per_prompt prompts at a time and refills the rows of the prompts whose
     # samples have all ended with waiting prompts (torchkvops.rollout.streaming). Same tokens either way.
     max_rows: int | None = None
-    # The most KV tokens the rows hold at once (None: no bound; kv_sharing="paged", whose blocks of 16 tokens
-    # it counts): rows start while blocks are free, and when the rows' growth runs the budget out the newest
+    # The most KV tokens the rows hold at once (None: no bound; the pool's blocks of 16 tokens, which it counts;
+    # not the expanded baseline's dense buffer): rows start while blocks are free, and when the rows' growth runs the budget out the newest
     # are preempted and restarted later from their prompts, with the same tokens (torchkvops.rollout.kv_budget).
     # A call whose rows fit at their longest runs as without it. Prefill scratch and recurrent states apart.
     max_kv_tokens: int | None = None
     # A prefix that every prompt of a call begins with (a system prompt), at least this many tokens long, is
-    # computed once; with kv_sharing="prefix" every row's decode reads its KV once a step. None: never
+    # computed once, its whole blocks shared by every row. None: never
     # looked for. Same tokens either way (torchkvops.rollout.prompts).
     min_shared_tokens: int | None = 32
 
@@ -140,9 +142,10 @@ class RolloutConfig:
             "must be None (no bound) or an int >= 1",
         )
         need(
-            self.max_kv_tokens is None or LAYOUTS[self.kv_sharing].paged,
+            self.max_kv_tokens is None or self.shared_prefill is True,
             "max_kv_tokens",
-            f"counts the paged layout's blocks: it needs kv_sharing='paged' (kv_sharing={self.kv_sharing!r})",
+            "counts the blocks of the pool a shared prefill writes: it needs shared_prefill=True (the expanded "
+            "baseline keeps every row's KV in one dense buffer)",
         )
         need(
             self.min_shared_tokens is None or (is_int(self.min_shared_tokens) and self.min_shared_tokens >= 1),

@@ -101,7 +101,7 @@ class Rollout:
         if self._head32 is not None and self._head32.head.weight.dtype == torch.float32:
             self._head32 = None
         cfg = self.config
-        self.layout = layout_for(cfg.kv_sharing, cfg.samples_per_prompt)
+        self.layout = layout_for(cfg.kv_sharing, cfg.samples_per_prompt, cfg.shared_prefill)
         step = DecodeStep(
             self.adapter, self.cache, self._params, self.pad_id, self._eos, cfg.min_new_tokens, cfg.return_logprobs
         )

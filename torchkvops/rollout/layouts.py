@@ -15,6 +15,8 @@ attention context, the prompt groups compaction keeps, and where a streaming bat
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -489,9 +491,27 @@ class PagedLayout(CopyLayout):
         return [] if window_map is None else [(window_map, ())]
 
 
-LAYOUTS = {layout.name: layout for layout in (CopyLayout, PrefixLayout, PagedLayout)}
+class PagedCopyLayout(PagedLayout):
+    """`kv_sharing="copy"` on the pool: each row reads its prompt's blocks through its own table."""
+
+    name = "copy"
+    needs_shared_prefill = False  # (without one, the expanded baseline: the dense CopyLayout, layout_for)
+    stacked_tokens = math.inf
 
 
-def layout_for(kv_sharing: str, samples: int) -> CopyLayout:
+class PagedPrefixLayout(PagedLayout):
+    """`kv_sharing="prefix"` on the pool: a prompt's whole blocks read once a step for its rows' stacked
+    queries, whatever its length."""
+
+    name = "prefix"
+    stacked_tokens = 1
+
+
+LAYOUTS = {layout.name: layout for layout in (PagedCopyLayout, PagedPrefixLayout, PagedLayout)}
+
+
+def layout_for(kv_sharing: str, samples: int, shared_prefill: bool = True) -> CopyLayout:
     """The layout object of RolloutConfig.kv_sharing, for `samples` rows per prompt."""
+    if not shared_prefill:
+        return CopyLayout(samples)
     return LAYOUTS[kv_sharing](samples)
