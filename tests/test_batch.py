@@ -41,9 +41,7 @@ def make_batch(keeps_left: bool = True, output=None):
         cache,
         layout,
         state_for(shape),
-        compaction.BatchMap(ROWS)
-        if keeps_left
-        else layout.stream_map(ROWS, 0),  # (a streaming batch's: every row free)
+        compaction.BatchMap(ROWS) if keeps_left else layout.stream_map(ROWS),  # (a streaming batch's: every row free)
         pad_id=PAD,
         states=state_for,
         draw=draw,

@@ -16,7 +16,7 @@ from torchkvops.models.adapter import FULL_ATTENTION, CacheSpec, GroupSpec, KVSh
 from torchkvops.rollout import attention
 from torchkvops.rollout.attention import DecodeAttention, PackedAttention, PrefillForward, torchkvops_attention
 from torchkvops.rollout.kv_cache import RolloutKVCache
-from torchkvops.rollout.layouts import CopyLayout, PrefixLayout
+from torchkvops.rollout.layouts import CopyLayout
 
 SPEC = CacheSpec(
     (GroupSpec(FULL_ATTENTION, (0, 2), 2, 8), GroupSpec(FULL_ATTENTION, (1, 3), 1, 16)),
@@ -30,9 +30,10 @@ B, N, P = 2, 3, 5  # prompts, samples per prompt, prompt length
 ROWS = B * N
 
 
-def make(layout_name: str) -> tuple[RolloutKVCache, CopyLayout]:
+def make() -> tuple[RolloutKVCache, CopyLayout]:
+    """The dense copy layout's buffers (the expanded baseline's; the pool's groups: tests/test_paged_layout.py)."""
     cache = RolloutKVCache(SPEC, torch.float32, torch.device("cpu"))
-    layout = CopyLayout(N) if layout_name == "copy" else PrefixLayout(N)
+    layout = CopyLayout(N)
     cache.prepare(layout, B, ROWS, layout.kv_lengths(P, 6))
     return cache, layout
 
@@ -75,34 +76,31 @@ def test_the_spec_refuses_layers_stored_twice_or_reading_what_no_group_stores():
 
 
 def test_each_group_has_its_own_shape_and_a_layer_is_checked_against_its_group():
-    cache, _ = make("prefix")
-    assert [tuple(g.decode_kv.shape) for g in cache.groups] == [(2, 2, ROWS, 2, 8, 8), (2, 2, ROWS, 1, 8, 16)]
-    assert [tuple(g.prompt_kv.shape) for g in cache.groups] == [(2, 2, B, 2, 64, 8), (2, 2, B, 1, 64, 16)]
+    cache, _ = make()
+    # P + 6 - 1 = 10 positions, rounded up to 64; the prompts are the decode buffer's first columns.
+    assert [tuple(g.decode_kv.shape) for g in cache.groups] == [(2, 2, ROWS, 2, 64, 8), (2, 2, ROWS, 1, 64, 16)]
+    assert all(g.prompt_kv is g.decode_kv for g in cache.groups)
     assert [cache.group_of(layer)[1] for layer in range(5)] == [0, 0, 1, 1, 0]
     assert cache.group_of(4)[0] is cache.group_of(1)[0] is cache.groups[1]
     elements = sum(math.prod(HEADS[layer]) for layer in STORED) * 2
-    assert cache.used_bytes == elements * 4 * (B * 64 + ROWS * 8)  # float32, every group's buffers
+    assert cache.used_bytes == elements * 4 * ROWS * 64  # float32, every group's buffers
     cache.bind(PrefillForward().bind(cache.prompt_views))
     with pytest.raises(ValueError, match="layer 1 produced keys"):
         cache.update(*kv(0, B, P), 1)  # layer 0's shape is not layer 1's group's
 
 
-@pytest.mark.parametrize("layout_name", ["copy", "prefix"])
-def test_each_layer_keeps_its_kv_in_its_group_through_expansion_decode_compaction_and_grow(layout_name):
-    cache, layout = make(layout_name)
+def test_each_layer_keeps_its_kv_in_its_group_through_expansion_decode_compaction_and_grow():
+    cache, layout = make()
     written = prefill(cache)
     layout.expand_prompts(cache, B, P)
-    # Reference, per stored layer: the prompts' KV [2, B, ...] and every row's decode KV [2, ROWS, ...].
-    first = 0 if layout_name == "prefix" else P
+    # Reference, per stored layer: every row's decode KV [2, ROWS, ...], its prompt's first.
+    first = P
     columns = stored(cache, 0, "decode_kv").shape[3]
     ref = {}
     for layer in STORED:
         heads, dim = HEADS[layer]
         ref[layer] = torch.zeros(2, ROWS, heads, columns, dim)
-        if layout_name == "copy":  # each prompt's KV copied to its N rows
-            ref[layer][:, :, :, :P] = written[layer].repeat_interleave(N, dim=1)
-        else:  # the prompts' KV where prefill wrote it, once
-            assert torch.equal(stored(cache, layer, "prompt_kv")[:, :B, :, :P], written[layer])
+        ref[layer][:, :, :, :P] = written[layer].repeat_interleave(N, dim=1)  # each prompt's KV in its N rows
         assert torch.equal(stored(cache, layer, "decode_kv"), ref[layer])
 
     def decode_step(column: int, rows: torch.Tensor) -> None:
@@ -120,24 +118,20 @@ def test_each_layer_keeps_its_kv_in_its_group_through_expansion_decode_compactio
     def check_home() -> None:
         for layer in STORED:
             assert torch.equal(stored(cache, layer, "home_decode_kv"), ref[layer]), layer
-            if layout_name == "prefix":
-                assert torch.equal(stored(cache, layer, "home_prompt_kv")[:, :B, :, :P], written[layer])
 
     all_rows = torch.arange(ROWS)
     decode_step(first, all_rows)
     check_home()
     # Compaction to work views, a step, then in place to fewer rows, a step, then every row home.
-    rows, prompts = torch.tensor([5, 0, 3, 4]), torch.tensor([0, 1])
-    cache.compact(rows, prompts if layout_name == "prefix" else None, all_rows)
+    rows = torch.tensor([5, 0, 3, 4])
+    cache.compact(rows, None, all_rows)
     for layer in STORED:
         assert torch.equal(stored(cache, layer, "decode_kv"), ref[layer].index_select(1, rows))
     decode_step(first + 1, rows)
-    rows2, prompts2 = torch.tensor([3, 0]), torch.tensor([1])
-    cache.compact(rows2, prompts2 if layout_name == "prefix" else None, rows)
+    rows2 = torch.tensor([3, 0])
+    cache.compact(rows2, None, rows)
     for layer in STORED:
         assert torch.equal(stored(cache, layer, "decode_kv"), ref[layer].index_select(1, rows[rows2]))
-        if layout_name == "prefix":
-            assert torch.equal(stored(cache, layer, "prompt_kv")[:, :, :, :P], written[layer][:, prompts[prompts2]])
     decode_step(first + 2, rows[rows2])
     cache.finish_decode(rows[rows2])
     check_home()
@@ -149,9 +143,7 @@ def test_each_layer_keeps_its_kv_in_its_group_through_expansion_decode_compactio
         ref[layer] = grown.clone()
     # A packed forward (a turn): tokens of rows 1 and 4 at their own columns, into each layer's group.
     token_rows, token_columns = torch.tensor([1, 1, 4]), torch.tensor([columns, columns + 1, columns])
-    unused = dict(
-        slots=None, query_columns=None, query_positions=None, token_slot=None, keys=None, allowed=None
-    )  # (attend's)
+    unused = dict(slots=None, query_columns=None, token_slot=None, keys=None, allowed=None)  # (attend's)
     packed = PackedAttention(torch.tensor([1, 4]), token_rows, token_columns, **unused)
     cache.bind(packed.bind(cache.decode_views))
     for layer in range(5):
@@ -165,49 +157,41 @@ def test_each_layer_keeps_its_kv_in_its_group_through_expansion_decode_compactio
         assert torch.equal(stored(cache, layer, "decode_kv"), ref[layer])
 
 
-@pytest.mark.parametrize("layout_name", ["copy", "prefix"])
-def test_in_place_compaction_of_two_groups_gathers_every_layer(layout_name):
+def test_in_place_compaction_of_two_groups_gathers_every_layer():
     """The streaming batch's gather: into smaller views of the same allocation, group after group."""
-    cache, layout = make(layout_name)
+    cache, layout = make()
     before = {}
     for group in cache.groups:
         for view in group.home:
             view.copy_(torch.randn(view.shape))
     for layer in STORED:
-        before[layer] = (stored(cache, layer, "prompt_kv").clone(), stored(cache, layer, "decode_kv").clone())
+        before[layer] = stored(cache, layer, "decode_kv").clone()
     storage = cache.groups[0].decode_kv.untyped_storage().data_ptr()
-    rows, prompts = torch.tensor([4, 1, 2]), torch.tensor([1])
-    cache.compact_in_place(rows, prompts if layout_name == "prefix" else None)
+    rows = torch.tensor([4, 1, 2])
+    cache.compact_in_place(rows, None)
     assert not cache.compacted and cache.groups[0].decode_kv.untyped_storage().data_ptr() == storage
     for layer in STORED:
-        prompt, decode = before[layer]
-        assert torch.equal(stored(cache, layer, "decode_kv"), decode.index_select(1, rows)), layer
-        if layout_name == "prefix":
-            assert torch.equal(stored(cache, layer, "prompt_kv"), prompt.index_select(1, prompts)), layer
+        assert torch.equal(stored(cache, layer, "decode_kv"), before[layer].index_select(1, rows)), layer
 
 
-def test_the_prefix_decode_attention_reads_each_layer_from_its_group():
-    """torchkvops_attention over the prompts' KV and each row's own, for each layer (the shared layer:
-    layer 1's), against plain softmax attention over the same keys."""
-    cache, layout = make("prefix")
+def test_the_decode_attention_reads_each_layer_from_its_group():
+    """torchkvops_attention over each row's columns (its prompt's, expanded, and its own first), for each
+    layer (the shared layer: layer 1's), against plain softmax attention over the same keys."""
+    cache, layout = make()
     written = prefill(cache)
+    layout.expand_prompts(cache, B, P)
     decode = {layer: stored(cache, layer, "decode_kv") for layer in STORED}
     for layer in STORED:
-        decode[layer][:, :, :, 0] = torch.randn_like(decode[layer][:, :, :, 0])
-    prompt_bias = torch.zeros(B, 1, 1, cache.prompt_views.tokens)
-    prompt_bias[..., P:] = float("-inf")
-    prompt_bias[0, ..., 0] = float("-inf")  # prompt 0's first column is padding
+        decode[layer][:, :, :, P] = torch.randn_like(decode[layer][:, :, :, P])
     bias = torch.full((ROWS, 1, 1, cache.decode_views.tokens), float("-inf"))
-    bias[..., 0] = 0.0
+    bias[..., : P + 1] = 0.0
     context = DecodeAttention(
         kv=cache.decode_views,
-        columns=torch.zeros(ROWS, dtype=torch.long),
-        prompt_kv=cache.prompt_views,
-        kv_start=torch.zeros(ROWS, dtype=torch.int32),  # each row reads its own columns [0, 1)
-        kv_length=torch.ones(ROWS, dtype=torch.int32),
+        columns=torch.full((ROWS,), P),
+        kv_start=torch.zeros(ROWS, dtype=torch.int32),  # each row reads its columns [0, P + 1)
+        kv_length=torch.full((ROWS,), P + 1, dtype=torch.int32),
         kv_table=torch.arange(ROWS, dtype=torch.int32)[:, None],
     )
-    context.prompt_bias = prompt_bias
     attention._active = context
     try:
         for layer in range(5):
@@ -216,13 +200,12 @@ def test_the_prefix_decode_attention_reads_each_layer_from_its_group():
             query = torch.randn(ROWS, 2 * kv_heads, 1, dim)
             own = decode[source]
             out, _ = torchkvops_attention(SimpleNamespace(layer_idx=layer), query, own[0], own[1], bias, scaling=0.5)
-            # Row r: its prompt's (r // N) P columns, then its own first column; each KV head for 2 query heads.
+            # Row r: its prompt's (r // N) P columns, then its own; each KV head for 2 query heads.
             prompt = written[source].repeat_interleave(N, dim=1)
-            keys = torch.cat([prompt[0], own[0][:, :, :1]], dim=2).repeat_interleave(2, dim=1)
-            values = torch.cat([prompt[1], own[1][:, :, :1]], dim=2).repeat_interleave(2, dim=1)
-            mask = torch.zeros(ROWS, 1, 1, P + 1)
-            mask[:N, ..., 0] = float("-inf")
-            expected = torch.softmax(query @ keys.transpose(2, 3) * 0.5 + mask, dim=-1) @ values
+            assert torch.equal(own[:, :, :, :P], prompt)
+            keys = own[0][:, :, : P + 1].repeat_interleave(2, dim=1)
+            values = own[1][:, :, : P + 1].repeat_interleave(2, dim=1)
+            expected = torch.softmax(query @ keys.transpose(2, 3) * 0.5, dim=-1) @ values
             torch.testing.assert_close(out, expected.transpose(1, 2), rtol=1e-5, atol=1e-5)
     finally:
         attention._active = None

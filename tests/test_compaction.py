@@ -18,7 +18,7 @@ from torchkvops import Rollout, RolloutConfig
 from torchkvops.rollout import compaction
 from torchkvops.rollout.graphs import DecodeRunner
 from torchkvops.rollout.kv_cache import KVShape, RolloutKVCache
-from torchkvops.rollout.layouts import CopyLayout, PrefixLayout
+from torchkvops.rollout.layouts import CopyLayout
 
 LAYOUTS = ["copy", "prefix", "paged"]
 SAMPLING = {"greedy": dict(), "seeded": dict(temperature=1.0, seed=3)}
@@ -172,46 +172,34 @@ def test_prefix_plan_gives_each_live_row_a_slot_of_its_prompt():
             assert int(plan.row_slot[r]) // plan.slots == new_prompt  # a slot of that prompt
 
 
-@pytest.mark.parametrize("layout", ["copy", "prefix"])  # (the paged layout's KV never moves: its tables do)
-def test_kv_compaction_gathers_the_rows_and_keeps_every_row_at_home(layout):
-    """A compacted batch decodes in its own views; the second compaction gathers in place (the views
-    overlap the ones they are gathered from: every layer must still get its rows); after decode every
-    row's KV, what it had before the compactions and what it wrote after, is in its home row
-    (Rollout.extend reads it there)."""
+def test_kv_compaction_gathers_the_rows_and_keeps_every_row_at_home():
+    """The dense buffer (the expanded baseline's; the pool's KV never moves: its tables do). A compacted
+    batch decodes in its own views; the second compaction gathers in place (the views overlap the ones they
+    are gathered from: every layer must still get its rows); after decode every row's KV, what it had
+    before the compactions and what it wrote after, is in its home row (Rollout.extend reads it there)."""
     cache = RolloutKVCache(KVShape(layers=3, kv_heads=2, head_dim=4), torch.float32, torch.device("cpu"))
-    if layout == "copy":
-        cache.prepare(CopyLayout(3), 4, 12, (10,))
-    else:
-        cache.prepare(PrefixLayout(3), 4, 12, (16, 8))
+    cache.prepare(CopyLayout(3), 4, 12, (10,))
     (group,) = cache.groups  # every layer's KV: one group
-    group.prompt_kv.copy_(torch.randn(group.prompt_kv.shape))
     group.decode_kv.copy_(torch.randn(group.decode_kv.shape))
-    home_prompt, home_decode = group.prompt_kv, group.decode_kv
-    prompt_kv, expected = group.prompt_kv.clone(), group.decode_kv.clone()
-    rows, groups = torch.tensor([11, 3, 4, 0, 7]), torch.tensor([1, 3])
-    cache.compact(rows, groups if layout == "prefix" else None, torch.arange(12))
+    home_decode, expected = group.decode_kv, group.decode_kv.clone()
+    rows = torch.tensor([11, 3, 4, 0, 7])
+    cache.compact(rows, None, torch.arange(12))
     assert torch.equal(group.decode_kv, expected[:, :, rows])
-    if layout == "prefix":
-        assert torch.equal(group.prompt_kv, prompt_kv[:, :, groups])
-    assert group.decode_kv.is_contiguous() and group.prompt_kv.is_contiguous()
+    assert group.decode_kv.is_contiguous()
     assert torch.equal(home_decode, expected)  # the rows that left are still at home
     # Decode writes a column of the compacted rows, then compacts again to three of them.
     written = torch.randn(group.decode_kv[..., 5, :].shape)
     group.decode_kv[..., 5, :] = written
     expected[:, :, rows, :, 5] = written
-    rows2, groups2 = torch.tensor([4, 0, 2]), torch.tensor([0, 1])
-    cache.compact(rows2, groups2 if layout == "prefix" else None, rows)
+    rows2 = torch.tensor([4, 0, 2])
+    cache.compact(rows2, None, rows)
     assert torch.equal(group.decode_kv, expected[:, :, rows[rows2]])
-    if layout == "prefix":
-        assert torch.equal(group.prompt_kv, prompt_kv[:, :, groups[groups2]])
     written = torch.randn(group.decode_kv[..., 6, :].shape)
     group.decode_kv[..., 6, :] = written
     expected[:, :, rows[rows2], :, 6] = written
     cache.finish_decode(rows[rows2])
-    assert group.decode_kv is home_decode and group.prompt_kv is home_prompt
+    assert group.decode_kv is home_decode
     assert torch.equal(home_decode, expected)
-    if layout == "prefix":  # (in the copy layout the prompts are the decode buffer's first columns)
-        assert torch.equal(home_prompt, prompt_kv)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

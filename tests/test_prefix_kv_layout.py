@@ -96,15 +96,14 @@ TOLERANCE = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 3e-2}
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", list(TOLERANCE), ids=str)
 def test_decode_attention_takes_masks_as_narrow_as_the_response_rounding(device, dtype):
-    """The prefix layout's response mask is a multiple of RESPONSE_KV_MULTIPLE (8) positions wide: the fused
+    """A decode bias a multiple of 8 positions wide (the dense prefix layout's response mask was): the fused
     kernels (CPU flash; CUDA memory-efficient, which needs each mask row 16-byte aligned) must take it, over
     several rows, and give the reference's attention and log-sum-exp."""
     from torchkvops.fused_attention import attend
-    from torchkvops.rollout.engine import RESPONSE_KV_MULTIPLE
 
     g = torch.Generator().manual_seed(0)
     rows, heads, queries, head_dim = 6, 2, 3, 32
-    for length in (RESPONSE_KV_MULTIPLE, 3 * RESPONSE_KV_MULTIPLE):
+    for length in (8, 24):
         q, k, v = (torch.randn(rows, heads, n, head_dim, generator=g).to(dtype) for n in (queries, length, length))
         bias = torch.zeros(rows, 1, 1, length)
         for r in range(rows):  # row r sees its first r + 1 keys, as decode step r would

@@ -436,7 +436,7 @@ def opcheck_samples(device):
     ]
     functional = [
         (cache([3, 2, 5, 4]), 2),
-        (cache([3, 1, 2, 1, 1, 40]), 4),  # the prefix layout's state expansion (RecurrentGroup.expand_states)
+        (cache([3, 1, 2, 1, 1, 40]), 4),  # a recurrent group's states, one "position" a row
         (cache([2, 3, 2, 5, 4], torch.float16, "heads_inner"), 3),
         (cache([2, 3, 2, 4], torch.float64).requires_grad_(), 2),
         (cache([2, 3, 2, 5, 4], torch.float64, "token_slice").requires_grad_(), 3),

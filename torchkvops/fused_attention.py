@@ -9,8 +9,8 @@ training forward's shared-prefix attention (`torchkvops.training.prefix_attentio
   mem_eff_attention/kernel_forward.h`, `kernel_backward.h` and `attention_backward.cu`):
   - the additive bias's start and its row stride are 16-byte aligned (the bias is read with 128-bit
     loads): a bias that breaks either is copied into a padded buffer here (`_cuda_bias`); the rollout
-    sizes its decode buffers so that its biases never need the copy (`rollout.KV_LENGTH_MULTIPLE`,
-    `RESPONSE_KV_MULTIPLE`);
+    sizes its decode buffers and prompt biases so that they never need the copy
+    (`rollout.KV_LENGTH_MULTIPLE`, the pool's blocks of 16 tokens);
   - the forward's log-sum-exp comes padded to a multiple of 32 queries with +inf, and the backward
     reads it unguarded up to that multiple (a padded row then has P = exp(s - inf) = 0): `attend`
     returns it unpadded, `attend_backward` pads it back with +inf;

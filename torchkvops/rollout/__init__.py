@@ -16,7 +16,7 @@ the operators (torchkvops.ops, torchkvops.fused_attention) and the model adapter
 from .config import MIN_TEMPERATURE, RolloutConfig, RolloutOutput
 from .decode import NonFiniteLogitsError
 from .engine import Rollout, check_prompts, kv_lengths
-from .layouts import KV_LENGTH_MULTIPLE, RESPONSE_KV_MULTIPLE, round_up
+from .layouts import KV_LENGTH_MULTIPLE, round_up
 from .profiling import RolloutProfile
 
 __all__ = [
@@ -29,6 +29,5 @@ __all__ = [
     "kv_lengths",
     "round_up",
     "KV_LENGTH_MULTIPLE",
-    "RESPONSE_KV_MULTIPLE",
     "MIN_TEMPERATURE",
 ]

@@ -8,36 +8,32 @@ see `decode_attention`), so every attention layer of any supported decoder-only 
 - Grouped-query attention without `repeat_kv`: the query heads that share a KV head are folded into the
   query length ([rows, kv_heads, group, head_dim]), so the kernel sees as many heads as K and V have
   and never copies them.
-- With `kv_sharing="prefix"`, the N rows of a prompt attend to ONE copy of its prompt KV: their queries
-  are stacked into one [prompts, kv_heads, N * group, head_dim] matrix against it (Hydragen's trick),
-  each row attends to its own response KV separately, and the two partial attentions are merged with
-  their log-sum-exps (`merge_attention_states`). Once the batch is compacted as rows end
-  (`torchkvops.rollout.compaction`), the rows of a prompt are no longer N consecutive ones: the queries are
-  gathered into S slots per prompt (`slot_rows`), and each row reads its slot's prefix attention back.
+- A prompt's N rows read its whole blocks once a step (`kv_sharing="prefix"`, or `"paged"` from
+  `PagedLayout.stacked_tokens` tokens; `_stacked_prompts`): the blocks, which every row of the prompt names
+  in its table, are gathered once and read by torch's own fused attention for the rows' queries stacked
+  into one [prompts, kv_heads, N * group, head_dim] matrix (Hydragen's trick); each row reads its own keys
+  after them through its table, and the two partial attentions are merged with their log-sum-exps
+  (`merge_attention_states`). Once the batch is compacted as rows end (`torchkvops.rollout.compaction`),
+  the rows of a prompt are no longer N consecutive ones: the queries are gathered into N slots per prompt
+  (`slot_rows`), and each row reads its slot's prompt part back.
 
-The paged layout reads a long prompt the same way, on the pool (`PagedLayout.stacked_tokens`): the
-prompt's whole blocks, which every row of it names in its table, once a step for its rows' stacked queries
-(`ops.paged_attention` over the prompt's blocks, a KV head's queries of every sample as one head group),
-each row's own keys after them, merged by log-sum-exp (`_stacked_prompts`).
+Each row's own keys are read by `ops.paged_attention` through its block table in the pool (the expanded
+baseline's dense decode buffer taken as a pool of one block per row, `DecodeState.kv_table`): columns
+[kv_start, column] of its row, so that the work follows what rows hold, not the buffer's width. The fused
+attention (`torchkvops.fused_attention`: the CPU flash kernel on CPU, the memory-efficient kernel on CUDA,
+plain matmul + softmax elsewhere) also returns the log-sum-exp, with additive biases kept by the decode
+loop; it also reads a row's own keys in a dtype or head size the paged operator does not take (the row's
+blocks gathered, masked by the row's bias [rows, 1, 1, keys], 0 or -inf, in the model's dtype).
 
-Each row's own keys are read by `ops.paged_attention`, the decode buffer taken as a pool of one block per
-row (`DecodeState.kv_table`): columns [kv_start, column] of its row, so that the work follows what rows hold,
-not the buffer's width. The shared levels (a prompt's, a common prefix's) go through torch's own fused
-attention that also returns the log-sum-exp (`torchkvops.fused_attention`: the CPU flash kernel on CPU, the
-memory-efficient kernel on CUDA, plain matmul + softmax elsewhere), with additive biases kept by the decode
-loop; so do a row's own keys in a dtype or head size the paged operator does not take (the whole buffer,
-masked by the row's bias [rows, 1, 1, keys], 0 or -inf, in the model's dtype).
-
-What a layer passes beyond q, k, v is honoured: a sliding window (the copy layout, whose row's columns are
-its positions: keys `window` or more columns before the query's own are masked), attention sinks (gpt-oss:
-each head's sink logit merged into its softmax by the keys' log-sum-exp), and Gemma 2's capped scores
-(`fused_attention.attend_softcapped`, float32 matmuls: no fused kernel takes a cap).
+What a layer passes beyond q, k, v is honoured: a sliding window (keys `window` or more positions before
+the query's own are out of it; a windowed layer reads each row through its table, never stacked),
+attention sinks (gpt-oss: each head's sink logit merged into its softmax by the keys' log-sum-exp), and
+Gemma 2's capped scores (`fused_attention.attend_softcapped`, float32 matmuls: no fused kernel takes a cap).
 
 A packed forward runs several rows' chunks as one sequence (no padding in the model's projections and
 MLPs): a turn of `Rollout.extend` (`torchkvops.rollout.turns`), and the prompts after a prefix common to
 all of them. Its attention (`PackedAttention`) lays each live row's queries out against that row's own KV
-(and the shared levels' it reads: in the prefix layout its prompt's, the common prefix's), with a mask of
-what each query may see, and packs the outputs back.
+(through its table), with a mask of what each query may see, and packs the outputs back.
 """
 
 from __future__ import annotations
@@ -65,7 +61,6 @@ __all__ = [
     "PrefillForward",
     "DecodeAttention",
     "PackedAttention",
-    "SharedLevel",
     "packed_attention",
     "decode_attention",
 ]
@@ -76,7 +71,7 @@ NAME = "torchkvops"
 @dataclasses.dataclass
 class PrefillForward:
     """A forward over prompts with the model's own attention: each layer's K and V go to columns [0, P) of
-    the rows of `into` (every cache group's prompts' buffer, or the prefix layout's common prefix's), and
+    the rows of `into` (every cache group's prompts' buffer, or its pool's blocks through their tables), and
     the attention reads exactly those (no padding to the buffer's length). One object per rollout, reused:
     a compiled prefill sees the same one."""
 
@@ -139,34 +134,24 @@ class DecodeAttention:
     windowed: tuple[bool, ...] = ()
     window_map: Tensor | None = None
     kept_window: int = 0  # the keys before its query such a group keeps (the store's window)
-    # The paged layout with its prompts read stacked (the decode state's; None otherwise): each prompt's
-    # whole blocks [prompts, blocks], gathered and read, as prompt_bias shows them, for its rows' stacked
-    # queries (rows [i*N, (i+1)*N) answer prompt i, or through slot_rows once compacted, as in the prefix
-    # layout), and each row's own keys from own_start ([rows] int32) on.
+    # Prompts read stacked (the decode state's; None otherwise): each prompt's whole blocks [prompts, blocks],
+    # gathered and read, as prompt_bias [prompts, 1, 1, P'] shows them, for its rows' stacked queries (rows
+    # [i*N, (i+1)*N) answer prompt i), and each row's own keys from own_start ([rows] int32) on.
     prompt_table: Tensor | None = None
     own_start: Tensor | None = None
-
-    # Prefix layout (None in the copy layout, where each row holds its prompt's KV): rows [i*N, (i+1)*N)
-    # answer prompt i, whose KV is row i of prompt_kv's buffers.
-    prompt_kv: KVViews | None = None  # per group [group layers, 2, B, kv_heads, P, head_dim]
-    prompt_bias: Tensor | None = None  # [B, 1, 1, P]: 0 where prompt i has a token, -inf elsewhere
-    prompt_positions: Tensor | None = None  # [B, P]: the position of each column's token (a window's distance)
-    # Prefix layout of a compacted batch (torchkvops.rollout.compaction): rows need not come N per prompt; the
-    # queries of prompt i are the rows slot_rows[i*S : (i+1)*S] ([B * S]), and row r reads its prefix
-    # attention from sample row_sample[r] of prompt row_prompt[r] ([rows] each).
+    prompt_bias: Tensor | None = None
+    # A compacted batch (torchkvops.rollout.compaction): rows need not come N per prompt; the queries of
+    # prompt i are the rows slot_rows[i*S : (i+1)*S] ([B * S]), and row r reads its prompt part from sample
+    # row_sample[r] of prompt row_prompt[r] ([rows] each).
     slot_rows: Tensor | None = None
     row_prompt: Tensor | None = None
     row_sample: Tensor | None = None
-    # Prefix layout with a prefix common to every prompt (torchkvops.rollout.prompts), kept once: every
-    # row's queries, stacked, read it once a step; prompt_kv then holds each prompt's remainder.
-    common_kv: KVViews | None = None  # per group [group layers, 2, 1, kv_heads, L', head_dim]
-    common_bias: Tensor | None = None  # [1, 1, 1, L']
 
-    def load(self, state, cache, prefix: bool) -> None:
+    def load(self, state, cache) -> None:
         """Take every field from the decode state being decoded (`torchkvops.rollout.state.DecodeState`) and the KV
-        cache's current views (`prefix`: the prefix layout's prompt KV and common prefix too), in one place:
-        the decoder calls this whenever it starts decoding a state or the views change, so the context never
-        holds a mix of two states. The object itself stays the same (a compiled decode step reads it)."""
+        cache's current views, in one place: the decoder calls this whenever it starts decoding a state or
+        the views change, so the context never holds a mix of two states. The object itself stays the same
+        (a compiled decode step reads it)."""
         self.kv, self.columns, self.cache_position = cache.decode_views, state.column, state.cache_position
         self.positions, self.ended = state.position_ids, state.finished
         self.kv_start, self.kv_length = state.kv_start, state.kv_length
@@ -177,12 +162,8 @@ class DecodeAttention:
         self.windowed = () if self.window_map is None else tuple(paged.windowed)
         self.kept_window = 0 if self.window_map is None else paged.window
         self.prompt_table, self.own_start = state.prompt_table, state.own_start
-        self.prompt_kv = cache.prompt_views if prefix else None
-        self.prompt_bias = state.prompt_bias  # (the prefix layout's, or the paged layout's read stacked)
-        self.prompt_positions = state.prompt_positions if prefix else None
+        self.prompt_bias = state.prompt_bias
         self.slot_rows, self.row_prompt, self.row_sample = state.slot_rows, state.row_prompt, state.row_sample
-        self.common_kv = cache.common_views if prefix else None
-        self.common_bias = state.common_bias if self.common_kv is not None else None
 
     def write(self, cache, key: Tensor, value: Tensor, layer: int) -> tuple[Tensor, Tensor]:
         """Each row's K and V at its own column; the layer's whole decode buffer to the attention. No Python
@@ -220,40 +201,27 @@ class DecodeAttention:
         return self.kv
 
 
-@dataclasses.dataclass(frozen=True)
-class SharedLevel:
-    """KV that several rows of a packed forward read besides their own (in the prefix layout: the prompts',
-    and a prefix common to every prompt): the live rows' reading of it."""
-
-    kv: KVViews  # per group [group layers, 2, n, kv_heads, K', head_dim]
-    of_row: Tensor  # [L] the level's row each live row reads
-    visible: Tensor  # [L, K'] bool: which of its columns each live row sees
-    positions: Tensor  # [L, K'] the position of the token in each of those columns (a sliding window's distance)
-
-
 @dataclasses.dataclass
 class PackedAttention:
     """What the attention layers need during a packed forward: several rows' chunks in one sequence, in row
     order (a turn's appended tokens, `Rollout.extend`; the prompts after a prefix common to all). Each
     layer's K and V were written to the rows' buffer at each token's row and column (RolloutKVCache.update)
     before the attention reads that buffer; a token attends to its row's columns that `allowed` shows
-    (what the row held before, and its chunk up to itself), after the shared levels' KV it sees."""
+    (what the row held before, and its chunk up to itself)."""
 
     rows: Tensor  # [L] the live rows: their rows of the buffer, in order
     token_rows: Tensor  # [T] each packed token's row of the buffer
     token_columns: Tensor  # [T] the column of its row its K and V go to
     slots: Tensor  # [L, C] the packed index of each live row's j-th chunk token (past its chunk: its last)
     query_columns: Tensor  # [L, C] the column of its row each live row's j-th chunk token writes
-    query_positions: Tensor  # [L, C] that token's position (a sliding window's distance to the levels' keys)
     token_slot: Tensor  # [T] each packed token's place in the [L * C] slots (to pack the outputs back)
     keys: int  # the buffer's columns read: up to the longest live row's chunk end
-    allowed: Tensor  # [L, 1, C, keys'] bool: the shared levels' columns, then the row's own
-    levels: tuple[SharedLevel, ...] = ()
+    allowed: Tensor  # [L, 1, C, keys] bool: the row's columns each chunk token sees
     into: KVViews | None = None  # the rows' buffers: per group [group layers, 2, rows, kv_heads, columns, head_dim]
     lengths: Tensor | None = None  # [L] each live row's chunk length
     _buckets: list | None = None  # (length_buckets)
-    # The paged layout: the live rows' block tables [L, blocks] and the packed tokens' pool slots [1, T]
-    # (from the cache's tables, once per forward); None in the others.
+    # The pool: the live rows' block tables [L, blocks] and the packed tokens' pool slots [1, T] (from the
+    # cache's tables, once per forward); None in the expanded baseline's dense buffer.
     _tables: Tensor | None = None
     _slots: Tensor | None = None
     _store: object | None = None  # (the paged store: sliding-window groups read through its window_map)
@@ -337,20 +305,15 @@ class PackedAttention:
         live, chunk = self.slots.shape
         heads, head_dim = query.shape[1], query.shape[3]
         q = query[0].transpose(0, 1)[self.slots].permute(0, 2, 1, 3)  # [L, heads, C, head_dim]
-        kvs = [layer_kv(level.kv, module.layer_idx).index_select(1, level.of_row) for level in self.levels]
-        ks, vs = [kv[0] for kv in kvs], [kv[1] for kv in kvs]
         if self._tables is not None:  # a pool: the live rows' columns through their tables
             tables = self._store.group_table(self.into.slots[module.layer_idx][0], self._tables)
-            own_k, own_v = (gather_blocks(t, tables)[:, :, : self.keys] for t in (key, value))
+            k, v = (gather_blocks(t, tables)[:, :, : self.keys] for t in (key, value))
         else:
-            own_k, own_v = (t.index_select(0, self.rows)[:, :, : self.keys] for t in (key, value))
-        k = torch.cat([*ks, own_k], dim=2)
-        v = torch.cat([*vs, own_v], dim=2)
+            k, v = (t.index_select(0, self.rows)[:, :, : self.keys] for t in (key, value))
         allowed = self.allowed
         if window is not None:
             own = self.query_columns[:, :, None] - torch.arange(self.keys, device=allowed.device) < window
-            shared = [self.query_positions[:, :, None] - level.positions[:, None, :] < window for level in self.levels]
-            allowed = allowed & torch.cat([*shared, own], dim=-1)[:, None]
+            allowed = allowed & own[:, None]
         mask = allowed
         if sinks is not None or softcap is not None:  # an additive mask, for the sinks' scores or the cap's path
             mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill(~allowed, float("-inf"))
@@ -368,11 +331,11 @@ class PackedAttention:
         return out[None]
 
 
-def packed_attention(packed, frontier: Tensor, seen: Tensor, levels: tuple[SharedLevel, ...] = ()) -> PackedAttention:
+def packed_attention(packed, frontier: Tensor, seen: Tensor) -> PackedAttention:
     """The metadata of a packed forward (`PackedAttention`) over `packed` (`packing.Packed`: the rows'
     chunks, each starting at its row's `frontier` [rows] column), `seen` [rows, >= keys] bool: the columns
     each row holds before its chunk (its history). Chunk token j of a row sees what its row held before and
-    its chunk up to j, after the levels it reads. Bind it to the rows' buffer (`bind`) before the forward."""
+    its chunk up to j. Bind it to the rows' buffer (`bind`) before the forward."""
     live, lengths = packed.live, packed.lengths
     device = lengths.device
     rows = live.nonzero().flatten()
@@ -390,21 +353,9 @@ def packed_attention(packed, frontier: Tensor, seen: Tensor, levels: tuple[Share
         column[None, None, :] <= frontier[:, None, None] + j[None, :, None]
     )
     allowed = seen[rows][:, None, :keys] | in_chunk  # [L, C, keys]
-    shared = [level.visible[:, None, :].expand(-1, chunk, -1) for level in levels]
-    allowed = torch.cat([*shared, allowed], dim=2)
     query_columns = frontier[:, None] + j[None, :]
     return PackedAttention(
-        rows,
-        packed.row,
-        packed.column,
-        slots,
-        query_columns,
-        packed.positions[slots],
-        token_slot,
-        keys,
-        allowed[:, None],
-        tuple(levels),
-        lengths=lengths,
+        rows, packed.row, packed.column, slots, query_columns, token_slot, keys, allowed[:, None], lengths=lengths
     )
 
 
@@ -483,55 +434,19 @@ def torchkvops_attention(
     own = functools.partial(
         _own_keys, context, module.layer_idx, query, key, value, attention_mask, scaling, window, softcap, attend
     )
-    if context.prompt_kv is None:  # the copy and paged layouts: each row's buffer (table) holds its prompt too
-        if context.prompt_table is not None and not context._windowed(module.layer_idx) and _reads_paged(query, key):
-            out, lse = _stacked_prompts(context, query, key, value, scaling, softcap)
-        else:
-            out, lse = own(with_lse=sinks is not None)
-        return _with_sinks(out, lse, sinks, kv_heads).reshape(rows, 1, heads, head_dim), None
-
-    q = query.reshape(rows, kv_heads, group, head_dim)  # the heads of one KV head, as query length
-
-    # B from a shape, not a Python int: a compiled decode then keeps it symbolic (no recompile).
-    prompts = context.prompt_kv.buffers[0].shape[2]
-    layer = module.layer_idx
-    position = None if window is None else context.positions[:, 0]  # [rows] each row's query's position
-    # Prefix: the N rows' queries of each prompt, stacked, against that prompt's KV (read once).
-    prompt_kv = layer_kv(context.prompt_kv, layer)
-    prefix_k, prefix_v = prompt_kv[0], prompt_kv[1]
-    prompt_bias = context.prompt_bias
-    if window is not None:  # a query's distance to a shared key is in positions: its columns are not the row's
-        stacked_position = _by_prompt(context, position, prompts)
-        prompt_bias = _window_bias(prompt_bias, stacked_position, context.prompt_positions, window, group)
-    out_p, lse_p = attend(_stacked_queries(context, q, prompts), prefix_k, prefix_v, prompt_bias, scale=scaling)
-    # Suffix: each row's own response KV, written up to and including this step.
-    out_s, lse_s = own(with_lse=True)
-    out, lse = _merge_prompt_part(context, out_p, lse_p, out_s, lse_s)
-    if context.common_kv is not None:
-        # A prefix common to every prompt: every row's queries, stacked, against its one copy (read once).
-        common_kv = layer_kv(context.common_kv, layer)
-        common_k, common_v = common_kv[0], common_kv[1]
-        every = q.transpose(0, 1).reshape(1, kv_heads, rows * group, head_dim)
-        common_bias = context.common_bias
-        if window is not None:  # the common prefix's column j holds position j in every prompt
-            columns = torch.arange(common_k.shape[2], device=common_k.device)[None, :]
-            common_bias = _window_bias(common_bias, position[None, :], columns, window, group)
-        out_c, lse_c = attend(every, common_k, common_v, common_bias, scale=scaling)
-        out_c = out_c.view(kv_heads, rows, group, head_dim).transpose(0, 1)
-        lse_c = lse_c.view(kv_heads, rows, group).transpose(0, 1)
-        out, lse = ops.merge_attention_states(
-            out_c, lse_c, out.reshape(rows, kv_heads, group, head_dim), lse.reshape(rows, kv_heads, group)
-        )
-    out = _with_sinks(out.reshape(rows, kv_heads, group, head_dim), lse.reshape(rows, kv_heads, group), sinks, kv_heads)
-    return out.reshape(rows, 1, heads, head_dim), None
+    if context.prompt_table is not None and not context._windowed(module.layer_idx) and _reads_paged(query, key):
+        out, lse = _stacked_prompts(context, query, key, value, scaling, softcap)
+    else:
+        out, lse = own(with_lse=sinks is not None)
+    return _with_sinks(out, lse, sinks, kv_heads).reshape(rows, 1, heads, head_dim), None
 
 
 def _stacked_prompts(
     context: DecodeAttention, query: Tensor, key: Tensor, value: Tensor, scaling, softcap
 ) -> tuple[Tensor, Tensor]:
-    """The paged layout with its prompts read stacked: each prompt's whole blocks gathered once (not once
-    per row) and read by the fused attention for the stacked queries of its rows ([prompts, kv_heads, N *
-    group, head_dim], as the prefix layout reads its prompt KV), each row's own keys after them through
+    """Prompts read stacked: each prompt's whole blocks gathered once (not once per row) and read by the
+    fused attention for the stacked queries of its rows ([prompts, kv_heads, N * group, head_dim]), each
+    row's own keys after them through
     its table, the two merged by their log-sum-exps (Hydragen's split). query [rows, heads, 1, head_dim];
     key, value: the layer's pool [blocks, kv_heads, block_size, head_dim]. Returns out [rows, kv_heads,
     group, head_dim] and its lse [rows, kv_heads, group] (no window: a windowed layer reads its tables).
@@ -615,8 +530,8 @@ def _own_keys(
     with_lse: bool,
 ) -> tuple[Tensor, Tensor | None]:
     """Each row's attention over its own keys in the decode buffer (key, value [rows, kv_heads, T, head_dim]):
-    columns [kv_start, column] of its row (the copy layout: its prompt's and its own; the prefix layout: its
-    own), `window`: the row's keys `window` or more columns before its query's own are out of it (a row's
+    columns [kv_start, column] of its row (its prompt's and its own; with the prompts read stacked, from
+    own_start: after its prompt's whole blocks), `window`: the row's keys `window` or more columns before its query's own are out of it (a row's
     columns are consecutive positions). Through paged_attention where it takes the layer (the buffer read
     as a pool of one block per row: the work follows each row's length, not the buffer's), else dense and
     masked. Returns out [rows, kv_heads, group, head_dim] and its lse [rows, kv_heads, group] (float32;
@@ -659,17 +574,6 @@ def _check_window(context: DecodeAttention, layer: int, window) -> None:
                 f"{kept} (the config's sliding_window for its layer type): a model whose attention windows "
                 "differently from its config"
             )
-
-
-def _window_bias(bias: Tensor, query_positions: Tensor, key_positions: Tensor, window: int, group: int) -> Tensor:
-    """A shared level's bias for stacked queries under a sliding window: `bias` [X, 1, 1, K] (what each of
-    its X rows shows), `query_positions` [X, M] the position of each stacked row's query (each repeated for
-    the `group` heads of a KV head), `key_positions` [X or 1, K] each key's. Keys `window` or more positions
-    back get `MASKED_KEY_BIAS`: a query that sees none of the level keeps a finite log-sum-exp (its part
-    then weighs nothing in the merge). Returns [X, 1, M * group, K]."""
-    far = query_positions[:, :, None] - key_positions[:, None, :] >= window  # [X, M, K]
-    far = far[:, None, :, None, :].expand(-1, -1, -1, group, -1).flatten(2, 3)
-    return bias.masked_fill(far, MASKED_KEY_BIAS)
 
 
 def _with_sinks(out: Tensor, lse: Tensor | None, sinks: Tensor | None, kv_heads: int) -> Tensor:

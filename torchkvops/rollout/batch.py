@@ -13,9 +13,8 @@ how) and a new field cannot be forgotten:
 - `finish(tokens)`: after decode, every row's tokens in its place in the output and its KV at home.
 
 The batch also keeps the host-side map (`compaction.BatchMap`): which output row each batch row is (-1:
-free), and in the prefix layout the prompt group each row reads and, in a streaming batch, the prompt in
-each group. Nothing outside this class (and the layouts' prompt placement, which calls `show_prompts` and
-`seat_in_slots`) writes a decode state's rows.
+free), and, where prompts are read stacked, the prompt group each row reads. Nothing outside this class
+writes a decode state's rows.
 """
 
 from __future__ import annotations
@@ -163,18 +162,8 @@ class DecodeBatch:
         the step adds one): what the model numbers the step from and the cache reports as its length."""
         self.state.cache_position.fill_(position)
 
-    def show_prompts(self, groups: Tensor | None, visible: Tensor, first_position: int = 0) -> None:
-        """Prefix layout: prompt groups `groups` (device int64; None: every group) show `visible`
-        ([groups, prompt buffer length] bool) of their shared KV, whose first visible column holds the
-        token at position `first_position` (after a common prefix kept apart: its length) and the others
-        the next positions, in column order."""
-        s = self.state
-        index = slice(None) if groups is None else groups
-        s.prompt_bias[index, 0, 0] = visible_bias(visible, s.shape.prompt_len).to(s.prompt_bias.dtype)
-        s.prompt_positions[index, : visible.shape[1]] = first_position + visible.long().cumsum(dim=1) - 1
-
     def show_prompt_blocks(self, visible: Tensor, samples: int) -> None:
-        """The paged layout, its prompts read stacked, a call's rows (row i answers prompt i // `samples`,
+        """Prompts read stacked, a call's rows (row i answers prompt i // `samples`,
         its table the sample's): each prompt's whole blocks, which its rows' tables name (`visible` [prompts,
         W] bool: the columns that hold its tokens, ending where its rows' first token is written), read from
         its first visible column; each row reads its own keys after them (or from its own start, if later)."""
@@ -194,21 +183,6 @@ class DecodeBatch:
         own = whole.repeat_interleave(samples).to(s.kv_start.device, s.kv_start.dtype)
         s.own_start.copy_(torch.maximum(s.kv_start, own))
 
-    def show_common(self, visible: Tensor) -> None:
-        """Prefix layout: every row shows `visible` ([1, common buffer length] bool) of the prefix common
-        to every prompt."""
-        s = self.state
-        s.common_bias[:, 0, 0] = visible_bias(visible, s.shape.common_len).to(s.common_bias.dtype)
-
-    def seat_in_slots(self, rows: Tensor, group: int, sample: Tensor) -> None:
-        """Prefix layout, a streaming batch: rows `rows` (device int64) read prompt group `group`, each
-        through the query slot of its sample `sample` [k]."""
-        s = self.state
-        s.slot_rows[group * s.shape.slots + sample] = rows
-        s.row_prompt[rows] = group
-        s.row_sample[rows] = sample
-        self.map.group[rows.cpu()] = group
-
     def _draw(self, rows: Tensor | None, logits: Tensor) -> None:
         """Sample the first token of rows `rows` (None: every row) from `logits`, the other rows left as
         they are."""
@@ -216,9 +190,7 @@ class DecodeBatch:
         if rows is None:
             self.draw(state, logits)
             return
-        sub = DecodeState(
-            dataclasses.replace(state.shape, rows=rows.numel(), prompts=0, slots=0, common_len=0), state.tokens.device
-        )
+        sub = DecodeState(dataclasses.replace(state.shape, rows=rows.numel(), prompts=0, slots=0), state.tokens.device)
         state.gather_into(sub, rows, None)
         self.draw(sub, logits)
         state.scatter_rows_from(sub, rows)

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from ..models.adapter import FULL_ATTENTION, RECURRENT, SLIDING_WINDOW, GroupSpec
-from ..ops import repeat_kv_cache, repeat_kv_cache_
+from ..ops import repeat_kv_cache_
 
 __all__ = [
     "CacheGroup",
@@ -98,7 +98,6 @@ class CacheGroup:
         # Rollout.extend), `current` where decode writes and reads (a compacted batch's, or the home ones).
         self.home: list[Tensor] = []
         self.current: list[Tensor] = []
-        self.common: Tensor | None = None  # a prefix common to every prompt, kept once (one row), or None
         # The paged layout: the group's KV is this pool ([group layers, 2, blocks, kv_heads, block_size,
         # head_dim], `paged_store`), its one buffer; rows move through their block tables, not their KV.
         self.pool: Tensor | None = None
@@ -173,8 +172,7 @@ class CacheGroup:
 class RecurrentGroup(CacheGroup):
     """The states of a group of recurrent layers of one row layout (`recurrent.RowLayout`): each row's
     after its tokens so far, whatever their number. Prefill writes the prompts' rows of the first buffer;
-    `expand_prompts` gives each prompt's state to its N rows (the prefix layout's rows read no shared
-    prompt state: they copy it, `expand_states`)."""
+    `expand_prompts` gives each prompt's state to its N rows."""
 
     kind = RECURRENT
 
@@ -190,21 +188,6 @@ class RecurrentGroup(CacheGroup):
 
     def expand_prompts(self, batch: int, repeats: int, num_tokens: int) -> None:
         repeat_kv_cache_(self.current[0], batch, repeats, 1)
-
-    def expand_states(self, batch: int, repeats: int) -> None:
-        """Row r of the decode buffer gets row r // repeats of the prompts' buffer (its first `batch` rows)."""
-        prompts, decode = self.current[0], self.current[-1]
-        decode.narrow(2, 0, batch * repeats).copy_(repeat_kv_cache(prompts.narrow(2, 0, batch), repeats))
-
-    def share_common(self, batch: int) -> None:
-        """Rows [0, batch) of the prompts' buffer get the common prefix's states (its one row)."""
-        prompts = self.current[0].narrow(2, 0, batch)
-        prompts.copy_(self.common.expand_as(prompts))
-
-    def seat(self, rows: Tensor, slot: int) -> None:
-        """Rows `rows` of the decode buffer get the states of row `slot` of the prompts' buffer."""
-        decode, prompts = self.current[-1], self.current[0]
-        decode.index_copy_(2, rows, prompts.narrow(2, slot, 1).expand(-1, -1, rows.numel(), -1, -1, -1))
 
     def rows(self, views: KVViews, layer: int) -> Tensor:
         """`layer`'s states in one of the group's buffers (`views`): [rows, width]."""
@@ -224,7 +207,7 @@ def _decode_columns(buffer: Tensor, written: int | None) -> Tensor:
 
 class SlidingWindowGroup(CacheGroup):
     """The KV of a group of sliding-window layers (`window`: the keys before its query a layer reads). The
-    copy and prefix layouts keep every key of it, masked, as a full-attention group's; the paged layout
+    expanded baseline's dense buffer keeps every key of it, masked, as a full-attention group's; the pool
     keeps its blocks in a window pool whose blocks go back as rows slide past them (`paged_store`)."""
 
     kind = SLIDING_WINDOW

@@ -108,7 +108,7 @@ class GenerateCall(Call):
         ids, mask = self.input_ids, self.attention_mask
         self.common = common_prefix_length(ids, mask, cfg.min_shared_tokens if look else None)
         if self.common:
-            self.prompts = common_prompts(ids, mask, self.common, self.rollout.layout.holds_common)
+            self.prompts = common_prompts(ids, mask, self.common)
         else:
             self.prompts = plain_prompts(ids, mask)
 
@@ -117,7 +117,7 @@ class GenerateCall(Call):
         layout, width = r.layout, self.prompts.width
         rows = batch * r.config.samples_per_prompt
         lengths, limit = layout.first_kv_lengths(width, r.config.max_new_tokens)  # (widened as rows grow)
-        r.cache.prepare(layout, batch, rows, lengths, layout.common_length(self.common), decode_limit=limit)
+        r.cache.prepare(layout, batch, rows, lengths, decode_limit=limit)
         if self.common:
             self.logits, self.counts.prefill_tokens = r._prefill_common(self.prompts)
         else:
@@ -125,7 +125,7 @@ class GenerateCall(Call):
 
     def kv_expand(self) -> None:
         r, n = self.rollout, self.rollout.config.samples_per_prompt
-        if r.config.shared_prefill and (n > 1 or r.cache.has_states):  # (the prefix layout copies states)
+        if r.config.shared_prefill and (n > 1 or r.cache.has_states):
             r.layout.expand_prompts(r.cache, self.counts.batch_size, self.prompts.width)
             self.logits = self.logits.repeat_interleave(n, dim=0)
 
@@ -142,7 +142,6 @@ class GenerateCall(Call):
             max_new_tokens=r.config.max_new_tokens,
             cache_position=self.counts.prompt_length,  # (the input's width)
             prompt_visible=layout.prompt_visible(prompts.columns, r.cache),
-            common_visible=layout.common_visible(r.cache, self.common),
         )
         self.count_decode(r._decoder.run_call(self.decoding, self.ended_everywhere))
 
@@ -167,7 +166,7 @@ class ExtendCall(Call):
 
     def prompt_expansion(self) -> None:
         r, history = self.rollout, self.history
-        layout, cache, n = r.layout, r.cache, r.config.samples_per_prompt
+        layout, cache = r.layout, r.cache
         self.turn = turn = make_turn(history, self.appended)
         self.live_positions = torch.where(turn.live, history.last_position + turn.lengths, 0)
         r.adapter.check_length(int(self.live_positions.max()), self.max_new_tokens)
@@ -176,8 +175,7 @@ class ExtendCall(Call):
         first = min(self.max_new_tokens, layouts.FIRST_DECODE_COLUMNS)
         cache.grow(round_up(start + first - 1), decode_limit=round_up(start + self.max_new_tokens - 1))
         self.prompt_visible = layout.prompt_visible(history.prompt_info.columns, cache)
-        live_rows = turn.live.nonzero().flatten()
-        self.context = turn_attention(history, turn, layout.turn_levels(cache, history.prompt_info, live_rows // n))
+        self.context = turn_attention(history, turn)
         # Rows that generate nothing this turn are left out of its decode when that saves enough: the others
         # are gathered as compaction gathers them, after the forward.
         self.plan = r._decoder.initial_plan(~turn.live.cpu())
@@ -210,7 +208,6 @@ class ExtendCall(Call):
             # HF's generate on the full histories, left-padded to the longest: its width.
             cache_position=int(self.live_positions.max()),  # host sync: one int, once per turn
             prompt_visible=self.prompt_visible,
-            common_visible=r.layout.common_visible(cache, history.prompt_info.common),
         )
         self.count_decode(r._decoder.run_call(self.decoding, initial_plan=self.plan))
 

@@ -5,8 +5,8 @@ ended. At the rollout's all-ended check (every FINISHED_CHECK_INTERVAL steps, wh
 the host anyway) the live rows are gathered into a smaller batch when that saves enough, and decode goes
 on with it. Nothing else syncs: the plan is made on the host from the `finished` flags the check read.
 
-What moves with a row: its KV (the rows of the decode buffer; in the prefix layout its response KV, and
-the prompts that still have a live row), its position, attention bias, last token, finished flag and
+What moves with a row: its KV (its block table in the pool; the expanded baseline's dense buffer row), and
+the prompts that still have a live row where prompts are read stacked, its position, attention bias, last token, finished flag and
 sampling key, its step (each row counts its own tokens), and the tokens (and log-probabilities) it has
 produced. A row's sampling key is a hash of its row id and its noise is keyed by its own step, so every
 row draws the same noise at the same step as it would have in the full batch: its tokens do not change (its logits may differ in the last bits, by the
@@ -19,13 +19,14 @@ dynamic. The extra rows of a bucket are rows that have ended (each row appears o
 ever produce the pad id. A batch is compacted when its bucket is at most COMPACT_FRACTION of the rows
 it has (with four sizes per octave: whenever the bucket drops) and a check interval of steps is left.
 
-The prefix layout stacks the queries of a prompt's rows against that prompt's KV. Compacted rows no
-longer come in equal groups per prompt, so a compacted batch's shared-prefix attention takes index maps
-instead (`torchkvops.rollout.attention`): `slot_rows` [G * S] (the row whose query fills each of S slots of each
-of G prompts; padding slots repeat a row) and, per row, the (prompt, slot) its prefix attention is read
-from. Only the attention's prefix part sees the padding (extra queries against KV it reads anyway); the
-model's projections, MLPs and LM head run on the compacted rows alone. Prompts without a live row are
-dropped from the prompt KV. Until the first compaction the batch keeps the plain layout (N rows per
+A stacked prompt read (`kv_sharing="prefix"`, or "paged" past its threshold) stacks the queries of a
+prompt's rows against that prompt's whole blocks. Compacted rows no longer come in equal groups per
+prompt, so a compacted batch's stacked read takes index maps instead (`torchkvops.rollout.attention`):
+`slot_rows` [G * S] (the row whose query fills each of S slots of each of G prompts; padding slots repeat a
+row) and, per row, the (prompt, slot) its prompt part is read from. Only the attention's prompt part sees
+the padding (extra queries against keys it reads anyway); the model's projections, MLPs and LM head run
+on the compacted rows alone. Prompts without a live row are dropped. A batch whose rows read no prompt
+stacked keeps no groups or slots in its shape. Until the first compaction the batch keeps the plain layout (N rows per
 prompt, no maps), so a rollout in which no row ends early runs exactly as without compaction.
 
 Outputs. The first decode state's `responses` and `logprobs` hold every original row: at each compaction
@@ -90,25 +91,18 @@ class Plan:
 
 class BatchMap:
     """Host-side bookkeeping of a batch (`torchkvops.rollout.batch.DecodeBatch` keeps it): which output row
-    each row of the current batch is (-1: a free row of a streaming batch), and (prefix layout) which
-    prompt group of the current prompt KV each row reads; in a streaming batch also the prompt in each
-    group and how many of its samples have not ended (`group_prompt`, `group_left`)."""
+    each row of the current batch is (-1: a free row of a streaming batch), and (prompts read stacked) which
+    prompt group each row's query is stacked with."""
 
     def __init__(self, rows: int, samples: int | None = None):
         self.original = torch.arange(rows)
         self.group = None if samples is None else torch.arange(rows) // samples
         self.groups = 0 if samples is None else rows // samples
-        self.group_prompt: list[int | None] | None = None
-        self.group_left: list[int] | None = None
 
     def apply(self, p: Plan) -> None:
         self.original = self.original[p.rows]
         if p.groups is not None:
             self.group, self.groups = p.row_group, p.groups.numel()
-            if self.group_prompt is not None:
-                kept = p.groups.tolist()
-                self.group_prompt = [self.group_prompt[g] for g in kept]
-                self.group_left = [self.group_left[g] for g in kept]
 
 
 def plan(finished: Tensor, batch: BatchMap, min_rows: int = 2) -> Plan | None:

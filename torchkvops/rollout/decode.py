@@ -277,16 +277,14 @@ class Decoder:
         max_new_tokens: int,
         cache_position: int,
         prompt_visible: Tensor | None = None,
-        common_visible: Tensor | None = None,
     ) -> DecodeBatch:
         """A batch of every row of a call, each row's first token sampled from `first_logits` [rows,
         vocab]. What each row sees: `visible` [rows, C] (bool) over the decode buffer's first C columns,
-        and in the prefix layout `prompt_visible` [prompts, P'] over its prompt's KV; `positions` [rows]:
-        the position of the token each row feeds first; decode writes from column `write_start` on (one
-        for every row, or [rows]: each row's own); `common_visible` [1, L']: what every row sees of a prefix
-        common to every prompt, kept once (the prefix layout); `cache_position`: HF's cache position of the
-        first token decode feeds (the width of the input HF's generate would have: it goes up by one a step).
-        `live` [rows] (bool, optional): False for rows that have ended before they start."""
+        and, when its prompt's whole blocks are read stacked, `prompt_visible` [prompts, P'] over them;
+        `positions` [rows]: the position of the token each row feeds first; decode writes from column
+        `write_start` on (one for every row, or [rows]: each row's own); `cache_position`: HF's cache
+        position of the first token decode feeds (the width of the input HF's generate would have: it goes
+        up by one a step). `live` [rows] (bool, optional): False for rows that have ended before they start."""
         rows = first_logits.shape[0]
         prompts, prompt_columns = (0, 0) if prompt_visible is None else prompt_visible.shape
         shape = self.layout.decode_shape(
@@ -299,11 +297,6 @@ class Decoder:
             prompt_columns=prompt_columns,
         )
         batch = self.batch(self.state_for(shape), self.layout.batch_map(rows))
-        if common_visible is not None:
-            batch.show_common(common_visible)
-        if prompt_visible is not None and batch.state.prompt_positions is not None:  # (the prefix layout's)
-            common = 0 if common_visible is None else int(common_visible.sum())  # host sync: once per call
-            batch.show_prompts(None, prompt_visible, common)
         self.step.bind(batch.state)
         batch.admit(
             None,
@@ -315,7 +308,7 @@ class Decoder:
             bias=visible_bias(visible, shape.mask_len),
             live=live,
         )
-        if batch.state.prompt_table is not None:  # (the paged layout, its prompts read stacked)
+        if batch.state.prompt_table is not None:  # (its prompts read stacked)
             batch.show_prompt_blocks(prompt_visible, self.layout.samples)
         batch.set_cache_position(cache_position)
         return batch
@@ -468,7 +461,7 @@ class Decoder:
             return
         self._bound, self._bound_views = state, views
         self.step.bind(state)
-        self.layout.load_context(self.context, state, cache)
+        self.context.load(state, cache)
         dynamic = [(t, (0,)) for t in state.tensors()] + [(state.bias, (0, 3))]
         dynamic += [(t, self.layout.decode_buffer_dims) for t in cache.decode_views.buffers]
         dynamic += self.layout.dynamic_tensors(state, cache)

@@ -34,7 +34,7 @@ from .config import MIN_TEMPERATURE, RolloutConfig, RolloutOutput  # noqa: F401
 from .decode import FINISHED_CHECK_INTERVAL, MAX_DECODE_STATES, Decoder, DecodeStep, NonFiniteLogitsError  # noqa: F401
 from .kv_budget import budget_blocks, call_blocks
 from .kv_cache import RolloutKVCache
-from .layouts import KV_LENGTH_MULTIPLE, RESPONSE_KV_MULTIPLE, CopyLayout, layout_for, round_up  # noqa: F401
+from .layouts import KV_LENGTH_MULTIPLE, CopyLayout, layout_for, round_up  # noqa: F401
 from .lm_head import Float32LMHead
 from .packed_states import segmented_mixers
 from .packing import pack
@@ -286,24 +286,23 @@ class Rollout:
         return logits, input_ids.numel()
 
     def _prefill_common(self, prompts) -> tuple[Tensor, int]:
-        """The prompts after a prefix common to all of them (`rollout.prompts`): the prefix once (one row),
-        where the layout keeps it, then every prompt's remainder in one packed forward that attends to it:
-        (each prompt's last position's logits [B, vocab], the positions computed)."""
+        """The prompts after a prefix common to all of them (`rollout.prompts`): the prefix once (prompt 0's
+        row), shared with every prompt's row, then every prompt's remainder in one packed forward that
+        attends to it: (each prompt's last position's logits [B, vocab], the positions computed)."""
         cache, layout, common = self.cache, self.layout, prompts.common
         batch, length = prompts.ids.shape
         first = length - int(prompts.lengths[0])  # host sync: where prompt 0's tokens start, once per call
         layout.reserve(cache, [0], [common])  # (before the views are bound, as below)
-        cache.bind(self._prefill_kv.bind(layout.common_buffer(cache)))
+        cache.bind(self._prefill_kv.bind(cache.prompt_views))
         self._prefill_fn(prompts.ids[:1, first : first + common], None, torch.arange(common, device=self.device)[None])
         layout.share_common(cache, batch, common)
         # Each prompt's row through its own end, where its samples write first: the block that holds that
         # column is copied to each sample when the rows are forked, not shared.
         layout.reserve(cache, list(range(batch)), prompts.ends)
-        start = common if layout.holds_common else 0  # where each remainder's KV starts in its prompt row
-        starts = torch.full((batch,), start, dtype=torch.long, device=self.device)
-        packed = pack(prompts.remainders(), starts, torch.full_like(starts, common))
-        seen = torch.arange(prompts.width, device=self.device)[None, :].expand(batch, -1) < start  # the common prefix
-        context = packed_attention(packed, starts, seen, layout.common_levels(cache, batch, common))
+        starts = torch.full((batch,), common, dtype=torch.long, device=self.device)  # each remainder's first column
+        packed = pack(prompts.remainders(), starts, starts)
+        seen = torch.arange(prompts.width, device=self.device)[None, :].expand(batch, -1) < common  # the common prefix
+        context = packed_attention(packed, starts, seen)
         cache.bind(context.bind(cache.prompt_views))
         with attention.decode_attention(self.adapter.model, context), segmented_mixers(self.adapter, cache):
             logits = self.adapter.packed_logits(cache, packed.ids, packed.positions, packed.column, packed.last)

@@ -2,20 +2,18 @@
 as a `Cache`.
 
 The cache is a list of cache groups (`torchkvops.rollout.cache_groups.CacheGroup`, built from the model's
-`CacheSpec`: a full-attention group per KV shape, and a hybrid's recurrent groups), each with its own
-buffers and shape:
-`[group layers, 2, rows, kv_heads, tokens, head_dim]` (K at index 0, V at 1), so one `repeat_kv_cache_`
-call per group expands its layers' prompt KV and one `write_kv_` call per layer stores a step's K and V.
-Every operation on the buffers (prepare, compact, finish_decode, grow, expand_prompts) runs once per
-group. Two layouts (`RolloutConfig.kv_sharing`), each group's buffers laid out alike:
+`CacheSpec`: a full-attention group per KV shape, and a hybrid's recurrent groups). Two ways to keep KV:
 
-- "copy": one buffer of B*N rows x (P + R - 1) positions. Prefill writes the B prompts into rows
-  [0, B), `repeat_kv_cache_` copies each prompt to its N rows, decode appends at column P + step.
-- "prefix": the B prompts' KV stays where prefill wrote it, once per prompt (`prompt_views`, B rows x P
-  positions), and each of the B*N rows owns only its response KV (`decode_views`, R - 1 positions). The
-  decode attention (`torchkvops.rollout.attention`) reads both and merges them; nothing is copied. A
-  prefix common to every prompt, computed once (`torchkvops.rollout.prompts`), is kept once too
-  (`common_views`, one row), apart from the rest: compaction never moves it.
+- The pool (every layout with a shared prefill, `PagedStore`, `paged_store.py`): each full-attention
+  group's KV in blocks of 16 tokens, each row's through its block table, a prompt's whole blocks shared by
+  its rows by reference; prefill writes the B prompts into blocks of their own and expanding them forks
+  the tables (each row's copy of the prompt's partly filled last block). The recurrent groups keep their
+  buffers below, one state a row.
+- Dense buffers (the expanded baseline, and every group without a pool):
+  `[group layers, 2, rows, kv_heads, tokens, head_dim]` (K at index 0, V at 1), B*N rows x (P + R - 1)
+  positions; one `write_kv_` call per layer stores a step's K and V, one `repeat_kv_cache_` call per
+  recurrent group expands its prompts' states. Every operation on the buffers (prepare, compact,
+  finish_decode, grow, expand_prompts) runs once per group.
 
 R is the decode buffer's width, not the budget: a call's buffer starts with room for FIRST_DECODE_COLUMNS
 tokens a row and is widened (`widen`) as its longest row grows, up to `decode_limit` (R = max_new_tokens).
@@ -101,7 +99,6 @@ class RolloutKVCache(Cache):
                 group.row_layout = RowLayout(group_spec.states, dtype)
         self._storage: Tensor | None = None  # flat; every group's home views are carved out of it
         self._work: Tensor | None = None  # flat; a compacted batch's views are carved out of it
-        self._common_storage: Tensor | None = None  # flat; a common prefix's views, kept while big enough
         self.layout = None  # the layout object the buffers are prepared for
         # The decode buffer's columns when every row runs to max_new_tokens: it starts narrower and is widened
         # (`widen`) as rows grow, up to this, so that its size follows the longest row, not the budget.
@@ -145,11 +142,6 @@ class RolloutKVCache(Cache):
     def home_decode_views(self) -> KVViews | None:
         return self._views([g.home_decode_kv for g in self.groups])
 
-    @property
-    def common_views(self) -> KVViews | None:
-        """Prefix layout: the KV of a prefix common to every prompt, one row (None: none this call)."""
-        return self._views([g.common for g in self.groups])
-
     # --- buffer management ---------------------------------------------------------------------
     def prepare(
         self,
@@ -157,14 +149,12 @@ class RolloutKVCache(Cache):
         prompts: int,
         rows: int,
         lengths: tuple[int, ...],
-        common: int = 0,
         decode_limit: int | None = None,
         table_rows: int | None = None,
         max_blocks: int | None = None,
     ) -> None:
         """Buffers of `layout` for `prompts` prompts and `rows` rows, of `lengths` positions each (every
-        group's: [group layers, 2, rows of the buffer, kv_heads, positions, head_dim]), and `common` positions
-        of a prefix common to every prompt kept once (`common_views`; 0: none). `decode_limit`: the decode
+        group's: [group layers, 2, rows of the buffer, kv_heads, positions, head_dim]). `decode_limit`: the decode
         buffer's columns at the budget, which `widen` may grow it to (None: its length now). `table_rows`:
         the paged layout's samples with block tables of their own (None: one a row; a streaming batch keeps
         one per sample, and one per prompt after them); `max_blocks`: the most blocks they may hold at once
@@ -176,14 +166,6 @@ class RolloutKVCache(Cache):
             self._home_views([[g.buffer_shape(r, t) for r, t in zip(buffer_rows, lengths)] for g in self.groups])
         )
         self.layout = layout
-        for g in self.groups:
-            g.common = None
-        if common:
-            self._common_storage, views = _carve(
-                self._common_storage, [g.buffer_shape(1, common) for g in self.groups], self.dtype, self.device
-            )
-            for g, view in zip(self.groups, views):
-                g.common = view
         self.peak_used_bytes = self.used_bytes
 
     def _prepare_paged(self, layout, rows: int, columns: int, samples: int | None, max_blocks: int | None) -> None:
@@ -280,8 +262,9 @@ class RolloutKVCache(Cache):
         return bool(dense) and bool(dense[0].current) and dense[0].current[-1] is not dense[0].home[-1]
 
     def compact(self, rows: Tensor, prompts: Tensor | None, original: Tensor, written: int | None = None) -> None:
-        """Decode goes on with the decode buffer's rows `rows` (int64, on the buffer's device) and, in the
-        prefix layout, the prompts `prompts` only (torchkvops.rollout.compaction); `original` [current rows]
+        """Decode goes on with the decode buffer's rows `rows` (int64, on the buffer's device) only (the
+        prompt groups `prompts` kept: the layout's `kv_index` says what each buffer keeps; the pool's
+        tables move with the decode state, not here); `original` [current rows]
         is each current row's row in the home views. In every group.
 
         Every row's KV is kept for `Rollout.extend`: the compacted batch decodes in a second allocation
@@ -301,7 +284,7 @@ class RolloutKVCache(Cache):
         self.peak_used_bytes = max(self.peak_used_bytes, self.used_bytes)
 
     def compact_in_place(self, rows: Tensor, prompts: Tensor | None = None, written: int | None = None) -> None:
-        """Decode goes on with rows `rows` only (and in the prefix layout the prompts `prompts`), gathered
+        """Decode goes on with rows `rows` only (`prompts`: as in compact()), gathered
         in place into smaller views carved from the start of the same allocation (see compact()'s in-place
         case); what is left behind is not kept (a streaming batch's rows, copied out already)."""
         assert not self.compacted
@@ -393,7 +376,7 @@ class RolloutKVCache(Cache):
         self.work_used_bytes = 0  # new home views: no compacted batch yet
         flat = _flat(shapes)
         if self._storage is None or self._storage.numel() < sum(math.prod(s) for s in flat):
-            # Free the old allocation before making the new one (a common prefix's, apart, stays).
+            # Free the old allocation before making the new one.
             self._storage = self._work = None
             self._set_home([[] for _ in self.groups])
         self._storage, views = _carve(self._storage, flat, self.dtype, self.device)
@@ -420,9 +403,8 @@ class RolloutKVCache(Cache):
         """Free the buffers; the next `prepare()` allocates new ones."""
         self._storage = self._work = self.layout = None
         for g in self.groups:
-            g.common = g.pool = None
+            g.pool = None
         self._set_home([[] for _ in self.groups])
-        self._common_storage = None
         self.forward = None
         if self.paged is not None:
             self.paged.release()
@@ -430,16 +412,16 @@ class RolloutKVCache(Cache):
 
     @property
     def allocated_bytes(self) -> int:
-        """Bytes of every allocation the cache holds (home, work, a common prefix's)."""
-        storages = (self._storage, self._work, self._common_storage)
+        """Bytes of every allocation the cache holds (home, work, the pools)."""
+        storages = (self._storage, self._work)
         pools = 0 if self.paged is None else self.paged.allocated_bytes
         return sum(0 if s is None else s.numel() * s.element_size() for s in storages) + pools
 
     @property
     def used_bytes(self) -> int:
-        """Bytes of KV storage the home views (and common prefix) of every group and the largest compacted
-        batch use (the allocations may be larger, from an earlier call)."""
-        views = [v for g in self.groups if g.pool is None for v in (*g.home, *([] if g.common is None else [g.common]))]
+        """Bytes of KV storage the home views of every group and the largest compacted batch use (the
+        allocations may be larger, from an earlier call)."""
+        views = [v for g in self.groups if g.pool is None for v in g.home]
         blocks = 0 if self.paged is None else self.paged.used_bytes  # (the most blocks held at once)
         return sum(v.numel() * v.element_size() for v in views) + self.work_used_bytes + blocks
 
@@ -465,24 +447,6 @@ class RolloutKVCache(Cache):
     @property
     def has_states(self) -> bool:
         return bool(self.recurrent_groups)
-
-    def expand_states(self, batch: int, repeats: int) -> None:
-        """Prefix layout: rows share their prompt's KV, but not its recurrent states, which go on row by
-        row: each of the prompts' `batch` states to its `repeats` rows of the decode buffer, one operator
-        call per recurrent group."""
-        for g in self.recurrent_groups:
-            g.expand_states(batch, repeats)
-
-    def share_common_states(self, batch: int) -> None:
-        """Prefix layout: the prompts' rows [0, batch) start from the common prefix's recurrent states."""
-        for g in self.recurrent_groups:
-            g.share_common(batch)
-
-    def seat_states(self, rows: Tensor, slot: int) -> None:
-        """Prefix layout, a streaming batch: rows `rows` (device int64) start from the recurrent states of
-        prompt slot `slot`."""
-        for g in self.recurrent_groups:
-            g.seat(rows, slot)
 
     # --- recurrent layers' states: transformers' cache interface for them (models/recurrent.py) ------------
     # The bound forward says where the rows' states are (`state_views`) and whether it continues them

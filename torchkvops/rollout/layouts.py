@@ -1,16 +1,20 @@
-"""The two KV layouts (`RolloutConfig.kv_sharing`) as objects: everything that differs between them.
+"""The KV layouts (`RolloutConfig.kv_sharing`) as objects: everything that differs between them.
 
-- `CopyLayout` ("copy"): one KV buffer of rows x (P + R - 1) positions. Prefill writes the B prompts,
-  `repeat_kv_cache_` copies each to its N rows, and decode writes after the prompt.
-- `PrefixLayout` ("prefix"): the B prompts' KV once (`prompt_views`, B x P) and each row's own response
-  KV (`decode_views`, rows x (R - 1)); the decode attention reads both and merges them (`attention`).
+- `CopyLayout`: the expanded baseline's (`shared_prefill=False`): one dense KV buffer of rows x (P + R - 1)
+  positions, each row prefilled alone into its own row, decode writing after the prompt.
+- `PagedLayout` ("paged") and its two named ways of reading (`PagedCopyLayout`, "copy";
+  `PagedPrefixLayout`, "prefix"): every full-attention group's KV in a pool of blocks taken as rows grow
+  (`paged_store`), a prompt's whole blocks shared by its rows by reference; "copy" reads each row through
+  its table, "prefix" a prompt's whole blocks once a step for its rows' stacked queries (`attention`),
+  "paged" the one or the other by the prompt's length (`PagedLayout.stacked_tokens`).
 
 Every cache group (`cache_groups`) has the layout's buffers; a layout reads and writes them through the
 cache's views of every group (`KVViews`), one group at a time.
 
 The rest of the engine asks its layout instead of testing the name: the buffers' lengths and rows, which
-index each buffer is gathered by when the batch is compacted, the column decode writes first, what a row sees when it starts, the prompt part of a decode shape and of the
-attention context, the prompt groups compaction keeps, and where a streaming batch puts a prompt's KV.
+index each buffer is gathered by when the batch is compacted, the column decode writes first, what a row
+sees when it starts, the prompt part of a decode shape, the prompt groups compaction keeps, and where a
+streaming batch puts a prompt's KV.
 """
 
 from __future__ import annotations
@@ -21,7 +25,6 @@ import torch
 from torch import Tensor
 
 from ..models.adapter import ATTENTION_KINDS
-from .attention import SharedLevel
 from .cache_groups import KVViews
 from .compaction import BatchMap
 from .paged_store import KV_BLOCK_SIZE, SCRATCH_BLOCK
@@ -29,24 +32,19 @@ from .state import DecodeShape
 
 __all__ = [
     "CopyLayout",
-    "PrefixLayout",
     "PagedLayout",
+    "PagedCopyLayout",
+    "PagedPrefixLayout",
     "LAYOUTS",
     "layout_for",
     "round_up",
     "KV_LENGTH_MULTIPLE",
     "FIRST_DECODE_COLUMNS",
-    "RESPONSE_KV_MULTIPLE",
 ]
 
 # Decode buffers are rounded up to a multiple of this many positions: nearby prompt lengths then share
 # one decode shape (graph), and the attention kernels get aligned mask widths.
 KV_LENGTH_MULTIPLE = 64
-# The prefix layout's response KV (R - 1 positions) is rounded less: its length is fixed per config, so
-# it adds no decode shape, and a multiple of 8 keeps every decode bias's rows on 16-byte boundaries, so
-# that `fused_attention`'s CUDA alignment rule never copies a bias in a decode step. With R=8 a row holds
-# 8 response positions, not 64.
-RESPONSE_KV_MULTIPLE = 8
 # The decode buffer holds this many tokens a row when a call starts (rounded up), and the decoder widens it
 # (doubled, at most to what max_new_tokens needs: `Decoder._make_room`) before the rows' next stretch of steps
 # could pass its end: its size follows the longest row, not the budget.
@@ -64,39 +62,18 @@ class CopyLayout:
     needs_shared_prefill = False  # (the expanded baseline prefills every row's copy: this layout's own)
     paged = False  # the KV in blocks taken as rows grow (PagedLayout)
     decode_buffer_dims = (2, 4)  # the decode buffers' dims that vary between calls (rows, columns)
-    holds_common = True  # a prefix common to every prompt sits in each prompt's rows, before its remainder
 
     def __init__(self, samples: int):
         self.samples = samples
 
     # --- a prefix common to every prompt (torchkvops.rollout.prompts) ------------------------------------
-    def common_length(self, common: int) -> int:
-        """The positions of the buffer that keeps a common prefix of `common` tokens apart (0: none)."""
-        return 0
-
-    def common_buffer(self, cache) -> KVViews:
-        """Where the common prefix's one row of KV is computed: prompt 0's row here."""
-        return cache.prompt_views
-
     def share_common(self, cache, batch: int, common: int) -> None:
         """After the common prefix was computed once: every prompt's rows hold it (one copy per prompt)."""
         cache.expand_prompts(1, batch, common)
 
-    def common_levels(self, cache, batch: int, common: int) -> tuple[SharedLevel, ...]:
-        """What the prompts' remainders read besides their own rows: nothing here (their rows hold it)."""
-        return ()
-
-    def common_visible(self, cache, common: int) -> Tensor | None:
-        """The decode attention's view of a common prefix kept once ([1, its buffer's length] bool), or None."""
-        return None
-
     def first_columns(self, prompts) -> Tensor:
         """[B] the decode buffer's column each prompt's rows write first: after its prompt's KV."""
         return prompts.ends
-
-    def turn_levels(self, cache, prompts, prompt_of_row: Tensor) -> tuple[SharedLevel, ...]:
-        """What a turn's live rows (their prompts: `prompt_of_row`) read besides their own rows: nothing."""
-        return ()
 
     # --- the KV buffers -------------------------------------------------------------------------
     def kv_lengths(self, prompt_len: int, new_tokens: int) -> tuple[int, ...]:
@@ -161,25 +138,13 @@ class CopyLayout:
         return BatchMap(rows)
 
     # --- decode ------------------------------------------------------------------------------------
-    def load_context(self, context, state, cache) -> None:
-        """Point the decode attention's context at `state` and the cache's current views."""
-        context.load(state, cache, prefix=False)
-
     def dynamic_tensors(self, state, cache) -> list[tuple[Tensor, tuple[int, ...]]]:
         """The tensors a decode step reads whose dims vary between calls, besides the state's rows and
         the decode buffer: (tensor, dims)."""
         return []
 
     # --- a streaming batch (torchkvops.rollout.streaming) -----------------------------------------------
-    def stream_prompt_slots(self, prompts: int, groups: int) -> int:
-        """Prompt KV slots a streaming batch of `groups` prompts' rows keeps (of `prompts` in all)."""
-        return 0
-
-    def stream_slots(self) -> int:
-        """Query slots per prompt slot in a streaming batch's decode shape."""
-        return 0
-
-    def stream_map(self, rows: int, prompt_slots: int) -> BatchMap:
+    def stream_map(self, rows: int) -> BatchMap:
         """The host-side map of a streaming batch before any row starts: every row free."""
         batch_map = BatchMap(rows)
         batch_map.original.fill_(-1)
@@ -220,164 +185,6 @@ class CopyLayout:
         admission drops its copy)."""
 
 
-class PrefixLayout(CopyLayout):
-    """Each prompt's KV once, each row's response KV apart (module docstring)."""
-
-    name = "prefix"
-    needs_shared_prefill = True  # one prompt KV per prompt: what a shared prefill writes
-    holds_common = False  # a common prefix is kept once (cache.common_views), each prompt's remainder apart
-
-    def common_length(self, common: int) -> int:
-        return round_up(common) if common else 0
-
-    def common_buffer(self, cache) -> KVViews:
-        return cache.common_views
-
-    def share_common(self, cache, batch: int, common: int) -> None:
-        """Nothing to copy of the KV: every row reads the one copy. Recurrent layers' states go on row by
-        row: each prompt's row starts its remainder from a copy of the common prefix's."""
-        cache.share_common_states(batch)
-
-    def _common_visible(self, cache, common: int, rows: int) -> Tensor:
-        views = cache.common_views
-        index = torch.arange(views.tokens, device=views.device)
-        return (index < common)[None, :].expand(rows, -1)
-
-    def common_levels(self, cache, batch: int, common: int) -> tuple[SharedLevel, ...]:
-        views = cache.common_views
-        zeros = torch.zeros(batch, dtype=torch.long, device=views.device)
-        positions = torch.arange(views.tokens, device=views.device)[None, :].expand(batch, -1)  # column j: position j
-        return (SharedLevel(views, zeros, self._common_visible(cache, common, batch), positions),)
-
-    def common_visible(self, cache, common: int) -> Tensor | None:
-        return None if cache.common_views is None else self._common_visible(cache, common, 1)
-
-    def first_columns(self, prompts) -> Tensor:
-        return torch.zeros_like(prompts.ends)
-
-    def turn_levels(self, cache, prompts, prompt_of_row: Tensor) -> tuple[SharedLevel, ...]:
-        """The common prefix (kept once), then each live row's prompt."""
-        levels = (
-            self.common_levels(cache, prompt_of_row.numel(), prompts.common) if cache.common_views is not None else ()
-        )
-        visible = self.prompt_visible(prompts.columns, cache)[prompt_of_row]
-        positions = prompts.common + visible.long().cumsum(dim=1) - 1  # (show_prompts' numbering)
-        return (*levels, SharedLevel(cache.prompt_views, prompt_of_row, visible, positions))
-
-    def kv_lengths(self, prompt_len: int, new_tokens: int) -> tuple[int, ...]:
-        return round_up(prompt_len), round_up(new_tokens - 1, RESPONSE_KV_MULTIPLE)
-
-    def buffer_rows(self, prompts: int, rows: int) -> tuple[int, ...]:
-        return (prompts, rows)
-
-    def kv_index(self, rows: Tensor, prompts: Tensor | None) -> tuple[Tensor, ...]:
-        return (prompts, rows)
-
-    def expand_prompts(self, cache, batch: int, prompt_len: int) -> None:
-        """Nothing to copy of the KV: the rows read their prompt's where prefill wrote it. Recurrent layers'
-        states go on row by row: each row gets a copy of its prompt's."""
-        cache.expand_states(batch, self.samples)
-
-    def first_column(self, prompt_len: int) -> int:
-        return 0
-
-    def decode_visible(self, row_mask: Tensor) -> Tensor:
-        return row_mask[:, :0]  # the rows' own buffers start empty: the prompts are seen through the prefix part
-
-    def prompt_visible(self, prompt_mask: Tensor, cache) -> Tensor:
-        """Every column of each prompt's KV: the columns that hold its tokens (`prompt_mask` [B, W]: the
-        prompt's mask, or where its remainder after a common prefix sits), then the buffer's rounding
-        (hidden)."""
-        visible = torch.zeros(
-            prompt_mask.shape[0], cache.prompt_views.tokens, dtype=torch.bool, device=prompt_mask.device
-        )
-        visible[:, : prompt_mask.shape[1]] = prompt_mask.bool()
-        return visible
-
-    def decode_shape(
-        self,
-        cache,
-        rows: int,
-        prompts: int,
-        max_new_tokens: int,
-        dtype,
-        logprobs: bool,
-        slots: int = 0,
-        prompt_columns: int = 0,
-    ):
-        common = 0 if cache.common_views is None else cache.common_views.tokens
-        return DecodeShape(
-            rows,
-            cache.decode_views.tokens,
-            max_new_tokens,
-            dtype,
-            prompts,
-            cache.prompt_views.tokens,
-            logprobs,
-            slots,
-            common,
-        )
-
-    def batch_map(self, rows: int) -> BatchMap:
-        return BatchMap(rows, self.samples)
-
-    def load_context(self, context, state, cache) -> None:
-        context.load(state, cache, prefix=True)
-
-    def dynamic_tensors(self, state, cache) -> list[tuple[Tensor, tuple[int, ...]]]:
-        common = cache.common_views
-        common = [] if common is None else [*((t, (4,)) for t in common.buffers), (state.common_bias, (3,))]
-        prompt = [(state.prompt_bias, (0, 3)), (state.prompt_positions, (0, 1))]
-        return [*((t, (2, 4)) for t in cache.prompt_views.buffers), *prompt, *common]
-
-    # A streaming batch keeps prompt KV slots, each held until all of its prompt's samples have ended
-    # (twice the prompts the rows hold at once, so that prompts whose last samples linger do not keep rows
-    # idle), and its rows read their slot's KV through the compacted layout's query slots, N per slot.
-    def stream_prompt_slots(self, prompts: int, groups: int) -> int:
-        return min(prompts, 2 * groups)
-
-    def stream_slots(self) -> int:
-        return self.samples
-
-    def stream_map(self, rows: int, prompt_slots: int) -> BatchMap:
-        batch_map = super().stream_map(rows, prompt_slots)
-        batch_map.group, batch_map.groups = torch.zeros(rows, dtype=torch.long), prompt_slots
-        batch_map.group_prompt, batch_map.group_left = [None] * prompt_slots, [0] * prompt_slots
-        return batch_map
-
-    def place_prompts(self, batch, prompts: list[int], kv: KVViews, mask: Tensor) -> list:
-        """Each prompt's KV into a free prompt slot (in every cache group), shown to its rows by its mask;
-        the slots."""
-        m = batch.map
-        free = [g for g, p in enumerate(m.group_prompt) if p is None][: len(prompts)]
-        index = torch.tensor(free, device=kv.device)
-        for dst, src in zip(batch.cache.prompt_views.buffers, kv.buffers):
-            dst[..., : src.shape[4], :].index_copy_(2, index, src)
-        batch.show_prompts(index, mask.bool())
-        for g, prompt in zip(free, prompts):
-            m.group_prompt[g], m.group_left[g] = prompt, self.samples
-        return free
-
-    def keep_apart(self, home, scratch):
-        return home  # a prompt slot of the batch's own cache
-
-    def seat(self, batch, cache, home, row_mask: Tensor, rows: Tensor, samples: Tensor) -> Tensor:
-        """Rows `rows` read prompt slot `home`: each takes the query slot of its sample. Their own
-        buffers start empty."""
-        batch.seat_in_slots(rows, home, samples % self.samples)
-        cache.seat_states(rows, home)
-        return torch.full((rows.numel(), cache.decode_views.tokens), float("-inf"), device=rows.device)
-
-    def release_rows(self, batch, rows: list[int]) -> None:
-        """A prompt slot is free once all of its samples have ended."""
-        m = batch.map
-        for r in rows:
-            g = int(m.group[r])
-            m.group_left[g] -= 1
-            if m.group_left[g] == 0:
-                m.group_prompt[g] = None
-
-
 def _storage(views: KVViews) -> int:
     """The address of the allocation the views are carved from."""
     return views.buffers[0].untyped_storage().data_ptr()
@@ -397,7 +204,7 @@ class PagedLayout(CopyLayout):
     decode_buffer_dims = ()
 
     # A call's rows read their prompt's whole blocks (which every row of the prompt names in its table, shared
-    # by reference) once a step for the rows' stacked queries, as the prefix layout reads its prompt KV, when
+    # by reference) once a step for the rows' stacked queries, when
     # the widest prompt has at least this many tokens in whole blocks; each row then reads its own keys from
     # there on, and the two parts are merged by their log-sum-exps. Shorter prompts are read through each
     # row's table: a second read and a merge cost more than they save (docs/benchmarks.md, "Paged KV:
@@ -416,7 +223,7 @@ class PagedLayout(CopyLayout):
 
     def batch_map(self, rows: int) -> BatchMap:
         """N rows per prompt, grouped: compaction keeps the prompt groups of the rows it keeps and their
-        query slots (as the prefix layout's), which the stacked prompt reads use."""
+        query slots, which the stacked prompt reads use."""
         return BatchMap(rows, self.samples)
 
     # A streaming batch keeps a table per sample (its output row), not per batch row, as a call does: a row's

@@ -6,10 +6,8 @@ The common prefix is found on each prompt's real tokens, wherever left padding p
 that every prompt begins with, leaving each prompt at least one token of its own (whose logits start its
 samples), and taken when it is at least `min_shared_tokens` long. It is computed once (one row of its
 tokens), then each prompt's remainder, packed without padding (`packing`), attends to it and to itself.
-Where the layouts keep it: the copy layout writes it into every prompt's rows, each prompt's remainder
-right after it (no padding between: each row's columns are its own, `Prompts.columns`); the prefix layout
-keeps it once (`RolloutKVCache.common_views`), read by every row's decode at every step, and each prompt's
-remainder in its prompt row.
+Each prompt's row holds it, its remainder right after it (no padding between: each row's columns are its
+own, `Prompts.columns`); in the pool its whole blocks are held once, named by every prompt's table.
 """
 
 from __future__ import annotations
@@ -30,7 +28,7 @@ class Prompts:
     mask: Tensor  # [B, P] 0/1
     common: int  # the tokens of the prefix every prompt begins with, computed once (0: none)
     columns: Tensor  # [B, W] bool: the prompt KV columns that hold each prompt's tokens (after the common prefix's)
-    ends: Tensor  # [B] the first column after each prompt's KV (copy layout: where its rows decode first)
+    ends: Tensor  # [B] the first column after each prompt's KV (where its rows decode first)
 
     @property
     def width(self) -> int:
@@ -73,11 +71,9 @@ def plain_prompts(input_ids: Tensor, attention_mask: Tensor) -> Prompts:
     return Prompts(input_ids, attention_mask, 0, attention_mask.bool(), ends)
 
 
-def common_prompts(input_ids: Tensor, attention_mask: Tensor, common: int, holds_common: bool) -> Prompts:
+def common_prompts(input_ids: Tensor, attention_mask: Tensor, common: int) -> Prompts:
     """The prompts after a common prefix of `common` tokens: each remainder's KV from column `common` on
-    (`holds_common`: the prompt's rows hold the common prefix's KV before it, the copy layout) or from
-    column 0 (the prefix layout), without padding."""
-    start = common if holds_common else 0
-    ends = start + attention_mask.sum(dim=1) - common
+    (the prompt's rows hold the common prefix's KV before it), without padding."""
+    ends = attention_mask.sum(dim=1)
     columns = torch.arange(int(ends.max()), device=input_ids.device)[None, :] < ends[:, None]
     return Prompts(input_ids, attention_mask, common, columns, ends)

@@ -11,8 +11,9 @@ scheduler touches a tensor, the model or the KV cache, so each is tested alone.
   process, when the check is a collective), compacting as rows end while a check interval is left.
 - `Refill`: a rollout larger than the row budget (`RolloutConfig.max_rows`) or under a budget of KV tokens
   (`RolloutConfig.max_kv_tokens`): ended rows leave, waiting samples take the free rows (a prompt prefilled
-  once, as its first sample gets a row; at most `prompt_slots` prompts with samples in the batch at once,
-  when the layout keeps prompts in slots; under a KV budget, while blocks are free, and the newest rows
+  once, as its first sample gets a row; optionally at most `prompt_slots` prompts with samples in the batch
+  at once, for a batch that would keep prompts in slots (none since the dense prefix layout was retired:
+  a streaming batch reads each prompt through its rows' tables); under a KV budget, while blocks are free, and the newest rows
   preempted when the live rows' next interval does not fit: `kv_budget`), and once nothing waits the rows
   still decoding are compacted.
 """

@@ -21,10 +21,9 @@ __all__ = ["DecodeShape", "DecodeState"]
 @dataclasses.dataclass(frozen=True)
 class DecodeShape:
     """What fixes a decode step's tensors (and so its graph): rows, the decode buffer's key length, the
-    response length, the model's dtype; in the prefix layout the prompts and their key length (in the paged
-    layout with its prompts read stacked: the columns of their whole blocks), and for a compacted batch of
-    either its query slots per prompt (torchkvops.rollout.compaction); whether log-probabilities are
-    recorded."""
+    response length, the model's dtype; with the prompts read stacked, the prompts and the columns of their
+    whole blocks, and for a compacted batch its query slots per prompt (torchkvops.rollout.compaction);
+    whether log-probabilities are recorded."""
 
     rows: int
     mask_len: int
@@ -34,8 +33,7 @@ class DecodeShape:
     prompt_len: int = 0
     logprobs: bool = False
     slots: int = 0
-    common_len: int = 0  # prefix layout: the positions of a prefix common to every prompt, kept once (0: none)
-    kv_block: int = 0  # paged layout: the KV pool's block size (0: a decode buffer of one block per row)
+    kv_block: int = 0  # the KV pool's block size (0: the expanded baseline's decode buffer, one block per row)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,16 +143,9 @@ class DecodeState:
             "prompt",
             lambda s: _if(s.prompts > 0 and s.prompt_len > 0, (s.prompts, 1, 1, s.prompt_len)),
             None,
-            "prefix layout (and paged, its prompts read stacked): the bias over each prompt's shared KV",
+            "prompts read stacked: the bias over each prompt's whole blocks",
         ),
-        _Field(
-            "prompt_positions",
-            "prompt",
-            lambda s: _if(s.prompts > 0 and s.kv_block == 0, (s.prompts, s.prompt_len)),
-            doc="prefix layout: the position of each column of a prompt's shared KV (what a sliding window "
-            "measures a query's distance to; a hidden column's is never read)",
-        ),
-        # The paged layout with its prompts read stacked (`PagedLayout.stacked_tokens`): each prompt's whole
+        # The pool with its prompts read stacked (`PagedLayout.stacked_tokens`): each prompt's whole
         # blocks, which every row of it names in its table (shared by reference), are read once a step for
         # its rows' stacked queries, as prompt_bias shows them (prompt_len: the columns they hold, a
         # multiple of kv_block); each row reads its own keys from own_start on; the two parts are merged by
@@ -174,14 +165,7 @@ class DecodeState:
             "paged layout, prompts read stacked: the first column a row reads as its own (after its prompt's "
             "shared blocks, or its kv_start if later)",
         ),
-        _Field(
-            "common_bias",
-            "shared",
-            lambda s: _if(s.common_len > 0, (1, 1, 1, s.common_len)),
-            None,
-            "prefix layout: the bias over a prefix common to every prompt, kept once",
-        ),
-        # A compacted prefix-layout batch (slots > 0): the shared-prefix attention's query slots, S per
+        # A compacted batch whose prompts are read stacked (slots > 0): the stacked read's query slots, S per
         # prompt: the row at each slot, and each row's slot as (prompt, sample).
         _Field("slot_rows", "slot", lambda s: _if(s.slots > 0, (s.prompts * s.slots,))),
         _Field("row_prompt", "slot", lambda s: _if(s.slots > 0, (s.rows,))),
@@ -231,7 +215,7 @@ class DecodeState:
                 t.zero_()
 
     def gather_into(self, new: DecodeState, rows: Tensor, groups: Tensor | None) -> None:
-        """Move the rows `rows` (device int64) into `new`, and (prefix layout) the prompt groups `groups`:
+        """Move the rows `rows` (device int64) into `new`, and (prompts read stacked) the prompt groups `groups`:
         every field as its declaration says; "slot" fields are the caller's (they come from a plan)."""
         for f in self.FIELDS:
             src = getattr(self, f.name)

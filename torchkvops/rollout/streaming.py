@@ -6,13 +6,14 @@ to whole prompts' samples) whose KV buffers are sized for those rows only. At ev
 (every FINISHED_CHECK_INTERVAL steps, the host sync decode makes anyway) the rows whose samples have
 ended are copied out to their places in the output, and waiting samples take them: a prompt is
 prefilled once for its N samples, into a small scratch cache, and its samples start as rows free up, in
-any free rows (copy layout: each row gets the prompt's KV in its first columns and writes after them, at
-its own columns, and the KV of a prompt whose samples still wait for rows is kept apart; prefix layout: the prompt's KV goes into a free prompt slot, held until all its samples have
-ended, and its samples' rows read it through the compacted prefix layout's query slots). Decode goes on
+any free rows (the pool: each sample's table forks its prompt's, whose blocks are held until its last
+sample has started; the expanded baseline's dense buffer: each row gets the prompt's KV in its first
+columns and writes after them, at its own columns, and the KV of a prompt whose samples still wait for
+rows is kept apart). A streaming batch reads every prompt through its rows' tables. Decode goes on
 with one batch, one decode shape (one CUDA graph). Once no prompt waits, the rows still decoding are
 compacted in place as compaction compacts them.
 
-Under a budget of KV tokens (`RolloutConfig.max_kv_tokens`, the paged layout) the batch has a row for
+Under a budget of KV tokens (`RolloutConfig.max_kv_tokens`, the pool's blocks) the batch has a row for
 every sample (or max_rows), and the scheduler starts samples while the pool has blocks for them and
 preempts the newest rows when the live rows' next interval does not fit (`kv_budget`); a preempted row
 leaves like a retired one without its tokens (`DecodeBatch.preempt`), and its sample starts again later
@@ -161,20 +162,18 @@ def stream(
     prompts, prompt_len = prompt_mask.shape
     groups = prompts if max_rows is None else min(max_rows // n, prompts)
     rows = groups * n
-    prompt_slots = layout.stream_prompt_slots(prompts, groups)
     lengths, limit = layout.first_kv_lengths(prompt_len, max_new_tokens)  # (widened as rows grow)
     blocks = None
     if max_kv_tokens is not None:
         blocks = check_budget(max_kv_tokens, layout.block_size, prompt_len, max_new_tokens, FINISHED_CHECK_INTERVAL)
     # (the paged layout keeps a block table per sample: `PagedLayout.seat`)
-    cache.prepare(layout, prompt_slots, rows, lengths, decode_limit=limit, table_rows=prompts * n, max_blocks=blocks)
-    shape = layout.decode_shape(
-        cache, rows, prompt_slots, max_new_tokens, decoder.adapter.dtype, decoder.step.logprobs, layout.stream_slots()
-    )
+    cache.prepare(layout, 0, rows, lengths, decode_limit=limit, table_rows=prompts * n, max_blocks=blocks)
+    # (a streaming batch reads every prompt through its rows' tables: no prompt groups in its shape)
+    shape = layout.decode_shape(cache, rows, 0, max_new_tokens, decoder.adapter.dtype, decoder.step.logprobs)
     responses = torch.full((prompts * n, max_new_tokens), decoder.pad_id, dtype=torch.long, device=device)
     logprobs = torch.zeros(prompts * n, max_new_tokens, device=device) if decoder.step.logprobs else None
     batch = decoder.batch(
-        decoder.state_for(shape), layout.stream_map(rows, prompt_slots), keeps_left=False, output=(responses, logprobs)
+        decoder.state_for(shape), layout.stream_map(rows), keeps_left=False, output=(responses, logprobs)
     )
     batch.clear()
     # HF's cache position of the first decode step; rows admitted later go on from the batch's (a stream has no
@@ -187,10 +186,8 @@ def stream(
     admission = Admission(
         batch, prefill, prompt_mask, scratch, seed=seed, row_ids=row_ids.to(device), live=live, chunk=chunk
     )
-    # A layout that keeps prompts in slots (prefix) bounds the prompts with samples in the batch; one that
-    # gives each row its own copy (copy: 0 slots) does not.
     budget = None if blocks is None else BlockBudget(cache.paged, prompt_len, FINISHED_CHECK_INTERVAL)
-    scheduler = Refill(prompts, n, prompt_slots=prompt_slots or None, compacts=compacts, budget=budget)
+    scheduler = Refill(prompts, n, prompt_slots=None, compacts=compacts, budget=budget)
     decoder.apply(batch, scheduler.decide(batch.map.original.tolist(), [True] * rows, 0, [0] * rows), admission)
     steps = decoder.run(batch, scheduler, admission)
     # (the peak: the tail's in-place compaction makes the views smaller)

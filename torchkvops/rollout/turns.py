@@ -22,7 +22,7 @@ from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
 
 from ..utils import check_has_values
-from .attention import PackedAttention, SharedLevel, packed_attention
+from .attention import PackedAttention, packed_attention
 from .packing import Packed, pack
 from .prompts import Prompts
 
@@ -40,10 +40,8 @@ class History:
     tokens: list[Tensor]  # per row: its history after the prompt (int64)
     generated: list[Tensor]  # per row: 1 where the model generated the token, 0 where it was appended
     logprobs: list[Tensor] | None  # per row: each token's log-probability (0 on appended tokens)
-    first_column: (
-        Tensor  # [rows] the decode buffer's first column of each row's own KV (copy layout: after its prompt's)
-    )
-    prompt_columns: Tensor | None  # [rows, W] bool: the columns before it that hold the row's prompt (copy layout)
+    first_column: Tensor  # [rows] the decode buffer's first column of each row's own KV (after its prompt's)
+    prompt_columns: Tensor | None  # [rows, W] bool: the columns before it that hold the row's prompt
     frontier: Tensor  # [rows] int64: the first decode-buffer column after each row's history's KV
     last_position: Tensor  # [rows] int64: the position of each row's last token (which has no KV)
     seed: int
@@ -67,7 +65,7 @@ class History:
 
     def visible(self, columns: int, frontier: Tensor | None = None) -> Tensor:
         """[rows, columns] bool: the decode-buffer columns that hold a history token's KV (up to `frontier`,
-        default the history's): in the copy layout the prompt's tokens first, then every column from the
+        default the history's): the prompt's tokens first, then every column from the
         prompt's end up to the frontier."""
         frontier = self.frontier if frontier is None else frontier
         index = torch.arange(columns, device=frontier.device)
@@ -80,8 +78,8 @@ class History:
 
 def first_history(output, prompts: Prompts, samples: int, layout, seed: int, row_ids: Tensor) -> History:
     """The history after `generate`: each row's response through its first EOS. Its KV sits in the
-    decode buffer from the layout's first column of the row on (the copy layout: after its prompt's, whose
-    columns hold the prompt; the prefix layout: from column 0, the prompt's KV shared by its group)."""
+    decode buffer from the layout's first column of the row on (after its prompt's, whose columns hold the
+    prompt)."""
     lengths = output.response_mask.sum(dim=1)
     counts = lengths.tolist()
     tokens = [output.responses[r, :n].clone() for r, n in enumerate(counts)]
@@ -165,12 +163,11 @@ def make_turn(history: History, appended: list[Tensor | None]) -> Turn:
     return Turn(**vars(packed), appended=appended)
 
 
-def turn_attention(history: History, turn: Turn, levels: tuple[SharedLevel, ...] = ()) -> PackedAttention:
+def turn_attention(history: History, turn: Turn) -> PackedAttention:
     """What the turn's packed forward attends to: each live row's chunk token j sees its row's history
-    (`History.visible`) and its chunk's tokens up to j, after the shared levels it reads (`levels`: in the
-    prefix layout its prompt's KV, and a prefix common to every prompt's)."""
+    (`History.visible`) and its chunk's tokens up to j."""
     keys = int((history.frontier + turn.lengths).max())  # host sync: the columns read, once per turn
-    return packed_attention(turn, history.frontier, history.visible(keys), levels)
+    return packed_attention(turn, history.frontier, history.visible(keys))
 
 
 def record(history: History, turn: Turn, output) -> None:
