@@ -15,7 +15,7 @@ the operators (torchkvops.ops, torchkvops.fused_attention) and the model adapter
 
 from .config import MIN_TEMPERATURE, RolloutConfig, RolloutOutput
 from .decode import NonFiniteLogitsError
-from .engine import Rollout, check_prompts, kv_lengths
+from .engine import Rollout, check_prompts
 from .layouts import KV_LENGTH_MULTIPLE, round_up
 from .profiling import RolloutProfile
 
@@ -26,7 +26,6 @@ __all__ = [
     "RolloutProfile",
     "NonFiniteLogitsError",
     "check_prompts",
-    "kv_lengths",
     "round_up",
     "KV_LENGTH_MULTIPLE",
     "MIN_TEMPERATURE",

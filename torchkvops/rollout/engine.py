@@ -50,13 +50,7 @@ __all__ = [
     "NonFiniteLogitsError",
     "FINISHED_CHECK_INTERVAL",
     "MAX_DECODE_STATES",
-    "kv_lengths",
 ]
-
-
-def kv_lengths(kv_sharing: str, prompt_len: int, new_tokens: int) -> tuple[int, ...]:
-    """The positions the KV buffers of layout `kv_sharing` hold (layouts.CopyLayout.kv_lengths)."""
-    return layout_for(kv_sharing, 1).kv_lengths(prompt_len, new_tokens)
 
 
 # A rollout switches its model's attention implementation while it decodes: one rollout per model at a

@@ -77,7 +77,7 @@ class RolloutKVCache(Cache):
     """Static KV buffers reused across rollouts, one set per cache group (`groups`); `prepare()` sizes them
     for a layout (torchkvops.rollout.layouts), `release()` frees them. Each group's buffers are one per entry
     of the layout's `kv_lengths`: the prompts' buffer is the first and the decode buffer the last (one and the
-    same in the copy layout); `prompt_views` and `decode_views` are that buffer of every group."""
+    same in every layout now); `prompt_views` and `decode_views` are that buffer of every group."""
 
     def __init__(self, spec: CacheSpec | KVShape, dtype: torch.dtype, device: torch.device):
         super().__init__(layers=[])
