@@ -1,15 +1,16 @@
-"""The paged layout's two ways of reading a prompt's shared blocks in a decode step, beside the dense layouts:
+"""The ways of reading a prompt's blocks in a decode step, on the same pool, beside the dense buffer:
 
-  paged-rows     each row reads its prompt's blocks through its own table (N reads of the prompt a step)
-  paged-stacked  the prompt's whole blocks read once for its N rows' stacked queries, each row's own keys
-                 after them, merged by log-sum-exp (`PagedLayout.stacked_tokens`, the switch between the two)
-  copy, prefix   the dense layouts (`kv_sharing="copy"`: a buffer row per row; `"prefix"`: the prompt's KV
-                 once, its rows' queries stacked against it)
+  copy      each row reads its prompt's blocks through its own table (N reads of the prompt a step)
+  prefix    the prompt's whole blocks read once for its N rows' stacked queries, each row's own keys after
+            them, merged by log-sum-exp
+  paged     the default: "prefix" from `PagedLayout.stacked_tokens` tokens of whole blocks, "copy" below
+  expanded  the expanded baseline's dense buffer (every row prefilled alone into a buffer row of its own,
+            read through paged_attention as a pool of one block a row): the dense reference
 
 A model of a named shape with random weights, B prompts x N samples of P tokens, R new tokens each (no EOS:
-every row decodes R - 1 steps, so the step's cost is what is compared); the modes alternate (A B C D A B C D
+every row decodes R - 1 steps, so the step's cost is what is compared); the modes alternate (A B C A B C
 ...) after a warm-up round, each call's decode ms per step from its profile; medians, and each mode's ratio
-to paged-rows. The same seed in every mode: the tokens agree (printed).
+to the first mode's. The same seed in every mode: the tokens agree (printed).
 
     .venv/bin/python benchmarks/bench_stacked_prompts.py --model-shape llama-small --batch 1 --samples 16 \\
         --prompt 2048 --new-tokens 32 --rounds 3 --threads 2
@@ -25,19 +26,17 @@ import torch
 
 from torchkvops import Rollout, RolloutConfig
 from torchkvops.models.shapes import MODEL_SHAPES, build_model
-from torchkvops.rollout.layouts import PagedLayout
 
-MODES = ("paged-rows", "paged-stacked", "copy", "prefix")
+MODES = ("copy", "prefix", "paged", "expanded")
 
 
 def run(model, mode: str, ids: torch.Tensor, samples: int, new_tokens: int) -> tuple[float, torch.Tensor]:
     """One call's decode ms per step and its responses."""
-    layout = "paged" if mode.startswith("paged") else mode
-    PagedLayout.stacked_tokens = 1 if mode == "paged-stacked" else 1 << 30
     config = RolloutConfig(
         samples_per_prompt=samples,
         max_new_tokens=new_tokens,
-        kv_sharing=layout,
+        kv_sharing="copy" if mode == "expanded" else mode,
+        shared_prefill=mode != "expanded",
         temperature=1.0,
         seed=0,
         eos_token_id=[],
@@ -57,7 +56,7 @@ def main(argv=None) -> None:
     p.add_argument("--prompt", type=int, default=2048)
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    p.add_argument("--modes", nargs="+", choices=MODES, default=["copy", "prefix", "expanded"])
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--output", default=None, help="a JSON file for every call's figures")
     a = p.parse_args(argv)
@@ -66,18 +65,14 @@ def main(argv=None) -> None:
     model = build_model(a.model_shape)
     vocab = model.config.vocab_size
     ids = torch.randint(3, vocab, (a.batch, a.prompt), generator=torch.Generator().manual_seed(0))
-    default = PagedLayout.stacked_tokens
     times: dict[str, list[float]] = {m: [] for m in a.modes}
     tokens: dict[str, torch.Tensor] = {}
-    try:
-        for r in range(a.rounds + 1):  # round 0: the warm-up
-            for mode in a.modes:
-                ms, responses = run(model, mode, ids, a.samples, a.new_tokens)
-                tokens.setdefault(mode, responses)
-                if r:
-                    times[mode].append(ms)
-    finally:
-        PagedLayout.stacked_tokens = default
+    for r in range(a.rounds + 1):  # round 0: the warm-up
+        for mode in a.modes:
+            ms, responses = run(model, mode, ids, a.samples, a.new_tokens)
+            tokens.setdefault(mode, responses)
+            if r:
+                times[mode].append(ms)
     base = statistics.median(times[a.modes[0]])
     print(
         f"{a.model_shape}, B={a.batch} x N={a.samples}, P={a.prompt}, R={a.new_tokens}, "
