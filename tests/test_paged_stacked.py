@@ -123,23 +123,52 @@ def test_turns_after_stacked_reads_equal_hf_on_each_full_history(llama, stacked)
     assert len(stacked) > 0
 
 
-def test_a_common_prefix_and_stacked_prompts(llama, stacked, monkeypatch):
-    """A prefix common to every prompt (computed once) before remainders of other lengths: each prompt's
-    whole blocks end where its own remainder ends. The per-row read's samples."""
-    ids, mask = prompts(3, 60, seed=6, left_pad=[0, 3, 9])
+def system_prompts(system_length: int = 36, left_pad=(0, 3, 9)):
+    """Three prompts of 60 columns, left-padded by `left_pad`, the same `system_length` tokens at the start
+    of every prompt's real tokens."""
+    ids, mask = prompts(3, 60, seed=6, left_pad=list(left_pad))
     ids[:, :] = torch.where(mask.bool(), ids, 0)
-    system = torch.randint(3, 90, (36,), generator=torch.Generator().manual_seed(0))
-    for b in range(3):  # the same 36 tokens at the start of every prompt's real tokens
+    system = torch.randint(3, 90, (system_length,), generator=torch.Generator().manual_seed(0))
+    for b in range(3):
         first = int((~mask[b].bool()).sum())
-        ids[b, first : first + 36] = system
+        ids[b, first : first + system_length] = system
+    return ids, mask
+
+
+def test_a_common_prefix_and_stacked_prompts(llama, stacked, monkeypatch):
+    """A prefix common to every prompt (computed once) before remainders of other lengths: its two whole
+    blocks read once a step for every row (the decode shape's `common_len`), each prompt's own whole blocks
+    after them for its rows, ending where its own remainder ends. The per-row read's samples."""
+    ids, mask = system_prompts()
     config = sampled(40, min_shared_tokens=16)
     rollout = Rollout(llama, config)
     out = rollout.generate(ids, mask)
     assert stacked
+    assert rollout.decode_counters().graph_key[0].common_len == 32  # (36 tokens: two whole blocks)
     per_row(monkeypatch)
     reference = Rollout(llama, config).generate(ids, mask)
     assert torch.equal(out.sequences, reference.sequences)
     torch.testing.assert_close(out.logprobs, reference.logprobs, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gpt_oss", "qwen3_next"])
+@pytest.mark.parametrize("system_length", [36, 48], ids=["remainders-with-blocks", "common-ends-a-block"])
+def test_a_common_prefix_read_once_greedy_matches_hf_generate(family, system_length, stacked):
+    """The common prefix's level with softcapped scores (gemma2), attention sinks (gpt_oss) and recurrent
+    layers beside attention (qwen3_next): HF's greedy tokens on the full prompts. A system prompt of 36
+    tokens in prompts of 60, 57 and 46 tokens: two whole blocks read once for every row, then the prompts'
+    own part (the third block), which the third prompt (two whole blocks) does not reach (all masked). A
+    system prompt of 48 tokens in prompts of 60, 57 and 51: no prompt has a whole block past it, so the
+    prompts' level reads it all (no common level)."""
+    model = tiny_model(family)
+    if model is None:
+        pytest.skip(f"{family}: not in this transformers")
+    ids, mask = system_prompts(system_length, left_pad=(0, 3, 14) if system_length == 36 else (0, 3, 9))
+    config = RolloutConfig(samples_per_prompt=2, max_new_tokens=20, eos_token_id=[], min_shared_tokens=16)
+    rollout = Rollout(model, config)
+    out = rollout.generate(ids, mask)
+    assert torch.equal(out.responses, hf_greedy(model, ids, mask, 20).repeat_interleave(2, dim=0))
+    assert stacked and rollout.decode_counters().graph_key[0].common_len == (32 if system_length == 36 else 0)
 
 
 def test_a_compiled_stacked_decode_gives_the_eager_tokens(llama, monkeypatch):

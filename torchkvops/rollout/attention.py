@@ -140,6 +140,10 @@ class DecodeAttention:
     prompt_table: Tensor | None = None
     own_start: Tensor | None = None
     prompt_bias: Tensor | None = None
+    # A prefix common to every prompt, before the prompts' own part: its whole blocks [1, blocks], read once
+    # a step for every row's queries, as common_bias [1, 1, 1, C] shows them (every key).
+    common_table: Tensor | None = None
+    common_bias: Tensor | None = None
     # A compacted batch (torchkvops.rollout.compaction): rows need not come N per prompt; the queries of
     # prompt i are the rows slot_rows[i*S : (i+1)*S] ([B * S]), and row r reads its prompt part from sample
     # row_sample[r] of prompt row_prompt[r] ([rows] each).
@@ -163,6 +167,7 @@ class DecodeAttention:
         self.kept_window = 0 if self.window_map is None else paged.window
         self.prompt_table, self.own_start = state.prompt_table, state.own_start
         self.prompt_bias = state.prompt_bias
+        self.common_table, self.common_bias = state.common_table, state.common_bias
         self.slot_rows, self.row_prompt, self.row_sample = state.slot_rows, state.row_prompt, state.row_sample
 
     def write(self, cache, key: Tensor, value: Tensor, layer: int) -> tuple[Tensor, Tensor]:
@@ -447,7 +452,9 @@ def _stacked_prompts(
     """Prompts read stacked: each prompt's whole blocks gathered once (not once per row) and read by the
     fused attention for the stacked queries of its rows ([prompts, kv_heads, N * group, head_dim]), each
     row's own keys after them through
-    its table, the two merged by their log-sum-exps (Hydragen's split). query [rows, heads, 1, head_dim];
+    its table, the two merged by their log-sum-exps (Hydragen's split); a prefix common to every prompt
+    (`common_table`) is read apart, once for every row's queries, and merged the same way. query [rows,
+    heads, 1, head_dim];
     key, value: the layer's pool [blocks, kv_heads, block_size, head_dim]. Returns out [rows, kv_heads,
     group, head_dim] and its lse [rows, kv_heads, group] (no window: a windowed layer reads its tables).
 
@@ -472,7 +479,19 @@ def _stacked_prompts(
         query[:, :, 0], key, value, context.kv_table, context.kv_length, None, scaling, 0, cap, context.own_start
     )
     out_s, lse_s = out_s.view(rows, kv_heads, group, head_dim), lse_s.view(rows, kv_heads, group)
-    return _merge_prompt_part(context, out_p, lse_p, out_s, lse_s)
+    out, lse = _merge_prompt_part(context, out_p, lse_p, out_s, lse_s)
+    if context.common_table is None:
+        return out, lse
+    # A prefix common to every prompt: its whole blocks gathered once, every row's queries stacked against them.
+    every = query.reshape(rows, kv_heads, group, head_dim).transpose(0, 1).reshape(1, kv_heads, rows * group, head_dim)
+    common_k, common_v = gather_blocks(key, context.common_table), gather_blocks(value, context.common_table)
+    if softcap is not None:
+        out_c, lse_c = attend_softcapped(every, common_k, common_v, context.common_bias, softcap=softcap, scale=scaling)
+    else:
+        out_c, lse_c = _attend(every, common_k, common_v, context.common_bias, scale=scaling)
+    out_c = out_c.view(kv_heads, rows, group, head_dim).transpose(0, 1)
+    lse_c = lse_c.view(kv_heads, rows, group).transpose(0, 1)
+    return ops.merge_attention_states(out_c, lse_c, out, lse)
 
 
 def _by_prompt(context: DecodeAttention, per_row: Tensor, prompts) -> Tensor:

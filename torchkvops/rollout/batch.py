@@ -168,18 +168,22 @@ class DecodeBatch:
         W] bool: the columns that hold its tokens, ending where its rows' first token is written), read from
         its first visible column; each row reads its own keys after them (or from its own start, if later)."""
         s = self.state
-        block, shared = s.shape.kv_block, s.shape.prompt_len
+        block, shared, common = s.shape.kv_block, s.shape.prompt_len, s.shape.common_len
         visible = visible.bool()
         # Each prompt's tokens end where its rows write first: its whole blocks are those before that end.
         end = visible.shape[1] - visible.flip(1).int().argmax(dim=1)
         whole = torch.where(visible.any(dim=1), end // block * block, 0)
-        columns = torch.arange(shared, device=visible.device)[None, :]
-        seen = visible[:, :shared] & (columns < whole[:, None])
+        # The prompts' own part: the columns after a common prefix's whole blocks (read apart, for every row).
+        columns = common + torch.arange(shared, device=visible.device)[None, :]
+        seen = visible[:, common : common + shared] & (columns < whole[:, None])
         # A masked key's bias finite (MASKED_KEY_BIAS): a prompt whose whole blocks are all padding keeps a
         # finite log-sum-exp, which then weighs nothing in the merge with its rows' own keys.
         s.prompt_bias[:, 0, 0] = torch.where(seen, 0.0, MASKED_KEY_BIAS).to(s.prompt_bias.dtype)
         homes = torch.arange(s.shape.prompts, device=s.prompt_table.device) * samples
-        s.prompt_table.copy_(self.cache.paged.table.index_select(0, homes)[:, : s.prompt_table.shape[1]])
+        tables = self.cache.paged.table.index_select(0, homes)
+        s.prompt_table.copy_(tables[:, common // block : (common + shared) // block])
+        if s.common_table is not None:  # (the same blocks in every prompt's table: the first one's)
+            s.common_table.copy_(tables[:1, : common // block])
         own = whole.repeat_interleave(samples).to(s.kv_start.device, s.kv_start.dtype)
         s.own_start.copy_(torch.maximum(s.kv_start, own))
 
@@ -190,7 +194,9 @@ class DecodeBatch:
         if rows is None:
             self.draw(state, logits)
             return
-        sub = DecodeState(dataclasses.replace(state.shape, rows=rows.numel(), prompts=0, slots=0), state.tokens.device)
+        sub = DecodeState(
+            dataclasses.replace(state.shape, rows=rows.numel(), prompts=0, slots=0, common_len=0), state.tokens.device
+        )
         state.gather_into(sub, rows, None)
         self.draw(sub, logits)
         state.scatter_rows_from(sub, rows)

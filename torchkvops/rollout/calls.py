@@ -142,6 +142,7 @@ class GenerateCall(Call):
             max_new_tokens=r.config.max_new_tokens,
             cache_position=self.counts.prompt_length,  # (the input's width)
             prompt_visible=layout.prompt_visible(prompts.columns, r.cache),
+            common=prompts.common,
         )
         self.count_decode(r._decoder.run_call(self.decoding, self.ended_everywhere))
 
@@ -208,6 +209,7 @@ class ExtendCall(Call):
             # HF's generate on the full histories, left-padded to the longest: its width.
             cache_position=int(self.live_positions.max()),  # host sync: one int, once per turn
             prompt_visible=self.prompt_visible,
+            common=history.prompt_info.common,
         )
         self.count_decode(r._decoder.run_call(self.decoding, initial_plan=self.plan))
 

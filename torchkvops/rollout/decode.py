@@ -277,6 +277,7 @@ class Decoder:
         max_new_tokens: int,
         cache_position: int,
         prompt_visible: Tensor | None = None,
+        common: int = 0,
     ) -> DecodeBatch:
         """A batch of every row of a call, each row's first token sampled from `first_logits` [rows,
         vocab]. What each row sees: `visible` [rows, C] (bool) over the decode buffer's first C columns,
@@ -284,7 +285,8 @@ class Decoder:
         `positions` [rows]: the position of the token each row feeds first; decode writes from column
         `write_start` on (one for every row, or [rows]: each row's own); `cache_position`: HF's cache
         position of the first token decode feeds (the width of the input HF's generate would have: it goes
-        up by one a step). `live` [rows] (bool, optional): False for rows that have ended before they start."""
+        up by one a step). `live` [rows] (bool, optional): False for rows that have ended before they start.
+        `common`: the tokens of a prefix common to every prompt (its whole blocks then read once for every row)."""
         rows = first_logits.shape[0]
         prompts, prompt_columns = (0, 0) if prompt_visible is None else prompt_visible.shape
         shape = self.layout.decode_shape(
@@ -295,6 +297,7 @@ class Decoder:
             self.adapter.dtype,
             self.step.logprobs,
             prompt_columns=prompt_columns,
+            common=common,
         )
         batch = self.batch(self.state_for(shape), self.layout.batch_map(rows))
         self.step.bind(batch.state)

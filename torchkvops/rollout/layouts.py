@@ -128,9 +128,11 @@ class CopyLayout:
         logprobs: bool,
         slots: int = 0,
         prompt_columns: int = 0,
+        common: int = 0,
     ):
         """The decode state's shape for `rows` rows; `prompts` (and their `slots` query slots, and
-        `prompt_columns`, the columns of their `prompt_visible`): the prompts' KV read apart from the rows'."""
+        `prompt_columns`, the columns of their `prompt_visible`, the first `common` of them a prefix common to
+        every prompt): the prompts' KV read apart from the rows'."""
         return DecodeShape(rows, cache.decode_views.tokens, max_new_tokens, dtype, logprobs=logprobs)
 
     def batch_map(self, rows: int) -> BatchMap:
@@ -277,20 +279,26 @@ class PagedLayout(CopyLayout):
         logprobs: bool,
         slots: int = 0,
         prompt_columns: int = 0,
+        common: int = 0,
     ):
-        """A call's rows read their prompts' shared blocks stacked when `prompts` (`prompt_visible`):
-        `prompt_len` the columns of the whole blocks of the widest prompt."""
+        """A call's rows read their prompts' shared blocks stacked when `prompts` (`prompt_visible`): the
+        whole blocks of the widest prompt, those of a prefix of `common` tokens common to every prompt read
+        once for every row (`common_len`) and the rest once per prompt (`prompt_len`), when some are left."""
         shared = prompt_columns // self.block_size * self.block_size if prompts else 0
+        common_len = common // self.block_size * self.block_size
+        if common_len >= shared:  # (no prompt has a whole block of its own: the prompts' level reads it all)
+            common_len = 0
         return DecodeShape(
             rows,
             cache.columns,
             max_new_tokens,
             dtype,
             prompts=prompts if shared else 0,
-            prompt_len=shared,
+            prompt_len=shared - common_len,
             logprobs=logprobs,
             slots=slots if shared else 0,
             kv_block=self.block_size,
+            common_len=common_len,
         )
 
     def dynamic_tensors(self, state, cache) -> list[tuple[Tensor, tuple[int, ...]]]:

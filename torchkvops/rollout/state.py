@@ -34,6 +34,9 @@ class DecodeShape:
     logprobs: bool = False
     slots: int = 0
     kv_block: int = 0  # the KV pool's block size (0: the expanded baseline's decode buffer, one block per row)
+    # Prompts read stacked after a prefix common to every prompt: the columns of its whole blocks, read once a
+    # step for every row's queries (the prompts' own part then starts there; 0: none).
+    common_len: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,6 +167,20 @@ class DecodeState:
             torch.int32,
             "paged layout, prompts read stacked: the first column a row reads as its own (after its prompt's "
             "shared blocks, or its kv_start if later)",
+        ),
+        _Field(
+            "common_table",
+            "shared",
+            lambda s: _if(s.common_len > 0 and s.kv_block > 0, (1, s.common_len // max(s.kv_block, 1))),
+            torch.int32,
+            "prompts read stacked after a common prefix: its whole blocks, which every prompt's table names",
+        ),
+        _Field(
+            "common_bias",
+            "fixed",
+            lambda s: _if(s.common_len > 0, (1, 1, 1, s.common_len)),
+            None,
+            "prompts read stacked after a common prefix: the bias over its whole blocks (every key seen: zeros)",
         ),
         # A compacted batch whose prompts are read stacked (slots > 0): the stacked read's query slots, S per
         # prompt: the row at each slot, and each row's slot as (prompt, sample).
