@@ -15,8 +15,9 @@
   rows each decodes at once on average (generated tokens / decode steps).
 
 For each: the KV bytes the call used (`RolloutProfile.kv_cache_bytes`) and what the rows hold when it ends
-(each row's prompt and tokens, a prompt once in the prefix and paged layouts; a sliding layer at most its
-window: `held_bytes`), and their ratio. The paged layout (blocks of 16 tokens) holds the latter plus a
+(each row's prompt and tokens, a prompt once: every layout keeps its KV in the pool since 2026-12-07, a
+prompt's blocks shared by its rows; a sliding layer at most its window: `held_bytes`), and their ratio.
+The paged layout (blocks of 16 tokens) holds the latter plus a
 partly filled block or two per row; its sliding layers' own pool holds a window, the stretch of 8 tokens
 a row reserves ahead and a block per row (`sliding_kv_bytes`, against `sliding_goal_bytes`: a window and
 one block a row). No timing is compared (decode_ms is printed for the record only): bytes and rows.
@@ -57,15 +58,15 @@ def prompts(vocab: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(3, vocab, (PROMPTS, PROMPT_LEN), generator=g)
 
 
-def held(config, layout: str, rows_len: list[int], window: int | None = None, sliding_layers: int = 0) -> int:
-    """The bytes of what the rows hold: each row's prompt (once per prompt in the prefix layout) and
-    tokens; sliding layers at most `window` tokens a row."""
+def held(config, rows_len: list[int], window: int | None = None, sliding_layers: int = 0) -> int:
+    """The bytes of what the rows hold: each prompt once (its rows share its blocks, in every layout) and
+    each row's tokens; sliding layers at most `window` tokens a row."""
     full_layers = config.num_hidden_layers - sliding_layers
     total = 0
     for layers, cap in ((full_layers, None), (sliding_layers, window)):
         if not layers:
             continue
-        if layout in ("prefix", "paged") and cap is None:  # (the paged layout shares a prompt's blocks)
+        if cap is None:  # (a prompt's blocks are shared by its rows)
             tokens = PROMPTS * PROMPT_LEN + sum(rows_len)
         else:
             tokens = sum(min(PROMPT_LEN + n, cap or 1 << 62) for n in rows_len)
@@ -106,7 +107,7 @@ def run_tail(layout: str) -> list[dict]:
         out.append(
             record(
                 rollout,
-                held(model.config, layout, lens),
+                held(model.config, lens),
                 workload="tail",
                 layout=layout,
                 mean=mean,
@@ -126,7 +127,7 @@ def run_window(layout: str) -> dict:
     result = rollout.generate(prompts(model.config.vocab_size))
     lens = [new] * result.responses.shape[0]
     sliding = sum(t == "sliding_attention" for t in model.config.layer_types)
-    need = held(model.config, layout, lens, window=window, sliding_layers=sliding)
+    need = held(model.config, lens, window=window, sliding_layers=sliding)
     fields = dict(workload="window", layout=layout, window=window, length=PROMPT_LEN + new)
     store = rollout.cache.paged
     if store is not None and store.windows is not None:
@@ -150,7 +151,7 @@ def run_turns(layout: str) -> dict:
     lens = [16 + n + 16 for n in appended_lens]  # both answers and the appended tokens, after the prompt
     return record(
         rollout,
-        held(model.config, layout, lens),
+        held(model.config, lens),
         workload="turns",
         layout=layout,
         appended=f"{min(appended_lens)}..{max(appended_lens)}",
