@@ -440,21 +440,20 @@ def torchkvops_attention(
         _own_keys, context, module.layer_idx, query, key, value, attention_mask, scaling, window, softcap, attend
     )
     if context.prompt_table is not None and not context._windowed(module.layer_idx) and _reads_paged(query, key):
-        out, lse = _stacked_prompts(context, query, key, value, scaling, softcap)
+        out, lse = _stacked_prompts(context, query, key, value, scaling, softcap, attend)
     else:
         out, lse = own(with_lse=sinks is not None)
     return _with_sinks(out, lse, sinks, kv_heads).reshape(rows, 1, heads, head_dim), None
 
 
 def _stacked_prompts(
-    context: DecodeAttention, query: Tensor, key: Tensor, value: Tensor, scaling, softcap
+    context: DecodeAttention, query: Tensor, key: Tensor, value: Tensor, scaling, softcap, attend
 ) -> tuple[Tensor, Tensor]:
     """Prompts read stacked: each prompt's whole blocks gathered once (not once per row) and read by the
-    fused attention for the stacked queries of its rows ([prompts, kv_heads, N * group, head_dim]), each
-    row's own keys after them through
-    its table, the two merged by their log-sum-exps (Hydragen's split); a prefix common to every prompt
-    (`common_table`) is read apart, once for every row's queries, and merged the same way. query [rows,
-    heads, 1, head_dim];
+    fused attention (`attend`: the layer's, softcapped or not) for the stacked queries of its rows
+    ([prompts, kv_heads, N * group, head_dim]), each row's own keys after them through its table, the two
+    merged by their log-sum-exps (Hydragen's split); a prefix common to every prompt (`common_table`) is
+    read apart, once for every row's queries, and merged the same way. query [rows, heads, 1, head_dim];
     key, value: the layer's pool [blocks, kv_heads, block_size, head_dim]. Returns out [rows, kv_heads,
     group, head_dim] and its lse [rows, kv_heads, group] (no window: a windowed layer reads its tables).
 
@@ -466,14 +465,9 @@ def _stacked_prompts(
     kv_heads = key.shape[1]
     group = heads // kv_heads
     prompts = context.prompt_table.shape[0]  # (from a shape: a compiled step keeps it symbolic)
-    stacked = _stacked_queries(context, query.reshape(rows, kv_heads, group, head_dim), prompts)
+    q = query.reshape(rows, kv_heads, group, head_dim)
     prompt_k, prompt_v = gather_blocks(key, context.prompt_table), gather_blocks(value, context.prompt_table)
-    if softcap is not None:
-        out_p, lse_p = attend_softcapped(
-            stacked, prompt_k, prompt_v, context.prompt_bias, softcap=softcap, scale=scaling
-        )
-    else:
-        out_p, lse_p = _attend(stacked, prompt_k, prompt_v, context.prompt_bias, scale=scaling)
+    out_p, lse_p = attend(_stacked_queries(context, q, prompts), prompt_k, prompt_v, context.prompt_bias, scale=scaling)
     cap = 0.0 if softcap is None else float(softcap)
     out_s, lse_s = ops.paged_attention(
         query[:, :, 0], key, value, context.kv_table, context.kv_length, None, scaling, 0, cap, context.own_start
@@ -483,12 +477,9 @@ def _stacked_prompts(
     if context.common_table is None:
         return out, lse
     # A prefix common to every prompt: its whole blocks gathered once, every row's queries stacked against them.
-    every = query.reshape(rows, kv_heads, group, head_dim).transpose(0, 1).reshape(1, kv_heads, rows * group, head_dim)
+    every = q.transpose(0, 1).reshape(1, kv_heads, rows * group, head_dim)
     common_k, common_v = gather_blocks(key, context.common_table), gather_blocks(value, context.common_table)
-    if softcap is not None:
-        out_c, lse_c = attend_softcapped(every, common_k, common_v, context.common_bias, softcap=softcap, scale=scaling)
-    else:
-        out_c, lse_c = _attend(every, common_k, common_v, context.common_bias, scale=scaling)
+    out_c, lse_c = attend(every, common_k, common_v, context.common_bias, scale=scaling)
     out_c = out_c.view(kv_heads, rows, group, head_dim).transpose(0, 1)
     lse_c = lse_c.view(kv_heads, rows, group).transpose(0, 1)
     return ops.merge_attention_states(out_c, lse_c, out, lse)
