@@ -3,6 +3,8 @@
   copy      each row reads its prompt's blocks through its own table (N reads of the prompt a step)
   prefix    the prompt's whole blocks read once for its N rows' stacked queries, each row's own keys after
             them, merged by log-sum-exp
+  gathered  "prefix" with the whole blocks gathered through the tables each step (a copy) instead of viewed
+            in place where `PagedStore.place_prompts` laid them out: what the view saves
   paged     the default: "prefix" from `PagedLayout.stacked_tokens` tokens of whole blocks, "copy" below
   expanded  the expanded baseline's dense buffer (every row prefilled alone into a buffer row of its own,
             read through paged_attention as a pool of one block a row): the dense reference
@@ -19,15 +21,18 @@ to the first mode's. The same seed in every mode: the tokens agree (printed).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
+from unittest import mock
 
 import torch
 
 from torchkvops import Rollout, RolloutConfig
 from torchkvops.models.shapes import MODEL_SHAPES, build_model
+from torchkvops.rollout.paged_store import PagedStore
 
-MODES = ("copy", "prefix", "paged", "expanded")
+MODES = ("copy", "prefix", "gathered", "paged", "expanded")
 
 
 def run(model, mode: str, ids: torch.Tensor, samples: int, new_tokens: int) -> tuple[float, torch.Tensor]:
@@ -35,7 +40,7 @@ def run(model, mode: str, ids: torch.Tensor, samples: int, new_tokens: int) -> t
     config = RolloutConfig(
         samples_per_prompt=samples,
         max_new_tokens=new_tokens,
-        kv_sharing="copy" if mode == "expanded" else mode,
+        kv_sharing={"expanded": "copy", "gathered": "prefix"}.get(mode, mode),
         shared_prefill=mode != "expanded",
         temperature=1.0,
         seed=0,
@@ -43,7 +48,9 @@ def run(model, mode: str, ids: torch.Tensor, samples: int, new_tokens: int) -> t
         enable_profiling=True,
     )
     rollout = Rollout(model, config)
-    out = rollout.generate(ids, torch.ones_like(ids))
+    gathered = mock.patch.object(PagedStore, "prompts_in_place", lambda *args: False)
+    with gathered if mode == "gathered" else contextlib.nullcontext():
+        out = rollout.generate(ids, torch.ones_like(ids))
     profile = rollout.get_last_profile()
     return profile.decode_ms / max(profile.decode_steps, 1), out.responses
 

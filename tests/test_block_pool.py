@@ -235,3 +235,47 @@ def test_the_tables_tensor_is_what_paged_attention_reads():
         v = torch.stack([t[1] for t in rows_kv[row]], 1)
         expected = torch.softmax(q[row, :, None] @ k.transpose(1, 2) * dim**-0.5, -1) @ v
         torch.testing.assert_close(out[row], expected[:, 0])
+
+
+def test_blocks_set_aside_go_only_to_the_rows_placed_on_them_and_come_back_after():
+    """A run set aside (`set_aside`) is taken by the rows placed on it (`BlockTables.place`: a prompt's
+    blocks where a stacked read views them), never by other rows' takes; what is left of it is free again
+    after `put_back_aside`; a run that holds a block cannot be set aside."""
+    pool = BlockPool(16, 4)
+    tables = BlockTables(pool, rows=6, max_blocks=6)
+    assert pool.take(1) == [0]  # (the scratch block)
+    assert not pool.set_aside([0, 1, 2])  # block 0 is held: nothing set aside
+    assert pool.num_free == 15
+    assert pool.set_aside(list(range(4, 12)))  # two prompts' runs of 4 blocks (3 whole and room for one)
+    assert pool.num_free == 7 and pool.num_held == 1  # (blocks set aside are neither free nor held)
+    tables.place(0, 4, 0)
+    tables.place(1, 8, 0)
+    assert tables.append(0, 14) == [4, 5, 6, 7]  # 3 whole blocks and a partly filled one
+    assert tables.append(1, 12) == [8, 9, 10]
+    assert tables.append(2, 8) == [1, 2]  # an unplaced row: the free blocks outside the runs
+    copies = tables.fork(1, [3, 4])  # (12 tokens: no partly filled block to copy)
+    assert copies == [] and tables.blocks[3] == [8, 9, 10]
+    pool.put_back_aside()
+    assert pool.take(1) == [11]  # the run's untaken block, free again (taken first)
+    for row in range(5):
+        tables.release(row)
+    pool.give_back([0, 11])
+    assert pool.num_free == pool.num_blocks
+
+
+def test_a_placed_fork_copies_the_partial_block_into_the_childs_run():
+    """A common prefix's partly filled block copied to each prompt's row at that row's place (its run's
+    first block), while the whole blocks stay shared."""
+    pool = BlockPool(16, 4)
+    tables = BlockTables(pool, rows=3, max_blocks=6)
+    pool.take(1)
+    tables.append(0, 6)  # the common prefix: block 1 whole, block 2 partly filled
+    assert tables.blocks[0] == [1, 2]
+    assert pool.set_aside([5, 6, 7, 8, 9, 10, 11])  # runs of 3 from block 2: row 0 holds its first
+    for row in range(3):
+        tables.place(row, 2 + 3 * row, 1)
+    assert tables.fork(0, [1, 2]) == [(2, 5), (2, 8)]
+    assert tables.blocks[1] == [1, 5] and tables.blocks[2] == [1, 8]
+    assert tables.append(2, 6) == [9]  # 12 tokens: its run's second block
+    pool.set_aside([])  # (an empty run: nothing)
+    assert pool.take(1) == [3]  # an unplaced take: outside the runs

@@ -200,3 +200,48 @@ def test_a_streamed_prompts_blocks_are_shared_by_its_samples_and_given_back_by_t
     for sample in (3, 4, 5):
         store.tables.release(sample)
     assert store.pool.num_held == 1  # the scratch block alone
+
+
+@pytest.mark.parametrize("common", [0, 20, 32], ids=["no-common-prefix", "common-partial-block", "common-whole-blocks"])
+def test_placed_prompts_are_read_in_place_as_their_tables_gather_them(common):
+    """Prompts laid out for the stacked read (`place_prompts`: a common prefix's whole blocks from block 1,
+    each prompt's own run a fixed stride apart), written, forked to their samples: the store says so
+    (`prompts_in_place`), and the pool's views (`block_runs`) hold what the tables gather; a store whose
+    prompt blocks lie elsewhere says not."""
+    from torchkvops.rollout.paged_kv import block_runs, gather_blocks
+
+    store = PagedStore([KVShape(layers=1, kv_heads=2, head_dim=4)], torch.float32, torch.device("cpu"))
+    store.prepare(rows=3 * 2, columns=96, expected_blocks=4)  # (smaller than the runs: the pool grows)
+    width, first = 70, common // KV_BLOCK_SIZE
+    blocks = width // KV_BLOCK_SIZE - first  # each prompt's whole blocks past the common prefix's
+    if common:
+        store.reserve([0], [common])
+    store.place_prompts(3, first, blocks)
+    if common:
+        store.fork_prompts(1, 3)  # (the common prefix to every prompt's row, as share_common does)
+    store.reserve([0, 1, 2], [width, 61, 48])
+    pool = store.kv[0].pool
+    pool.copy_(torch.randn(pool.shape))  # (every block written)
+    store.end_placement()
+    store.fork_prompts(3, 2)
+    homes = [0, 2, 4]
+    assert store.prompts_in_place(homes, first, blocks)
+    table = store.table[homes].long()
+    for kv in (0, 1):
+        layer = pool[0, kv]
+        own = block_runs(layer, 1 + first, 3, blocks, blocks + 1)
+        for i, end in enumerate([width, 61, 48]):  # (past a prompt's own whole blocks the read masks the keys)
+            n = min(end // KV_BLOCK_SIZE, first + blocks) - first
+            gathered = gather_blocks(layer, table[i : i + 1, first : first + n])
+            assert n > 0 and torch.equal(own[i : i + 1, :, : n * KV_BLOCK_SIZE], gathered)
+        if first:
+            assert torch.equal(block_runs(layer, 1, 1, first, first), gather_blocks(layer, table[:1, :first]))
+    # Without the placement the prompts' blocks follow one another: no fixed stride to view.
+    plain = PagedStore([KVShape(layers=1, kv_heads=2, head_dim=4)], torch.float32, torch.device("cpu"))
+    plain.prepare(rows=3 * 2, columns=96, expected_blocks=64)
+    if common:
+        plain.reserve([0], [common])
+        plain.fork_prompts(1, 3)
+    plain.reserve([0, 1, 2], [width, 61, 48])
+    plain.fork_prompts(3, 2)
+    assert not plain.prompts_in_place(homes, first, blocks)

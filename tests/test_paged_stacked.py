@@ -20,7 +20,7 @@ from test_turns import run_turns
 from torchkvops import Rollout, RolloutConfig
 from torchkvops.rollout import attention
 from torchkvops.rollout.layouts import PagedLayout
-from torchkvops.rollout.paged_store import KV_BLOCK_SIZE
+from torchkvops.rollout.paged_store import KV_BLOCK_SIZE, PagedStore
 
 EOS = [11, 23, 37, 45]
 # Families whose decode attention takes each argument the stacked read passes on or leaves to the tables:
@@ -31,13 +31,15 @@ FAMILIES = ["llama", "gemma2", "gpt_oss", "gemma3_text", "qwen3_next"]
 
 @pytest.fixture
 def stacked(monkeypatch):
-    """Prompts of one whole block or more read stacked; the number of stacked reads made, in a list."""
+    """Prompts of one whole block or more read stacked; the stacked reads made, in a list: whether each read
+    the shared blocks in place (views of the pool where `PagedStore.place_prompts` laid them out) or
+    gathered them through the tables."""
     calls = []
     read = attention._stacked_prompts
 
-    def spy(*args, **kwargs):
-        calls.append(1)
-        return read(*args, **kwargs)
+    def spy(context, *args, **kwargs):
+        calls.append(context.prompts_in_place)
+        return read(context, *args, **kwargs)
 
     monkeypatch.setattr(PagedLayout, "stacked_tokens", KV_BLOCK_SIZE)
     monkeypatch.setattr(attention, "_stacked_prompts", spy)
@@ -79,7 +81,7 @@ def test_stacked_prompts_greedy_matches_hf_generate(family, padded, stacked):
     config = RolloutConfig(samples_per_prompt=2, max_new_tokens=30, eos_token_id=[])
     out = Rollout(model, config).generate(ids, mask)
     assert torch.equal(out.responses, hf_greedy(model, ids, mask, 30).repeat_interleave(2, dim=0))
-    assert stacked
+    assert stacked and all(stacked)  # (no row ends: every read in place)
 
 
 def test_stacked_samples_and_logprobs_equal_the_per_row_reads(llama, stacked, monkeypatch):
@@ -99,6 +101,24 @@ def test_stacked_samples_and_logprobs_equal_the_per_row_reads(llama, stacked, mo
     torch.testing.assert_close(out.logprobs, reference.logprobs, rtol=1e-5, atol=1e-5)
     lengths = out.response_mask.sum(dim=1)
     assert int(lengths.min()) < int(lengths.max())
+
+
+def test_prompts_read_in_place_give_the_gathered_reads_samples(llama, stacked, monkeypatch):
+    """The stacked read viewing the prompts' blocks in place (`DecodeShape.prompts_in_place`), left padding
+    over a whole block of one prompt, rows ending at spread steps (compaction keeps the views while every
+    prompt has a live row, then gathers): the samples and log-probabilities of the same read gathering
+    the blocks through the tables every step."""
+    ids, mask = prompts(3, 53, seed=2, left_pad=[0, 17, 5])
+    config = sampled(150, samples=4)
+    rollout = Rollout(llama, config)
+    out = rollout.generate(ids, mask)
+    assert stacked[0] and rollout.decode_counters().compactions > 0
+    calls = len(stacked)
+    monkeypatch.setattr(PagedStore, "prompts_in_place", lambda *args: False)
+    gathered = Rollout(llama, config).generate(ids, mask)
+    assert len(stacked) > calls and not any(stacked[calls:])
+    assert torch.equal(out.sequences, gathered.sequences)
+    torch.testing.assert_close(out.logprobs, gathered.logprobs, rtol=1e-5, atol=1e-5)
 
 
 def test_a_prompt_shorter_than_the_threshold_is_read_per_row(llama, stacked, monkeypatch):
@@ -143,7 +163,7 @@ def test_a_common_prefix_and_stacked_prompts(llama, stacked, monkeypatch):
     config = sampled(40, min_shared_tokens=16)
     rollout = Rollout(llama, config)
     out = rollout.generate(ids, mask)
-    assert stacked
+    assert stacked and stacked[0]  # (in place: the common prefix's run, then each prompt's)
     assert rollout.decode_counters().graph_key[0].common_len == 32  # (36 tokens: two whole blocks)
     per_row(monkeypatch)
     reference = Rollout(llama, config).generate(ids, mask)
@@ -183,5 +203,6 @@ def test_a_compiled_stacked_decode_gives_the_eager_tokens(llama, monkeypatch):
     counters = rollout.decode_counters()
     assert counters.compiled_steps > 0 and counters.eager_keys == 0 and counters.compactions > 0
     assert counters.graph_key[0].prompt_len == 32  # (40 columns: two whole blocks)
+    assert any(shape.prompts_in_place for shape in rollout._decoder.states._entries)  # (before a prompt ends)
     assert torch.equal(compiled.sequences, eager.sequences)
     torch.testing.assert_close(compiled.logprobs, eager.logprobs, rtol=1e-4, atol=1e-4)

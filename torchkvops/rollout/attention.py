@@ -10,8 +10,10 @@ see `decode_attention`), so every attention layer of any supported decoder-only 
   and never copies them.
 - A prompt's N rows read its whole blocks once a step (`kv_sharing="prefix"`, or `"paged"` from
   `PagedLayout.stacked_tokens` tokens; `_stacked_prompts`): the blocks, which every row of the prompt names
-  in its table, are gathered once and read by torch's own fused attention for the rows' queries stacked
-  into one [prompts, kv_heads, N * group, head_dim] matrix (Hydragen's trick); each row reads its own keys
+  in its table, are read once by torch's own fused attention for the rows' queries stacked into one
+  [prompts, kv_heads, N * group, head_dim] matrix (Hydragen's trick): as views of the pool where the
+  prompts' blocks were laid out as runs a fixed stride apart (`PagedStore.place_prompts`), else gathered
+  through the tables (a copy a layer and step); each row reads its own keys
   after them through its table, and the two partial attentions are merged with their log-sum-exps
   (`merge_attention_states`). Once the batch is compacted as rows end (`torchkvops.rollout.compaction`),
   the rows of a prompt are no longer N consecutive ones: the queries are gathered into N slots per prompt
@@ -54,7 +56,7 @@ from .. import ops
 from ..fused_attention import MASKED_KEY_BIAS, applied_softcap, attend_softcapped, merge_sinks
 from ..fused_attention import attend as _attend
 from .cache_groups import KVViews, layer_kv, layer_slot
-from .paged_kv import dense_rows, gather_blocks, window_slots, window_table, write_slots
+from .paged_kv import block_runs, dense_rows, gather_blocks, window_slots, window_table, write_slots
 
 __all__ = [
     "NAME",
@@ -144,6 +146,9 @@ class DecodeAttention:
     # a step for every row's queries, as common_bias [1, 1, 1, C] shows them (every key).
     common_table: Tensor | None = None
     common_bias: Tensor | None = None
+    # The prompts' and common prefix's whole blocks lie as `PagedStore.place_prompts` lays them out: read as
+    # views of the pool (`block_runs`), not gathered through the tables above (the state's shape's).
+    prompts_in_place: bool = False
     # A compacted batch (torchkvops.rollout.compaction): rows need not come N per prompt; the queries of
     # prompt i are the rows slot_rows[i*S : (i+1)*S] ([B * S]), and row r reads its prompt part from sample
     # row_sample[r] of prompt row_prompt[r] ([rows] each).
@@ -168,6 +173,7 @@ class DecodeAttention:
         self.prompt_table, self.own_start = state.prompt_table, state.own_start
         self.prompt_bias = state.prompt_bias
         self.common_table, self.common_bias = state.common_table, state.common_bias
+        self.prompts_in_place = state.shape.prompts_in_place
         self.slot_rows, self.row_prompt, self.row_sample = state.slot_rows, state.row_prompt, state.row_sample
 
     def write(self, cache, key: Tensor, value: Tensor, layer: int) -> tuple[Tensor, Tensor]:
@@ -449,15 +455,16 @@ def torchkvops_attention(
 def _stacked_prompts(
     context: DecodeAttention, query: Tensor, key: Tensor, value: Tensor, scaling, softcap, attend
 ) -> tuple[Tensor, Tensor]:
-    """Prompts read stacked: each prompt's whole blocks gathered once (not once per row) and read by the
-    fused attention (`attend`: the layer's, softcapped or not) for the stacked queries of its rows
-    ([prompts, kv_heads, N * group, head_dim]), each row's own keys after them through its table, the two
+    """Prompts read stacked: each prompt's whole blocks read once, not once per row (in place, or gathered:
+    `_shared_blocks`), by the fused attention (`attend`: the layer's, softcapped or not) for the stacked
+    queries of its rows ([prompts, kv_heads, N * group, head_dim]), each row's own keys after them through
+    its table, the two
     merged by their log-sum-exps (Hydragen's split); a prefix common to every prompt (`common_table`) is
     read apart, once for every row's queries, and merged the same way. query [rows, heads, 1, head_dim];
     key, value: the layer's pool [blocks, kv_heads, block_size, head_dim]. Returns out [rows, kv_heads,
     group, head_dim] and its lse [rows, kv_heads, group] (no window: a windowed layer reads its tables).
 
-    Why a gather and the fused attention rather than `ops.paged_attention` over the prompt's blocks with
+    Why the fused attention over the blocks as one run rather than `ops.paged_attention` over the prompt's blocks with
     the queries stacked as heads: that operator computes each query head's scores key by key, so stacking
     saves reads of the keys but no arithmetic, and on the CPU the step cost the same as each row reading
     its own table; the fused attention's matrix products make the stacked read pay (docs/benchmarks.md)."""
@@ -466,7 +473,7 @@ def _stacked_prompts(
     group = heads // kv_heads
     prompts = context.prompt_table.shape[0]  # (from a shape: a compiled step keeps it symbolic)
     q = query.reshape(rows, kv_heads, group, head_dim)
-    prompt_k, prompt_v = gather_blocks(key, context.prompt_table), gather_blocks(value, context.prompt_table)
+    prompt_k, prompt_v = _shared_blocks(context, key, value, context.prompt_table)
     out_p, lse_p = attend(_stacked_queries(context, q, prompts), prompt_k, prompt_v, context.prompt_bias, scale=scaling)
     cap = 0.0 if softcap is None else float(softcap)
     out_s, lse_s = ops.paged_attention(
@@ -478,11 +485,25 @@ def _stacked_prompts(
         return out, lse
     # A prefix common to every prompt: its whole blocks gathered once, every row's queries stacked against them.
     every = q.transpose(0, 1).reshape(1, kv_heads, rows * group, head_dim)
-    common_k, common_v = gather_blocks(key, context.common_table), gather_blocks(value, context.common_table)
+    common_k, common_v = _shared_blocks(context, key, value, context.common_table)
     out_c, lse_c = attend(every, common_k, common_v, context.common_bias, scale=scaling)
     out_c = out_c.view(kv_heads, rows, group, head_dim).transpose(0, 1)
     lse_c = lse_c.view(kv_heads, rows, group).transpose(0, 1)
     return ops.merge_attention_states(out_c, lse_c, out, lse)
+
+
+def _shared_blocks(context: DecodeAttention, key: Tensor, value: Tensor, table: Tensor) -> tuple[Tensor, Tensor]:
+    """The keys and values of the blocks `table` names ([prompts, n]: the prompts' whole blocks, or [1, n]:
+    the common prefix's) as [prompts, kv_heads, n * block_size, head_dim]: views of the pool where they lie
+    as `PagedStore.place_prompts` lays them out (the common prefix's n from block 1, prompt i's past them a
+    stride of n + 1 blocks apart), else gathered by the table (a copy each step)."""
+    if not context.prompts_in_place:
+        return gather_blocks(key, table), gather_blocks(value, table)
+    runs, n = table.shape  # (shapes only: a compiled step keeps them symbolic)
+    if table is context.common_table:
+        return block_runs(key, 1, 1, n, n), block_runs(value, 1, 1, n, n)
+    start = 1 if context.common_table is None else 1 + context.common_table.shape[1]
+    return block_runs(key, start, runs, n, n + 1), block_runs(value, start, runs, n, n + 1)
 
 
 def _by_prompt(context: DecodeAttention, per_row: Tensor, prompts) -> Tensor:

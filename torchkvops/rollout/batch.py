@@ -195,7 +195,10 @@ class DecodeBatch:
             self.draw(state, logits)
             return
         sub = DecodeState(
-            dataclasses.replace(state.shape, rows=rows.numel(), prompts=0, slots=0, common_len=0), state.tokens.device
+            dataclasses.replace(
+                state.shape, rows=rows.numel(), prompts=0, slots=0, common_len=0, prompts_in_place=False
+            ),
+            state.tokens.device,
         )
         state.gather_into(sub, rows, None)
         self.draw(sub, logits)
@@ -219,7 +222,12 @@ class DecodeBatch:
         # no prompt groups or query slots in its shape: the plan's would only multiply its decode shapes.
         stacked = state.shape.prompts > 0
         prompts, slots = (plan.prompts, plan.slots) if stacked else (0, 0)
-        new = self.states(dataclasses.replace(state.shape, rows=plan.size, prompts=prompts, slots=slots))
+        # Prompts read in place stay so while the batch keeps all of them (the pool's runs are every prompt's).
+        in_place = state.shape.prompts_in_place and prompts == state.shape.prompts
+        shape = dataclasses.replace(
+            state.shape, rows=plan.size, prompts=prompts, slots=slots, prompts_in_place=in_place
+        )
+        new = self.states(shape)
         state.gather_into(new, rows, groups)
         if plan.slot_rows is not None and stacked:
             new.slot_rows.copy_(plan.slot_rows)

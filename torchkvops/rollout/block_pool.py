@@ -49,6 +49,7 @@ class BlockPool:
         self.refs = [0] * num_blocks
         self.epoch = [0] * num_blocks
         self._free = list(range(num_blocks - 1, -1, -1))  # a stack: block 0 is taken first
+        self._aside: set[int] = set()  # free blocks kept for `take(at=)` only (`set_aside`)
 
     @property
     def num_blocks(self) -> int:
@@ -60,7 +61,7 @@ class BlockPool:
 
     @property
     def num_held(self) -> int:
-        return self.num_blocks - self.num_free
+        return self.num_blocks - self.num_free - len(self._aside)
 
     def grow(self, num_blocks: int) -> None:
         """The pool has `num_blocks` blocks now (more than before: the caller made its tensor larger and
@@ -72,8 +73,32 @@ class BlockPool:
         self.epoch += [0] * len(new)
         self._free[:0] = reversed(new)  # under the freed ones: those are taken first
 
-    def take(self, n: int) -> list[int]:
-        """`n` free blocks, each now held once; OutOfBlocks (and nothing taken) when fewer are free."""
+    def set_aside(self, blocks: list[int]) -> bool:
+        """`blocks`, all free, kept from `take` but for a `take(at=)` that names them (a run of blocks a
+        reader finds by position: `PagedStore.place_prompts`), until `put_back_aside`. False (nothing set
+        aside) when one of them is held or past the pool."""
+        if any(not 0 <= b < self.num_blocks or self.refs[b] or b in self._aside for b in blocks):
+            return False
+        self._aside.update(blocks)
+        self._free = [b for b in self._free if b not in self._aside]
+        return True
+
+    def is_aside(self, block: int) -> bool:
+        return block in self._aside
+
+    def put_back_aside(self) -> None:
+        """The blocks set aside and not taken are free again (taken before the others, lowest first)."""
+        self._free += sorted(self._aside, reverse=True)
+        self._aside.clear()
+
+    def take(self, n: int, at: int | None = None) -> list[int]:
+        """`n` free blocks, each now held once; OutOfBlocks (and nothing taken) when fewer are free. `at`:
+        blocks [at, at + n) when all of them are set aside (`set_aside`), else any free ones."""
+        if at is not None and n > 0 and all(b in self._aside for b in range(at, at + n)):
+            self._aside.difference_update(range(at, at + n))
+            for b in range(at, at + n):
+                self.refs[b] = 1
+            return list(range(at, at + n))
         if n > len(self._free):
             raise OutOfBlocks(f"torchkvops: {n} KV blocks wanted, {len(self._free)} of {self.num_blocks} free")
         blocks = [self._free.pop() for _ in range(n)]
@@ -118,10 +143,23 @@ class BlockTables:
         self.pool, self.max_blocks = pool, max_blocks
         self.blocks: list[list[int]] = [[] for _ in range(rows)]
         self.lengths = [0] * rows  # the tokens each row has written (or reserved)
+        # Rows whose blocks go to given places (`place`): row -> (block, index): its table's entry `index`
+        # is that block, and each later entry the next block.
+        self.placed: dict[int, tuple[int, int]] = {}
 
     @property
     def rows(self) -> int:
         return len(self.blocks)
+
+    def place(self, row: int, block: int, index: int) -> None:
+        """`row`'s table entries from `index` on are to be blocks `block`, `block + 1`, ... where the pool
+        has set them aside (`BlockPool.set_aside`); any free blocks where it has not."""
+        self.placed[row] = (block, index)
+
+    def _at(self, row: int, index: int) -> int | None:
+        """The block `row`'s table entry `index` is placed at (`place`), or None."""
+        block, first = self.placed.get(row, (None, 0))
+        return None if block is None or index < first else block + index - first
 
     def blocks_needed(self, row: int, tokens: int) -> int:
         """Blocks `row` takes to hold `tokens` more tokens."""
@@ -137,7 +175,7 @@ class BlockTables:
                 f"torchkvops: row {row} would hold {self.lengths[row] + tokens} tokens, more than its table's "
                 f"{self.max_blocks} blocks of {self.pool.block_size}"
             )
-        new = self.pool.take(max(0, need))
+        new = self.pool.take(max(0, need), at=self._at(row, len(self.blocks[row])))
         self.blocks[row] += new
         self.lengths[row] += tokens
         return new
@@ -154,7 +192,13 @@ class BlockTables:
         full = length // bs
         shared = self.blocks[parent][:full]
         partial = length % bs != 0
-        copies = self.pool.take(len(children)) if partial else []
+        copies = []
+        if partial:
+            at = [self._at(c, full) for c in children]
+            aside = sum(b is not None and self.pool.is_aside(b) for b in at)
+            if len(children) - aside > self.pool.num_free:  # (nothing taken)
+                raise OutOfBlocks(f"torchkvops: {len(children)} KV blocks wanted, {self.pool.num_free} free")
+            copies = [self.pool.take(1, at=b)[0] for b in at]
         for i, c in enumerate(children):
             self.pool.share(shared)
             self.blocks[c] = list(shared) + ([copies[i]] if partial else [])
@@ -166,6 +210,7 @@ class BlockTables:
         empty again."""
         freed = self.pool.give_back(self.blocks[row])
         self.blocks[row], self.lengths[row] = [], 0
+        self.placed.pop(row, None)
         return freed
 
     def move_row(self, src: int, dst: int) -> None:
@@ -174,6 +219,9 @@ class BlockTables:
             raise AssertionError(f"torchkvops: row {dst} holds blocks: a row moves into an empty one")
         self.blocks[dst], self.lengths[dst] = self.blocks[src], self.lengths[src]
         self.blocks[src], self.lengths[src] = [], 0
+        self.placed.pop(dst, None)
+        if src in self.placed:
+            self.placed[dst] = self.placed.pop(src)
 
     def move_rows(self, order: list[int]) -> None:
         """Compaction: the rows are `order`'s rows from now on (row i is old row order[i]); the rows left

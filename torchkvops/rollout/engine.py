@@ -274,6 +274,7 @@ class Rollout:
             attention_mask = attention_mask.repeat_interleave(n, dim=0)
         positions = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
         rows, width = input_ids.shape
+        self.layout.lay_out_prompts(self.cache, rows, width)
         self.layout.reserve(self.cache, list(range(rows)), [width] * rows)  # (before the views are bound)
         self.cache.bind(self._prefill_kv.bind(self.cache.prompt_views))
         logits = self._prefill_fn(input_ids, self._prefill_attention_mask(attention_mask), positions)
@@ -289,6 +290,7 @@ class Rollout:
         layout.reserve(cache, [0], [common])  # (before the views are bound, as below)
         cache.bind(self._prefill_kv.bind(cache.prompt_views))
         self._prefill_fn(prompts.ids[:1, first : first + common], None, torch.arange(common, device=self.device)[None])
+        layout.lay_out_prompts(cache, batch, prompts.width, common)
         layout.share_common(cache, batch, common)
         # Each prompt's row through its own end, where its samples write first: the block that holds that
         # column is copied to each sample when the rows are forked, not shared.

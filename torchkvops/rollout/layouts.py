@@ -100,6 +100,10 @@ class CopyLayout:
         """After a shared prefill of `batch` prompts: each prompt's KV in its N rows."""
         cache.expand_prompts(batch, self.samples, prompt_len)
 
+    def lay_out_prompts(self, cache, prompts: int, width: int, common: int = 0) -> None:
+        """Before `prompts` prompts of `width` columns (the first `common` a prefix common to all, written
+        already) are written: nothing here (PagedLayout places the blocks that a stacked read views)."""
+
     def reserve(self, cache, rows: list[int] | Tensor, until: list[int] | Tensor) -> None:
         """Before a forward writes rows `rows` of the decode buffer up to column `until[i]` (host ints, or
         device tensors read only where blocks are taken): nothing here (every row has its buffer's columns;
@@ -213,6 +217,19 @@ class PagedLayout(CopyLayout):
     # prompts read stacked"). A streaming batch (rows of prompts that come and go) reads through its tables.
     stacked_tokens = 256
 
+    def lay_out_prompts(self, cache, prompts: int, width: int, common: int = 0) -> None:
+        """Prompts that will be read stacked (`prompt_visible`) get their whole blocks (past a common
+        prefix's) as runs of the pool a fixed stride apart (`PagedStore.place_prompts`), which the stacked
+        read views in place instead of gathering them every step (`DecodeShape.prompts_in_place`)."""
+        whole = width // self.block_size * self.block_size
+        if self.samples > 1 and whole >= max(self.stacked_tokens, 1):
+            first = common // self.block_size
+            cache.paged.place_prompts(prompts, first, whole // self.block_size - first)
+
+    def expand_prompts(self, cache, batch: int, prompt_len: int) -> None:
+        cache.paged.end_placement()  # (the prompts are written: their runs' spare blocks are free again)
+        super().expand_prompts(cache, batch, prompt_len)
+
     def reserve(self, cache, rows: list[int] | Tensor, until: list[int] | Tensor) -> None:
         host = [t.tolist() if isinstance(t, Tensor) else t for t in (rows, until)]  # (host sync: tensors)
         cache.reserve(*host)
@@ -284,10 +301,13 @@ class PagedLayout(CopyLayout):
         """A call's rows read their prompts' shared blocks stacked when `prompts` (`prompt_visible`): the
         whole blocks of the widest prompt, those of a prefix of `common` tokens common to every prompt read
         once for every row (`common_len`) and the rest once per prompt (`prompt_len`), when some are left."""
-        shared = prompt_columns // self.block_size * self.block_size if prompts else 0
-        common_len = common // self.block_size * self.block_size
+        block = self.block_size
+        shared = prompt_columns // block * block if prompts else 0
+        common_len = common // block * block
         if common_len >= shared:  # (no prompt has a whole block of its own: the prompts' level reads it all)
             common_len = 0
+        homes = [i * self.samples for i in range(prompts)] if shared else []
+        in_place = cache.paged.prompts_in_place(homes, common_len // block, (shared - common_len) // block)
         return DecodeShape(
             rows,
             cache.columns,
@@ -299,6 +319,7 @@ class PagedLayout(CopyLayout):
             slots=slots if shared else 0,
             kv_block=self.block_size,
             common_len=common_len,
+            prompts_in_place=in_place,
         )
 
     def dynamic_tensors(self, state, cache) -> list[tuple[Tensor, tuple[int, ...]]]:

@@ -76,6 +76,18 @@ def gather_blocks(blocks: Tensor, table: Tensor) -> Tensor:
     return gathered.view(rows, n * blocks.shape[2], blocks.shape[1], blocks.shape[3]).transpose(1, 2)
 
 
+def block_runs(blocks: Tensor, start: int, runs: int, length: int, stride: int) -> Tensor:
+    """`runs` runs of `length` blocks each of a layer's keys or values in a pool ([blocks, kv_heads,
+    block_size, head_dim], stored token-major: `token_major_zeros`), run i from block `start + i * stride`:
+    [runs, kv_heads, length * block_size, head_dim], a view (no copy): what `gather_blocks` makes of tables
+    that name those blocks, where a reader knows they lie there (`PagedStore.place_prompts`)."""
+    tokens = blocks.transpose(1, 2)  # [blocks, block_size, kv_heads, head_dim]: the storage's order
+    run = tokens[start : start + runs * stride].reshape(
+        runs, stride * blocks.shape[2], blocks.shape[1], blocks.shape[3]
+    )
+    return run[:, : length * blocks.shape[2]].transpose(1, 2)
+
+
 def token_major_zeros(
     layers: int, blocks: int, kv_heads: int, block_size: int, head_dim: int, like: Tensor | None = None, **kw
 ) -> Tensor:

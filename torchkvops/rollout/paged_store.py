@@ -159,6 +159,50 @@ class PagedStore:
             self._fork(home, list(range(home + 1, home + repeats)))
         self._upload(list(range(batch * repeats)))
 
+    # --- prompts read in place -------------------------------------------------------------------------
+    def place_prompts(self, rows: int, first: int, blocks: int) -> None:
+        """Before the prompts' KV is written: prompt rows [0, `rows`) take their table entries from `first`
+        on (past a common prefix's `first` whole blocks, which are blocks 1 .. first) at blocks
+        `1 + first + i * (blocks + 1)` on, for prompt i (`blocks` whole blocks, then room for a partly
+        filled one), so that the stacked read finds every prompt's whole blocks as one strided view of the
+        pool, with no gather (`prompts_in_place`). The run is set aside until `end_placement`; nothing is
+        placed under a KV budget (a block set aside would be one the scheduler counted as free) or where
+        the run's blocks are not all free."""
+        if self.limit is not None or blocks < 1 or rows < 1:
+            return
+        start, stride = 1 + first, blocks + 1
+        if start + rows * stride > self.pool.num_blocks:
+            self._grow(start + rows * stride - self.pool.num_blocks)
+        run = []
+        for i in range(rows):  # (a row may hold its first placed blocks: the common prefix's partly filled one)
+            held = self.tables.blocks[i][first:]
+            if held != list(range(start + i * stride, start + i * stride + len(held))):
+                return
+            run += range(start + i * stride + len(held), start + (i + 1) * stride)
+        if not self.pool.set_aside(run):
+            return
+        for i in range(rows):
+            self.tables.place(i, start + i * stride, first)
+
+    def end_placement(self) -> None:
+        """The prompts are written: the blocks set aside and not taken are free again."""
+        if self.tables is not None:
+            self.tables.placed.clear()
+            self.pool.put_back_aside()
+
+    def prompts_in_place(self, homes: list[int], first: int, blocks: int) -> bool:
+        """Whether the tables of rows `homes` (prompt i's at homes[i]) name blocks 1 .. first for a common
+        prefix's whole blocks (when `first`), and for prompt i's next (up to `blocks`) whole blocks the run
+        from `1 + first + i * (blocks + 1)`: what `place_prompts` lays out, and what the stacked read then
+        views in place (`paged_kv.block_runs`; past a prompt's own blocks it reads other blocks, masked)."""
+        for i, home in enumerate(homes):
+            table = self.tables.blocks[home]
+            own = table[first : first + blocks]  # (a shorter prompt holds fewer: the read masks the rest)
+            start = 1 + first + i * (blocks + 1)
+            if table[:first] != list(range(1, 1 + first)) or own != list(range(start, start + len(own))):
+                return False
+        return bool(homes)
+
     def prompt_table(self, prompt: int) -> int:
         """A streaming batch: the table that holds prompt `prompt`'s KV while its samples get rows."""
         return self.samples + prompt

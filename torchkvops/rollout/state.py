@@ -37,6 +37,9 @@ class DecodeShape:
     # Prompts read stacked after a prefix common to every prompt: the columns of its whole blocks, read once a
     # step for every row's queries (the prompts' own part then starts there; 0: none).
     common_len: int = 0
+    # Prompts read stacked whose whole blocks lie where `PagedStore.place_prompts` puts them: the read views
+    # the pool in place (`paged_kv.block_runs`) instead of gathering them by their tables each step.
+    prompts_in_place: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
