@@ -6,8 +6,8 @@
   gathered  "prefix" with the whole blocks gathered through the tables each step (a copy) instead of viewed
             in place where `PagedStore.place_prompts` laid them out: what the view saves
   paged     the default: "prefix" from `PagedLayout.stacked_tokens` tokens of whole blocks, "copy" below
-  expanded  the expanded baseline's dense buffer (every row prefilled alone into a buffer row of its own,
-            read through paged_attention as a pool of one block a row): the dense reference
+  expanded  the expanded baseline (every row prefilled alone into blocks of its own in the same pool, read
+            through its table): no sharing, the reference
 
 A model of a named shape with random weights, B prompts x N samples of P tokens, R new tokens each (no EOS:
 every row decodes R - 1 steps, so the step's cost is what is compared); the modes alternate (A B C A B C

@@ -53,14 +53,15 @@ def test_paged_greedy_matches_hf_generate(family, padded):
 
 def test_the_paged_layout_is_the_default_but_for_the_expanded_baseline():
     """RolloutConfig's kv_sharing=None: "paged", or "copy" with shared_prefill=False (no prompt's blocks to
-    share); a layout named is kept, each on the pool (its name says how rows read their prompt's blocks)
-    but the expanded baseline's dense copy, and the paged one still refuses the expanded baseline by name."""
+    share); a layout named is kept, each on the pool (its name says how rows read their prompt's blocks),
+    the expanded baseline's too (each row its own prompt's blocks), and the paged one still refuses the
+    expanded baseline by name."""
     assert RolloutConfig().kv_sharing == "paged"
     assert RolloutConfig(shared_prefill=False).kv_sharing == "copy"
     for layout in ("copy", "prefix", "paged"):
         assert RolloutConfig(kv_sharing=layout).kv_sharing == layout
         assert Rollout(FAMILIES["llama"](), RolloutConfig(kv_sharing=layout)).layout.paged
-    assert not Rollout(FAMILIES["llama"](), RolloutConfig(shared_prefill=False)).layout.paged
+    assert Rollout(FAMILIES["llama"](), RolloutConfig(shared_prefill=False)).layout.paged
     with pytest.raises(ValueError, match=r"kv_sharing 'paged' needs shared_prefill=True"):
         RolloutConfig(kv_sharing="paged", shared_prefill=False)
 
@@ -83,7 +84,7 @@ def test_paged_samples_and_logprobs_equal_the_copy_layouts(llama):
 def test_the_kv_held_follows_what_the_rows_hold(llama):
     """The peak KV bytes of a call: each prompt's blocks once, each row's own blocks for its tokens, and at
     most a block a row of headroom (blocks are taken a stretch of steps ahead), whatever the budget; the
-    expanded baseline's dense buffer holds every row at the longest row's width."""
+    expanded baseline's rows each their own copy of the prompt."""
     ids, mask = prompts(3, 40, seed=2)
     outputs, profiles = {}, {}
     for kv_sharing, budget in (("paged", 256), ("paged", 4096), ("copy", 4096)):
@@ -109,7 +110,9 @@ def test_the_kv_held_follows_what_the_rows_hold(llama):
         used = profiles["paged", budget].kv_cache_bytes
         assert held <= used <= held + (rows + 1) * block, (budget, used, held)
     assert profiles["paged", 4096].kv_cache_bytes == profiles["paged", 256].kv_cache_bytes
-    assert profiles["paged", 4096].kv_cache_bytes * 3 < profiles["copy", 4096].kv_cache_bytes
+    copies = sum(-(-(40 + n - 1) // KV_BLOCK_SIZE) for n in lengths) * block  # (every row its prompt's blocks)
+    assert copies <= profiles["copy", 4096].kv_cache_bytes <= copies + (rows + 1) * block
+    assert profiles["paged", 4096].kv_cache_bytes < profiles["copy", 4096].kv_cache_bytes
 
 
 def assert_every_block_is_held_by_a_row_that_reads_it(store) -> None:

@@ -76,22 +76,22 @@ def test_no_eos_and_min_new_tokens(llama):
 
 def test_kv_buffers_follow_the_budget(llama):
     """The KV held follows max_rows rows (and the scratch cache one prompt per row group), not B x N: each
-    row holds its prompt's 16 tokens (one whole block, shared by reference) and at most 16 of its own (one
-    block), the expanded baseline's dense buffers each row's P + R - 1 = 31 positions rounded to 64."""
+    row holds its prompt's 16 tokens (one whole block, shared by reference; the expanded baseline's own
+    copy) and at most 16 of its own (one block)."""
     ids, mask = prompts(8, 16, seed=5)
     config = dict(samples_per_prompt=4, max_new_tokens=16, eos_token_id=MANY_EOS, temperature=1.0, seed=1)
     (unbudgeted, budgeted), (full, streamed) = budgeted_and_not(llama, ids, mask, 8, **config)
     assert_same(budgeted, unbudgeted)
-    dense = dict(config, shared_prefill=False)
-    (_, dense_budgeted), (dense_full, dense_streamed) = budgeted_and_not(llama, ids, mask, 8, **dense)
-    assert_same(dense_budgeted, unbudgeted)
-    rollout = Rollout(llama, RolloutConfig(**dense))
-    shape = rollout.cache.shape
+    expanded = dict(config, shared_prefill=False)
+    (_, expanded_budgeted), (expanded_full, expanded_streamed) = budgeted_and_not(llama, ids, mask, 8, **expanded)
+    assert_same(expanded_budgeted, unbudgeted)
+    shape = Rollout(llama, RolloutConfig(**expanded)).cache.groups[0].shape
     per_position = shape.layers * 2 * shape.kv_heads * shape.head_dim * 4  # float32
-    # 8 rows of 64 positions; the scratch cache of 2 prompts of 16; at most one prompt of 16 waiting for rows
-    assert per_position * (8 * 64 + 2 * 16) <= dense_streamed.kv_cache_bytes
-    assert dense_streamed.kv_cache_bytes <= per_position * (8 * 64 + 3 * 16)
-    assert dense_streamed.kv_cache_bytes < 0.3 * dense_full.kv_cache_bytes
+    # The expanded baseline: 8 rows of their prompt's block and at most one more, at most 8 prompts' blocks
+    # waiting, the scratch cache of 2 prompts of 16; at least each row's prompt block and the scratch.
+    assert per_position * (8 * 16 + 2 * 16) <= expanded_streamed.kv_cache_bytes
+    assert expanded_streamed.kv_cache_bytes <= per_position * (8 * 2 * 16 + 8 * 16 + 2 * 16)
+    assert expanded_streamed.kv_cache_bytes < 0.3 * expanded_full.kv_cache_bytes
     # The pool: 8 rows of at most 2 blocks, 8 prompts' blocks at most (a prompt's block is held while its
     # samples run), the scratch of 2 prompts; without a budget its 32 rows' blocks.
     assert streamed.kv_cache_bytes <= per_position * (8 * 2 * 16 + 8 * 16 + 2 * 16) < full.kv_cache_bytes

@@ -19,8 +19,7 @@ see `decode_attention`), so every attention layer of any supported decoder-only 
   the rows of a prompt are no longer N consecutive ones: the queries are gathered into N slots per prompt
   (`slot_rows`), and each row reads its slot's prompt part back.
 
-Each row's own keys are read by `ops.paged_attention` through its block table in the pool (the expanded
-baseline's dense decode buffer taken as a pool of one block per row, `DecodeState.kv_table`): columns
+Each row's own keys are read by `ops.paged_attention` through its block table in the pool: columns
 [kv_start, column] of its row, so that the work follows what rows hold, not the buffer's width. The fused
 attention (`torchkvops.fused_attention`: the CPU flash kernel on CPU, the memory-efficient kernel on CUDA,
 plain matmul + softmax elsewhere) also returns the log-sum-exp, with additive biases kept by the decode
@@ -125,12 +124,12 @@ class DecodeAttention:
     cache_position: Tensor | None = None  # [1] HF's cache position of this step (the decode state's)
     positions: Tensor | None = None  # [rows, 1] the position of each row's token this step (the decode state's)
     ended: Tensor | None = None  # [rows] bool: rows fed filler (their recurrent states are kept as they are)
-    # What each row reads of the decode buffer, as paged_attention takes it (the buffer a pool of one block
-    # per row): columns [kv_start, kv_length) of its block kv_table (the decode state's).
+    # What each row reads of the pool, as paged_attention takes it: columns [kv_start, kv_length) through
+    # its block table (the decode state's).
     kv_start: Tensor | None = None  # [rows] int32
     kv_length: Tensor | None = None  # [rows] int32
-    kv_table: Tensor | None = None  # [rows, 1] int32 (the paged layout: [rows, blocks], its rows' block tables)
-    kv_slot: Tensor | None = None  # the paged layout: [rows] the pool slot each row writes this step
+    kv_table: Tensor | None = None  # [rows, blocks] int32: the rows' block tables
+    kv_slot: Tensor | None = None  # [rows] the pool slot each row writes this step
     # The paged layout's sliding-window groups (`paged_store`): which groups read through `window_map`
     # (table block -> window pool block), for their tables and slots.
     windowed: tuple[bool, ...] = ()
@@ -164,7 +163,7 @@ class DecodeAttention:
         self.kv, self.columns, self.cache_position = cache.decode_views, state.column, state.cache_position
         self.positions, self.ended = state.position_ids, state.finished
         self.kv_start, self.kv_length = state.kv_start, state.kv_length
-        self.kv_table = state.kv_table if state.kv_blocks is None else state.kv_blocks
+        self.kv_table = state.kv_blocks
         self.kv_slot = state.kv_slot
         paged = getattr(cache, "paged", None)
         self.window_map = None if paged is None else paged.window_map
@@ -177,16 +176,13 @@ class DecodeAttention:
         self.slot_rows, self.row_prompt, self.row_sample = state.slot_rows, state.row_prompt, state.row_sample
 
     def write(self, cache, key: Tensor, value: Tensor, layer: int) -> tuple[Tensor, Tensor]:
-        """Each row's K and V at its own column; the layer's whole decode buffer to the attention. No Python
-        checks (prefill made them for this model): a step is what a CUDA graph replays."""
+        """Each row's K and V at the pool slot its table names for its column; the layer's pool to the
+        attention. No Python checks (prefill made them for this model): a step is what a CUDA graph replays."""
         buffer, index = layer_slot(self.kv, layer)
-        if self.kv_slot is not None:  # the paged layout: at the slot its table names for its column
-            slots = self.kv_slot
-            if self._windowed(layer):
-                slots = window_slots(self.window_map, slots, buffer.shape[4])
-            write_slots(buffer, index, key, value, slots)
-        else:
-            ops.write_kv_(buffer, key, value, index, self.columns)
+        slots = self.kv_slot
+        if self._windowed(layer):
+            slots = window_slots(self.window_map, slots, buffer.shape[4])
+        write_slots(buffer, index, key, value, slots)
         return buffer[index, 0], buffer[index, 1]
 
     def _windowed(self, layer: int) -> bool:
@@ -231,8 +227,8 @@ class PackedAttention:
     into: KVViews | None = None  # the rows' buffers: per group [group layers, 2, rows, kv_heads, columns, head_dim]
     lengths: Tensor | None = None  # [L] each live row's chunk length
     _buckets: list | None = None  # (length_buckets)
-    # The pool: the live rows' block tables [L, blocks] and the packed tokens' pool slots [1, T] (from the
-    # cache's tables, once per forward); None in the expanded baseline's dense buffer.
+    # The live rows' block tables [L, blocks] and the packed tokens' pool slots [1, T] (from the cache's
+    # tables, once per forward).
     _tables: Tensor | None = None
     _slots: Tensor | None = None
     _store: object | None = None  # (the paged store: sliding-window groups read through its window_map)
@@ -245,30 +241,23 @@ class PackedAttention:
         """The packed tokens' K and V ([1, kv_heads, T, head_dim]), each to its row and column; the layer's
         whole buffer to the attention (`attend`)."""
         cache.check_layout(key, value, layer)
-        if self._paged(cache):
-            buffer, index = layer_slot(self.into, layer)
-            write_slots(buffer, index, key, value, cache.paged.group_slots(self.into.slots[layer][0], self._slots))
-            return buffer[index, 0], buffer[index, 1]
-        kv = layer_kv(self.into, layer)
-        kv[0][self.token_rows, :, self.token_columns] = key[0].transpose(0, 1)
-        kv[1][self.token_rows, :, self.token_columns] = value[0].transpose(0, 1)
-        return kv[0], kv[1]
+        self._find_tables(cache)
+        buffer, index = layer_slot(self.into, layer)
+        write_slots(buffer, index, key, value, cache.paged.group_slots(self.into.slots[layer][0], self._slots))
+        return buffer[index, 0], buffer[index, 1]
 
-    def _paged(self, cache) -> bool:
-        """Whether the rows' KV is in a pool (the paged layout); their tables and the tokens' slots then."""
-        if cache.paged is None:
-            return False
+    def _find_tables(self, cache) -> None:
+        """The live rows' tables and the packed tokens' slots in the pool, made once per forward."""
         if self._tables is None:
             table, blocks = cache.paged.table, -(-self.keys // cache.paged.block_size)
             self._tables = table.index_select(0, self.rows)[:, :blocks]
             token_tables = table.index_select(0, self.token_rows)
             self._slots = cache.paged.slots(token_tables, self.token_columns[:, None]).view(1, -1)
             self._store = cache.paged
-        return True
 
     def read(self, cache, key: Tensor, layer: int) -> tuple[Tensor, Tensor]:
         """A layer that reads another layer's KV: that layer's whole buffer (`attend` reads its rows)."""
-        self._paged(cache)
+        self._find_tables(cache)
         kv = layer_kv(self.into, layer)
         return kv[0], kv[1]
 
@@ -316,11 +305,8 @@ class PackedAttention:
         live, chunk = self.slots.shape
         heads, head_dim = query.shape[1], query.shape[3]
         q = query[0].transpose(0, 1)[self.slots].permute(0, 2, 1, 3)  # [L, heads, C, head_dim]
-        if self._tables is not None:  # a pool: the live rows' columns through their tables
-            tables = self._store.group_table(self.into.slots[module.layer_idx][0], self._tables)
-            k, v = (gather_blocks(t, tables)[:, :, : self.keys] for t in (key, value))
-        else:
-            k, v = (t.index_select(0, self.rows)[:, :, : self.keys] for t in (key, value))
+        tables = self._store.group_table(self.into.slots[module.layer_idx][0], self._tables)  # the live rows'
+        k, v = (gather_blocks(t, tables)[:, :, : self.keys] for t in (key, value))
         allowed = self.allowed
         if window is not None:
             own = self.query_columns[:, :, None] - torch.arange(self.keys, device=allowed.device) < window
@@ -570,7 +556,7 @@ def _own_keys(
     rows, heads, _, head_dim = query.shape
     kv_heads = key.shape[1]
     table = context.table(layer)
-    if context.kv_slot is not None and not _reads_paged(query, key):  # a pool: each row's columns, dense
+    if not _reads_paged(query, key):  # each row's columns, dense
         key, value = gather_blocks(key, table), gather_blocks(value, table)
     if _reads_paged(query, key):
         out, lse = ops.paged_attention(

@@ -207,8 +207,7 @@ def _decode_columns(buffer: Tensor, written: int | None) -> Tensor:
 
 class SlidingWindowGroup(CacheGroup):
     """The KV of a group of sliding-window layers (`window`: the keys before its query a layer reads). The
-    expanded baseline's dense buffer keeps every key of it, masked, as a full-attention group's; the pool
-    keeps its blocks in a window pool whose blocks go back as rows slide past them (`paged_store`)."""
+    pool keeps its blocks in a window pool whose blocks go back as rows slide past them (`paged_store`)."""
 
     kind = SLIDING_WINDOW
 

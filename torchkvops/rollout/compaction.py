@@ -5,7 +5,7 @@ ended. At the rollout's all-ended check (every FINISHED_CHECK_INTERVAL steps, wh
 the host anyway) the live rows are gathered into a smaller batch when that saves enough, and decode goes
 on with it. Nothing else syncs: the plan is made on the host from the `finished` flags the check read.
 
-What moves with a row: its KV (its block table in the pool; the expanded baseline's dense buffer row), and
+What moves with a row: its KV (its block table in the pool; a recurrent group's state row), and
 the prompts that still have a live row where prompts are read stacked, its position, attention bias, last token, finished flag and
 sampling key, its step (each row counts its own tokens), and the tokens (and log-probabilities) it has
 produced. A row's sampling key is a hash of its row id and its noise is keyed by its own step, so every

@@ -38,7 +38,7 @@ class RolloutConfig:
     # a prompt's blocks: "copy": each row through its own table; "prefix": once for its rows' stacked queries,
     # merged with each row's own keys; "paged": "prefix" from 256 tokens of whole blocks, "copy" below (what
     # measured faster on each side). None: "paged", or "copy" where shared_prefill=False (the expanded
-    # baseline: every row prefilled alone into a dense buffer row of its own).
+    # baseline: every row prefilled alone into blocks of its own).
     kv_sharing: str | None = None
     return_logprobs: bool = False  # RolloutOutput.logprobs: each token's log-probability as sampled
     lm_head_dtype: torch.dtype | None = None  # torch.float32: run a half-precision model's LM head in float32
@@ -50,7 +50,7 @@ class RolloutConfig:
     # samples have all ended with waiting prompts (torchkvops.rollout.streaming). Same tokens either way.
     max_rows: int | None = None
     # The most KV tokens the rows hold at once (None: no bound; the pool's blocks of 16 tokens, which it counts;
-    # not the expanded baseline's dense buffer): rows start while blocks are free, and when the rows' growth runs the budget out the newest
+    # with a shared prefill): rows start while blocks are free, and when the rows' growth runs the budget out the newest
     # are preempted and restarted later from their prompts, with the same tokens (torchkvops.rollout.kv_budget).
     # A call whose rows fit at their longest runs as without it. Prefill scratch and recurrent states apart.
     max_kv_tokens: int | None = None
@@ -145,7 +145,7 @@ class RolloutConfig:
             self.max_kv_tokens is None or self.shared_prefill is True,
             "max_kv_tokens",
             "counts the blocks of the pool a shared prefill writes: it needs shared_prefill=True (the expanded "
-            "baseline keeps every row's KV in one dense buffer)",
+            "baseline, every row's prompt prefilled alone, is a measurement, not scheduled by a KV budget)",
         )
         need(
             self.min_shared_tokens is None or (is_int(self.min_shared_tokens) and self.min_shared_tokens >= 1),

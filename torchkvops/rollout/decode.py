@@ -409,7 +409,7 @@ class Decoder:
         if written + stretch <= width:
             return written
         columns = min(cache.decode_limit, round_up(max(2 * width, written + stretch)))
-        cache.widen(columns, written)
+        cache.widen(columns)
         batch.widen(columns)
         return written
 

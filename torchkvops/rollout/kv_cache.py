@@ -138,10 +138,6 @@ class RolloutKVCache(Cache):
         """Where decode writes, and what its attention reads."""
         return self._views([g.decode_kv for g in self.groups])
 
-    @property
-    def home_decode_views(self) -> KVViews | None:
-        return self._views([g.home_decode_kv for g in self.groups])
-
     # --- buffer management ---------------------------------------------------------------------
     def prepare(
         self,
@@ -248,7 +244,7 @@ class RolloutKVCache(Cache):
     @property
     def decode_columns(self) -> int:
         """The columns a row of the decode buffer may address now."""
-        return self.columns if self.paged is not None else self.home_decode_views.tokens
+        return self.columns
 
     def _set_home(self, views: list[list[Tensor]]) -> None:
         for g, v in zip(self.groups, views):
@@ -312,64 +308,19 @@ class RolloutKVCache(Cache):
             g.write_home(original, written)
 
     def grow(self, decode_tokens: int, decode_limit: int | None = None) -> None:
-        """Home views with room for `decode_tokens` positions per row in the decode buffer (Rollout.extend:
-        a longer history), their KV copied over, in every group, and `decode_limit` (None: as it was) the
-        columns `widen` may grow it to. Not while compacted."""
+        """Rows may address `decode_tokens` columns (Rollout.extend: a longer history; no KV moves, the rows'
+        tables may name more blocks), and `decode_limit` (None: as it was) the columns `widen` may grow
+        them to. Not while compacted."""
         assert not self.compacted, "grow() runs on the home views"
-        old, layout = [g.home for g in self.groups], self.layout
         self.decode_limit = max(self.decode_limit, decode_tokens, decode_limit or 0)
-        if self.paged is not None:  # no KV moves: the rows' tables may name more blocks
-            self.columns = max(self.columns, decode_tokens)
-            self.paged.widen(self.decode_limit)
-            return
-        if decode_tokens <= old[0][-1].shape[4]:
-            return
-        old_storage, self._storage = self._storage, None  # both live until the copy is done
-        shapes = [
-            [g.buffer_shape(v.shape[2], v.shape[4]) for v in views[:-1]]
-            + [g.buffer_shape(views[-1].shape[2], decode_tokens)]
-            for g, views in zip(self.groups, old)
-        ]
-        self._set_home(self._home_views(shapes))
-        self.layout = layout
-        for g, views in zip(self.groups, old):
-            for src, dst in zip(views, g.home):
-                dst[..., : src.shape[4], :].copy_(src)
-        del old_storage
+        self.columns = max(self.columns, decode_tokens)
+        self.paged.widen(self.decode_limit)
 
-    def widen(self, decode_tokens: int, written: int) -> None:
-        """Decode goes on in decode buffers of `decode_tokens` columns (more than now, at most
-        `decode_limit`), the first `written` columns of the current ones (the only ones any row has
-        written) copied over, in every group: the home views grow (`grow`), and a compacted batch's work
-        views are made anew at the new width (a fresh allocation: the current ones are read while the new
-        ones are written)."""
+    def widen(self, decode_tokens: int) -> None:
+        """Decode goes on with rows that may address `decode_tokens` columns (more than now, at most
+        `decode_limit`): blocks are taken as rows write them, so nothing moves."""
         assert decode_tokens <= self.decode_limit, (decode_tokens, self.decode_limit)
-        if self.paged is not None:  # the rows address more columns; blocks are taken as they write them
-            self.columns = decode_tokens
-            return
-        compacted, current = self.compacted, [g.current for g in self.groups]
-        for g in self.groups:
-            g.current = g.home
-        self.grow(decode_tokens)
-        if compacted:
-            self._widen_work(current, decode_tokens, written)
-        self.peak_used_bytes = max(self.peak_used_bytes, self.used_bytes)
-
-    def _widen_work(self, current: list[list[Tensor]], decode_tokens: int, written: int) -> None:
-        """A compacted batch's views (`current`, every group's) again, in new work views whose decode buffer
-        has `decode_tokens` columns: its first `written` columns copied, the other buffers whole."""
-        shapes = [
-            [g.buffer_shape(v.shape[2], v.shape[4]) for v in views[:-1]] for g, views in zip(self.groups, current)
-        ]
-        for g, views, group_shapes in zip(self.groups, current, shapes):
-            group_shapes.append(g.buffer_shape(views[-1].shape[2], decode_tokens))
-        self._work = None
-        work = self._work_views(shapes)
-        for g, old, new in zip(self.groups, current, work):
-            for b, (src, dst) in enumerate(zip(old, new)):
-                columns = min(written, src.shape[4]) if b == len(old) - 1 else src.shape[4]
-                dst[..., :columns, :].copy_(src[..., :columns, :])
-            g.current = new
+        self.columns = decode_tokens
 
     def _home_views(self, shapes: list[list[tuple[int, ...]]]) -> list[list[Tensor]]:
         """Views of these shapes (one list per group), from the start of the home allocation."""

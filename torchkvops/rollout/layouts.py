@@ -1,12 +1,13 @@
 """The KV layouts (`RolloutConfig.kv_sharing`) as objects: everything that differs between them.
 
-- `CopyLayout`: the expanded baseline's (`shared_prefill=False`): one dense KV buffer of rows x (P + R - 1)
-  positions, each row prefilled alone into its own row, decode writing after the prompt.
+- `CopyLayout`: one dense KV buffer of rows x (P + R - 1) positions, each row's prompt in its own row: what
+  a streaming batch's scratch cache prefills its prompts into, and what the layouts below share.
 - `PagedLayout` ("paged") and its two named ways of reading (`PagedCopyLayout`, "copy";
   `PagedPrefixLayout`, "prefix"): every full-attention group's KV in a pool of blocks taken as rows grow
   (`paged_store`), a prompt's whole blocks shared by its rows by reference; "copy" reads each row through
   its table, "prefix" a prompt's whole blocks once a step for its rows' stacked queries (`attention`),
-  "paged" the one or the other by the prompt's length (`PagedLayout.stacked_tokens`).
+  "paged" the one or the other by the prompt's length (`PagedLayout.stacked_tokens`). The expanded baseline
+  (`shared_prefill=False`) is "copy" whose rows are prefilled each alone into blocks of their own.
 
 Every cache group (`cache_groups`) has the layout's buffers; a layout reads and writes them through the
 cache's views of every group (`KVViews`), one group at a time.
@@ -331,7 +332,7 @@ class PagedCopyLayout(PagedLayout):
     """`kv_sharing="copy"` on the pool: each row reads its prompt's blocks through its own table."""
 
     name = "copy"
-    needs_shared_prefill = False  # (without one, the expanded baseline: the dense CopyLayout, layout_for)
+    needs_shared_prefill = False  # (without one, the expanded baseline: each row prefilled into its own blocks)
     stacked_tokens = math.inf
 
 
@@ -347,7 +348,9 @@ LAYOUTS = {layout.name: layout for layout in (PagedCopyLayout, PagedPrefixLayout
 
 
 def layout_for(kv_sharing: str, samples: int, shared_prefill: bool = True) -> CopyLayout:
-    """The layout object of RolloutConfig.kv_sharing, for `samples` rows per prompt."""
+    """The layout object of RolloutConfig.kv_sharing, for `samples` rows per prompt (the expanded baseline,
+    without a shared prefill: "copy", on the pool too, so that it differs from the shared modes only by the
+    prefill each row makes alone)."""
     if not shared_prefill:
-        return CopyLayout(samples)
+        return PagedCopyLayout(samples)
     return LAYOUTS[kv_sharing](samples)

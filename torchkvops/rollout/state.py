@@ -103,15 +103,6 @@ class DecodeState:
             "(column + 1, set by the step)",
         ),
         _Field(
-            "kv_table",
-            "fixed",
-            lambda s: (s.rows, 1),
-            torch.int32,
-            "the block table of the decode buffer read as a pool of blocks, one row's columns per block "
-            "(paged_attention): row i's block is i, since compaction moves the KV with its row",
-            fill=lambda t: t.copy_(torch.arange(t.shape[0], dtype=t.dtype, device=t.device)[:, None]),
-        ),
-        _Field(
             "kv_blocks",
             "row",
             lambda s: _if(s.kv_block > 0, (s.rows, s.mask_len // max(s.kv_block, 1))),

@@ -6,10 +6,8 @@ to whole prompts' samples) whose KV buffers are sized for those rows only. At ev
 (every FINISHED_CHECK_INTERVAL steps, the host sync decode makes anyway) the rows whose samples have
 ended are copied out to their places in the output, and waiting samples take them: a prompt is
 prefilled once for its N samples, into a small scratch cache, and its samples start as rows free up, in
-any free rows (the pool: each sample's table forks its prompt's, whose blocks are held until its last
-sample has started; the expanded baseline's dense buffer: each row gets the prompt's KV in its first
-columns and writes after them, at its own columns, and the KV of a prompt whose samples still wait for
-rows is kept apart). A streaming batch reads every prompt through its rows' tables. Decode goes on
+any free rows (each sample's table forks its prompt's, whose blocks are held until its last sample has
+started). A streaming batch reads every prompt through its rows' tables. Decode goes on
 with one batch, one decode shape (one CUDA graph). Once no prompt waits, the rows still decoding are
 compacted in place as compaction compacts them.
 
