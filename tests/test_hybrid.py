@@ -15,6 +15,7 @@ import warnings
 import pytest
 import torch
 from families import HYBRIDS, VOCAB, tiny_model, unavailable
+from test_shared_forward import enable_checkpointing
 from test_turns import EOS, run_turns
 
 import torchkvops
@@ -256,7 +257,7 @@ def test_patch_forward_under_gradient_checkpointing_gives_the_plain_gradients():
     model.train()
     ids, mask = grpo_rows(8)
     _, plain = loss_pass(model, ids, mask)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable_checkpointing(model, reentrant=False)
     with torchkvops.patch_forward(model, min_shared_tokens=4) as handle:
         _, grads = loss_pass(model, ids, mask)
     assert handle.stats.shared_calls == 1

@@ -373,7 +373,7 @@ class _NoBar:
 
 
 def _progress_bar(total: int, enabled: bool, quiet: bool = False):
-    if not enabled:
+    if not enabled or not sys.stderr.isatty():  # (a log is not a terminal: a bar there is one endless line)
         return _NoBar(quiet)
     try:
         from tqdm import tqdm

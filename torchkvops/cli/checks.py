@@ -216,12 +216,15 @@ def check_plot_path(path: str | None) -> None:
 
 
 def model_source(model: str) -> tuple[str, bool]:
-    """(what to load, whether it is a hub name) for --model: an existing checkpoint folder, or a name
-    to look up in the local Hugging Face cache; a path that does not exist is an error."""
+    """(what to load, whether it is a hub name) for --model: an existing checkpoint folder, a GGUF file
+    (transformers' `gguf_file=`), or a name to look up in the local Hugging Face cache; a path that does not
+    exist is an error."""
     path = Path(model).expanduser()
     if path.exists():
+        if path.is_file() and path.suffix.lower() == ".gguf":
+            return str(path), False
         if not path.is_dir():
-            raise CLIError(f"--model {model}: is a file, not a checkpoint folder")
+            raise CLIError(f"--model {model}: is a file, neither a checkpoint folder nor a .gguf file")
         if not (path / "config.json").is_file():
             raise CLIError(f"--model {model}: not a Hugging Face checkpoint (no config.json in the folder)")
         return str(path), False

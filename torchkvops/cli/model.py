@@ -6,6 +6,8 @@ random weights of a named shape, or a local checkpoint loaded offline); and the 
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import sys
 
 from .checks import CLIError, model_source
@@ -54,7 +56,8 @@ def load_config(args):
     hf_logging.disable_progress_bar()  # stderr is for errors
     source, is_name = model_source(args.model)
     try:
-        config = AutoConfig.from_pretrained(source, local_files_only=True)
+        folder, gguf = _gguf_parts(source)
+        config = AutoConfig.from_pretrained(folder, local_files_only=True, **gguf)
     except OSError as e:
         if is_name:  # a name: transformers' message is about the network, say it plainly
             raise CLIError(
@@ -65,6 +68,19 @@ def load_config(args):
     except (ValueError, TypeError, KeyError) as e:
         raise CLIError(f"--model {args.model}: cannot read its config: {' '.join(str(e).split())}") from None
     return config, source
+
+
+def _gguf_parts(source: str) -> tuple[str, dict]:
+    """(folder, {"gguf_file": name}) for a GGUF file, as transformers takes it (which needs the `gguf`
+    package); (source, {}) for a checkpoint folder or a name."""
+    from ..models.gguf import is_gguf
+
+    if not is_gguf(source):
+        return source, {}
+    if importlib.util.find_spec("gguf") is None:
+        raise CLIError(f"--model {source}: a GGUF file needs the gguf package (pip install gguf)")
+    folder, name = os.path.split(os.path.abspath(source))
+    return folder, {"gguf_file": name}
 
 
 def load_model(args, config, source, device, dtype):
@@ -80,15 +96,23 @@ def load_model(args, config, source, device, dtype):
         return model, None, f"{args.model_shape} (random weights)"
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from ..models.gguf import is_gguf
+
     try:
-        model = AutoModelForCausalLM.from_pretrained(source, config=config, dtype=dtype, local_files_only=True)
+        if is_gguf(source):  # dequantized, as a plain model
+            from ..models.gguf import load_gguf
+
+            model, tokenizer = load_gguf(source, dtype)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(source, config=config, dtype=dtype, local_files_only=True)
     except (OSError, ValueError, TypeError, KeyError) as e:
         raise CLIError(f"--model {args.model}: cannot load a causal LM: {' '.join(str(e).split())}") from None
     model = model.to(device).eval()
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True, padding_side="left")
-    except (OSError, ValueError, TypeError, KeyError):
-        tokenizer = None
+    if not is_gguf(source):
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True, padding_side="left")
+        except (OSError, ValueError, TypeError, KeyError):
+            tokenizer = None
     if tokenizer is not None and tokenizer.pad_token is None and tokenizer.eos_token is not None:
         tokenizer.pad_token = tokenizer.eos_token
     params = sum(p.numel() for p in model.parameters())

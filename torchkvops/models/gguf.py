@@ -8,6 +8,9 @@ its config, unmarked, so that it behaves like any checkpoint (benchmarks, exampl
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import importlib
 import os
 
 import torch
@@ -25,7 +28,10 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     source, name = os.path.split(os.path.abspath(path))
-    loaded = AutoModelForCausalLM.from_pretrained(source, gguf_file=name, dtype=torch.float32, local_files_only=True)
+    with _bar_only_on_a_terminal():
+        loaded = AutoModelForCausalLM.from_pretrained(
+            source, gguf_file=name, dtype=torch.float32, local_files_only=True
+        )
     config = loaded.config
     if hasattr(config, "quantization_config"):  # the mark that makes trainers and save_pretrained refuse it
         del config.quantization_config
@@ -38,3 +44,20 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32):
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model.to(dtype).eval(), tokenizer
+
+
+@contextlib.contextmanager
+def _bar_only_on_a_terminal():
+    """transformers' GGUF loader draws a tqdm bar of its own (not behind its logging's progress-bar switch);
+    where stderr is not a terminal (a log, CI) its carriage returns make one line of kilobytes. tqdm's
+    `disable=None` draws it on a terminal only."""
+    module = importlib.import_module("transformers.modeling_gguf_pytorch_utils")
+    bar = getattr(module, "tqdm", None)
+    if bar is None:  # (another transformers: nothing to quiet)
+        yield
+        return
+    module.tqdm = functools.partial(bar, disable=None)
+    try:
+        yield
+    finally:
+        module.tqdm = bar
