@@ -84,7 +84,7 @@ def test_prefix_buffer_reuse_across_lengths_and_kv_cache_bytes(family_models):
         assert torch.equal(out.responses, hf_greedy(model, ids, mask, 6).repeat_interleave(4, dim=0))
     # The blocks it held: each prompt's 2 whole blocks of 16 once, each row one block (the prompt's last 8
     # tokens copied, then its own 5), and at most a block a row (and one) taken ahead.
-    shape = r.cache.shape
+    shape = r.cache.groups[0].shape
     block = 16 * shape.layers * 2 * shape.kv_heads * shape.head_dim * 4  # float32
     held = (2 * 2 + 8) * block
     assert held <= r.get_last_profile().kv_cache_bytes <= held + 9 * block

@@ -121,14 +121,6 @@ class CacheGroup:
         """Where decode writes, and what its attention reads."""
         return self.current[-1] if self.current else None
 
-    @property
-    def home_prompt_kv(self) -> Tensor | None:
-        return self.home[0] if self.home else None
-
-    @property
-    def home_decode_kv(self) -> Tensor | None:
-        return self.home[-1] if self.home else None
-
     def gather(self, index: tuple[Tensor, ...], views: list[Tensor], written: int | None = None) -> None:
         """views[b][l] = current[b][l][:, index[b]] for each buffer b and layer l, in increasing b and l:
         the order in which they lie in the allocation (see RolloutKVCache.compact: an in-place gather reads

@@ -117,13 +117,6 @@ class RolloutKVCache(Cache):
         group, index = self.slots[layer]
         return self.groups[group], index
 
-    @property
-    def shape(self) -> KVShape:
-        """The one group's shape (a cache of one group: a model of one KV shape without recurrent layers)."""
-        if len(self.groups) != 1:
-            raise ValueError(f"torchkvops: this KV cache has {len(self.groups)} groups, not one shape: {self.groups}")
-        return self.groups[0].shape
-
     # --- every group's buffer of one kind, for a forward's metadata --------------------------------------
     def _views(self, views: list[Tensor | None]) -> KVViews | None:
         return None if not views or views[0] is None else KVViews(tuple(views), self.slots, self.state_slots)
