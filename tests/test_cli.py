@@ -75,6 +75,41 @@ def test_default_command_parses_to_a_short_bench():
     assert (full.warmup, full.iterations, full.modes) == (5, 20, ["expanded", "shared", "prefix", "hf-generate"])
 
 
+@pytest.mark.parametrize(
+    "cpus,load,threads", [(2, 0.1, 2), (2, 1.0, 1), (2, 4.5, 1), (16, 3.2, 13), (16, 40.0, 1), (1, 0.0, 1)]
+)
+def test_the_main_job_takes_the_cpus_other_jobs_leave_free(monkeypatch, cpus, load, threads):
+    """The bare `torchkvops` picks its threads: the CPUs less the last minute's load average, rounded, at
+    least one (on a busy 2-core machine two threads contend: docs/benchmarks.md)."""
+    from torchkvops.cli import launch
+
+    monkeypatch.setattr(launch.os, "cpu_count", lambda: cpus)
+    monkeypatch.setattr(launch.os, "getloadavg", lambda: (load, load, load))
+    chosen, why = launch.threads_for_this_machine()
+    assert chosen == threads
+    assert why.startswith(f"{cpus} CPUs, load average {load:.1f}") and ("contend" in why) == (threads < cpus)
+
+
+def _case_of_totals(**totals: list[float]) -> dict:
+    return {"modes": {m: {"iterations": [{"total_ms": t} for t in ts]} for m, ts in totals.items()}}
+
+
+def test_the_table_says_when_the_rounds_disagree_too_much_to_compare():
+    """format_spread_note: nothing when each mode's rounds agree and the modes' ranges are apart; a note
+    naming the mode whose rounds spread past 25% of their median, or the modes whose ranges overlap while
+    their medians differ by more than that (the order the rounds do not agree on)."""
+    agree = _case_of_totals(expanded=[2000, 2050, 2100], shared=[1000, 1020, 1050])
+    assert bench_report.format_spread_note(agree) is None
+    spread = _case_of_totals(expanded=[1500, 2000, 2600], shared=[1000, 1020, 1050])
+    note = bench_report.format_spread_note(spread)
+    assert note.startswith("note: rounds spread more than 25% of their median (expanded 1,500-2,600 ms)")
+    assert "shared" not in note.split("(")[1].split(")")[0]
+    crossed = _case_of_totals(expanded=[700, 1400, 1450], shared=[800, 1000, 1300])  # shared 1.40x, or 0.88x
+    assert "do not agree on the order of expanded and shared" in bench_report.format_spread_note(crossed)
+    # Close medians that overlap are not an order at all: no note for them alone.
+    assert bench_report.format_spread_note(_case_of_totals(a=[1000, 1010, 1020], b=[1005, 1015, 1025])) is None
+
+
 def test_a_failing_case_is_recorded_and_the_run_goes_on(tmp_path, monkeypatch, capsys):
     from torchkvops.rollout import Rollout
 

@@ -5,6 +5,7 @@ and the --output JSON document. The numbers themselves come from stats.py.
 from __future__ import annotations
 
 import math
+import statistics
 import textwrap
 from collections.abc import Sequence
 
@@ -18,6 +19,7 @@ __all__ = [
     "results_document",
     "format_case_table",
     "format_mismatch_table",
+    "format_spread_note",
     "plot_segments",
     "plot_stage_times",
 ]
@@ -159,6 +161,44 @@ def format_case_table(result: dict, iterations: int, wide: bool = False) -> str:
         for note in dict.fromkeys(agree.get("notes", {}).values()):
             lines += ["  " + line for line in _wrap(f"({note})", TABLE_WIDTH - 2)]
     return "\n".join(lines)
+
+
+# A mode's timed rounds may differ by this fraction of their median before the note says they disagree.
+SPREAD_LIMIT = 0.25
+
+
+def format_spread_note(result: dict, limit: float = SPREAD_LIMIT) -> str | None:
+    """A note when a case's interleaved rounds disagree too much for its modes to be compared: a mode whose
+    totals spread (max - min) more than `limit` of their median, or two modes whose totals' ranges overlap
+    while their medians differ by more than `limit` of the smaller one's (an ordering the rounds do not
+    agree on). None when the rounds agree (or there are fewer than 2 of a mode)."""
+    totals = {m: [it["total_ms"] for it in e["iterations"]] for m, e in result["modes"].items()}
+    totals = {m: t for m, t in totals.items() if len(t) >= 2}
+    noisy = []
+    for mode, t in totals.items():
+        median = statistics.median(t)
+        if median > 0 and (max(t) - min(t)) / median > limit:
+            noisy.append(f"{mode} {min(t):,.0f}-{max(t):,.0f} ms")
+    modes = list(totals)
+    crossed = []
+    for i, a in enumerate(modes):
+        for b in modes[i + 1 :]:
+            ta, tb = totals[a], totals[b]
+            ma, mb = statistics.median(ta), statistics.median(tb)
+            overlap = min(max(ta), max(tb)) >= max(min(ta), min(tb))
+            if overlap and abs(ma - mb) > limit * min(ma, mb):
+                crossed.append(f"{a} and {b}")
+    if not noisy and not crossed:
+        return None
+    parts = []
+    if noisy:
+        parts.append(f"rounds spread more than {limit:.0%} of their median ({'; '.join(noisy)})")
+    if crossed:
+        parts.append(f"the rounds do not agree on the order of {', '.join(crossed)}")
+    return (
+        f"note: {' and '.join(parts)}: this machine's noise is larger than what the table compares "
+        "(another job on its cores?); rerun with more --iterations, --threads 1, or on a quiet machine"
+    )
 
 
 def format_mismatch_table(result: dict) -> str:

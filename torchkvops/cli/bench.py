@@ -243,6 +243,9 @@ def _show_case(result: dict, iterations: int, wide: bool = False) -> None:
 
     say()
     say(report.format_case_table(result, iterations, wide))
+    note = report.format_spread_note(result)
+    if note:
+        say(note)
     if result.get("mismatch"):
         say()
         say(report.format_mismatch_table(result))

@@ -174,6 +174,21 @@ def add_threads_argument(parser) -> None:
     )
 
 
+def threads_for_this_machine() -> tuple[int, str]:
+    """(threads, why) for a run that was given none (the bare `torchkvops`): the CPUs other jobs leave free
+    by the last minute's load average, at least one. On a 2-core machine with a job beside it, two threads
+    contend for one core: the default benchmark took 4-5 minutes there and its figures were noise, against
+    45 s with one thread (docs/benchmarks.md)."""
+    cpus = os.cpu_count() or 1
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):  # (no load average on this OS: torch's choice, one a core)
+        return cpus, f"{cpus} CPUs"
+    free = max(1, min(cpus, int(cpus - load + 0.5)))
+    why = f"{cpus} CPUs, load average {load:.1f}"
+    return free, why + (": more threads would contend with the other jobs" if free < cpus else "")
+
+
 def set_threads(args: argparse.Namespace) -> None:
     """torch.set_num_threads(--threads), before any work; nothing without --threads."""
     if args.threads is not None:

@@ -58,7 +58,14 @@ from .checks import (
     temperature,
     top_p,
 )
-from .launch import RunError, add_threads_argument, current_rank, current_world_size, stop_processes
+from .launch import (
+    RunError,
+    add_threads_argument,
+    current_rank,
+    current_world_size,
+    stop_processes,
+    threads_for_this_machine,
+)
 from .model import DTYPE_NAMES
 from .rollout import cmd_rollout
 
@@ -430,12 +437,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         if not argv:
+            threads, why = threads_for_this_machine()
+            argv = ["bench", *DEFAULT_BENCH_ARGS, "--threads", str(threads)]
             print(
                 "torchkvops: no command given; running the short default benchmark:\n"
-                "  torchkvops bench " + " ".join(DEFAULT_BENCH_ARGS) + "\n"
+                "  torchkvops " + " ".join(argv) + f"\n(--threads {threads}: {why})\n"
                 "(torchkvops --help lists the commands: rollout, bench, bench-op, bench-train, bench-turns)"
             )
-            argv = ["bench", *DEFAULT_BENCH_ARGS]
         parser = build_parser()
         args = parse_args(argv, parser)
         if args.command is None:
