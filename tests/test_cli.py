@@ -90,6 +90,17 @@ def test_the_main_job_takes_the_cpus_other_jobs_leave_free(monkeypatch, cpus, lo
     assert why.startswith(f"{cpus} CPUs, load average {load:.1f}") and ("contend" in why) == (threads < cpus)
 
 
+def test_no_progress_bar_where_stderr_is_not_a_terminal(capsys, monkeypatch):
+    """A log is not a terminal: there the bench writes its lines and no bar (one endless line of carriage
+    returns in a log); on a terminal, tqdm's bar."""
+    bar = bench._progress_bar(10, True)
+    assert isinstance(bar, bench._NoBar)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    bar = bench._progress_bar(10, True)
+    assert not isinstance(bar, bench._NoBar)
+    bar.close()
+
+
 def _case_of_totals(**totals: list[float]) -> dict:
     return {"modes": {m: {"iterations": [{"total_ms": t} for t in ts]} for m, ts in totals.items()}}
 
@@ -166,8 +177,10 @@ def _table_rows(stdout: str, case: str) -> dict[str, dict[str, str]]:
     return {r[0]: dict(zip(header, r)) for r in rows[1:]}
 
 
-def test_bench_json_tables_trace_and_order(tmp_path, capsys):
+def test_bench_json_tables_trace_and_order(tmp_path, capsys, monkeypatch):
     from torchkvops.models import build_model, model_config
+
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)  # (the progress bar is drawn on a terminal only)
 
     out, trace = tmp_path / "bench.json", tmp_path / "trace"
     P, R = 130, 4
