@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .collectives import all_min, ended_everywhere, initialized
 from .hf.call_weights import WeightOptions, call_weights
 from .hf.sharded import is_sharded
 from .rollout.engine import Rollout, RolloutOutput
@@ -210,34 +211,6 @@ def _gather(
             logprobs[:r, :resp] = out.logprobs.to(exchange.device)
         logprobs = torch.cat([lp[:r] for lp, r in zip(exchange.all_gather(logprobs), rows)]).to(rollout.device)
     return RolloutOutput(sequences, sequences[:, prompt_len:], mask, prompt_len, logprobs)
-
-
-# --- synced generation (HF's synced_gpus: FSDP, ZeRO-3), for torchkvops.generate --------------------
-def initialized() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def _collective_device(group=None) -> torch.device:
-    """Where the group's backend takes tensors: the current CUDA device for NCCL, else the CPU."""
-    if "nccl" in str(dist.get_backend(group)).lower():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def all_min(values: list[int], group=None) -> list[int]:
-    """The elementwise minimum of every process's `values` (the same length on every process): one
-    all_reduce. A call's agreement (hf.generate_contract.agree) sends its flags and counts through it."""
-    t = torch.tensor(values, dtype=torch.long, device=_collective_device(group))
-    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
-    return [int(v) for v in t.tolist()]  # host sync: a few ints, once per call
-
-
-def ended_everywhere(ended: bool, group=None) -> bool:
-    """Whether every process's rows have ended: the all-ended check of a synced rollout (one all_reduce
-    where a rollout alone reads its own flags)."""
-    t = torch.tensor([int(ended)], dtype=torch.long, device=_collective_device(group))
-    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
-    return bool(t.item())
 
 
 class _Exchange:

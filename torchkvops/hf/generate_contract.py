@@ -38,7 +38,7 @@ from transformers.generation import (
 )
 from transformers.generation.configuration_utils import GenerationMode
 
-from .. import distributed
+from .. import collectives
 from ..models.adapter import ModelAdapter
 from ..models.forward_modes import attention_dropout, forward_autocast_dtype
 from ..rollout.engine import MIN_TEMPERATURE, Rollout, check_prompts
@@ -258,7 +258,7 @@ def agree(
     (`gather_vote()`, hf.sharded.settle, which raises on every process where one demands a gather that
     cannot happen). Returns (the call, with `lockstep` set, or a refusal; the gather decision, None where
     the processes did not agree on one)."""
-    if not distributed.initialized():
+    if not collectives.initialized():
         if synced and isinstance(call, Call):
             return Refusal("synced_gpus=True without an initialized torch.distributed", "processes"), None
         return call, None
@@ -266,7 +266,7 @@ def agree(
     local_vote = gather_vote() if served and sharded and gather_vote is not None else None
     new_tokens = call.plan.max_new_tokens if served else 0
     votes = local_vote.ints() if local_vote is not None else NEUTRAL_VOTE
-    everyone, fewest, negative_most, *gather = distributed.all_min([int(served), new_tokens, -new_tokens, *votes])
+    everyone, fewest, negative_most, *gather = collectives.all_min([int(served), new_tokens, -new_tokens, *votes])
     if not served:
         return call, None
     if not everyone:
@@ -554,7 +554,7 @@ def run(call: Call, rollout_for: Callable[[int], Rollout], served: list | None =
         row_ids=row_ids,
         live=live,
         seed=seed,
-        ended_everywhere=distributed.ended_everywhere if call.lockstep else None,
+        ended_everywhere=collectives.ended_everywhere if call.lockstep else None,
     )
     live_slots = live.nonzero().flatten()
     in_order = live_slots[torch.argsort(row_ids[live_slots])]  # each output row's slot, in output order
