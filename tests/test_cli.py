@@ -113,10 +113,13 @@ def test_the_table_says_when_the_rounds_disagree_too_much_to_compare():
     assert bench_report.format_spread_note(agree) is None
     spread = _case_of_totals(expanded=[1500, 2000, 2600], shared=[1000, 1020, 1050])
     note = bench_report.format_spread_note(spread)
+    assert max(map(len, note.splitlines())) <= bench_report.TABLE_WIDTH  # (under the table, as wide)
+    note = " ".join(note.split())
     assert note.startswith("note: rounds spread more than 25% of their median (expanded 1,500-2,600 ms)")
     assert "shared" not in note.split("(")[1].split(")")[0]
     crossed = _case_of_totals(expanded=[700, 1400, 1450], shared=[800, 1000, 1300])  # shared 1.40x, or 0.88x
-    assert "do not agree on the order of expanded and shared" in bench_report.format_spread_note(crossed)
+    crossed_note = " ".join(bench_report.format_spread_note(crossed).split())
+    assert "do not agree on the order of expanded and shared" in crossed_note
     # Close medians that overlap are not an order at all: no note for them alone.
     assert bench_report.format_spread_note(_case_of_totals(a=[1000, 1010, 1020], b=[1005, 1015, 1025])) is None
 

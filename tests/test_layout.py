@@ -134,7 +134,7 @@ def test_the_library_never_imports_the_command_line_or_the_harness():
 
 
 # The layer of each top-level module and subpackage, bottom to top: the operators (the package root,
-# ops, reference, fused_attention, the compiled _C); the model adapter and the small helpers below the
+# ops, reference, fused_attention, the compiled _C; collectives, synced generation's few all_reduces); the model adapter and the small helpers below the
 # engine (models/, utils); the rollout engine; the training forward; the integrations above the engine
 # (hf/: generate's contract and patch; distributed; deepspeed); the harness; the command line. A new top-level
 # module or subpackage has no layer until it is added here, and the tests below fail.
@@ -143,6 +143,7 @@ LAYERS = {
     "reference": "operators",
     "fused_attention": "operators",
     "_C": "operators",
+    "collectives": "operators",
     "models": "models",
     "utils": "models",
     "rollout": "rollout",
@@ -192,6 +193,7 @@ def test_every_module_is_in_a_subpackage_or_a_top_level_module_that_shows_its_la
     assert top_level == [
         "__init__.py",
         "__main__.py",
+        "collectives.py",
         "deepspeed.py",
         "distributed.py",
         "fused_attention.py",
@@ -226,7 +228,8 @@ def test_the_layer_rule_would_catch_an_engine_or_training_import_from_above():
 def test_the_shared_helpers_are_leaves_and_the_contract_knows_no_patch():
     """torchkvops.utils and models/forward_modes.py (what the engine, patch_generate and patch_forward
     share) import no module of the package, so that any module may use them; hf/generate_contract.py
-    (HF's generate contract) knows neither patch; and the two integrations do not import each other."""
+    (HF's generate contract) knows neither patch; the two integrations do not import each other; and hf/
+    imports neither distributed.py nor deepspeed.py, which import it."""
     graph = import_graph(PACKAGE_ROOT)
     contract, patch = "torchkvops.hf.generate_contract", "torchkvops.hf.generate_patch"
     utils, modes = "torchkvops.utils", "torchkvops.models.forward_modes"
@@ -236,6 +239,10 @@ def test_the_shared_helpers_are_leaves_and_the_contract_knows_no_patch():
     assert not {patch, training} & graph[contract]
     assert {utils, contract} <= graph[patch]
     assert {utils, modes} <= graph[training]
+    # hf/ is below distributed.py and deepspeed.py, which import it: neither the other way (#54's arrow up,
+    # hf/generate_contract.py importing distributed for its collectives, now in collectives.py).
+    hf = [name for name in graph if name == "torchkvops.hf" or name.startswith("torchkvops.hf.")]
+    assert not {t for name in hf for t in graph[name]} & {"torchkvops.distributed", "torchkvops.deepspeed"}
     assert training not in graph[patch]
     assert patch not in graph[training]
 

@@ -171,7 +171,7 @@ def format_spread_note(result: dict, limit: float = SPREAD_LIMIT) -> str | None:
     """A note when a case's interleaved rounds disagree too much for its modes to be compared: a mode whose
     totals spread (max - min) more than `limit` of their median, or two modes whose totals' ranges overlap
     while their medians differ by more than `limit` of the smaller one's (an ordering the rounds do not
-    agree on). None when the rounds agree (or there are fewer than 2 of a mode)."""
+    agree on). None when the rounds agree (or there are fewer than 2 of a mode). Lines of TABLE_WIDTH."""
     totals = {m: [it["total_ms"] for it in e["iterations"]] for m, e in result["modes"].items()}
     totals = {m: t for m, t in totals.items() if len(t) >= 2}
     noisy = []
@@ -195,10 +195,11 @@ def format_spread_note(result: dict, limit: float = SPREAD_LIMIT) -> str | None:
         parts.append(f"rounds spread more than {limit:.0%} of their median ({'; '.join(noisy)})")
     if crossed:
         parts.append(f"the rounds do not agree on the order of {', '.join(crossed)}")
-    return (
+    note = (
         f"note: {' and '.join(parts)}: this machine's noise is larger than what the table compares "
         "(another job on its cores?); rerun with more --iterations, --threads 1, or on a quiet machine"
     )
+    return "\n".join(_wrap(note))  # (the table's width)
 
 
 def format_mismatch_table(result: dict) -> str:
