@@ -459,7 +459,9 @@ def _stacked_prompts(
     group = heads // kv_heads
     prompts = context.prompt_table.shape[0]  # (from a shape: a compiled step keeps it symbolic)
     q = query.reshape(rows, kv_heads, group, head_dim)
-    prompt_k, prompt_v = _shared_blocks(context, key, value, context.prompt_table)
+    # (The prompts' runs lie past the common prefix's, one block apart for a partly filled one: place_prompts.)
+    after_common = 0 if context.common_table is None else context.common_table.shape[1]
+    prompt_k, prompt_v = _shared_blocks(context, key, value, context.prompt_table, 1 + after_common, gap=1)
     out_p, lse_p = attend(_stacked_queries(context, q, prompts), prompt_k, prompt_v, context.prompt_bias, scale=scaling)
     cap = 0.0 if softcap is None else float(softcap)
     out_s, lse_s = ops.paged_attention(
@@ -469,27 +471,26 @@ def _stacked_prompts(
     out, lse = _merge_prompt_part(context, out_p, lse_p, out_s, lse_s)
     if context.common_table is None:
         return out, lse
-    # A prefix common to every prompt: its whole blocks gathered once, every row's queries stacked against them.
+    # A prefix common to every prompt: its whole blocks read once, every row's queries stacked against them.
     every = q.transpose(0, 1).reshape(1, kv_heads, rows * group, head_dim)
-    common_k, common_v = _shared_blocks(context, key, value, context.common_table)
+    common_k, common_v = _shared_blocks(context, key, value, context.common_table, 1, gap=0)
     out_c, lse_c = attend(every, common_k, common_v, context.common_bias, scale=scaling)
     out_c = out_c.view(kv_heads, rows, group, head_dim).transpose(0, 1)
     lse_c = lse_c.view(kv_heads, rows, group).transpose(0, 1)
     return ops.merge_attention_states(out_c, lse_c, out, lse)
 
 
-def _shared_blocks(context: DecodeAttention, key: Tensor, value: Tensor, table: Tensor) -> tuple[Tensor, Tensor]:
+def _shared_blocks(
+    context: DecodeAttention, key: Tensor, value: Tensor, table: Tensor, start, gap: int
+) -> tuple[Tensor, Tensor]:
     """The keys and values of the blocks `table` names ([prompts, n]: the prompts' whole blocks, or [1, n]:
-    the common prefix's) as [prompts, kv_heads, n * block_size, head_dim]: views of the pool where they lie
-    as `PagedStore.place_prompts` lays them out (the common prefix's n from block 1, prompt i's past them a
-    stride of n + 1 blocks apart), else gathered by the table (a copy each step)."""
+    the common prefix's) as [prompts, kv_heads, n * block_size, head_dim]: where they lie as
+    `PagedStore.place_prompts` lays them out (row i's n blocks from block `start + i * (n + gap)`), views
+    of the pool; else gathered by the table (a copy each step)."""
     if not context.prompts_in_place:
         return gather_blocks(key, table), gather_blocks(value, table)
     runs, n = table.shape  # (shapes only: a compiled step keeps them symbolic)
-    if table is context.common_table:
-        return block_runs(key, 1, 1, n, n), block_runs(value, 1, 1, n, n)
-    start = 1 if context.common_table is None else 1 + context.common_table.shape[1]
-    return block_runs(key, start, runs, n, n + 1), block_runs(value, start, runs, n, n + 1)
+    return block_runs(key, start, runs, n, n + gap), block_runs(value, start, runs, n, n + gap)
 
 
 def _by_prompt(context: DecodeAttention, per_row: Tensor, prompts) -> Tensor:
@@ -546,18 +547,16 @@ def _own_keys(
     attend,
     with_lse: bool,
 ) -> tuple[Tensor, Tensor | None]:
-    """Each row's attention over its own keys in the decode buffer (key, value [rows, kv_heads, T, head_dim]):
-    columns [kv_start, column] of its row (its prompt's and its own; with the prompts read stacked, from
-    own_start: after its prompt's whole blocks), `window`: the row's keys `window` or more columns before its query's own are out of it (a row's
-    columns are consecutive positions). Through paged_attention where it takes the layer (the buffer read
-    as a pool of one block per row: the work follows each row's length, not the buffer's), else dense and
-    masked. Returns out [rows, kv_heads, group, head_dim] and its lse [rows, kv_heads, group] (float32;
-    None unless `with_lse` on the dense path)."""
+    """Each row's attention over its own keys in the layer's pool (key, value [blocks, kv_heads, block_size,
+    head_dim]) through its table: columns [kv_start, column] of its row (its prompt's and its own; with the
+    prompts read stacked, from own_start: after its prompt's whole blocks), `window`: the row's keys
+    `window` or more columns before its query's own are out of it (a row's columns are consecutive
+    positions). Through paged_attention where it takes the layer (the work follows each row's length),
+    else the row's blocks gathered, dense and masked. Returns out [rows, kv_heads, group, head_dim] and its
+    lse [rows, kv_heads, group] (float32; None unless `with_lse` on the dense path)."""
     rows, heads, _, head_dim = query.shape
     kv_heads = key.shape[1]
     table = context.table(layer)
-    if not _reads_paged(query, key):  # each row's columns, dense
-        key, value = gather_blocks(key, table), gather_blocks(value, table)
     if _reads_paged(query, key):
         out, lse = ops.paged_attention(
             query[:, :, 0],
@@ -572,6 +571,7 @@ def _own_keys(
             context.kv_start,
         )
         return out.view(rows, kv_heads, heads // kv_heads, head_dim), lse.view(rows, kv_heads, heads // kv_heads)
+    key, value = gather_blocks(key, table), gather_blocks(value, table)  # each row's columns, dense
     if window is not None:
         near = context.columns[:, None] - torch.arange(key.shape[2], device=key.device)[None, :] < window
         attention_mask = attention_mask.masked_fill(~near[:, None, None, :], MASKED_KEY_BIAS)

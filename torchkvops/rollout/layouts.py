@@ -218,14 +218,18 @@ class PagedLayout(CopyLayout):
     # prompts read stacked"). A streaming batch (rows of prompts that come and go) reads through its tables.
     stacked_tokens = 256
 
+    def _reads_stacked(self, width: int) -> bool:
+        """Whether prompts of `width` columns are read stacked: their rows' stacked queries need samples to
+        stack, and the widest prompt `stacked_tokens` tokens in whole blocks."""
+        return self.samples > 1 and width // self.block_size * self.block_size >= max(self.stacked_tokens, 1)
+
     def lay_out_prompts(self, cache, prompts: int, width: int, common: int = 0) -> None:
         """Prompts that will be read stacked (`prompt_visible`) get their whole blocks (past a common
         prefix's) as runs of the pool a fixed stride apart (`PagedStore.place_prompts`), which the stacked
         read views in place instead of gathering them every step (`DecodeShape.prompts_in_place`)."""
-        whole = width // self.block_size * self.block_size
-        if self.samples > 1 and whole >= max(self.stacked_tokens, 1):
+        if self._reads_stacked(width):
             first = common // self.block_size
-            cache.paged.place_prompts(prompts, first, whole // self.block_size - first)
+            cache.paged.place_prompts(prompts, first, width // self.block_size - first)
 
     def expand_prompts(self, cache, batch: int, prompt_len: int) -> None:
         cache.paged.end_placement()  # (the prompts are written: their runs' spare blocks are free again)
@@ -238,8 +242,7 @@ class PagedLayout(CopyLayout):
     def prompt_visible(self, prompt_mask: Tensor, cache) -> Tensor | None:
         """The prompts' columns ([prompts, W] bool, `prompt_mask`) when a call's rows read their prompts'
         shared blocks stacked (`stacked_tokens`), else None (each row reads its prompt through its table)."""
-        whole = prompt_mask.shape[1] // self.block_size * self.block_size
-        return prompt_mask.bool() if self.samples > 1 and whole >= max(self.stacked_tokens, 1) else None
+        return prompt_mask.bool() if self._reads_stacked(prompt_mask.shape[1]) else None
 
     def batch_map(self, rows: int) -> BatchMap:
         """N rows per prompt, grouped: compaction keeps the prompt groups of the rows it keeps and their
