@@ -7,7 +7,6 @@ random weights of a named shape, or a local checkpoint loaded offline); and the 
 from __future__ import annotations
 
 import importlib.util
-import os
 import sys
 
 from .checks import CLIError, model_source
@@ -73,13 +72,13 @@ def load_config(args):
 def _gguf_parts(source: str) -> tuple[str, dict]:
     """(folder, {"gguf_file": name}) for a GGUF file, as transformers takes it (which needs the `gguf`
     package); (source, {}) for a checkpoint folder or a name."""
-    from ..models.gguf import is_gguf
+    from ..models.gguf import is_gguf, split_gguf
 
     if not is_gguf(source):
         return source, {}
     if importlib.util.find_spec("gguf") is None:
         raise CLIError(f"--model {source}: a GGUF file needs the gguf package (pip install gguf)")
-    folder, name = os.path.split(os.path.abspath(source))
+    folder, name = split_gguf(source)
     return folder, {"gguf_file": name}
 
 

@@ -15,11 +15,16 @@ import os
 
 import torch
 
-__all__ = ["load_gguf", "is_gguf"]
+__all__ = ["load_gguf", "is_gguf", "split_gguf"]
 
 
 def is_gguf(path: str) -> bool:
     return os.path.isfile(path) and path.lower().endswith(".gguf")
+
+
+def split_gguf(path: str) -> tuple[str, str]:
+    """(folder, file name) of a GGUF file, as transformers takes it: from_pretrained(folder, gguf_file=name)."""
+    return os.path.split(os.path.abspath(path))
 
 
 def load_gguf(path: str, dtype: torch.dtype = torch.float32):
@@ -27,7 +32,7 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32):
     GGUF file at `path`, read offline."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    source, name = os.path.split(os.path.abspath(path))
+    source, name = split_gguf(path)
     with _bar_only_on_a_terminal():
         loaded = AutoModelForCausalLM.from_pretrained(
             source, gguf_file=name, dtype=torch.float32, local_files_only=True
