@@ -78,7 +78,7 @@ def test_bad_arguments_are_one_line_errors(args, message):
 
 
 def test_the_command_line_knows_every_model_shape_and_its_positions():
-    from torchkvops.cli.bench_train import MODEL_POSITIONS
+    from torchkvops.cli.arguments import MODEL_POSITIONS
     from torchkvops.models import MODEL_SHAPES, model_config
 
     assert MODEL_POSITIONS == {name: model_config(name).max_position_embeddings for name in MODEL_SHAPES}

@@ -1115,10 +1115,25 @@ def test_import_loads_the_ops_and_defers_the_rollout_engine():
 
 
 def test_names_spelled_out_for_parsing_match_the_library():
+    from torchkvops.bench.lengths import LENGTH_PROFILES
+    from torchkvops.cli import arguments
     from torchkvops.models import MODEL_SHAPES
 
-    assert list(cli.MODEL_SHAPE_NAMES) == list(MODEL_SHAPES) and "llama-small" in MODEL_SHAPES
-    assert cli.MODE_NAMES == bench_cases.MODES and cli.DEFAULT_MODES == bench_cases.DEFAULT_MODES
+    assert list(arguments.MODEL_SHAPE_NAMES) == list(MODEL_SHAPES) and "llama-small" in MODEL_SHAPES
+    assert arguments.MODE_NAMES == bench_cases.MODES and arguments.DEFAULT_MODES == bench_cases.DEFAULT_MODES
+    assert tuple(arguments.LENGTH_PROFILE_NAMES) == tuple(LENGTH_PROFILES)
+
+
+def test_the_parser_is_built_from_the_command_modules():
+    """Every command module's NAME is a subcommand whose run is its execute and whose checks its check_args:
+    a new command is one module added to COMMANDS."""
+    parser = cli.build_parser()
+    assert list(parser.commands) == ["rollout", "bench", "bench-op", "bench-train", "bench-turns"]
+    for command in cli.COMMANDS:
+        sub = parser.commands[command.NAME]
+        assert sub.get_default("func") is command.execute
+        assert parser.checks[command.NAME] is command.check_args
+        assert sub.description == command.DESCRIPTION
 
 
 def test_every_option_has_help_and_bench_op_help_shows_defaults_and_methods(capsys, monkeypatch):

@@ -13,6 +13,10 @@ from ..bench.op import DTYPE_NAMES, ITEMSIZE, METHODS, MiB, format_table, peak_b
 from .checks import CLIError, available_memory_bytes, check_output_file, device_name, float_in, gib, int_in
 from .launch import add_threads_argument, resolve_device, set_threads
 
+__all__ = ["NAME", "HELP", "DESCRIPTION", "EPILOG", "add_arguments", "check_args", "execute", "run"]
+
+NAME = "bench-op"
+HELP = "the repeat_kv_cache_ bandwidth table"
 MAX_MIB = 1 << 20  # 1 TiB: a cache size beyond any machine this runs on
 MAX_SIZES = 64
 DESCRIPTION = op.__doc__.split("\n\n")[0]  # the first paragraph of torchkvops.bench.op's docstring

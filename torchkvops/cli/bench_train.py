@@ -7,23 +7,15 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .checks import CLIError, check_output_file, device_name, int_in
+from .arguments import MODEL_POSITIONS, add_shape_arguments, run_header
+from .checks import CLIError, check_output_file, int_in
 from .launch import add_threads_argument, resolve_device, set_threads
-from .model import DTYPE_NAMES, resolve_dtype
+from .model import resolve_dtype
 
-# torchkvops.models' shapes and their positions (max_position_embeddings), spelled out so that the checks
-# need no transformers (tests/test_bench_train.py checks that they agree).
-MODEL_POSITIONS = {
-    "llama-small": 8192,
-    "gemma3-small": 8192,
-    "gpt-oss-small": 131072,
-    "qwen3.5-small": 32768,
-    "opt-125m": 2048,
-    "tiny": 2048,
-    "gpt2": 1024,
-    "qwen3-0.6b": 40960,
-    "opt-6.7b": 2048,
-}
+__all__ = ["NAME", "HELP", "DESCRIPTION", "EPILOG", "add_arguments", "check_args", "execute"]
+
+NAME = "bench-train"
+HELP = "shared-prefix vs plain forward + backward (patch_forward)"
 DESCRIPTION = (
     "Forward + backward of the completion log-probabilities of G completions per prompt (a GRPO loss "
     "pass), the plain forward against torchkvops.patch_forward's shared-prefix forward, interleaved "
@@ -36,36 +28,8 @@ EPILOG = (
 )
 
 
-def add_model_arguments(p: argparse.ArgumentParser) -> None:
-    """--model-shape, --device and --dtype: a model of a named shape with random weights."""
-    p.add_argument(
-        "--model-shape", choices=list(MODEL_POSITIONS), default="llama-small", help="a torchkvops.models shape"
-    )
-    p.add_argument(
-        "--device", type=device_name, default=None, help="cpu, cuda or cuda:N (default: cuda when available, else cpu)"
-    )
-    p.add_argument("--dtype", choices=list(DTYPE_NAMES), default="fp32", help="the weights' dtype")
-
-
-def run_header(args: argparse.Namespace, device, notes: dict, **more) -> dict:
-    """The JSON header of a run of a model-shape benchmark (add_model_arguments, --warmup, --iterations)."""
-    import torch
-
-    return {
-        "model_shape": args.model_shape,
-        "device": str(device),
-        "dtype": args.dtype,
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-        "warmup": args.warmup,
-        "iterations": args.iterations,
-        **more,
-        "notes": notes,
-    }
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_model_arguments(p)
+    add_shape_arguments(p)
     p.add_argument("--prompts", type=int_in(1), default=1, help="prompts B per step (rows = B x G)")
     p.add_argument("--prompt-lengths", type=int_in(1), nargs="+", default=[1024], metavar="P", help="prompt tokens")
     p.add_argument(

@@ -7,11 +7,15 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .bench_train import MODEL_POSITIONS, add_model_arguments, run_header
+from .arguments import MODEL_POSITIONS, add_shape_arguments, run_header
 from .checks import CLIError, check_output_file, int_in
 from .launch import add_threads_argument, resolve_device, set_threads
 from .model import resolve_dtype
 
+__all__ = ["NAME", "HELP", "DESCRIPTION", "EPILOG", "add_arguments", "check_args", "execute"]
+
+NAME = "bench-turns"
+HELP = "multi-turn rollouts: the KV kept across turns (Rollout.extend) vs re-prefilled"
 MODES = ("reuse", "no-reuse", "hf")  # torchkvops.bench.turns.MODES, spelled out so that parsing needs no torch
 DESCRIPTION = (
     "An agent's multi-turn rollout: B prompts x N samples, K turns of R generated tokens, T tokens appended "
@@ -28,7 +32,7 @@ EPILOG = (
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_model_arguments(p)
+    add_shape_arguments(p)
     p.add_argument("--prompts", type=int_in(1), default=1, help="prompts B")
     p.add_argument("--samples-per-prompt", type=int_in(1), default=4, help="samples N per prompt (rows = B x N)")
     p.add_argument("--prompt-length", type=int_in(1), default=512, help="prompt tokens P")

@@ -31,8 +31,8 @@ __all__ = [
     "check_output_dir",
     "check_plot_path",
     "model_source",
-    "check_rollout_args",
-    "check_bench_args",
+    "check_max_rows",
+    "check_token_memory",
     "check_positions",
     "check_kv_memory",
     "check_bench_kv_memory",
@@ -239,60 +239,6 @@ def check_max_rows(args, samples: int) -> None:
             f"--max-rows {args.max_rows} is smaller than one prompt's {samples} samples (--samples-per-prompt): "
             "a prompt's samples decode together"
         )
-
-
-def check_rollout_args(args) -> None:
-    check_max_rows(args, args.samples_per_prompt)
-    if args.model:
-        model_source(args.model)
-    check_output_file(args.output, "--output")
-    if (args.prompt or args.prompts) and not args.model:
-        raise CLIError(
-            "--prompt/--prompts need --model (a checkpoint with a tokenizer); without --model, "
-            "use --prompt-length for synthetic prompts"
-        )
-    if not (args.prompt or args.prompts):
-        check_token_memory(
-            args.num_prompts,
-            args.samples_per_prompt,
-            args.prompt_length,
-            args.max_new_tokens,
-            f"--num-prompts {args.num_prompts} x --prompt-length {args.prompt_length}",
-            "lower --num-prompts, --prompt-length, --samples-per-prompt or --max-new-tokens",
-        )
-
-
-def check_bench_args(args) -> None:
-    check_max_rows(args, max(args.samples_per_prompt))
-    if args.max_kv_tokens is not None and "paged" not in args.modes:
-        raise CLIError(
-            f"--max-kv-tokens {args.max_kv_tokens} applies to the paged mode only (the layout whose blocks it "
-            f"counts), and --modes has none ({' '.join(args.modes)}): add paged"
-        )
-    if args.model:
-        model_source(args.model)
-    check_output_file(args.output, "--output")
-    check_plot_path(args.plot)
-    check_output_dir(args.trace, "--trace")
-    if args.length_profile != "fixed" and args.temperature == 0:
-        raise CLIError(
-            f"--length-profile {args.length_profile} needs sampling (--temperature > 0): greedy decoding would "
-            "pick the EOS token never or always"
-        )
-    b, n, p, r = (
-        max(args.batch_sizes),
-        max(args.samples_per_prompt),
-        max(args.prompt_lengths),
-        max(args.response_lengths),
-    )
-    check_token_memory(
-        b,
-        n,
-        p,
-        r,
-        f"the largest case (B={b} N={n} P={p} R={r})",
-        "lower --batch-sizes, --samples-per-prompt, --prompt-lengths or --response-lengths",
-    )
 
 
 # --- checks before the model is built (its config read, torch loaded) ----------------------------

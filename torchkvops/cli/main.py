@@ -24,15 +24,13 @@ one --output file; `bench` runs every case on every process with its own B promp
 process reports the slowest process's times and the global tokens/s. A failure on one process is one
 line on every process and a non-zero exit. Without torchrun: one process, as before.
 
-This module holds the parser and the entry point (main). The rest of torchkvops/cli/, each in a module
-of its own:
-  checks    the argument types and every check made before the work (CLIError)
-  launch    alone or under torchrun: the process group, the device, --threads, the shards, say()
-  model     the dtype, the config, the model and tokenizer, and the token ids they imply
-  rollout   the rollout command          bench  the bench command
-  bench_op  the bench-op command (its own arguments, checks and run)
-  bench_train  the bench-train command (the same)
-  bench_turns  the bench-turns command (the same)
+This module holds the parser, built from COMMANDS, and the entry point (main). Each command is a module
+of its own that owns its parser, its checks and its run: NAME, HELP, DESCRIPTION, EPILOG,
+add_arguments(parser), check_args(args) (raises CLIError) and execute(args) -> exit code:
+  rollout  bench  bench_op  bench_train  bench_turns
+What they share: arguments (the model group, the shape arguments, the names they choose from), checks
+(the argument types and the checks made before the work), launch (alone or under torchrun: the process
+group, the device, --threads, the shards, say()), model (the dtype, the config, the model and tokenizer).
 The measurements themselves are the benchmark harness's (torchkvops/bench/). Nothing that the parser
 imports loads torch or transformers.
 """
@@ -44,68 +42,18 @@ import os
 import sys
 from collections.abc import Sequence
 
-from . import bench_op, bench_train, bench_turns
-from .bench import cmd_bench
-from .checks import (
-    CLIError,
-    check_bench_args,
-    check_rollout_args,
-    device_name,
-    int_in,
-    length_sigma,
-    non_negative_int,
-    positive_int,
-    temperature,
-    top_p,
-)
-from .launch import (
-    RunError,
-    add_threads_argument,
-    current_rank,
-    current_world_size,
-    stop_processes,
-    threads_for_this_machine,
-)
-from .model import DTYPE_NAMES
-from .rollout import cmd_rollout
+from . import bench, bench_op, bench_train, bench_turns, rollout
+from .checks import CLIError
+from .launch import RunError, current_rank, current_world_size, stop_processes, threads_for_this_machine
 
 __all__ = [
     "main",
     "build_parser",
     "parse_args",
+    "COMMANDS",
     "DEFAULT_BENCH_ARGS",
-    "MODEL_SHAPE_NAMES",
-    "MODE_NAMES",
-    "DEFAULT_MODES",
 ]
 
-# The names of torchkvops.models.MODEL_SHAPES, spelled out so that parsing needs no transformers
-# (tests/test_cli.py checks that the two agree).
-MODEL_SHAPE_NAMES = (
-    "tiny",
-    "llama-small",
-    "gemma3-small",
-    "gpt-oss-small",
-    "qwen3.5-small",
-    "opt-125m",
-    "gpt2",
-    "qwen3-0.6b",
-    "opt-6.7b",
-)
-# torchkvops.bench.cases.MODES and DEFAULT_MODES, spelled out for the same reason (checked by the same test).
-MODE_NAMES = (
-    "expanded",
-    "shared",
-    "prefix",
-    "paged",
-    "hf-generate",
-    "hf-static",
-    "shared-nocompact",
-    "prefix-nocompact",
-)
-# torchkvops.bench.lengths.LENGTH_PROFILES, spelled out for the same reason (checked by the same test).
-LENGTH_PROFILE_NAMES = ("fixed", "geometric", "eos-rate", "log-normal")
-DEFAULT_MODES = ("expanded", "shared", "prefix", "hf-generate")
 # The bare `torchkvops`: measured at 38 s on a shared 2-core CPU, model build included (5 iterations: 59 s);
 # with the four default modes (prefix added), 28 s on the same CPU, less loaded (2026-11-30).
 DEFAULT_BENCH_ARGS = [
@@ -124,7 +72,8 @@ DEFAULT_BENCH_ARGS = [
     "--iterations",
     "3",
 ]
-MAX_SEED = 2**63 - 1
+# The commands, in the order --help lists them.
+COMMANDS = (rollout, bench, bench_op, bench_train, bench_turns)
 
 
 # --- parser --------------------------------------------------------------------------------------
@@ -151,59 +100,12 @@ class _Parser(argparse.ArgumentParser):
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("formatter_class", _HelpFormatter)
         super().__init__(*args, **kwargs)
-        self.commands: dict[str, _Parser] = {}
+        self.commands: dict[str, _Parser] = {}  # each command's subparser, by its name
+        self.checks: dict = {}  # each command's check_args, by its name
 
     def error(self, message: str):  # one line, not the usage block
         where = self.prog.removeprefix("torchkvops").strip()
         self.exit(2, f"torchkvops: error: {where + ': ' if where else ''}{message} (see {self.prog} --help)\n")
-
-
-def _model_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("model")
-    g.add_argument(
-        "--model",
-        metavar="PATH_OR_NAME",
-        help="a local Hugging Face checkpoint folder (or a name already in the local cache); loaded "
-        "offline. Default: a model built from --model-shape with random weights",
-    )
-    g.add_argument(
-        "--model-shape",
-        choices=MODEL_SHAPE_NAMES,
-        default="opt-125m",
-        help="shape of the random-weight model used without --model",
-    )
-    g.add_argument("--dtype", choices=list(DTYPE_NAMES), default=None, help="default: fp32 on CPU, bf16 on CUDA")
-    g.add_argument(
-        "--device", type=device_name, default=None, help="cpu, cuda or cuda:N (default: cuda when available, else cpu)"
-    )
-    g.add_argument("--compile", action="store_true", help="torch.compile the rollout's prefill and decode")
-    g.add_argument(
-        "--max-rows",
-        type=int_in(1),
-        default=None,
-        help="the most sample rows decoded at once (RolloutConfig.max_rows): more are streamed, prompts "
-        "admitted as others' rows end; default: every row at once",
-    )
-    g.add_argument(
-        "--max-kv-tokens",
-        type=int_in(1),
-        default=None,
-        help="the most KV tokens the rows hold at once (RolloutConfig.max_kv_tokens, the paged layout; bench: "
-        "its paged mode): rows start while blocks are free, the newest preempted when they run short; "
-        "default: no bound",
-    )
-    g.add_argument("--seed", type=int_in(0, MAX_SEED, " (2**63 - 1)"), default=0, help="sampling and prompt seed")
-    add_threads_argument(g)
-
-
-# What each command checks once its arguments are parsed, before any work.
-CHECKS = {
-    "rollout": check_rollout_args,
-    "bench": check_bench_args,
-    "bench-op": bench_op.check_args,
-    "bench-train": bench_train.check_args,
-    "bench-turns": bench_turns.check_args,
-}
 
 
 def build_parser() -> _Parser:
@@ -212,184 +114,14 @@ def build_parser() -> _Parser:
         description=__doc__.split("\n\n")[0],
         epilog="With no command: a short default `bench` (" + " ".join(DEFAULT_BENCH_ARGS) + ").",
     )
-    sub = parser.add_subparsers(
-        dest="command", metavar="{rollout,bench,bench-op,bench-train,bench-turns}", parser_class=_Parser
-    )
-
-    r = sub.add_parser(
-        "rollout",
-        help="generate N samples for each prompt and print them",
-        description="Generate N samples for each prompt and print them. Under torchrun the "
-        "prompts are split among the processes (a prompt's samples stay together); the "
-        "samples do not depend on the number of processes.",
-    )
-    src = r.add_argument_group("prompts")
-    src.add_argument("--prompt", action="append", metavar="TEXT", help="a prompt (repeatable; needs --model)")
-    src.add_argument(
-        "--prompts", metavar="FILE", help='prompts, one per line, or JSONL with a "prompt" field (needs --model)'
-    )
-    src.add_argument(
-        "--prompt-length",
-        type=positive_int,
-        default=16,
-        help="without text prompts: synthetic prompts of this many random token ids",
-    )
-    src.add_argument(
-        "--num-prompts", type=positive_int, default=2, help="without text prompts: how many synthetic prompts"
-    )
-    _model_args(r)
-    gen = r.add_argument_group("generation")
-    gen.add_argument("-n", "--samples-per-prompt", type=positive_int, default=4, help="N")
-    gen.add_argument("--max-new-tokens", type=positive_int, default=32, help="R, the most tokens per sample")
-    gen.add_argument("--temperature", type=temperature, default=1.0, help="0 is greedy")
-    gen.add_argument("--top-k", type=non_negative_int, default=0, help="0 is off")
-    gen.add_argument("--top-p", type=top_p, default=1.0, help="in (0, 1]")
-    gen.add_argument(
-        "--no-shared-prefill", action="store_true", help="the expanded baseline: prefill every prompt N times"
-    )
-    r.add_argument("--output", metavar="FILE.jsonl", help="also write one JSON record per sample")
-    r.set_defaults(func=cmd_rollout)
-
-    b = sub.add_parser(
-        "bench",
-        help="the A/B matrix: the rollout's modes vs HF generate, interleaved",
-        description="Time the rollout's modes (expanded prefill, shared prefill with the KV copied "
-        "or kept once as a shared prefix) and HF generate (default or static cache) over "
-        "a matrix of batch sizes, samples per prompt, prompt and response lengths. The "
-        "modes run interleaved (A B C A B C ...) and are timed by one clock; the table "
-        "gives decode ms per step and the bandwidth it achieves (weights + KV read per "
-        "step), on CUDA also as a fraction of a copy_ roofline measured in the same run.",
-        epilog="Each case runs (warmup + iterations) calls per mode, plus one call for the peak "
-        "memory and one for --trace. After the first call, bench prints the number of "
-        "calls and an estimate of the run's time on stderr. Under torchrun every process "
-        "runs every case with its own --batch-sizes prompts (global batch = B x processes).",
-    )
-    _model_args(b)
-    m = b.add_argument_group("matrix")
-    m.add_argument(
-        "--batch-sizes",
-        type=positive_int,
-        nargs="+",
-        default=[1],
-        metavar="B",
-        help="prompts per call (per process under torchrun)",
-    )
-    m.add_argument(
-        "--samples-per-prompt", type=positive_int, nargs="+", default=[4], metavar="N", help="samples per prompt"
-    )
-    m.add_argument(
-        "--prompt-lengths",
-        type=positive_int,
-        nargs="+",
-        default=[128],
-        metavar="P",
-        help="prompt tokens (synthetic random ids)",
-    )
-    m.add_argument(
-        "--response-lengths",
-        type=positive_int,
-        nargs="+",
-        default=[16],
-        metavar="R",
-        help="tokens generated per sample (the most, with --length-profile geometric or eos-rate)",
-    )
-    m.add_argument(
-        "--length-profile",
-        choices=list(LENGTH_PROFILE_NAMES),
-        default="fixed",
-        help="fixed: no EOS, every sample has R tokens; geometric: every row samples EOS with probability "
-        "4/R at every step (the random-weight model's EOS logit set so), lengths geometric with mean "
-        "R/4, capped at R, as real responses spread (needs --temperature > 0); eos-rate: the same with "
-        "mean --mean-length whatever R (a generous budget R: the same rows and tokens at every R); "
-        "log-normal: lengths log-normal with mean --mean-length and shape --length-sigma, capped at R (a "
-        "heavier tail)",
-    )
-    m.add_argument(
-        "--mean-length",
-        type=positive_int,
-        default=32,
-        metavar="M",
-        help="--length-profile eos-rate or log-normal: the mean response length (eos-rate: EOS probability "
-        "1/M at every step)",
-    )
-    m.add_argument(
-        "--length-sigma",
-        type=length_sigma,
-        default=1.0,
-        metavar="S",
-        help="--length-profile log-normal: the shape of the log-normal (the sigma of log(length)), in (0, 4]",
-    )
-    m.add_argument(
-        "--modes",
-        nargs="+",
-        choices=list(MODE_NAMES),
-        default=list(DEFAULT_MODES),
-        help="the modes to time, in this order (hf-static: HF generate with its static cache; on CUDA "
-        "HF compiles its decode in the first call, a warm-up call; shared-nocompact and "
-        "prefix-nocompact: the rollout with compact_finished_rows=False)",
-    )
-    m.add_argument("--temperature", type=temperature, default=1.0, help="0 is greedy")
-    m.add_argument("--top-p", type=top_p, default=1.0, help="in (0, 1]")
-    t = b.add_argument_group("timing and output")
-    t.add_argument("--warmup", type=non_negative_int, default=5, help="untimed calls per case and mode")
-    t.add_argument("--iterations", type=positive_int, default=20, help="timed calls per case and mode")
-    t.add_argument(
-        "--output",
-        metavar="FILE.json",
-        help="write the header and every case's results as JSON, rewritten after each case",
-    )
-    t.add_argument("--plot", metavar="FILE.png", help="a PNG of stacked stage times (needs matplotlib)")
-    t.add_argument(
-        "--trace",
-        metavar="DIR",
-        help="one extra call per case and mode under torch.profiler, written as a Chrome trace DIR/<case>_<mode>.json",
-    )
-    t.add_argument(
-        "--wide",
-        action="store_true",
-        help="the full table: also the kv_expand, decode and other stage times (with them the stages add "
-        "up to the total), peak MiB, useful and total / expanded (the default table fits 120 "
-        "columns; the JSON has every figure either way)",
-    )
-    t.add_argument(
-        "--no-progress",
-        action="store_true",
-        help="no progress bar on stderr (the line with the call count and estimate stays)",
-    )
-    t.add_argument(
-        "--mismatch",
-        action="store_true",
-        help="after each case's timed calls, measure how far each mode's log-probabilities are from a "
-        "trainer's forward over the same sequences (mean and max |delta|, k3 KL), for the rollout "
-        "modes (also with a float32 LM head on a half-precision model) and HF generate",
-    )
-    b.set_defaults(func=cmd_bench)
-
-    o = sub.add_parser(
-        "bench-op",
-        help="the repeat_kv_cache_ bandwidth table",
-        description=bench_op.DESCRIPTION,
-        epilog=bench_op.EPILOG,
-    )
-    bench_op.add_arguments(o)
-    o.set_defaults(func=bench_op.execute)
-    tr = sub.add_parser(
-        "bench-train",
-        help="shared-prefix vs plain forward + backward (patch_forward)",
-        description=bench_train.DESCRIPTION,
-        epilog=bench_train.EPILOG,
-    )
-    bench_train.add_arguments(tr)
-    tr.set_defaults(func=bench_train.execute)
-    tu = sub.add_parser(
-        "bench-turns",
-        help="multi-turn rollouts: the KV kept across turns (Rollout.extend) vs re-prefilled",
-        description=bench_turns.DESCRIPTION,
-        epilog=bench_turns.EPILOG,
-    )
-    bench_turns.add_arguments(tu)
-    tu.set_defaults(func=bench_turns.execute)
-    parser.commands = {"rollout": r, "bench": b, "bench-op": o, "bench-train": tr, "bench-turns": tu}
+    names = ",".join(command.NAME for command in COMMANDS)
+    sub = parser.add_subparsers(dest="command", metavar="{" + names + "}", parser_class=_Parser)
+    for command in COMMANDS:
+        p = sub.add_parser(command.NAME, help=command.HELP, description=command.DESCRIPTION, epilog=command.EPILOG)
+        command.add_arguments(p)
+        p.set_defaults(func=command.execute)
+        parser.commands[command.NAME] = p
+        parser.checks[command.NAME] = command.check_args
     return parser
 
 
@@ -402,7 +134,7 @@ def parse_args(argv: Sequence[str], parser: _Parser | None = None) -> argparse.N
         (command or parser).error(f"unrecognized arguments: {' '.join(extras)}")
     if command is not None:
         try:
-            CHECKS[args.command](args)
+            parser.checks[args.command](args)
         except CLIError as e:
             command.error(str(e))
     return args
@@ -442,7 +174,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(
                 "torchkvops: no command given; running the short default benchmark:\n"
                 "  torchkvops " + " ".join(argv) + f"\n(--threads {threads}: {why})\n"
-                "(torchkvops --help lists the commands: rollout, bench, bench-op, bench-train, bench-turns)"
+                f"(torchkvops --help lists the commands: {', '.join(c.NAME for c in COMMANDS)})"
             )
         parser = build_parser()
         args = parse_args(argv, parser)
