@@ -158,86 +158,114 @@ def _run_case(
     """Every mode of one case, interleaved (TIMING_NOTE); one entry per mode. Every step below (making
     a runner, each call) is followed by a status exchange, so that all processes agree on which modes
     still run and take the same collective steps."""
-    clock = Clock(device)
-    calls = calls_per_mode(s, device)
-    entries = {m: _new_entry(m, device) for m in modes}
-    runners: dict[str, object] = {}
-    done = dict.fromkeys(modes, 0)
-    last: dict[str, Tensor] = {}
+    run = _CaseRun(case, modes, s, device, world, tick, label)
+    try:
+        run.make_runners(model, prompts, pad_token_id)
+        run.warm_up()
+        run.timed_rounds(traffic)
+        run.peaks_and_traces()
+    finally:
+        run.close()
+    for m in run.live():
+        run.entries[m]["tokens_sha256"] = tokens_sha256(run.last[m])
+    _combine(run.entries, modes, world)
+    return run.entries
 
-    def live() -> list[str]:
-        return [m for m in modes if entries[m]["error"] is None]
 
-    def step(mode: str, fn: Callable[[], object], counted: bool = True) -> bool:
-        label(f"{case.name} {mode}")
+class _CaseRun:
+    """One case's modes as they run: each mode's entry, runner, calls done and last responses. A mode
+    whose step fails on any process is out (its remaining calls ticked at once), on every process."""
+
+    def __init__(self, case, modes, s: Settings, device, world: World, tick, label):
+        self.case, self.modes, self.s, self.device, self.world = case, modes, s, device, world
+        self.tick, self.label = tick, label
+        self.clock = Clock(device)
+        self.calls = calls_per_mode(s, device)
+        self.entries = {m: _new_entry(m, device) for m in modes}
+        self.runners: dict[str, object] = {}
+        self.done = dict.fromkeys(modes, 0)
+        self.last: dict[str, Tensor] = {}
+
+    def live(self) -> list[str]:
+        return [m for m in self.modes if self.entries[m]["error"] is None]
+
+    def step(self, mode: str, fn: Callable[[], object], counted: bool = True) -> bool:
+        self.label(f"{self.case.name} {mode}")
         error = None
         try:
             fn()
         except Exception as e:  # noqa: BLE001 - a failed mode is a result; the run goes on
             error = _one_line(e)
-        failed = world.failures(error)
+        failed = self.world.failures(error)
         if failed:
-            entries[mode]["error"] = world.describe(failed)
-            tick(calls - done[mode])
-            done[mode] = calls
-            runner = runners.pop(mode, None)
+            self.entries[mode]["error"] = self.world.describe(failed)
+            self.tick(self.calls - self.done[mode])
+            self.done[mode] = self.calls
+            runner = self.runners.pop(mode, None)
             if runner is not None:
                 runner.close()
             return False
         if counted:
-            done[mode] += 1
-            tick(1)
+            self.done[mode] += 1
+            self.tick(1)
         return True
 
-    def timed(mode: str, k: int, t0: float) -> None:
-        started = (time.perf_counter() - t0) * 1e3
-        profile, responses = timed_call(runners[mode], clock)
-        record = dict.fromkeys(ITERATION_FIELDS)
-        record.update(profile, round=k, started_ms=started)
-        entries[mode]["iterations"].append(traffic.annotate(mode, record))
-        last[mode] = responses
-
-    try:
-        for m in modes:
-            step(
+    def make_runners(self, model, prompts, pad_token_id) -> None:
+        for m in self.modes:
+            self.step(
                 m,
-                lambda m=m: runners.__setitem__(m, make_runner(m, model, case, s, prompts, pad_token_id, clock)),
+                lambda m=m: self.runners.__setitem__(
+                    m, make_runner(m, model, self.case, self.s, prompts, pad_token_id, self.clock)
+                ),
                 counted=False,
             )
-        for m in live():
-            for _ in range(s.warmup):
-                if not step(m, lambda m=m: runners[m].run()):
-                    break
-        t0 = time.perf_counter()
-        for k in range(s.iterations):  # the rounds: A B C, A B C, ...
-            for m in live():
-                step(m, lambda m=m, k=k: timed(m, k, t0))
-        for m in live():
-            for runner in runners.values():
-                runner.free()
-            if not step(
-                m, lambda m=m: entries[m].__setitem__("peak_memory_bytes", peak_memory_bytes(runners[m], device))
-            ):
-                continue
-            if s.trace_dir is not None:
-                suffix = f"_rank{world.rank}" if world.size > 1 else ""
-                path = os.path.join(s.trace_dir, f"{case.name}_{m}{suffix}.json")
-                if step(m, lambda m=m, path=path: export_trace(runners[m].run, path, device)):
-                    entries[m]["trace"] = path
-            if m in runners:
-                runners[m].free()
-    finally:
-        for runner in runners.values():
-            runner.close()
-        runners.clear()
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
 
-    for m in live():
-        entries[m]["tokens_sha256"] = tokens_sha256(last[m])
-    _combine(entries, modes, world)
-    return entries
+    def warm_up(self) -> None:
+        for m in self.live():
+            for _ in range(self.s.warmup):
+                if not self.step(m, lambda m=m: self.runners[m].run()):
+                    break
+
+    def timed_rounds(self, traffic: Traffic) -> None:
+        t0 = time.perf_counter()
+
+        def timed(mode: str, k: int) -> None:
+            started = (time.perf_counter() - t0) * 1e3
+            profile, responses = timed_call(self.runners[mode], self.clock)
+            record = dict.fromkeys(ITERATION_FIELDS)
+            record.update(profile, round=k, started_ms=started)
+            self.entries[mode]["iterations"].append(traffic.annotate(mode, record))
+            self.last[mode] = responses
+
+        for k in range(self.s.iterations):  # the rounds: A B C, A B C, ...
+            for m in self.live():
+                self.step(m, lambda m=m, k=k: timed(m, k))
+
+    def peaks_and_traces(self) -> None:
+        """One call a mode for its peak memory (every runner's buffers freed first), and one for --trace."""
+        for m in self.live():
+            for runner in self.runners.values():
+                runner.free()
+            peak = lambda m=m: self.entries[m].__setitem__(  # noqa: E731
+                "peak_memory_bytes", peak_memory_bytes(self.runners[m], self.device)
+            )
+            if not self.step(m, peak):
+                continue
+            if self.s.trace_dir is not None:
+                suffix = f"_rank{self.world.rank}" if self.world.size > 1 else ""
+                path = os.path.join(self.s.trace_dir, f"{self.case.name}_{m}{suffix}.json")
+                if self.step(m, lambda m=m, path=path: export_trace(self.runners[m].run, path, self.device)):
+                    self.entries[m]["trace"] = path
+            if m in self.runners:
+                self.runners[m].free()
+
+    def close(self) -> None:
+        for runner in self.runners.values():
+            runner.close()
+        self.runners.clear()
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
 
 def _combine(entries: dict[str, dict], modes: Sequence[str], world: World) -> None:
@@ -307,51 +335,64 @@ def run_matrix(
     try:
         for k, i in enumerate(order):
             case = cases[i]
-            result = {"case": case.name, **dataclasses.asdict(case), "run_order": k, "error": None, "modes": {}}
-            if world.size > 1:
-                result["world_size"] = world.size
-            prompts = None
-            error = None
-            try:
-                prompts = synthetic_prompts(case, vocab_size, special_ids, settings.seed, device, shard=world.rank)
-            except Exception as e:  # noqa: BLE001
-                error = _one_line(e)
-            failed = world.failures(error)
-            if failed:
-                result["error"] = world.describe(failed)
-                bar.update(len(modes) * per_mode)
-            else:
-                result["modes"] = _run_case(
-                    model,
-                    case,
-                    modes,
-                    prompts,
-                    settings,
-                    traffic,
-                    pad_token_id,
-                    device,
-                    world,
-                    tick,
-                    bar.set_description,
-                )
-                if settings.mismatch:  # after the timed calls, so that it does not disturb them
-                    bar.set_description(f"{case.name} mismatch")
-                    result["mismatch"] = measure_mismatch(model, case, modes, settings, prompts, pad_token_id)
-            hashes = {m: e["tokens_sha256"] for m, e in result["modes"].items()}
-            agree = token_agreement(hashes, settings.greedy)
-            agree["pairs"] = world.combine_agreement(agree["pairs"])
-            compared = [v for v in agree["pairs"].values() if v is not None]
-            agree["all_agree"] = all(compared) if compared else None
-            result["tokens_agree"] = agree
-            failed_modes = [m for m, e in result["modes"].items() if e["error"]]
-            if failed_modes and not result["error"]:
-                result["error"] = "; ".join(f"{m}: {result['modes'][m]['error']}" for m in failed_modes)
+            result = _one_case(
+                model,
+                case,
+                k,
+                modes,
+                settings,
+                traffic,
+                vocab_size,
+                special_ids,
+                pad_token_id,
+                device,
+                world,
+                bar,
+                tick,
+            )
             results[i] = result
             if on_case is not None:
                 on_case(i, result)
     finally:
         bar.close()
     return results
+
+
+def _one_case(
+    model, case, k, modes, settings, traffic, vocab_size, special_ids, pad_token_id, device, world, bar, tick
+) -> dict:
+    """A case's result: its prompts (this process's shard), every mode, the mismatch if asked for, and
+    whether the modes sampled the same tokens."""
+    result = {"case": case.name, **dataclasses.asdict(case), "run_order": k, "error": None, "modes": {}}
+    if world.size > 1:
+        result["world_size"] = world.size
+    prompts = None
+    error = None
+    try:
+        prompts = synthetic_prompts(case, vocab_size, special_ids, settings.seed, device, shard=world.rank)
+    except Exception as e:  # noqa: BLE001
+        error = _one_line(e)
+    failed = world.failures(error)
+    if failed:
+        result["error"] = world.describe(failed)
+        bar.update(len(modes) * calls_per_mode(settings, device))
+    else:
+        result["modes"] = _run_case(
+            model, case, modes, prompts, settings, traffic, pad_token_id, device, world, tick, bar.set_description
+        )
+        if settings.mismatch:  # after the timed calls, so that it does not disturb them
+            bar.set_description(f"{case.name} mismatch")
+            result["mismatch"] = measure_mismatch(model, case, modes, settings, prompts, pad_token_id)
+    hashes = {m: e["tokens_sha256"] for m, e in result["modes"].items()}
+    agree = token_agreement(hashes, settings.greedy)
+    agree["pairs"] = world.combine_agreement(agree["pairs"])
+    compared = [v for v in agree["pairs"].values() if v is not None]
+    agree["all_agree"] = all(compared) if compared else None
+    result["tokens_agree"] = agree
+    failed_modes = [m for m, e in result["modes"].items() if e["error"]]
+    if failed_modes and not result["error"]:
+        result["error"] = "; ".join(f"{m}: {result['modes'][m]['error']}" for m in failed_modes)
+    return result
 
 
 class _NoBar:

@@ -64,14 +64,37 @@ def format_case_table(result: dict, iterations: int, wide: bool = False) -> str:
     fraction of the copy_ roofline, on CUDA), tokens/s and KV storage. Its lines fit TABLE_WIDTH
     columns; with wide=True it also shows WIDE_ONLY: the other stages (which add up to the total shown),
     peak memory, the useful fraction and the total relative to expanded's."""
+    roofline = any(
+        (e.get("median_stages") or {}).get("roofline_fraction") is not None for e in result["modes"].values()
+    )
+    world = result.get("world_size", 1)
+    lines = [line for text in _case_notes(result, iterations, wide, roofline) for line in _wrap(text)]
+    cols = ["mode", "prefill ms", "kv_expand ms", "decode ms", "other ms", "total ms", "decode ms/step", "GB/s"]
+    cols += ["% of roofline"] if roofline else []
+    cols += ["tokens/s" if world == 1 else "global tokens/s", "KV MiB", "peak MiB", "useful", "total / expanded"]
+    keep = [wide or c not in WIDE_ONLY for c in cols]
+    lines += ["| " + " | ".join(c for c, k in zip(cols, keep) if k) + " |", "|---" + "|---:" * (sum(keep) - 1) + "|"]
+    base = result["modes"].get("expanded")
+    base_split = (base.get("median_stages") or stage_breakdown(base)) if base and not base["error"] else None
+    base_total = base_split["total_ms"] if base_split else None
+    for mode, e in result["modes"].items():
+        if e["error"]:
+            lines.append(f"| {mode} | failed: {e['error']} |")
+            continue
+        cells = _mode_cells(mode, e, base_total, roofline)
+        lines.append("| " + " | ".join(c for c, k in zip(cells, keep) if k) + " |")
+    if result["error"] and not result["modes"]:
+        lines.append(f"| (case) | failed: {result['error']} |")
+    return "\n".join(lines + _tokens_agree_lines(result))
+
+
+def _case_notes(result: dict, iterations: int, wide: bool, roofline: bool) -> list[str]:
+    """The case's line and the notes that say what the table's figures are."""
     counts = {len(e["iterations"]) for e in result["modes"].values() if e["iterations"]} or {iterations}
     n = max(counts)
     which = "of the median-total iteration" if n % 2 else "of the two middle iterations by total (their mean)"
     rows = result["batch_size"] * result["samples_per_prompt"]
     world = result.get("world_size", 1)
-    roofline = any(
-        (e.get("median_stages") or {}).get("roofline_fraction") is not None for e in result["modes"].values()
-    )
     case = (
         f"{result['case']}: B={result['batch_size']} N={result['samples_per_prompt']} "
         f"P={result['prompt_length']} R={result['response_length']} (rows {rows}), "
@@ -100,67 +123,58 @@ def format_case_table(result: dict, iterations: int, wide: bool = False) -> str:
             f"{result['batch_size'] * world} prompts); times are the slowest process's in each iteration, "
             "tokens/s counts every process's tokens (global)"
         )
-    lines = [line for text in [case, *notes] for line in _wrap(text)]
-    cols = ["mode", "prefill ms", "kv_expand ms", "decode ms", "other ms", "total ms", "decode ms/step", "GB/s"]
-    cols += ["% of roofline"] if roofline else []
-    cols += ["tokens/s" if world == 1 else "global tokens/s", "KV MiB", "peak MiB", "useful", "total / expanded"]
-    keep = [wide or c not in WIDE_ONLY for c in cols]
-    cols = [c for c, k in zip(cols, keep) if k]
-    lines += ["| " + " | ".join(cols) + " |", "|---" + "|---:" * (len(cols) - 1) + "|"]
-    base = result["modes"].get("expanded")
-    base_split = (base.get("median_stages") or stage_breakdown(base)) if base and not base["error"] else None
-    base_total = base_split["total_ms"] if base_split else None
+    return [case, *notes]
 
-    def f(v, fmt="{:.1f}"):
-        return "-" if v is None else fmt.format(v)
 
-    def mib(v):
-        return None if v is None else v / 2**20
+def _cell(v, fmt="{:.1f}") -> str:
+    return "-" if v is None else fmt.format(v)
 
-    for mode, e in result["modes"].items():
-        if e["error"]:
-            lines.append(f"| {mode} | failed: {e['error']} |")
-            continue
-        split = e.get("median_stages") or stage_breakdown(e)
-        other = None
-        if "other_ms" in split:
-            other = (
-                split["other_ms"] + (split.get("prompt_expansion_ms") or 0.0) + (split.get("post_processing_ms") or 0.0)
-            )
-        total = split["total_ms"]
-        ratio = total / base_total if base_total else None
-        fraction = split.get("roofline_fraction")
-        cells = [
-            mode,
-            f(split.get("prefill_ms")),
-            f(split.get("kv_expand_ms"), "{:.2f}"),
-            f(split.get("decode_ms")),
-            f(other),
-            f(total),
-            f(split.get("decode_ms_per_step"), "{:.2f}"),
-            f(split.get("achieved_gbps"), "{:.2f}"),
-        ]
-        cells += [f(None if fraction is None else 100 * fraction)] if roofline else []
-        cells += [
-            f(split["tokens_per_second"]),
-            f(mib(split.get("kv_cache_bytes")), "{:.2f}"),
-            f(mib(e["peak_memory_bytes"])),
-            f(split.get("useful_fraction"), "{:.2f}"),
-            f(ratio, "{:.2f}"),
-        ]
-        lines.append("| " + " | ".join(c for c, k in zip(cells, keep) if k) + " |")
-    if result["error"] and not result["modes"]:
-        lines.append(f"| (case) | failed: {result['error']} |")
+
+def _mib(v):
+    return None if v is None else v / 2**20
+
+
+def _mode_cells(mode: str, e: dict, base_total: float | None, roofline: bool) -> list[str]:
+    """A mode's row, every column (the caller keeps the ones shown)."""
+    split = e.get("median_stages") or stage_breakdown(e)
+    other = None
+    if "other_ms" in split:
+        other = split["other_ms"] + (split.get("prompt_expansion_ms") or 0.0) + (split.get("post_processing_ms") or 0.0)
+    total = split["total_ms"]
+    ratio = total / base_total if base_total else None
+    fraction = split.get("roofline_fraction")
+    cells = [
+        mode,
+        _cell(split.get("prefill_ms")),
+        _cell(split.get("kv_expand_ms"), "{:.2f}"),
+        _cell(split.get("decode_ms")),
+        _cell(other),
+        _cell(total),
+        _cell(split.get("decode_ms_per_step"), "{:.2f}"),
+        _cell(split.get("achieved_gbps"), "{:.2f}"),
+    ]
+    cells += [_cell(None if fraction is None else 100 * fraction)] if roofline else []
+    return cells + [
+        _cell(split["tokens_per_second"]),
+        _cell(_mib(split.get("kv_cache_bytes")), "{:.2f}"),
+        _cell(_mib(e["peak_memory_bytes"])),
+        _cell(split.get("useful_fraction"), "{:.2f}"),
+        _cell(ratio, "{:.2f}"),
+    ]
+
+
+def _tokens_agree_lines(result: dict) -> list[str]:
+    """Whether the modes sampled the same tokens, pair by pair, with the notes on pairs not comparable."""
     agree = result.get("tokens_agree") or {}
-    if agree.get("pairs"):
-        parts = [
-            f"{k}: {'same' if v else 'DIFFERENT' if v is False else 'not comparable'}"
-            for k, v in agree["pairs"].items()
-        ]
-        lines += _wrap("tokens: " + ", ".join(parts))
-        for note in dict.fromkeys(agree.get("notes", {}).values()):
-            lines += ["  " + line for line in _wrap(f"({note})", TABLE_WIDTH - 2)]
-    return "\n".join(lines)
+    if not agree.get("pairs"):
+        return []
+    parts = [
+        f"{k}: {'same' if v else 'DIFFERENT' if v is False else 'not comparable'}" for k, v in agree["pairs"].items()
+    ]
+    lines = _wrap("tokens: " + ", ".join(parts))
+    for note in dict.fromkeys(agree.get("notes", {}).values()):
+        lines += ["  " + line for line in _wrap(f"({note})", TABLE_WIDTH - 2)]
+    return lines
 
 
 # A mode's timed rounds may differ by this fraction of their median before the note says they disagree.

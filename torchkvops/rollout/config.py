@@ -60,24 +60,27 @@ class RolloutConfig:
     min_shared_tokens: int | None = 32
 
     def __post_init__(self):
-        def need(ok: bool, field: str, what: str):
-            if not ok:
-                raise ValueError(f"RolloutConfig.{field} {what}, got {getattr(self, field)!r}")
+        self._check_lengths_and_flags()
+        self._check_sampling()
+        self._check_token_ids()
+        if self.kv_sharing is None:
+            self.kv_sharing = "paged" if self.shared_prefill is True else "copy"
+        self._check_layout_and_budgets()
 
-        def is_int(v):
-            return isinstance(v, int) and not isinstance(v, bool)
+    def _need(self, ok: bool, field: str, what: str) -> None:
+        if not ok:
+            raise ValueError(f"RolloutConfig.{field} {what}, got {getattr(self, field)!r}")
 
-        def is_id(v):
-            return is_int(v) and 0 <= v <= _INT64_MAX
-
+    def _check_lengths_and_flags(self) -> None:
+        need = self._need
         need(
-            is_int(self.samples_per_prompt) and self.samples_per_prompt >= 1,
+            _is_int(self.samples_per_prompt) and self.samples_per_prompt >= 1,
             "samples_per_prompt",
             "must be an int >= 1",
         )
-        need(is_int(self.max_new_tokens) and self.max_new_tokens >= 1, "max_new_tokens", "must be an int >= 1")
+        need(_is_int(self.max_new_tokens) and self.max_new_tokens >= 1, "max_new_tokens", "must be an int >= 1")
         need(
-            is_int(self.min_new_tokens) and 0 <= self.min_new_tokens <= self.max_new_tokens,
+            _is_int(self.min_new_tokens) and 0 <= self.min_new_tokens <= self.max_new_tokens,
             "min_new_tokens",
             f"must be an int in [0, max_new_tokens={self.max_new_tokens}]",
         )
@@ -90,6 +93,14 @@ class RolloutConfig:
             "compact_finished_rows",
         ):
             need(isinstance(getattr(self, flag), bool), flag, "must be a bool")
+        need(
+            self.lm_head_dtype in (None, torch.float32),
+            "lm_head_dtype",
+            "must be None (the model's dtype) or torch.float32",
+        )
+
+    def _check_sampling(self) -> None:
+        need = self._need
         t = self.temperature
         need(
             isinstance(t, (int, float))
@@ -99,26 +110,29 @@ class RolloutConfig:
             "temperature",
             f"must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE:g} (smaller ones overflow the scaled logits)",
         )
-        need(is_int(self.top_k) and self.top_k >= 0, "top_k", "must be an int >= 0")
+        need(_is_int(self.top_k) and self.top_k >= 0, "top_k", "must be an int >= 0")
         need(
             isinstance(self.top_p, (int, float)) and not isinstance(self.top_p, bool) and 0.0 < self.top_p <= 1.0,
             "top_p",
             "must be in (0, 1]",
         )
-        need(self.seed is None or is_id(self.seed), "seed", "must be None or an int in [0, 2**63)")
+        need(self.seed is None or _is_id(self.seed), "seed", "must be None or an int in [0, 2**63)")
+
+    def _check_token_ids(self) -> None:
         eos = self.eos_token_id
-        need(
-            eos is None or is_id(eos) or (isinstance(eos, (list, tuple)) and all(is_id(e) for e in eos)),
+        self._need(
+            eos is None or _is_id(eos) or (isinstance(eos, (list, tuple)) and all(_is_id(e) for e in eos)),
             "eos_token_id",
             "must be None, a token id (an int in [0, 2**63)) or a list of them (empty: never stop early)",
         )
-        need(
-            self.pad_token_id is None or is_id(self.pad_token_id),
+        self._need(
+            self.pad_token_id is None or _is_id(self.pad_token_id),
             "pad_token_id",
             "must be None or a token id (an int in [0, 2**63))",
         )
-        if self.kv_sharing is None:
-            self.kv_sharing = "paged" if self.shared_prefill is True else "copy"
+
+    def _check_layout_and_budgets(self) -> None:
+        need = self._need
         need(self.kv_sharing in LAYOUTS, "kv_sharing", f"must be one of {', '.join(map(repr, LAYOUTS))}")
         need(
             self.shared_prefill or not LAYOUTS[self.kv_sharing].needs_shared_prefill,
@@ -126,7 +140,7 @@ class RolloutConfig:
             f"{self.kv_sharing!r} needs shared_prefill=True (the expanded baseline has no shared prompt to keep once)",
         )
         need(
-            self.max_rows is None or (is_int(self.max_rows) and self.max_rows >= 1),
+            self.max_rows is None or (_is_int(self.max_rows) and self.max_rows >= 1),
             "max_rows",
             "must be None (every row at once) or an int >= 1",
         )
@@ -137,7 +151,7 @@ class RolloutConfig:
             "samples decode together)",
         )
         need(
-            self.max_kv_tokens is None or (is_int(self.max_kv_tokens) and self.max_kv_tokens >= 1),
+            self.max_kv_tokens is None or (_is_int(self.max_kv_tokens) and self.max_kv_tokens >= 1),
             "max_kv_tokens",
             "must be None (no bound) or an int >= 1",
         )
@@ -148,15 +162,19 @@ class RolloutConfig:
             "baseline, every row's prompt prefilled alone, is a measurement, not scheduled by a KV budget)",
         )
         need(
-            self.min_shared_tokens is None or (is_int(self.min_shared_tokens) and self.min_shared_tokens >= 1),
+            self.min_shared_tokens is None or (_is_int(self.min_shared_tokens) and self.min_shared_tokens >= 1),
             "min_shared_tokens",
             "must be None (no common prefix looked for) or an int >= 1",
         )
-        need(
-            self.lm_head_dtype in (None, torch.float32),
-            "lm_head_dtype",
-            "must be None (the model's dtype) or torch.float32",
-        )
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_id(v) -> bool:
+    """A token id or a seed: an int64 >= 0."""
+    return _is_int(v) and 0 <= v <= _INT64_MAX
 
 
 @dataclasses.dataclass
