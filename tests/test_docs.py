@@ -183,3 +183,55 @@ def test_rollout_extend_snippet_runs_as_written():
     assert out.response_mask[0].tolist() == [1] * 8 + [0] * 3 + [1] * 6
     assert out.response_mask[2].tolist() == [1] * 8 + [0] * 9  # finished: its first turn only
     assert out.response_mask.sum(dim=1).tolist() == [14, 14, 8, 14]
+
+
+PACKAGE = ROOT / "torchkvops"
+
+
+def package_modules() -> list[str]:
+    """Every .py file of the package, as its path under torchkvops/ in posix form (`ops.py`, `rollout/engine.py`,
+    `cli/__init__.py`)."""
+    return sorted(path.relative_to(PACKAGE).as_posix() for path in PACKAGE.rglob("*.py"))
+
+
+def named_module_paths(text: str) -> set[str]:
+    """The backticked `.py` paths of `text` that name a module of the package, as paths under torchkvops/: a
+    bare `name.py`, a path whose first folder is one of the package's subpackages (`rollout/engine.py`), or
+    any path spelled from `torchkvops/`. Paths under other folders (`tests/...`, `scripts/...`,
+    `benchmarks/...`, `examples/...`) are not the package's and are left out."""
+    import re
+
+    subpackages = {path.parent.relative_to(PACKAGE).parts[0] for path in PACKAGE.glob("*/__init__.py")}
+    named = set()
+    for token in re.findall(r"`([\w./-]+\.py)`", text):
+        inside = token.startswith("torchkvops/")
+        path = token.removeprefix("torchkvops/")
+        folders = path.split("/")[:-1]
+        if inside or not folders or folders[0] in subpackages:
+            named.add(path)
+    return named
+
+
+def test_the_module_path_reader_keeps_only_the_packages_paths():
+    text = (
+        "`rollout/engine.py`, `ops.py`, `torchkvops/cli/main.py`, `tests/test_docs.py`, `scripts/x.py`, "
+        "`benchmarks/bench_op.py`, `examples/grpo_trl.py`, `rollout/`, `python -m torchkvops`, "
+        "`hf/gone.py` and not backticked models/shapes.py"
+    )
+    assert named_module_paths(text) == {"rollout/engine.py", "ops.py", "cli/main.py", "hf/gone.py"}
+
+
+def test_architecture_names_every_module_and_no_other():
+    """docs/architecture.md names every .py file under torchkvops/ by its path there (`rollout/engine.py`, in
+    backticks), so that a new module is placed in the module map when it is added; and every such path it
+    names exists (a bare `name.py` is a module at the package's top, or a file at the repository's root),
+    so that a module moved or removed leaves no stale name behind."""
+    named = named_module_paths((DOCS / "architecture.md").read_text())
+    modules = package_modules()
+    assert {"ops.py", "rollout/engine.py", "cli/main.py"} <= set(modules)
+    missing = [path for path in modules if path not in named]
+    stale = sorted(
+        path for path in named if not (PACKAGE / path).is_file() and not ("/" not in path and (ROOT / path).is_file())
+    )
+    assert missing == [], f"modules docs/architecture.md does not name (add them to its module map): {missing}"
+    assert stale == [], f"paths docs/architecture.md names that are no module of torchkvops/: {stale}"
