@@ -49,7 +49,7 @@ class Loop:
         columns = prompt_len + max(lengths) + INTERVAL
         self.store.prepare(len(lengths) + prompts_, columns, 64, samples=len(lengths), limit=blocks)
         budget = None if blocks is None else BlockBudget(self.store, prompt_len, INTERVAL)
-        self.scheduler = Refill(prompts_, samples, prompt_slots=None, compacts=False, budget=budget)
+        self.scheduler = Refill(prompts_, samples, compacts=False, budget=budget)
         self.occupant = [-1] * rows
         self.progress: dict[int, list[int]] = {}
         self.out: dict[int, list[int]] = {}

@@ -88,43 +88,32 @@ def run(scheduler: Refill, sim: Simulation, interval: int = 8, limit: int = 1000
     raise AssertionError("the scheduler never stopped")
 
 
-@pytest.mark.parametrize("prompt_slots", [None, 2, 3])
 @pytest.mark.parametrize("compacts", [False, True])
-def test_every_sample_is_started_once_ended_once_and_every_prompt_prefilled_once(prompt_slots, compacts):
+def test_every_sample_is_started_once_ended_once_and_every_prompt_prefilled_once(compacts):
     prompts, samples, rows = 5, 2, 4
     lengths = {s: 8 * (1 + (s * 7) % 5) for s in range(prompts * samples)}  # ends at different checks
-    scheduler = Refill(prompts, samples, prompt_slots=prompt_slots, compacts=compacts)
+    scheduler = Refill(prompts, samples, compacts=compacts)
     sim = Simulation(rows, samples, lengths)
     most, _ = run(scheduler, sim)
     assert sim.prefilled == list(range(prompts))  # each once, in order
     assert sorted(sim.retired) == list(range(prompts * samples))  # each sample ended once
     assert sorted(sim.started_at) == list(range(prompts * samples))
-    assert most <= (prompt_slots or prompts)
+    assert most <= rows  # each prompt with samples in the batch holds a row of it
     assert scheduler.refills == prompts - rows // samples  # those prefilled after the start
 
 
 def test_a_prompt_is_prefilled_when_its_first_sample_gets_a_row_and_its_others_wait_for_rows():
     """3 rows, 2 samples per prompt: the second prompt's first sample takes the third row at once, its
     second sample waits for the next free row (its prompt is not prefilled again)."""
-    scheduler = Refill(prompts=2, samples=2, prompt_slots=None, compacts=False)
+    scheduler = Refill(prompts=2, samples=2, compacts=False)
     d = scheduler.decide([-1, -1, -1], [True] * 3, 0)
     assert d.prefill == [0, 1] and d.start == [(0, [0, 1], [0, 1]), (1, [2], [2])]
     d = scheduler.decide([0, 1, 2], [False, True, False], 8)
     assert d.retire == [1] and d.prefill == [] and d.start == [(1, [3], [1])] and not d.stop
 
 
-def test_prompt_slots_hold_prompts_back_until_a_prompt_has_no_sample_left():
-    scheduler = Refill(prompts=3, samples=2, prompt_slots=1, compacts=False)
-    d = scheduler.decide([-1] * 4, [True] * 4, 0)
-    assert d.prefill == [0] and d.start == [(0, [0, 1], [0, 1])]  # rows 2, 3 stay free: one slot
-    d = scheduler.decide([0, 1, -1, -1], [True, False, True, True], 8)
-    assert d.retire == [0] and d.prefill == []  # prompt 0 still has a sample in the batch
-    d = scheduler.decide([-1, 1, -1, -1], [True, True, True, True], 16)
-    assert d.retire == [1] and d.prefill == [1]
-
-
 def test_once_nothing_waits_the_free_rows_are_compacted_away():
-    scheduler = Refill(prompts=1, samples=2, prompt_slots=None, compacts=True)
+    scheduler = Refill(prompts=1, samples=2, compacts=True)
     scheduler.decide([-1] * 4, [True] * 4, 0)
     d = scheduler.decide([0, 1, -1, -1], [False, False, True, True], 8)
     assert d.compact == [False, False, True, True] and not d.stop

@@ -286,9 +286,6 @@ class DecodeBatch:
         self.state.finished[torch.tensor(rows, device=self.state.finished.device)] = True
         self.map.original[rows] = -1
 
-    def free_rows(self) -> list[int]:
-        return (self.map.original < 0).nonzero().flatten().tolist()
-
     def finish(self, tokens: int) -> None:
         """After decode: the first `tokens` tokens of every row in its place in the output, and (a call's
         batch) every row's KV in its home row, where Rollout.extend looks for it."""

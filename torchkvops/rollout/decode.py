@@ -203,8 +203,7 @@ class Decoder:
     ):
         self.adapter, self.cache, self.step, self.layout = adapter, cache, step, layout
         self.pad_id = step.pad_id
-        self.compacts = compacts and step.eos is not None  # compaction happens at the all-ended check
-        self.leaves_out_ended = compacts  # initial_plan needs no EOS ids: the caller knows which rows ended
+        self.compacts = compacts
         self.graph_extra = graph_extra
         self.runner = DecodeRunner(step, compile, cuda_graphs, adapter.device)
         self.context = attention.DecodeAttention()
@@ -321,7 +320,7 @@ class Decoder:
         bool [rows]; Rollout.extend's rows that generate nothing), or None when it would not save enough
         or the decoder does not compact. The caller gathers the KV cache (and computes only those rows'
         first logits); `run(..., initial_plan=)` gathers the state."""
-        if not self.leaves_out_ended or not bool(ended.any()) or bool(ended.all()):
+        if not self.compacts or not bool(ended.any()) or bool(ended.all()):
             return None
         return compaction.plan(ended, self.layout.batch_map(ended.numel()))
 
@@ -337,9 +336,9 @@ class Decoder:
         if initial_plan is not None:
             batch.compact(initial_plan, 1, cache_gathered=True)
             batch.row_steps = initial_plan.size  # only the kept rows' first token was computed
-        scheduler = UntilEnded(
-            batch.first.shape.max_new_tokens, self.compacts, FINISHED_CHECK_INTERVAL, ended_everywhere
-        )
+        # (Rows end early only at an EOS id: without them there is nothing to compact at the checks.)
+        compacts = self.compacts and self.step.eos is not None
+        scheduler = UntilEnded(batch.first.shape.max_new_tokens, compacts, FINISHED_CHECK_INTERVAL, ended_everywhere)
         # Without EOS ids no row ends early and a rollout alone skips the checks; in lockstep it checks all
         # the same: the check is a collective, and another process's rows may end (its call has EOS ids).
         checks = self.step.eos is not None or ended_everywhere is not None

@@ -11,9 +11,7 @@ scheduler touches a tensor, the model or the KV cache, so each is tested alone.
   process, when the check is a collective), compacting as rows end while a check interval is left.
 - `Refill`: a rollout larger than the row budget (`RolloutConfig.max_rows`) or under a budget of KV tokens
   (`RolloutConfig.max_kv_tokens`): ended rows leave, waiting samples take the free rows (a prompt prefilled
-  once, as its first sample gets a row; optionally at most `prompt_slots` prompts with samples in the batch
-  at once, for a batch that would keep prompts in slots (none since the dense prefix layout was retired:
-  a streaming batch reads each prompt through its rows' tables); under a KV budget, while blocks are free, and the newest rows
+  once, as its first sample gets a row; under a KV budget, while blocks are free, and the newest rows
   preempted when the live rows' next interval does not fit: `kv_budget`), and once nothing waits the rows
   still decoding are compacted.
 """
@@ -80,16 +78,15 @@ class UntilEnded:
 
 class Refill:
     """A streaming batch's scheduler (module docstring): `prompts` prompts of `samples` samples each (sample
-    s of prompt p is output row p * samples + s), over a batch whose rows start free; `prompt_slots`:
-    how many prompts may have samples in the batch at once (None: no bound besides the rows); `budget`:
+    s of prompt p is output row p * samples + s), over a batch whose rows start free; `budget`:
     a budget of KV tokens (`kv_budget.BlockBudget`; None: rows are the only bound), under which samples
     start while blocks are free and the newest rows are preempted when the live rows' next interval does
     not fit."""
 
     max_steps = None  # rows join later: only the scheduler stops
 
-    def __init__(self, prompts: int, samples: int, *, prompt_slots: int | None, compacts: bool, budget=None):
-        self.samples, self.prompt_slots, self.compacts, self.budget = samples, prompt_slots, compacts, budget
+    def __init__(self, prompts: int, samples: int, *, compacts: bool, budget=None):
+        self.samples, self.compacts, self.budget = samples, compacts, budget
         # Samples that wait for a prefill of their prompt, in order: every prompt's at first; preempted
         # samples and those of a forgotten prompt go to the front.
         self.queue: list[tuple[int, list[int]]] = [
@@ -118,7 +115,7 @@ class Refill:
         # a step that preempts), or the blocks just freed would restart the samples just stopped.
         free = [] if d.preempt or d.forget else [r for r, s in enumerate(occupant) if s < 0]
         # Samples take free rows in order: those of prompts held first, then those waiting for a prefill
-        # (one prefill a prompt, when its first sample starts; with prompt slots, while a slot is free).
+        # (one prefill a prompt, when its first sample starts).
         candidates = [(p, rest, False) for p, rest in self.held.items()] + [(p, rest, True) for p, rest in self.queue]
         for prompt, rest, prefill in candidates:
             if not free:
@@ -126,12 +123,7 @@ class Refill:
             k = min(len(free), len(rest))
             if avail is not None:  # blocks for the prompt's table when it must be prefilled, and each sample's own
                 k = min(k, (avail - (self.budget.prompt_blocks if prefill else 0)) // self.budget.sample_blocks)
-            if k < 1 or (
-                prefill
-                and self.prompt_slots is not None
-                and prompt not in self.left
-                and len(self.left) >= self.prompt_slots
-            ):
+            if k < 1:
                 break  # in order: the samples after it wait too
             if prefill:
                 d.prefill.append(prompt)

@@ -185,7 +185,7 @@ def stream(
         batch, prefill, prompt_mask, scratch, seed=seed, row_ids=row_ids.to(device), live=live, chunk=chunk
     )
     budget = None if blocks is None else BlockBudget(cache.paged, prompt_len, FINISHED_CHECK_INTERVAL)
-    scheduler = Refill(prompts, n, prompt_slots=None, compacts=compacts, budget=budget)
+    scheduler = Refill(prompts, n, compacts=compacts, budget=budget)
     decoder.apply(batch, scheduler.decide(batch.map.original.tolist(), [True] * rows, 0, [0] * rows), admission)
     steps = decoder.run(batch, scheduler, admission)
     # (the peak: the tail's in-place compaction makes the views smaller)
