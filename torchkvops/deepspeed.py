@@ -7,7 +7,8 @@ DeepSpeed's trainer talks to its rollout engine through `RolloutEngine`: left-pa
 (`RolloutRequest`), sampling settings per call (`SamplingConfig`), prompt + right-padded response out
 (`RolloutBatch`, with `response_start_idx`), `sync_weights`, and `get_last_profile()`. `TorchkvopsRollout`
 is one, with `HybridEngineRollout`'s signature: `engine` a DeepSpeed engine (its `.module` generates) or a
-plain model. Each call runs `torchkvops.generate` on the prompts repeated `n_samples_per_prompt` times, as
+plain model. Each call takes the path `torchkvops.generate` takes (`hf.generate_patch`: a session kept on
+the model, its `_serve`) on the prompts repeated `n_samples_per_prompt` times, as
 `HybridEngineRollout` repeats them: each prompt is prefilled once and its KV shared by its samples; under
 ZeRO-3 the weights are gathered once per call, and a PEFT model's LoRA merged for it
 (`torchkvops.hf.sharded`, `torchkvops.models.lora`).

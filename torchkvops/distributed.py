@@ -42,7 +42,7 @@ from torch import Tensor
 from .collectives import all_min, ended_everywhere, initialized
 from .hf.call_weights import WeightOptions, call_weights
 from .hf.sharded import is_sharded
-from .rollout.engine import Rollout, RolloutOutput
+from .rollout import Rollout, RolloutOutput
 
 __all__ = ["generate", "initialized", "all_min", "ended_everywhere"]
 

@@ -5,12 +5,13 @@ generates up to R tokens for the same synthetic prompts (exactly R with the defa
 fixed; torchkvops.bench.lengths):
 
   expanded     Rollout(shared_prefill=False): the prompts are repeated N times, then prefilled
-  shared       Rollout(shared_prefill=True, kv_sharing="copy"): each prompt is prefilled once, its KV copied
-               to its N rows
-  prefix       Rollout(shared_prefill=True, kv_sharing="prefix"): each prompt is prefilled once and its
-               KV kept once; the N rows read it through the shared-prefix attention, nothing is copied
-  paged        Rollout(shared_prefill=True, kv_sharing="paged"): the shared layout's rows, their KV in
-               blocks taken as they grow, each prompt's full blocks shared by its N rows
+  shared       Rollout(shared_prefill=True, kv_sharing="copy"): each prompt is prefilled once into blocks
+               of the pool its N rows share by reference (each row a copy of the partly filled last block);
+               each row reads its prompt through its own block table
+  prefix       Rollout(shared_prefill=True, kv_sharing="prefix"): the same blocks; a prompt's whole blocks
+               are read once a step for its N rows' stacked queries
+  paged        Rollout(shared_prefill=True, kv_sharing="paged"): the same blocks, read as "prefix" reads them
+               when the prompt is long (PagedLayout.stacked_tokens), else as "copy"
   shared-nocompact, prefix-nocompact
                shared and prefix with RolloutConfig(compact_finished_rows=False): every row is decoded
                until the last one ends (the same tokens; with fixed lengths no row ends early anyway)

@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from .. import reference
-from ..rollout.engine import Rollout
+from ..rollout import Rollout
 from ..rollout.lm_head import Float32LMHead
 from .cases import ROLLOUT_MODES, Case, Settings
 from .runners import hf_sampling, rollout_config

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ..rollout.engine import Rollout, RolloutConfig
+from ..rollout import Rollout, RolloutConfig
 from . import lengths
 from .cases import HF_MODES, MODES, PROFILE_FIELDS, ROLLOUT_MODES, Case, Settings
 from .metrics import Clock

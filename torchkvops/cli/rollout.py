@@ -123,7 +123,7 @@ def execute(args) -> int:
     samples printed by the first process (and written to --output) with the call's times."""
     import torch
 
-    from ..rollout.engine import Rollout
+    from ..rollout import Rollout
 
     texts = list(args.prompt or []) + (read_prompts(args.prompts) if args.prompts else [])
     device = start_processes(args.device)
@@ -176,7 +176,7 @@ def execute(args) -> int:
 
 
 def _rollout_config(args):
-    from ..rollout.engine import RolloutConfig
+    from ..rollout import RolloutConfig
 
     return RolloutConfig(
         samples_per_prompt=args.samples_per_prompt,

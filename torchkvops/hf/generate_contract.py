@@ -41,7 +41,7 @@ from transformers.generation.configuration_utils import GenerationMode
 from .. import collectives
 from ..models.adapter import ModelAdapter
 from ..models.forward_modes import attention_dropout, forward_autocast_dtype
-from ..rollout.engine import MIN_TEMPERATURE, Rollout, check_prompts
+from ..rollout import MIN_TEMPERATURE, Rollout, check_prompts
 from ..utils import check_has_values, left_padding_fault
 from .sharded import NEUTRAL_VOTE, GatherVote, Settled, settle
 

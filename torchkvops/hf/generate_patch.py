@@ -50,7 +50,7 @@ from transformers import GenerationConfig
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from ..models.adapter import ModelAdapter, is_peft_model, model_state, peft_refusal, unwrap_model
-from ..rollout.engine import NonFiniteLogitsError, Rollout, RolloutConfig
+from ..rollout import NonFiniteLogitsError, Rollout, RolloutConfig
 from ..rollout.profiling import RolloutProfile
 from ..utils import LRU, PatchHandle, WarnOnce
 from .call_weights import WeightOptions, call_weights, gather_vote

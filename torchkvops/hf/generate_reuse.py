@@ -35,7 +35,7 @@ import dataclasses
 import torch
 from torch import Tensor, nn
 
-from ..rollout.engine import Rollout
+from ..rollout import Rollout
 
 # The hash of a tensor's bits: its bytes as 32-bit words w_i, and per chunk of _CHUNK words the sum of
 # (w_i ^ a_i) * b_i, all mod 2^32 (a_i, b_i: fixed pseudo-random words, b_i odd). A change of any one

@@ -38,7 +38,7 @@ __all__ = [
 
 
 class KVViews(NamedTuple):
-    """One buffer of every cache group (a layout's prompt, decode or common prefix buffer), and where each
+    """One buffer of every cache group (a call's prompt buffer, or its decode buffer), and where each
     model layer's KV is in them. A tuple, so that a compiled graph that reads it guards on its tensors and
     constants only."""
 

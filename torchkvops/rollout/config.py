@@ -46,8 +46,8 @@ class RolloutConfig:
     # check, every few steps): decode cost follows the tokens still being generated. Same tokens either way.
     compact_finished_rows: bool = True
     # The most sample rows decoded at once (None: every row). With more rows than this the rollout streams:
-    # it decodes max_rows // samples_per_prompt prompts at a time and refills the rows of the prompts whose
-    # samples have all ended with waiting prompts (torchkvops.rollout.streaming). Same tokens either way.
+    # one batch of max_rows rows, each ended row taken by a waiting sample (its prompt prefilled when its
+    # first sample starts; torchkvops.rollout.streaming). Same tokens either way.
     max_rows: int | None = None
     # The most KV tokens the rows hold at once (None: no bound; the pool's blocks of 16 tokens, which it counts;
     # with a shared prefill): rows start while blocks are free, and when the rows' growth runs the budget out the newest

@@ -5,8 +5,9 @@
 
 A call runs as stages, one path for every kind of call (`torchkvops.rollout.calls`): prompt expansion
 (the expanded baseline repeats prompts N times; shared prefill does not), prefill (one forward over the
-prompts, last-position logits only), kv_expand (the copy layout: one repeat_kv_cache_ call per cache
-group), decode (the decoder's loop over a batch of B*N rows, `torchkvops.rollout.decode`) and
+prompts, last-position logits only), kv_expand (each row's block table forks its prompt's: whole blocks
+shared by reference, the partly filled last one copied; a hybrid's recurrent states by one repeat_kv_cache_
+call per group), decode (the decoder's loop over a batch of B*N rows, `torchkvops.rollout.decode`) and
 post-processing. `extend` goes on after a call with appended tokens (`torchkvops.rollout.turns`), and with
 more rows than RolloutConfig.max_rows a call streams them (`torchkvops.rollout.streaming`). With `compile=True` prefill
 and decode are compiled separately: prefill with dynamic shapes, decode with fullgraph=True and dynamic
@@ -30,11 +31,11 @@ from . import attention
 from .attention import packed_attention
 from .cache_groups import KVViews
 from .calls import ExtendCall, GenerateCall, StreamCall, run_stages
-from .config import MIN_TEMPERATURE, RolloutConfig, RolloutOutput  # noqa: F401
-from .decode import FINISHED_CHECK_INTERVAL, MAX_DECODE_STATES, Decoder, DecodeStep, NonFiniteLogitsError  # noqa: F401
+from .config import RolloutConfig, RolloutOutput
+from .decode import FINISHED_CHECK_INTERVAL, Decoder, DecodeStep
 from .kv_budget import budget_blocks, call_blocks
 from .kv_cache import RolloutKVCache
-from .layouts import KV_LENGTH_MULTIPLE, CopyLayout, layout_for, round_up  # noqa: F401
+from .layouts import CopyLayout, layout_for
 from .lm_head import Float32LMHead
 from .packed_states import segmented_mixers
 from .packing import pack
@@ -42,15 +43,8 @@ from .profiling import RolloutProfile, StageTimer
 from .sampling import SamplingParams
 from .turns import History, check_appended
 
-__all__ = [
-    "Rollout",
-    "RolloutConfig",
-    "RolloutOutput",
-    "RolloutProfile",
-    "NonFiniteLogitsError",
-    "FINISHED_CHECK_INTERVAL",
-    "MAX_DECODE_STATES",
-]
+# (The package's public names are torchkvops.rollout's __all__; this module's own are these.)
+__all__ = ["Rollout", "check_prompts"]
 
 
 # A rollout switches its model's attention implementation while it decodes: one rollout per model at a

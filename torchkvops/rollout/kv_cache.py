@@ -1,22 +1,22 @@
-"""The rollout's KV cache: preallocated buffers reused across rollouts, presented to Hugging Face models
-as a `Cache`.
+"""The rollout's KV cache, reused across rollouts, presented to Hugging Face models as a `Cache`.
 
 The cache is a list of cache groups (`torchkvops.rollout.cache_groups.CacheGroup`, built from the model's
 `CacheSpec`: a full-attention group per KV shape, and a hybrid's recurrent groups). Two ways to keep KV:
 
-- The pool (every layout with a shared prefill, `PagedStore`, `paged_store.py`): each full-attention
+- The pool (`PagedStore`, `paged_store.py`; every layout, the expanded baseline's too): each full-attention
   group's KV in blocks of 16 tokens, each row's through its block table, a prompt's whole blocks shared by
-  its rows by reference; prefill writes the B prompts into blocks of their own and expanding them forks
-  the tables (each row's copy of the prompt's partly filled last block). The recurrent groups keep their
-  buffers below, one state a row.
-- Dense buffers (the expanded baseline, and every group without a pool):
-  `[group layers, 2, rows, kv_heads, tokens, head_dim]` (K at index 0, V at 1), B*N rows x (P + R - 1)
-  positions; one `write_kv_` call per layer stores a step's K and V, one `repeat_kv_cache_` call per
-  recurrent group expands its prompts' states. Every operation on the buffers (prepare, compact,
-  finish_decode, grow, expand_prompts) runs once per group.
+  its rows by reference; prefill writes the B prompts into blocks of their own (the expanded baseline:
+  each row's prompt alone) and expanding them forks the tables (each row's copy of the prompt's partly
+  filled last block). Blocks are taken as rows grow (`reserve`) and given back as they end.
+- Dense buffers, only for what has no pool: the recurrent groups' states (one state a row, the prompts'
+  expanded by one `repeat_kv_cache_` call per group) and a streaming batch's scratch cache, which a
+  prefill writes with `write_kv_` before the prompts' KV goes to their tables:
+  `[group layers, 2, rows, kv_heads, tokens, head_dim]` (K at index 0, V at 1). Every operation on them
+  (prepare, compact, finish_decode, expand_prompts) runs once per group.
 
-R is the decode buffer's width, not the budget: a call's buffer starts with room for FIRST_DECODE_COLUMNS
-tokens a row and is widened (`widen`) as its longest row grows, up to `decode_limit` (R = max_new_tokens).
+The tables' width (`columns`) follows the longest row, not the budget: a call starts with room for
+FIRST_DECODE_COLUMNS tokens a row and is widened (`widen`) as its longest row grows, up to `decode_limit`
+(max_new_tokens).
 
 The cache keeps buffers; where a forward's K and V go and what its attention reads is that forward's own
 metadata (`torchkvops.rollout.attention`: `PrefillForward`, `PackedAttention`, `DecodeAttention`), which
