@@ -8,8 +8,8 @@ import torch
 from models import FAMILIES
 
 from torchkvops.bench.cases import Case, Settings
-from torchkvops.bench.metrics import Clock
 from torchkvops.bench.runners import make_runner
+from torchkvops.rollout.profiling import Clock
 
 
 def test_hf_generates_timing_hook_is_registered_only_during_its_calls():

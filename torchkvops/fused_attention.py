@@ -41,7 +41,6 @@ from torch import Tensor
 
 __all__ = [
     "attend",
-    "attend_softcapped",
     "merge_sinks",
     "applied_softcap",
     "attend_backward",
@@ -104,8 +103,14 @@ def attend(
     causal: bool = False,
     scale: float | None = None,
     with_lse: bool = True,
+    softcap: float | None = None,
 ) -> tuple[Tensor, Tensor | None]:
-    """Attention of q over k, v with an additive key bias: (out [X, H, M, D], lse [X, H, M] or None)."""
+    """Attention of q over k, v with an additive key bias: (out [X, H, M, D], lse [X, H, M] or None).
+    `softcap`: scores capped, softcap * tanh(s / softcap) before the bias (Gemma 2's attn_logit_softcapping),
+    which no fused kernel takes: matmuls and softmax in float32 on any device, differentiable by autograd
+    (the training forward's backward too)."""
+    if softcap is not None:
+        return _attend_capped(q, k, v, bias, softcap, causal, scale, with_lse)
     kernels = _memory_efficient.get(q.device.type)
     if kernels is not None:
         heads, m = q.shape[1], q.shape[2]
@@ -152,20 +157,10 @@ def merge_sinks(out: Tensor, lse: Tensor, sinks: Tensor) -> tuple[Tensor, Tensor
     return (out.float() * torch.exp(lse - total)[..., None]).to(out.dtype), total
 
 
-def attend_softcapped(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    bias: Tensor,
-    *,
-    softcap: float,
-    causal: bool = False,
-    scale: float | None = None,
-    with_lse: bool = True,
+def _attend_capped(
+    q: Tensor, k: Tensor, v: Tensor, bias: Tensor, softcap: float, causal: bool, scale: float | None, with_lse: bool
 ) -> tuple[Tensor, Tensor | None]:
-    """`attend` with capped scores, softcap * tanh(s / softcap) before the bias (Gemma 2's
-    attn_logit_softcapping), which no fused kernel takes: matmuls and softmax in float32, on any device,
-    differentiable by autograd (the training forward's backward too). bias [X, 1, 1 or M, L]."""
+    """`attend` with capped scores (its `softcap`). bias [X, 1, 1 or M, L]."""
     heads, m, length = q.shape[1], q.shape[2], k.shape[2]
     k, v = _repeat_heads(k, heads), _repeat_heads(v, heads)
     scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)

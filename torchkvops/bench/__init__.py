@@ -3,7 +3,7 @@
   matrix   the A/B matrix behind `bench`: every case, its modes interleaved (start reading here)
   cases    the modes, the cases and their run order, synthetic prompts, settings, record fields
   runners  one call of a mode, timed
-  metrics  the clock, the bytes per decode step, the copy_ roofline, peak memory, traces
+  metrics  the bytes per decode step, the copy_ roofline, peak memory, traces
   stats    summaries, the median-total iteration's stages, token agreement
   world    the data-parallel processes, and how their records become one
   report   the table, the plot and the JSON document
@@ -16,6 +16,6 @@
 
 It uses the library (torchkvops.rollout, ...) and never the command line (torchkvops.cli), which parses
 and checks the arguments and calls in here. A new benchmark mode goes in cases.py and runners.py; a
-new standalone benchmark script goes in benchmarks/ and times with op.time_methods or metrics.Clock.
+new standalone benchmark script goes in benchmarks/ and times with op.time_methods or the one clock, torchkvops.rollout.profiling.Clock.
 Nothing here imports torch at import time.
 """

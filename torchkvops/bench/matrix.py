@@ -77,8 +77,9 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 from torch import Tensor, nn
 
+from ..rollout.profiling import Clock
 from .cases import ITERATION_FIELDS, SUMMARY_FIELDS, Case, Settings, run_order, synthetic_prompts
-from .metrics import Clock, Traffic, export_trace, peak_memory_bytes
+from .metrics import Traffic, export_trace, peak_memory_bytes
 from .mismatch import measure_mismatch
 from .runners import make_runner, timed_call
 from .stats import stage_breakdown, summarize_profiles, token_agreement, tokens_sha256

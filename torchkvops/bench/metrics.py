@@ -11,13 +11,13 @@ import itertools
 import os
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from ..models.adapter import CacheSpec, ModelAdapter
+from ..rollout.profiling import Clock
 from .stats import summarize
 
 __all__ = [
@@ -26,7 +26,6 @@ __all__ = [
     "ROOFLINE_NOTE",
     "PEAK_NOTE",
     "UNKNOWN_BLOCK",
-    "Clock",
     "model_weight_bytes",
     "kv_bytes_per_token",
     "Traffic",
@@ -65,31 +64,7 @@ PEAK_NOTE = {
 }
 
 
-# --- clocks, bytes and the roofline --------------------------------------------------------------
-class Clock:
-    """The one clock every call is timed with: CUDA events recorded on the device's current stream and
-    read after a synchronize (CUDA), time.perf_counter (CPU, where the work is synchronous)."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.cuda = device.type == "cuda"
-
-    def mark(self):
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record(torch.cuda.current_stream(self.device))
-            return event
-        return time.perf_counter()
-
-    def wait(self) -> None:
-        """Host sync (CUDA): the marks recorded so far can be read."""
-        if self.cuda:
-            torch.cuda.synchronize(self.device)
-
-    def ms(self, start, end) -> float:
-        return start.elapsed_time(end) if self.cuda else (end - start) * 1e3
-
-
+# --- bytes and the roofline (timed by the one clock, torchkvops.rollout.profiling.Clock) -------------
 def model_weight_bytes(model: nn.Module) -> int:
     """Bytes of the model's unique parameters and buffers, counted once per storage (tied weights once)."""
     storages: dict[tuple, int] = {}

@@ -9,9 +9,9 @@ import torch
 from torch import Tensor, nn
 
 from ..rollout import Rollout, RolloutConfig
+from ..rollout.profiling import Clock
 from . import lengths
 from .cases import HF_MODES, MODES, PROFILE_FIELDS, ROLLOUT_MODES, Case, Settings
-from .metrics import Clock
 
 __all__ = ["DECODE_STEP_NOTE", "make_runner", "timed_call"]
 

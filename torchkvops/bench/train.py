@@ -31,8 +31,9 @@ import torch
 from torch import Tensor, nn
 
 from ..models import build_model
+from ..rollout.profiling import Clock
 from ..training.shared_forward import disable_dropout, patch_forward
-from .metrics import Clock, cpu_peak_memory_bytes, saved_tensor_bytes
+from .metrics import cpu_peak_memory_bytes, saved_tensor_bytes
 
 __all__ = ["TrainCase", "cases", "make_batch", "measure_case", "format_table", "NOTES"]
 

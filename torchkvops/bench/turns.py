@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import pad_sequence
 
 from ..rollout import Rollout, RolloutConfig
-from .metrics import Clock
+from ..rollout.profiling import Clock
 
 __all__ = ["TurnsCase", "MODES", "measure", "format_table", "NOTES"]
 

@@ -29,7 +29,7 @@ blocks gathered, masked by the row's bias [rows, 1, 1, keys], 0 or -inf, in the 
 What a layer passes beyond q, k, v is honoured: a sliding window (keys `window` or more positions before
 the query's own are out of it; a windowed layer reads each row through its table, never stacked),
 attention sinks (gpt-oss: each head's sink logit merged into its softmax by the keys' log-sum-exp), and
-Gemma 2's capped scores (`fused_attention.attend_softcapped`, float32 matmuls: no fused kernel takes a cap).
+Gemma 2's capped scores (`fused_attention.attend`'s `softcap`, float32 matmuls: no fused kernel takes a cap).
 
 A packed forward runs several rows' chunks as one sequence (no padding in the model's projections and
 MLPs): a turn of `Rollout.extend` (`torchkvops.rollout.turns`), and the prompts after a prefix common to
@@ -52,7 +52,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .. import ops
-from ..fused_attention import MASKED_KEY_BIAS, applied_softcap, attend_softcapped, merge_sinks
+from ..fused_attention import MASKED_KEY_BIAS, applied_softcap, merge_sinks
 from ..fused_attention import attend as _attend
 from .cache_groups import KVViews, layer_kv, layer_slot
 from .paged_kv import block_runs, dense_rows, gather_blocks, window_slots, window_table, write_slots
@@ -319,7 +319,7 @@ class PackedAttention:
             sink = sinks.to(q.dtype)[None, :, None, None].expand(live, heads, chunk, 1)
             mask = torch.cat([mask.expand(live, heads, chunk, -1), sink], dim=-1)
         if softcap is not None:
-            out, _ = attend_softcapped(q, k, v, mask, softcap=softcap, scale=scaling)
+            out, _ = _attend(q, k, v, mask, softcap=softcap, scale=scaling)
         else:
             out = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, scale=scaling, enable_gqa=k.shape[1] != heads
@@ -415,10 +415,7 @@ def torchkvops_attention(
     softcap = applied_softcap(kwargs.get("softcap"), _implementation)
     if isinstance(context, PackedAttention):
         return context.attend(module, query, key, value, scaling, window, sinks, softcap), None
-    if softcap is not None:
-        attend = functools.partial(attend_softcapped, softcap=softcap)
-    else:
-        attend = _attend
+    attend = functools.partial(_attend, softcap=softcap)  # (the layer's: capped where the model caps)
     rows, heads, q_len, head_dim = query.shape
     kv_heads = key.shape[1]
     group = heads // kv_heads

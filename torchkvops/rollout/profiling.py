@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import torch
 
-__all__ = ["RolloutProfile", "StageTimer", "STAGES"]
+__all__ = ["RolloutProfile", "Clock", "StageTimer", "STAGES"]
 
 STAGES = ("prompt_expansion", "prefill", "kv_expand", "decode", "post_processing")
 
@@ -95,21 +95,40 @@ class RolloutProfile:
         return dataclasses.asdict(self)
 
 
-class StageTimer:
-    """Marks stage boundaries; `enabled=False` makes it record nothing and never synchronize."""
+class Clock:
+    """The one clock of the library: a rollout's stage timer and the benchmark harness time with it. CUDA
+    events recorded on the device's current stream (a model on cuda:1: that device's stream, not the
+    current device's) and read after a synchronize; time.perf_counter on the CPU, where the work is
+    synchronous."""
 
-    def __init__(self, device: torch.device, enabled: bool):
-        self.device, self.enabled = device, enabled
-        self.is_cuda = device.type == "cuda"
-        self._marks: list[tuple[str, object, object]] = []  # (stage, start, end)
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.cuda = device.type == "cuda"
 
-    def _now(self):
-        if self.is_cuda:
+    def mark(self):
+        if self.cuda:
             event = torch.cuda.Event(enable_timing=True)
-            # On the model's device's stream, which is not the current device's for a model on cuda:1.
             event.record(torch.cuda.current_stream(self.device))
             return event
         return time.perf_counter()
+
+    def wait(self) -> None:
+        """Host sync (CUDA): the marks recorded so far can be read."""
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def ms(self, start, end) -> float:
+        return start.elapsed_time(end) if self.cuda else (end - start) * 1e3
+
+
+class StageTimer:
+    """Marks stage boundaries with the Clock; `enabled=False` makes it record nothing and never synchronize."""
+
+    def __init__(self, device: torch.device, enabled: bool):
+        self.device, self.enabled = device, enabled
+        self.clock = Clock(device)
+        self.is_cuda = self.clock.cuda
+        self._marks: list[tuple[str, object, object]] = []  # (stage, start, end)
 
     def start(self) -> None:
         if self.enabled and self.is_cuda:
@@ -118,19 +137,16 @@ class StageTimer:
     @contextlib.contextmanager
     def stage(self, name: str) -> Iterator[None]:
         with torch.profiler.record_function(f"torchkvops.{name}"):
-            start = self._now() if self.enabled else None
+            start = self.clock.mark() if self.enabled else None
             yield
             if self.enabled:
-                self._marks.append((name, start, self._now()))
+                self._marks.append((name, start, self.clock.mark()))
 
     def elapsed_ms(self) -> dict[str, float]:
         """Milliseconds per stage (0 for stages not run) and `total`, from the first start to the
         last end. Synchronizes once, on CUDA."""
-        if self.is_cuda:
-            torch.cuda.synchronize(self.device)
-            span = lambda a, b: a.elapsed_time(b)  # noqa: E731
-        else:
-            span = lambda a, b: (b - a) * 1e3  # noqa: E731
+        self.clock.wait()
+        span = self.clock.ms
         out = dict.fromkeys(STAGES, 0.0)
         for name, start, end in self._marks:
             out[name] += span(start, end)

@@ -51,7 +51,7 @@ import torch
 from torch import Tensor
 
 from .. import ops
-from ..fused_attention import MASKED_KEY_BIAS, attend, attend_backward, attend_softcapped, merge_sinks
+from ..fused_attention import MASKED_KEY_BIAS, attend, attend_backward, merge_sinks
 
 __all__ = [
     "Bucket",
@@ -299,16 +299,16 @@ def _sinks_grad(grad: Tensor, out: Tensor, lse: Tensor, sinks: Tensor | None) ->
 
 def _capped_parts(q, k, v, bias, contexts, scale, sinks, softcap) -> Tensor:
     """`context_attention` (and with no context `causal_attention`) with capped scores: each part by
-    `attend_softcapped` and the parts merged by their log-sum-exps, all in autograd's own ops (no fused
+    `attend` with its `softcap` and the parts merged by their log-sum-exps, all in autograd's own ops (no fused
     kernel, no hand-written backward: the cap changes the scores' gradient). Gemma 2's layers only."""
     rows, heads, s, dim = q.shape
     if s == 0:
         return q.new_zeros(q.shape) + 0 * q.sum()
-    out, lse = attend_softcapped(q, k, v, bias, softcap=softcap, causal=True, scale=scale)
+    out, lse = attend(q, k, v, bias, softcap=softcap, causal=True, scale=scale)
     outs, lses = [out.float()], [lse]
     for k_x, v_x, bias_x in contexts:
         g, kv_heads = k_x.shape[0], k_x.shape[1]
-        out_x, lse_x = attend_softcapped(_fold(q, g, kv_heads), k_x, v_x, bias_x, softcap=softcap, scale=scale)
+        out_x, lse_x = attend(_fold(q, g, kv_heads), k_x, v_x, bias_x, softcap=softcap, scale=scale)
         outs.append(_unfold(out_x, g, rows, heads).reshape(rows, heads, s, dim).float())
         lses.append(_unfold(lse_x, g, rows, heads).reshape(rows, heads, s))
     if sinks is not None:  # a part with no value
