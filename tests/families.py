@@ -88,6 +88,7 @@ FAMILIES: dict[str, dict] = {
     "seed_oss": dict(attention_dropout=0.0, residual_dropout=0.0),
     "ernie4_5": {},
     "hunyuan_v1_dense": {},
+    "hunyuan_v1_moe": dict(_MOE, moe_topk=2),
     "exaone4": _SLIDING,
     "apertus": {},
     "ministral3": {},

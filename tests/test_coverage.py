@@ -45,6 +45,7 @@ EXPECTED = {
     "seed_oss": (SERVED, SERVED),
     "ernie4_5": (SERVED, SERVED),
     "hunyuan_v1_dense": (SERVED, SERVED),
+    "hunyuan_v1_moe": (SERVED, SERVED),
     "exaone4": (SERVED, SERVED),
     "apertus": (SERVED, SERVED),
     "ministral3": (SERVED, SERVED),
@@ -66,7 +67,7 @@ EXPECTED = {
 assert set(EXPECTED) == set(FAMILIES)
 # Families whose scores read absolute positions (a norm after the rotary embedding): a system prompt at
 # different columns is computed once per prompt.
-ABSOLUTE_POSITIONS = {"hunyuan_v1_dense"}
+ABSOLUTE_POSITIONS = {"hunyuan_v1_dense", "hunyuan_v1_moe"}
 
 _models: dict[str, torch.nn.Module] = {}
 
@@ -187,6 +188,21 @@ def test_patch_forward_serves_each_family_with_the_plain_outputs_and_gradients_o
             torch.testing.assert_close(grads[name][finite], want[finite], rtol=1e-3, atol=1e-5 * scale, msg=name)
     finally:
         model.eval()
+
+
+def test_every_family_the_library_describes_is_tested():
+    """A family with an entry in torchkvops.models.families (what differs for it) has its tests: served, a tiny
+    model in this table or in tests/models.py (GPT-2, OPT: the model helpers' families, tested by every
+    rollout and training test); refused, a tiny model in test_generate_contract's UNSERVABLE, whose test
+    checks the refusal and the fallback to HF's own generate."""
+    from models import FAMILIES as HELPER_FAMILIES
+    from test_generate_contract import UNSERVABLE
+
+    from torchkvops.models.families import FAMILIES as DESCRIBED
+
+    for family, described in DESCRIBED.items():
+        where = UNSERVABLE if described.refused else {**EXPECTED, **HELPER_FAMILIES}
+        assert family in where, f"{family}: described in torchkvops.models.families, but no test builds it"
 
 
 def test_the_docs_list_the_table():

@@ -280,6 +280,10 @@ UNSERVABLE = {
         lambda: _tiny(transformers.BloomForCausalLM, transformers.BloomConfig, hidden_size=32, n_layer=2, n_head=4),
         "ALiBi",
     ),
+    "mpt": (
+        lambda: _tiny(transformers.MptForCausalLM, transformers.MptConfig, d_model=32, n_heads=4, n_layers=2),
+        "ALiBi",
+    ),
     "falcon_alibi": (
         lambda: _tiny(
             transformers.FalconForCausalLM,

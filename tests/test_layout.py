@@ -235,7 +235,7 @@ def test_the_shared_helpers_are_leaves_and_the_contract_knows_no_patch():
     utils, modes = "torchkvops.utils", "torchkvops.models.forward_modes"
     training = "torchkvops.training.shared_forward"
     assert graph[utils] == set() and graph[modes] == set()
-    assert {utils, modes, "torchkvops.models.adapter", "torchkvops.rollout.engine"} <= graph[contract]
+    assert {utils, modes, "torchkvops.models.adapter", "torchkvops.rollout"} <= graph[contract]
     assert not {patch, training} & graph[contract]
     assert {utils, contract} <= graph[patch]
     assert {utils, modes} <= graph[training]

@@ -11,8 +11,20 @@ import torch
 from torch import nn
 
 from . import sharding
+from .families import (
+    ATTENTION_KINDS,
+    ATTENTION_LAYER_TYPES,
+    FULL_ATTENTION,
+    LAYER_KINDS,
+    RECURRENT,
+    RECURRENT_LAYER_TYPES,
+    REFUSED_CONFIG_FIELDS,
+    SLIDING_WINDOW,
+    STATELESS_LAYER_TYPES,
+    family_of,
+)
 from .precision import compute_dtype
-from .recurrent import RECURRENT_LAYER_TYPES, STATELESS_LAYER_TYPES, RowLayout, probe_states
+from .recurrent import RowLayout, probe_states
 
 __all__ = [
     "ModelAdapter",
@@ -28,7 +40,6 @@ __all__ = [
     "is_peft_model",
 ]
 
-_ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention"}
 # The parameter dtypes the rollout computes in (those its sampling operator takes logits in).
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Attention implementations that take an arbitrary 4-D mask as we build it: SDPA a boolean one
@@ -53,15 +64,11 @@ class KVShape:
         return (self.layers, 2, rows, self.kv_heads, tokens, self.head_dim)
 
 
-# The kinds of cache group (`GroupSpec.kind`, as vLLM's KVCacheSpec kinds): what a group's layers store,
-# and so how its rows are expanded, gathered and extended (`torchkvops.rollout.cache_groups`): attention
-# layers' KV, every key (FULL_ATTENTION) or the keys of a sliding window (SLIDING_WINDOW: a key `window`
-# or more positions before the query is never read again, so the paged layout gives its blocks back), or
-# recurrent layers' fixed-size states (a convolution window, a recurrent state: `models.recurrent`).
-FULL_ATTENTION = "full_attention"
-SLIDING_WINDOW = "sliding_window"
-RECURRENT = "recurrent"
-ATTENTION_KINDS = (FULL_ATTENTION, SLIDING_WINDOW)  # the kinds that store KV
+# The kinds of cache group (`GroupSpec.kind`, as vLLM's KVCacheSpec kinds; `models.families`): what a
+# group's layers store, and so how its rows are expanded, gathered and extended
+# (`torchkvops.rollout.cache_groups`): attention layers' KV, every key (FULL_ATTENTION) or the keys of a
+# sliding window (SLIDING_WINDOW: a key `window` or more positions before the query is never read again,
+# so the paged layout gives its blocks back), or recurrent layers' fixed-size states (RECURRENT).
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,7 +166,7 @@ class CacheSpec:
         by_shape: dict[tuple[int, int, int | None], list[int]] = {}
         for layer, source in enumerate(reads):
             if source == layer:
-                slides = window if kinds[layer] == "sliding_attention" else None
+                slides = window if LAYER_KINDS[kinds[layer]] == SLIDING_WINDOW else None
                 by_shape.setdefault((*shapes[layer], slides), []).append(layer)
         groups = [
             GroupSpec(
@@ -359,10 +366,12 @@ _MODULE_WRAPPERS = ("DistributedDataParallel", "DataParallel", "FullyShardedData
 def _unsupported_attention(model: nn.Module, config) -> str | None:
     """What the model's attention does beyond softmax(q k^T * scale + mask) v over a plain per-layer KV
     cache, which the rollout's prefill and decode would silently drop or fail on; None when nothing."""
-    if getattr(config, "alibi", False) or getattr(config, "model_type", None) in ("bloom", "mpt"):
-        return "adds ALiBi biases to its attention scores"
-    if getattr(config, "kv_lora_rank", None) is not None:
-        return "uses multi-head latent attention (keys and values of different sizes)"
+    refused = family_of(config).refused
+    if refused is not None:
+        return refused
+    for field, why in REFUSED_CONFIG_FIELDS.items():
+        if getattr(config, field, None) not in (None, False):
+            return why
     return None
 
 
@@ -378,7 +387,7 @@ class ModelAdapter:
                 f"torchkvops: {type(model).__name__} is an encoder-decoder model; only decoder-only causal LMs are supported"
             )
         layer_types = getattr(config, "layer_types", None) or []
-        other = sorted(set(layer_types) - _ATTENTION_LAYER_TYPES - RECURRENT_LAYER_TYPES - STATELESS_LAYER_TYPES)
+        other = sorted(set(layer_types) - ATTENTION_LAYER_TYPES - RECURRENT_LAYER_TYPES - STATELESS_LAYER_TYPES)
         if other:
             raise ValueError(
                 f"torchkvops: {type(model).__name__} has layers of type {other}; only models whose layers are "
@@ -417,7 +426,7 @@ class ModelAdapter:
         self.model, self.config = model, config
         # Recurrent layers' states per row, read off one probe forward (none for attention-only models).
         self.states = None
-        if set(layer_types) - _ATTENTION_LAYER_TYPES:
+        if set(layer_types) - ATTENTION_LAYER_TYPES:
             if sharding.is_sharded(model):
                 raise ValueError(
                     f"torchkvops: {type(model).__name__} has recurrent layers and is sharded (FSDP or ZeRO-3): "

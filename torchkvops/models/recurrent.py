@@ -29,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .families import RECURRENT_LAYER_TYPES
+
 __all__ = [
     "StateField",
     "RowLayout",
@@ -38,16 +40,10 @@ __all__ = [
     "recurrent_mixers",
     "own_forward",
     "restore_forward",
-    "RECURRENT_LAYER_TYPES",
-    "STATELESS_LAYER_TYPES",
     "RECURRENT_CACHE_METHODS",
     "recurrent_cache_unsupported",
 ]
 
-# The layer kinds (config.layer_types) whose layers keep recurrent state instead of (or, "hybrid": beside)
-# a KV cache, and those that keep nothing (Nemotron-H's MLP and MoE blocks).
-RECURRENT_LAYER_TYPES = {"linear_attention", "mamba", "conv", "hybrid"}
-STATELESS_LAYER_TYPES = {"mlp", "moe"}
 
 _ALIGN_BYTES = 16
 

@@ -54,6 +54,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from .. import ops
 from ..fused_attention import MASKED_KEY_BIAS, applied_softcap, merge_sinks
 from ..fused_attention import attend as _attend
+from ..models.families import REFUSED_ATTENTION_ARGUMENTS
 from .cache_groups import KVViews, layer_kv, layer_slot
 from .paged_kv import block_runs, dense_rows, gather_blocks, window_slots, window_table, write_slots
 
@@ -404,11 +405,13 @@ def torchkvops_attention(
     context = _active
     if context is None:
         raise RuntimeError("torchkvops attention is only used inside a torchkvops rollout's decode")
-    if kwargs.get("position_bias") is not None:
+    refused = [name for name in REFUSED_ATTENTION_ARGUMENTS if kwargs.get(name) is not None]
+    if refused:
         raise ValueError(
-            "torchkvops: this model's attention uses 'position_bias', which the rollout's decode attention does "
-            "not support"
+            f"torchkvops: this model's attention uses {refused[0]!r} ({REFUSED_ATTENTION_ARGUMENTS[refused[0]]}), "
+            "which the rollout's decode attention does not support"
         )
+    # The arguments honoured (models.families.ATTENTION_ARGUMENTS):
     window = kwargs.get("sliding_window")  # (this layer's: None for full attention)
     sinks = kwargs.get("s_aux")  # [heads]: attention sinks (gpt-oss), a logit per head with no value
     # Gemma 2's attn_logit_softcapping: capped scores, no fused kernel (where the model's own attention caps)

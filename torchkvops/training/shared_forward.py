@@ -9,7 +9,7 @@ rows. With the patch, the model's backbone finds the rows that share a prefix (`
 each shared prefix once followed by its rows' own suffixes into one sequence (and, when every row starts
 with the same real tokens, a system prompt, wherever each row's left padding puts them, those once before
 all the groups: positions are then numbered from each row's first real token for families whose results
-depend on differences of positions only, see FAMILIES), runs its own layers over
+depend on differences of positions only, see models.families), runs its own layers over
 that (embeddings, norms and MLPs act per token; every attention layer calls `prefix_attention`, which
 knows the groups), and scatters the hidden states back to the [rows, length, hidden] layout. The LM
 head, `logits_to_keep`, `labels` and TRL's fused log-prob head then work unchanged, and outputs and
@@ -58,15 +58,16 @@ from transformers import AttentionInterface, PreTrainedConfig
 
 from ..fused_attention import applied_softcap
 from ..models.adapter import unwrap_model
+from ..models.families import (
+    ABSOLUTE_POSITION_FIELDS,
+    FAMILIES,
+    NO_ATTENTION_LAYER_TYPES,
+    RECURRENT_LAYER_TYPES,
+    family_of,
+)
 from ..models.forward_modes import active_dropout, autocast_dtype, disable_dropout
 from ..models.precision import compute_dtype
-from ..models.recurrent import (
-    RECURRENT_LAYER_TYPES,
-    STATELESS_LAYER_TYPES,
-    own_forward,
-    recurrent_mixers,
-    restore_forward,
-)
+from ..models.recurrent import own_forward, recurrent_mixers, restore_forward
 from ..utils import PatchHandle, WarnOnce
 from .prefix_attention import SERVED_DEVICES, PackedLayout, packed_attention
 from .prefix_groups import grouping_keys, pack_layout, plan_grouping, ungroup_one_token_prefixes
@@ -79,22 +80,6 @@ NAME = "torchkvops_shared"  # the attention function's name in transformers' Att
 _LAYOUT_KWARG = "torchkvops_packed_layout"  # the keyword that carries the layout to the attention layers
 _STATE_ATTR = "_torchkvops_shared_forward"
 
-# How a backbone numbers positions when the caller passes none, for the families served without rotary
-# embeddings: "column" = the column index (arange over the padded row; GPT-2's learned absolute
-# positions), "mask" = OPT's cumsum(mask) - 1. Every backbone with rotary embeddings is served too, as
-# "relative": column positions, read only through the rotary embeddings, whose scores depend on
-# differences of positions alone: numbered from each row's first real token instead, a prefix common to
-# rows with different left padding has the same positions in each, and is computed once.
-FAMILIES = {"gpt2": "column", "opt": "mask"}
-# Rotary models whose scores depend on absolute positions besides their differences, served with their own
-# column positions only (a common prefix is then shared only between rows of the same padding): config
-# fields that say so (Llama 4's attention temperature on its no-RoPE layers), and families that apply a
-# per-dimension norm to q and k after the rotation (HunYuan: its weights scale rotated coordinates).
-# tests/test_coverage.py finds such a family (its norm weights moved off 1).
-_ABSOLUTE_POSITION_FIELDS = ("attn_temperature_tuning",)
-_NORM_AFTER_ROTARY = ("hunyuan_v1_dense", "hunyuan_v1_moe")
-# Layer kinds without attention ("hybrid" layers have attention beside a recurrent mixer).
-_NO_ATTENTION_LAYER_TYPES = (RECURRENT_LAYER_TYPES - {"hybrid"}) | STATELESS_LAYER_TYPES
 # Attention implementations whose results the shared path reproduces (all exact attention).
 SERVED_ATTENTION = ("eager", "sdpa", "flash_attention_2", "flash_attention_3")
 _SERVED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -197,6 +182,7 @@ def _shared_attention(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
     # The backbone checked all of these before packing (see _plain_reason); here they are invariants.
+    # The arguments honoured: models.families.ATTENTION_ARGUMENTS.
     window = kwargs.get("sliding_window")
     if dropout:
         raise RuntimeError(f"torchkvops: shared-prefix attention got dropout={dropout!r}, which it cannot serve")
@@ -475,11 +461,12 @@ def _attention_modules(backbone: nn.Module) -> list[nn.Module]:
 
 
 def position_numbering(backbone: nn.Module) -> str | None:
-    """How the backbone numbers positions (see FAMILIES), or None when it is none torchkvops knows."""
+    """How the backbone numbers positions (`models.families.Family.positions`), or None when it is none
+    torchkvops knows: a family's entry says, else a rotary family (or a hybrid without position
+    embeddings) is "relative" unless a config field makes its scores read absolute positions."""
     config = backbone.config
-    known = FAMILIES.get(getattr(config, "model_type", None))
-    if known is not None:
-        return known
+    if getattr(config, "model_type", None) in FAMILIES:
+        return family_of(config).positions
     if not any(type(m).__name__.endswith("RotaryEmbedding") for m in backbone.modules()):
         # A hybrid without position embeddings (Nemotron-H, Granite 4: its recurrent layers order the
         # tokens, its attention has none) reads no position: any numbering gives its results, so a prefix
@@ -487,19 +474,20 @@ def position_numbering(backbone: nn.Module) -> str | None:
         if _has_recurrent_layers(config) and not _position_embedding_modules(backbone):
             return "relative"
         return None
-    absolute = config.model_type in _NORM_AFTER_ROTARY or any(
-        getattr(config, f, None) for f in _ABSOLUTE_POSITION_FIELDS
-    )
+    absolute = any(getattr(config, f, None) for f in ABSOLUTE_POSITION_FIELDS)
     return "column" if absolute else "relative"
 
 
 def _unsupported_model(backbone: nn.Module) -> str | None:
     config = backbone.config
     model_type = getattr(config, "model_type", None)
+    if family_of(config).refused is not None:
+        return f"model type {model_type!r} is not supported: it {family_of(config).refused}"
     if position_numbering(backbone) is None:
+        known = [name for name, family in FAMILIES.items() if family.refused is None and family.positions != "relative"]
         return (
             f"model type {model_type!r} is not supported: its positions are neither rotary embeddings nor "
-            f"a numbering torchkvops knows ({', '.join(FAMILIES)})"
+            f"a numbering torchkvops knows ({', '.join(known)})"
         )
     if getattr(config, "add_cross_attention", False):
         return "models with cross-attention are not supported"
@@ -508,7 +496,7 @@ def _unsupported_model(backbone: nn.Module) -> str | None:
     kinds = getattr(config, "layer_types", None) or []
     layers = getattr(config, "num_hidden_layers", None)
     # Layers without attention: recurrent ones (a "hybrid" layer has both), Nemotron-H's MLP and MoE blocks.
-    expected = layers - sum(kind in _NO_ATTENTION_LAYER_TYPES for kind in kinds)
+    expected = layers - sum(kind in NO_ATTENTION_LAYER_TYPES for kind in kinds)
     found = len(_attention_modules(backbone))
     if found != expected:
         return f"found {found} attention layers in {type(backbone).__name__}, expected {expected} of {layers}"
