@@ -83,6 +83,22 @@ def test_only_the_helper_reads_fsdps_parameter_groups():
 
 
 # --- the recurrent layers' cache interface ------------------------------------------------------------
+def test_both_implementations_of_the_recurrent_interface_answer_every_method_themselves():
+    """The rollout's cache and a training segment's states are the one interface, RecurrentStates: each
+    answers every method transformers' recurrent layers call (RECURRENT_CACHE_METHODS) with its own or the
+    interface's, never transformers' Cache's (which would read cache layers neither has)."""
+    from torchkvops.models.recurrent import RecurrentStates, SegmentStates
+    from torchkvops.rollout.kv_cache import RolloutKVCache
+
+    for cls in (RolloutKVCache, SegmentStates):
+        assert issubclass(cls, RecurrentStates)
+        for name in RECURRENT_CACHE_METHODS:
+            owner = next(k for k in cls.__mro__ if name in vars(k))
+            # (the state reads and writes are each storage's own: the interface's raise NotImplementedError)
+            own = name in ("get_conv_state", "get_recurrent_state", "update_conv_state", "update_recurrent_state")
+            assert owner is cls if own else owner in (cls, RecurrentStates), (cls.__name__, name, owner.__name__)
+
+
 def reason_of_5_17() -> str:
     """What the check says of the recurrent cache interface as transformers 5.17 has it (no get_conv_state,
     get_recurrent_state, is_recording_past, get_recurrent_states_to_keep, increase_count on its Cache):

@@ -36,7 +36,9 @@ __all__ = [
     "RowLayout",
     "LayerStates",
     "probe_states",
+    "RecurrentStates",
     "SegmentStates",
+    "kept_window",
     "recurrent_mixers",
     "own_forward",
     "restore_forward",
@@ -153,8 +155,50 @@ def probe_states(model: nn.Module, cache_kwarg: str, device: torch.device) -> di
     return found
 
 
-class SegmentStates:
-    """transformers' recurrent-state cache interface for one segment of rows of one layer: `initial`
+class RecurrentStates:
+    """transformers' recurrent-state cache interface (`RECURRENT_CACHE_METHODS`), the one torchkvops
+    implements, twice, over two kinds of storage: `SegmentStates` (one segment's states as tensors that carry
+    gradients: the training forward's segments, a packed forward's rows) and the rollout's cache
+    (`rollout.kv_cache.RolloutKVCache`: every row's states in a buffer, started by a prefill and continued
+    in place by decode). A layer reads a state before its tokens (`get_*`: None when it starts from
+    none) and hands over what it leaves after them (`update_*`); the rest is alike in both, here."""
+
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> Tensor | None:
+        """The convolution window the layer continues from ([rows, channels, width]), or None."""
+        raise NotImplementedError
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> Tensor | None:
+        """The recurrent state the layer continues from, or None."""
+        raise NotImplementedError
+
+    def update_conv_state(self, conv_states: Tensor, layer_idx: int, state_idx: int = 0, **kwargs) -> Tensor:
+        """The convolution's input `conv_states` ([rows, channels, tokens]): keep its window (`kept_window`)
+        and return what the convolution runs over."""
+        raise NotImplementedError
+
+    def update_recurrent_state(self, recurrent_states, layer_idx: int, state_idx: int = 0, **kwargs) -> Tensor:
+        """The state the layer leaves after its tokens: keep it and return it."""
+        raise NotImplementedError
+
+    def is_recording_past(self, layer_idx: int) -> bool:
+        return False  # (no speculative decoding: states are never rolled back)
+
+    def get_recurrent_states_to_keep(self, layer_idx: int | None = None) -> int:
+        return 0
+
+    def increase_count(self, layer_idx: int, state_idx: int) -> None:
+        """(transformers counts tokens per recurrent layer; torchkvops' lengths are its forwards'.)"""
+
+
+def kept_window(conv_input: Tensor, width: int) -> Tensor:
+    """The convolution window a layer keeps after `conv_input` ([rows, channels, tokens]): its last `width`
+    columns, zeros before a shorter input, as transformers' cache keeps it."""
+    kept = conv_input[..., -width:]
+    return F.pad(kept, (width - kept.shape[-1], 0))
+
+
+class SegmentStates(RecurrentStates):
+    """`RecurrentStates` for one segment of rows of one layer: `initial`
     ((kind, state_idx) -> [rows, ...]: the states the rows continue from; empty: none, the layer starts
     them), and `final`, what the layer leaves at the segment's end (the states the next segment continues
     from). Tensors, not buffers: gradients flow through them."""
@@ -187,8 +231,7 @@ class SegmentStates:
         previous = self.initial.get(("conv", state_idx))
         full = conv_states if previous is None else torch.cat([previous.to(conv_states.dtype), conv_states], dim=-1)
         width = conv_kernel_size if conv_kernel_size is not None else previous.shape[-1]
-        kept = full[..., -width:]
-        self.final[("conv", state_idx)] = F.pad(kept, (width - kept.shape[-1], 0))
+        self.final[("conv", state_idx)] = kept_window(full, width)
         return full
 
     def update_recurrent_state(self, recurrent_states, layer_idx: int, state_idx: int = 0, **kwargs) -> Tensor:
@@ -196,15 +239,6 @@ class SegmentStates:
             recurrent_states = recurrent_states[-1]
         self.final[("recurrent", state_idx)] = recurrent_states
         return recurrent_states
-
-    def is_recording_past(self, layer_idx: int) -> bool:
-        return False
-
-    def get_recurrent_states_to_keep(self, layer_idx: int | None = None) -> int:
-        return 0
-
-    def increase_count(self, layer_idx: int, state_idx: int) -> None:
-        pass
 
 
 def recurrent_mixers(backbone: nn.Module) -> dict[int, nn.Module]:

@@ -37,7 +37,7 @@ from torch import Tensor
 from transformers.cache_utils import Cache
 
 from ..models.adapter import ATTENTION_KINDS, RECURRENT, CacheSpec, KVShape
-from ..models.recurrent import RowLayout
+from ..models.recurrent import RecurrentStates, RowLayout, kept_window
 from .cache_groups import CacheGroup, KVViews, make_group
 from .compaction import COMPACT_FRACTION
 from .paged_kv import write_slots
@@ -73,7 +73,7 @@ def _flat(shapes: list[list[tuple[int, ...]]]) -> list[tuple[int, ...]]:
     return [shape for group in shapes for shape in group]
 
 
-class RolloutKVCache(Cache):
+class RolloutKVCache(RecurrentStates, Cache):
     """Static KV buffers reused across rollouts, one set per cache group (`groups`); `prepare()` sizes them
     for a layout (torchkvops.rollout.layouts), `release()` frees them. Each group's buffers are one per entry
     of the layout's `kv_lengths`: the prompts' buffer is the first and the decode buffer the last (one and the
@@ -392,7 +392,7 @@ class RolloutKVCache(Cache):
     def has_states(self) -> bool:
         return bool(self.recurrent_groups)
 
-    # --- recurrent layers' states: transformers' cache interface for them (models/recurrent.py) ------------
+    # --- recurrent layers' states: models.recurrent.RecurrentStates, transformers' cache interface for them --
     # The bound forward says where the rows' states are (`state_views`) and whether it continues them
     # (decode: a state is read and updated in place) or starts them (prefill: none is read, the forward's
     # final ones are written to its rows). In decode, the rows that have ended (`ended`: fed filler after
@@ -435,10 +435,7 @@ class RolloutKVCache(Cache):
         if self.forward.continues:  # decode updates the window in place (causal_conv1d_update)
             raise AssertionError(f"torchkvops: layer {layer_idx}'s conv state is updated in place in decode")
         state = self._state(layer_idx, "conv", state_idx)[: conv_states.shape[0]]
-        width = state.shape[-1]
-        kept = conv_states[..., -width:]
-        state[..., : width - kept.shape[-1]].zero_()
-        state[..., width - kept.shape[-1] :].copy_(kept)
+        state.copy_(kept_window(conv_states, state.shape[-1]))
         return conv_states
 
     def update_recurrent_state(self, recurrent_states: Tensor, layer_idx: int, state_idx: int = 0, **kwargs) -> Tensor:
@@ -458,15 +455,6 @@ class RolloutKVCache(Cache):
             state = self._state(layer_idx, "conv", state_idx)
             state.copy_(torch.where(ended.view(-1, 1, 1), before, state))
         self._windows_before = {}
-
-    def is_recording_past(self, layer_idx: int) -> bool:
-        return False  # (no speculative decoding: states are never rolled back)
-
-    def get_recurrent_states_to_keep(self, layer_idx: int | None = None) -> int:
-        return 0
-
-    def increase_count(self, layer_idx: int, state_idx: int) -> None:
-        """(transformers counts tokens per recurrent layer; the rollout's length is its forward's.)"""
 
     # --- the transformers Cache interface ------------------------------------------------------
     def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs):
