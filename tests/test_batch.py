@@ -43,7 +43,7 @@ def make_batch(keeps_left: bool = True, output=None):
         state_for(shape),
         compaction.BatchMap(ROWS) if keeps_left else layout.stream_map(ROWS),  # (a streaming batch's: every row free)
         pad_id=PAD,
-        states=state_for,
+        make_state=state_for,
         draw=draw,
         keeps_left=keeps_left,
         output=output,
@@ -68,7 +68,7 @@ def admit_every_row(batch: DecodeBatch, first: list[int]) -> None:
         None,
         torch.arange(ROWS),
         one_hot(first),
-        keys=torch.arange(ROWS),
+        sample_keys=torch.arange(ROWS),
         positions=torch.full((ROWS,), 3),
         columns=torch.arange(ROWS) + 5,
         bias=visible_bias(visible, COLUMNS),
@@ -96,7 +96,7 @@ def test_compaction_moves_each_row_with_its_state_its_kv_and_keeps_the_tokens_of
     ended = batch.state.finished.clone()
     plan = batch.plan(ended)
     assert plan is not None and plan.size == 4
-    before = {name: getattr(batch.state, name).clone() for name in ("tokens", "column", "keys", "position_ids")}
+    before = {name: getattr(batch.state, name).clone() for name in ("tokens", "column", "sample_keys", "position_ids")}
     batch.compact(plan, tokens=2)
     kept = plan.rows
     assert batch.rows == 4 and batch.map.original.tolist() == kept.tolist() == [0, 2, 4, 6]
@@ -117,7 +117,7 @@ def test_a_streaming_batch_retires_rows_into_their_samples_places():
         rows,
         [10, 7],  # the samples (output rows) they start
         one_hot([5, 6]),
-        keys=torch.tensor([10, 7]),
+        sample_keys=torch.tensor([10, 7]),
         positions=torch.tensor([2, 2]),
         columns=torch.tensor([4, 4]),
         bias=visible_bias(torch.ones(2, 4, dtype=torch.bool), COLUMNS),
@@ -159,7 +159,7 @@ def test_admit_reads_from_each_rows_first_visible_column_and_refuses_a_gap():
     visible[0, :5] = visible[1, 3:5] = visible[3, 6:9] = True  # row 2 sees nothing yet
     visible[4:, 1:5] = True
     first = [3] * ROWS
-    kwargs = dict(keys=torch.arange(ROWS), positions=torch.full((ROWS,), 3), columns=columns)
+    kwargs = dict(sample_keys=torch.arange(ROWS), positions=torch.full((ROWS,), 3), columns=columns)
     batch.admit(None, torch.arange(ROWS), one_hot(first), bias=visible_bias(visible, COLUMNS), **kwargs)
     assert batch.state.kv_start.tolist() == [0, 3, 0, 6, 1, 1, 1, 1]
     visible[5, 2] = False  # a hole in a live row's history

@@ -14,8 +14,8 @@ import torch
 from torchkvops.rollout.state import DecodeShape, DecodeState
 
 SHAPES = {
-    "copy": DecodeShape(rows=6, mask_len=16, max_new_tokens=5, dtype=torch.bfloat16, logprobs=True),
-    "prefix": DecodeShape(rows=6, mask_len=8, max_new_tokens=5, dtype=torch.float32, prompts=3, prompt_len=16),
+    "copy": DecodeShape(rows=6, key_columns=16, max_new_tokens=5, dtype=torch.bfloat16, logprobs=True),
+    "prefix": DecodeShape(rows=6, key_columns=8, max_new_tokens=5, dtype=torch.float32, prompts=3, prompt_len=16),
 }
 
 
@@ -26,7 +26,7 @@ def test_a_state_holds_what_its_fields_declare(layout):
     declared = {f.name for f in DecodeState.FIELDS}
     tensors = {name for name, value in vars(state).items() if isinstance(value, torch.Tensor)}
     assert tensors <= declared
-    assert state.bias.shape == (6, 1, 1, shape.mask_len) and state.bias.dtype == shape.dtype
+    assert state.bias.shape == (6, 1, 1, shape.key_columns) and state.bias.dtype == shape.dtype
     assert (state.logprobs is not None) == shape.logprobs
     assert (state.prompt_bias is not None) == (layout == "prefix")
     assert state.slot_rows is None  # only a compacted prefix-layout batch has query slots
@@ -52,7 +52,7 @@ def test_gather_moves_every_field_with_its_row_or_prompt(layout):
         elif f.per == "prompt":
             assert torch.equal(dst, src[groups]), f.name
     moved = {f.name for f in DecodeState.FIELDS if f.per in ("row", "prompt")}
-    assert {"tokens", "position_ids", "bias", "finished", "keys", "nonfinite_step", "responses", "step"} <= moved
+    assert {"tokens", "position_ids", "bias", "finished", "sample_keys", "nonfinite_step", "responses", "step"} <= moved
 
 
 # --- a join or leave of rows is written once ----------------------------------------------------------------

@@ -203,6 +203,6 @@ def test_a_compiled_stacked_decode_gives_the_eager_tokens(llama, monkeypatch):
     counters = rollout.decode_counters()
     assert counters.compiled_steps > 0 and counters.eager_keys == 0 and counters.compactions > 0
     assert counters.graph_key[0].prompt_len == 32  # (40 columns: two whole blocks)
-    assert any(shape.prompts_in_place for shape in rollout._decoder.states._entries)  # (before a prompt ends)
+    assert any(shape.prompts_in_place for shape in rollout._decoder.decode_states._entries)  # (before a prompt ends)
     assert torch.equal(compiled.sequences, eager.sequences)
     torch.testing.assert_close(compiled.logprobs, eager.logprobs, rtol=1e-4, atol=1e-4)

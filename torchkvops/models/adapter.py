@@ -74,14 +74,14 @@ class KVShape:
 @dataclasses.dataclass(frozen=True)
 class GroupSpec:
     """Layers whose KV (or, kind RECURRENT, states) one cache group stores: one kind, one number of KV heads
-    and head size; a recurrent group's `states` (the fields of each layer's row, `recurrent.StateField`)
+    and head size; a recurrent group's `state_fields` (the fields of each layer's row, `recurrent.StateField`)
     take `head_dim` elements of the cache's dtype per row (`recurrent.RowLayout.width`) and one KV head."""
 
     kind: str
     layers: tuple[int, ...]  # the model layers, in order
     kv_heads: int
     head_dim: int
-    states: tuple = ()  # RECURRENT: the StateFields of each layer's row
+    state_fields: tuple = ()  # RECURRENT: the StateFields of each layer's row
     window: int | None = None  # SLIDING_WINDOW: the keys before the query its layers read
 
     def __post_init__(self):
@@ -180,7 +180,7 @@ class CacheSpec:
                 by_row.setdefault(kept.fields, []).append(layer)
         for fields, layers in by_row.items():
             width = RowLayout(fields, dtype or torch.float32).width
-            groups.append(GroupSpec(RECURRENT, tuple(layers), 1, width, fields))
+            groups.append(GroupSpec(RECURRENT, tuple(layers), 1, width, state_fields=fields))
         return cls(tuple(groups), tuple(reads))
 
     @property
@@ -425,7 +425,7 @@ class ModelAdapter:
         self.takes_logits_to_keep = "logits_to_keep" in params
         self.model, self.config = model, config
         # Recurrent layers' states per row, read off one probe forward (none for attention-only models).
-        self.states = None
+        self.layer_states = None
         if set(layer_types) - ATTENTION_LAYER_TYPES:
             if sharding.is_sharded(model):
                 raise ValueError(
@@ -433,8 +433,8 @@ class ModelAdapter:
                     "not served yet (the probe of its layers' states would be a forward, whose gathers are "
                     "collectives, on each process at its own time)"
                 )
-            self.states = _probe(model, self.device)
-        self.cache_spec = CacheSpec.from_config(config, self.states, self.dtype)  # the KV cache's groups
+            self.layer_states = _probe(model, self.device)
+        self.cache_spec = CacheSpec.from_config(config, self.layer_states, self.dtype)  # the KV cache's groups
         # Whether some layer keeps recurrent state (whose packed forwards then run chunk by chunk).
         self.has_states = self.cache_spec.values_per_row > 0
         self.max_positions = getattr(config, "max_position_embeddings", None)

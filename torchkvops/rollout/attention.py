@@ -2,7 +2,7 @@
 `AttentionInterface` under the name "torchkvops".
 
 While a rollout decodes, the model's `config._attn_implementation` is "torchkvops" (restored afterwards,
-see `decode_attention`), so every attention layer of any supported decoder-only model calls
+see `rollout_attention`), so every attention layer of any supported decoder-only model calls
 `torchkvops_attention` with one query token per row. Two things make it read each layer's KV once a step:
 
 - Grouped-query attention without `repeat_kv`: the query heads that share a KV head are folded into the
@@ -64,7 +64,7 @@ __all__ = [
     "DecodeAttention",
     "PackedAttention",
     "packed_attention",
-    "decode_attention",
+    "rollout_attention",
 ]
 
 NAME = "torchkvops"
@@ -365,7 +365,7 @@ _decode_lock = threading.RLock()
 
 
 @contextlib.contextmanager
-def decode_attention(model: nn.Module, context: DecodeAttention | PackedAttention) -> Iterator[None]:
+def rollout_attention(model: nn.Module, context: DecodeAttention | PackedAttention) -> Iterator[None]:
     """Route the model's attention through `torchkvops_attention` with `context` for the block.
 
     The switch is on the model's config, which every attention layer reads at each call, so it holds

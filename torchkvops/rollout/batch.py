@@ -64,7 +64,7 @@ class DecodeBatch:
     tokens (and log-probabilities) end up, [samples, columns] (default: the first state's own).
 
     What it is given, and nothing else (it holds no decoder, so it is tested alone): the KV `cache` whose
-    rows move with its rows and the `layout` that says how, the `pad_id` ended rows hold, `states(shape)`
+    rows move with its rows and the `layout` that says how, the `pad_id` ended rows hold, `make_state(shape)`
     (the decode state of a shape: a compacted batch's) and `draw(state, logits)` (each row of `state` draws
     its next token from `logits`: the decode step's sampler)."""
 
@@ -76,12 +76,12 @@ class DecodeBatch:
         batch_map: compaction.BatchMap,
         *,
         pad_id: int,
-        states: Callable[[DecodeShape], DecodeState],
+        make_state: Callable[[DecodeShape], DecodeState],
         draw: Callable[[DecodeState, Tensor], None],
         keeps_left: bool = True,
         output: tuple[Tensor, Tensor | None] | None = None,
     ):
-        self.cache, self.layout, self.pad_id, self.states, self.draw = cache, layout, pad_id, states, draw
+        self.cache, self.layout, self.pad_id, self.make_state, self.draw = cache, layout, pad_id, make_state, draw
         self.first = self.state = state
         self.map = batch_map
         self.keeps_left = keeps_left
@@ -110,14 +110,14 @@ class DecodeBatch:
         samples,
         first_logits: Tensor,
         *,
-        keys: Tensor,
+        sample_keys: Tensor,
         positions: Tensor,
         columns: Tensor,
         bias: Tensor,
         live: Tensor | None = None,
     ) -> None:
         """Rows `rows` (device int64; None: every row) start the samples `samples` (their output rows:
-        host int64 [k]): `keys` [k] their sampling keys, `positions` [k] the position of the token each
+        host int64 [k]): `sample_keys` [k] their sampling keys, `positions` [k] the position of the token each
         feeds first, `columns` [k] the decode buffer's column each writes first, `bias` [k, the decode
         buffer's columns] (additive) what each sees, `live` [k] (bool,
         optional) False for rows that have ended before they start (filler rows, rows an extend leaves
@@ -130,7 +130,7 @@ class DecodeBatch:
         s.position_ids[index, 0] = positions.to(s.position_ids.device)
         s.column[index] = columns.to(s.column.device)
         s.finished[index] = False if live is None else ~live.to(s.finished.device, torch.bool)
-        s.keys[index] = keys.to(s.keys.device)
+        s.sample_keys[index] = sample_keys.to(s.sample_keys.device)
         s.step[index] = 0
         s.nonfinite_step[index] = -1
         s.responses[index] = pad_id
@@ -227,7 +227,7 @@ class DecodeBatch:
         shape = dataclasses.replace(
             state.shape, rows=plan.size, prompts=prompts, slots=slots, prompts_in_place=in_place
         )
-        new = self.states(shape)
+        new = self.make_state(shape)
         state.gather_into(new, rows, groups)
         if plan.slot_rows is not None and stacked:
             new.slot_rows.copy_(plan.slot_rows)
@@ -253,12 +253,12 @@ class DecodeBatch:
         `RolloutKVCache.widen`): every field copied, each row's bias hiding the new columns until it writes
         them."""
         state = self.state
-        new = self.states(dataclasses.replace(state.shape, mask_len=columns))
+        new = self.make_state(dataclasses.replace(state.shape, key_columns=columns))
         for old, wider in zip(state.tensors(), new.tensors()):
             if old.shape == wider.shape:
                 wider.copy_(old)
         new.bias.fill_(float("-inf"))
-        new.bias[..., : state.shape.mask_len].copy_(state.bias)
+        new.bias[..., : state.shape.key_columns].copy_(state.bias)
         if new.kv_blocks is not None:  # the paged layout: the tables' new entries name the scratch block
             new.kv_blocks.zero_()
             new.kv_blocks[:, : state.kv_blocks.shape[1]].copy_(state.kv_blocks)

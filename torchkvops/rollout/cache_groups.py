@@ -44,7 +44,7 @@ class KVViews(NamedTuple):
 
     buffers: tuple[Tensor, ...]  # one per group: [group layers, 2, rows, kv_heads, tokens, head_dim]
     slots: tuple[tuple[int, int] | None, ...]  # per model layer: (group, index in the group) of the KV it reads
-    states: tuple[tuple[int, int] | None, ...] = ()  # per model layer: the slot of its states (recurrent)
+    state_slots: tuple[tuple[int, int] | None, ...] = ()  # per model layer: the slot of its states (recurrent)
 
     @property
     def rows(self) -> int:
@@ -65,10 +65,10 @@ class KVViews(NamedTuple):
 
     def narrow_rows(self, start: int, length: int) -> KVViews:
         """Rows [start, start + length) of every group's buffer (views)."""
-        return KVViews(tuple(b.narrow(2, start, length) for b in self.buffers), self.slots, self.states)
+        return KVViews(tuple(b.narrow(2, start, length) for b in self.buffers), self.slots, self.state_slots)
 
     def clone(self) -> KVViews:
-        return KVViews(tuple(b.clone() for b in self.buffers), self.slots, self.states)
+        return KVViews(tuple(b.clone() for b in self.buffers), self.slots, self.state_slots)
 
 
 def layer_slot(views: KVViews, layer: int) -> tuple[Tensor, int]:
@@ -183,7 +183,7 @@ class RecurrentGroup(CacheGroup):
 
     def rows(self, views: KVViews, layer: int) -> Tensor:
         """`layer`'s states in one of the group's buffers (`views`): [rows, width]."""
-        group, index = views.states[layer]
+        group, index = views.state_slots[layer]
         return views.buffers[group][index, 0, :, 0, 0]
 
     def check(self, key: Tensor, value: Tensor, layer: int) -> None:

@@ -138,7 +138,7 @@ class GenerateCall(Call):
             self.live,
             visible=layout.decode_visible(prompts.columns.repeat_interleave(n, dim=0)),
             positions=prompts.lengths.repeat_interleave(n),
-            write_start=layout.first_columns(prompts).repeat_interleave(n),
+            write_start=prompts.ends.repeat_interleave(n),  # (after each prompt's KV)
             max_new_tokens=r.config.max_new_tokens,
             cache_position=self.counts.prompt_length,  # (the input's width)
             prompt_visible=layout.prompt_visible(prompts.columns, r.cache),
@@ -187,7 +187,7 @@ class ExtendCall(Call):
         live = turn.live.nonzero().flatten()
         r.layout.reserve(cache, live, self.decode_start[live])  # (the blocks its chunks write; before binding)
         cache.bind(context.bind(cache.decode_views))
-        with attention.decode_attention(r.adapter.model, context), segmented_mixers(r.adapter, cache):
+        with attention.rollout_attention(r.adapter.model, context), segmented_mixers(r.adapter, cache):
             live_logits = r.adapter.packed_logits(cache, turn.ids, turn.positions, turn.column, turn.last)
         self.logits = live_logits.new_zeros(self.history.rows, live_logits.shape[-1])  # rows left out have ended
         self.logits[context.rows] = live_logits

@@ -105,7 +105,7 @@ class DecodeStep:
         s.cache_position.add_(1)
         # A live row never passes the buffer's last column (its length covers the row's tokens); a row that
         # has ended may decode on as filler until the batch stops or retires it: it stays on the last column.
-        s.column.add_(1).clamp_(max=s.shape.mask_len - 1)
+        s.column.add_(1).clamp_(max=s.shape.key_columns - 1)
 
     def draw(self, logits: Tensor) -> None:
         """Sample every row's next token from its logits [rows, vocab] (with its log-probability when
@@ -114,9 +114,9 @@ class DecodeStep:
         if not self.params.greedy:
             self.watch_nonfinite(logits)
         if self.logprobs:
-            self.accept(*sample_with_logprobs(logits, self.params, self.state.keys, self.state.step))
+            self.accept(*sample_with_logprobs(logits, self.params, self.state.sample_keys, self.state.step))
         else:
-            self.accept(sample(logits, self.params, self.state.keys, self.state.step))
+            self.accept(sample(logits, self.params, self.state.sample_keys, self.state.step))
 
     def suppress_eos(self, logits: Tensor) -> Tensor:
         """While fewer than min_new_tokens tokens exist, EOS ids cannot be sampled (as HF's
@@ -207,7 +207,7 @@ class Decoder:
         self.graph_extra = graph_extra
         self.runner = DecodeRunner(step, compile, cuda_graphs, adapter.device)
         self.context = attention.DecodeAttention()
-        self.states: LRU[DecodeShape, DecodeState] = LRU(MAX_DECODE_STATES)
+        self.decode_states: LRU[DecodeShape, DecodeState] = LRU(MAX_DECODE_STATES)
         self._bound: DecodeState | None = None  # what the step, context and graph key point at
         self._bound_views: tuple[int, int] | None = None
         self._graph_keys: OrderedDict[int, None] = OrderedDict()  # hashes of the last _KEYS_KEPT keys met
@@ -220,7 +220,7 @@ class Decoder:
     def counters(self) -> DecodeCounters:
         runner = self.runner
         return DecodeCounters(
-            len(self.states),
+            len(self.decode_states),
             len(self._graph_keys),
             len(runner.graphs),
             self._compactions,
@@ -231,21 +231,21 @@ class Decoder:
 
     def release(self) -> None:
         """Forget every state and graph, and the last call's views of the KV cache."""
-        self.states.clear()
+        self.decode_states.clear()
         self.runner.reset()
         self.step.state, self.step.kwargs = None, {}
         self._bound = None
         self.context = attention.DecodeAttention()
 
     def batch(self, state: DecodeState, batch_map: compaction.BatchMap, **options) -> DecodeBatch:
-        """A batch over `state` with this decoder's cache, layout, pad id, states and sampler."""
+        """A batch over `state` with this decoder's cache, layout, pad id, decode states and sampler."""
         return DecodeBatch(
             self.cache,
             self.layout,
             state,
             batch_map,
             pad_id=self.pad_id,
-            states=self.state_for,
+            make_state=self.state_for,
             draw=self.draw,
             **options,
         )
@@ -260,7 +260,7 @@ class Decoder:
 
     def state_for(self, shape: DecodeShape) -> DecodeState:
         """The decode state of this shape, kept (least recently used dropped past MAX_DECODE_STATES)."""
-        return self.states.put(shape, self.states.get(shape) or DecodeState(shape, self.adapter.device))
+        return self.decode_states.put(shape, self.decode_states.get(shape) or DecodeState(shape, self.adapter.device))
 
     # --- a call ----------------------------------------------------------------------------------
     def start(
@@ -304,10 +304,10 @@ class Decoder:
             None,
             torch.arange(rows),
             first_logits,
-            keys=row_keys(seed, row_ids.to(batch.state.keys.device, torch.long)),
+            sample_keys=row_keys(seed, row_ids.to(batch.state.sample_keys.device, torch.long)),
             positions=positions,
             columns=torch.as_tensor(write_start, dtype=torch.long).expand(rows),
-            bias=visible_bias(visible, shape.mask_len),
+            bias=visible_bias(visible, shape.key_columns),
             live=live,
         )
         if batch.state.prompt_table is not None:  # (its prompts read stacked)
@@ -368,7 +368,7 @@ class Decoder:
                 written = self._make_room(batch, written, stretch)
                 self._reserve_blocks(batch, stretch)
                 self._bind(batch.state)  # (again after a compaction or a widening)
-                with attention.decode_attention(self.adapter.model, self.context):
+                with attention.rollout_attention(self.adapter.model, self.context):
                     for _ in range(stretch):
                         self.runner()
                 steps += stretch
@@ -401,7 +401,7 @@ class Decoder:
         rows' writes could pass its end. `written`: an upper bound of the columns written so far (None:
         unknown); the exact count is read (a host sync) only when the bound does not leave room. Returns the
         bound after the widening."""
-        width, cache = batch.state.shape.mask_len, self.cache
+        width, cache = batch.state.shape.key_columns, self.cache
         if width >= cache.decode_limit or (written is not None and written + stretch <= width):
             return written
         written = batch.written()  # host sync: only when the buffer may need widening
@@ -429,7 +429,7 @@ class Decoder:
         rows = [r for r, home in enumerate(homes) if home >= 0 and not known[home][1]]
         if not rows:
             return
-        until = [min(known[homes[r]][0] + stretch, s.shape.mask_len) for r in rows]
+        until = [min(known[homes[r]][0] + stretch, s.shape.key_columns) for r in rows]
         written = [known[homes[r]][0] for r in rows]  # (sliding-window blocks before their windows go back)
         changed = set(self.cache.reserve([homes[r] for r in rows], until, written))
         batch.load_tables([r for r in rows if homes[r] in changed])

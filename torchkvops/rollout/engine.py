@@ -294,7 +294,7 @@ class Rollout:
         seen = torch.arange(prompts.width, device=self.device)[None, :].expand(batch, -1) < common  # the common prefix
         context = packed_attention(packed, starts, seen)
         cache.bind(context.bind(cache.prompt_views))
-        with attention.decode_attention(self.adapter.model, context), segmented_mixers(self.adapter, cache):
+        with attention.rollout_attention(self.adapter.model, context), segmented_mixers(self.adapter, cache):
             logits = self.adapter.packed_logits(cache, packed.ids, packed.positions, packed.column, packed.last)
         return logits, common + packed.tokens
 

@@ -91,19 +91,19 @@ class RolloutKVCache(RecurrentStates, Cache):
 
         stored, kept = slots(*ATTENTION_KINDS), slots(RECURRENT)
         # Each model layer's slot: (group, index in it) of the KV its attention reads (KVViews.slots), and of
-        # its states (KVViews.states); None where it has none.
+        # its states (KVViews.state_slots); None where it has none.
         self.slots = tuple(None if source is None else stored[source] for source in self.spec.reads)
         self.state_slots = tuple(kept.get(layer) for layer in range(len(self.spec.reads)))
         for group, group_spec in zip(self.groups, self.spec.groups):
             if group.kind == RECURRENT:
-                group.row_layout = RowLayout(group_spec.states, dtype)
+                group.row_layout = RowLayout(group_spec.state_fields, dtype)
         self._storage: Tensor | None = None  # flat; every group's home views are carved out of it
         self._work: Tensor | None = None  # flat; a compacted batch's views are carved out of it
         self.layout = None  # the layout object the buffers are prepared for
         # The decode buffer's columns when every row runs to max_new_tokens: it starts narrower and is widened
         # (`widen`) as rows grow, up to this, so that its size follows the longest row, not the budget.
         self.decode_limit = 0
-        self.forward = None  # the metadata of the forward running now (bind)
+        self.metadata = None  # the metadata of the forward running now (bind)
         self.work_used_bytes = 0  # the largest compacted batch's views since the home views were made
         self.peak_used_bytes = 0  # the most `used_bytes` since `prepare`
         self._windows_before: dict[tuple[int, int], Tensor] = {}  # a decode step's (end_step)
@@ -349,7 +349,7 @@ class RolloutKVCache(RecurrentStates, Cache):
         for g in self.groups:
             g.pool = None
         self._set_home([[] for _ in self.groups])
-        self.forward = None
+        self.metadata = None
         if self.paged is not None:
             self.paged.release()
         self.paged = None
@@ -371,7 +371,7 @@ class RolloutKVCache(RecurrentStates, Cache):
 
     def bind(self, forward) -> None:
         """The metadata of the forward about to run (what `update` hands each layer's K and V to)."""
-        self.forward = forward
+        self.metadata = forward
 
     def expand_prompts(self, batch: int, repeats: int, num_tokens: int) -> None:
         """Copy layout: rows [0, batch) hold the prompts; make rows [0, batch*repeats) hold them, in
@@ -402,8 +402,8 @@ class RolloutKVCache(RecurrentStates, Cache):
     # rows after the model's forward (`end_step`).
     def _state_rows(self, layer_idx: int) -> tuple[CacheGroup, Tensor]:
         """The group of `layer_idx`'s states, and its rows in the bound forward's buffer: [rows, width]."""
-        views = self.forward.state_views()
-        group = self.groups[views.states[layer_idx][0]]
+        views = self.metadata.state_views()
+        group = self.groups[views.state_slots[layer_idx][0]]
         return group, group.rows(views, layer_idx)
 
     def _state(self, layer_idx: int, kind: str, state_idx: int) -> Tensor:
@@ -419,20 +419,20 @@ class RolloutKVCache(RecurrentStates, Cache):
         return {key: group.row_layout.view(rows, *key) for key in group.row_layout.places}
 
     def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> Tensor | None:
-        if not self.forward.continues:
+        if not self.metadata.continues:
             return None
         state = self._state(layer_idx, "conv", state_idx)
         self._windows_before[(layer_idx, state_idx)] = state.clone()
         return state
 
     def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> Tensor | None:
-        return self._state(layer_idx, "recurrent", state_idx) if self.forward.continues else None
+        return self._state(layer_idx, "recurrent", state_idx) if self.metadata.continues else None
 
     def update_conv_state(self, conv_states: Tensor, layer_idx: int, state_idx: int = 0, **kwargs) -> Tensor:
         """A forward that starts its rows: each keeps the window's last columns of `conv_states` ([rows,
         channels, tokens]: the convolution's input), zeros before a shorter input, as transformers' cache
         does. Returns the input (nothing came before it)."""
-        if self.forward.continues:  # decode updates the window in place (causal_conv1d_update)
+        if self.metadata.continues:  # decode updates the window in place (causal_conv1d_update)
             raise AssertionError(f"torchkvops: layer {layer_idx}'s conv state is updated in place in decode")
         state = self._state(layer_idx, "conv", state_idx)[: conv_states.shape[0]]
         state.copy_(kept_window(conv_states, state.shape[-1]))
@@ -440,8 +440,8 @@ class RolloutKVCache(RecurrentStates, Cache):
 
     def update_recurrent_state(self, recurrent_states: Tensor, layer_idx: int, state_idx: int = 0, **kwargs) -> Tensor:
         state = self._state(layer_idx, "recurrent", state_idx)[: recurrent_states.shape[0]]
-        if self.forward.continues:  # decode: ended rows keep theirs
-            ended = self.forward.ended.view(-1, *([1] * (state.dim() - 1)))
+        if self.metadata.continues:  # decode: ended rows keep theirs
+            ended = self.metadata.ended.view(-1, *([1] * (state.dim() - 1)))
             recurrent_states = torch.where(ended, state, recurrent_states.to(state.dtype))
         state.copy_(recurrent_states)
         return state
@@ -450,7 +450,7 @@ class RolloutKVCache(RecurrentStates, Cache):
         """After a decode step's forward: ended rows' convolution windows as they were before it."""
         if not self._windows_before:
             return
-        ended = self.forward.ended
+        ended = self.metadata.ended
         for (layer_idx, state_idx), before in self._windows_before.items():
             state = self._state(layer_idx, "conv", state_idx)
             state.copy_(torch.where(ended.view(-1, 1, 1), before, state))
@@ -461,15 +461,15 @@ class RolloutKVCache(RecurrentStates, Cache):
         """Hand a layer's K and V to the bound forward: it writes them where they go and returns what the
         model's attention reads. A layer that reads another layer's KV writes none: it gets that layer's."""
         if self.spec.reads[layer_idx] != layer_idx:
-            return self.forward.read(self, key_states, layer_idx)
-        return self.forward.write(self, key_states, value_states, layer_idx)
+            return self.metadata.read(self, key_states, layer_idx)
+        return self.metadata.write(self, key_states, value_states, layer_idx)
 
     def check_layout(self, key_states: Tensor, value_states: Tensor, layer_idx: int) -> None:
         """A layer's K and V fit its group's buffers (made once per forward before decode, which skips it)."""
         self.group_of(layer_idx)[0].check(key_states, value_states, layer_idx)
 
     def get_seq_length(self, layer_idx: int = 0):
-        return 0 if self.forward is None else self.forward.seq_length()
+        return 0 if self.metadata is None else self.metadata.seq_length()
 
     def get_mask_sizes(self, query_length, layer_idx: int = 0) -> tuple[int, int]:
         """Asked only when the model builds its own mask, which happens in an unpadded prefill (decode

@@ -72,10 +72,6 @@ class CopyLayout:
         """After the common prefix was computed once: every prompt's rows hold it (one copy per prompt)."""
         cache.expand_prompts(1, batch, common)
 
-    def first_columns(self, prompts) -> Tensor:
-        """[B] the decode buffer's column each prompt's rows write first: after its prompt's KV."""
-        return prompts.ends
-
     # --- the KV buffers -------------------------------------------------------------------------
     def kv_lengths(self, prompt_len: int, new_tokens: int) -> tuple[int, ...]:
         """The positions of each KV buffer. The last sampled token is never fed back: decode writes
@@ -111,10 +107,6 @@ class CopyLayout:
         PagedLayout takes blocks)."""
 
     # --- a call's first decode step ----------------------------------------------------------------
-    def first_column(self, prompt_len: int) -> int:
-        """The decode buffer's column the first decode step writes."""
-        return prompt_len
-
     def decode_visible(self, row_mask: Tensor) -> Tensor:
         """What each row sees of the decode buffer when decode starts ([rows, C] bool)."""
         return row_mask
@@ -174,7 +166,7 @@ class CopyLayout:
     def seat(self, batch, cache, home, row_mask: Tensor, rows: Tensor, samples: Tensor) -> Tensor:
         """Give rows `rows` (device int64) the prompt at `home` (its samples `samples`): each row's copy of
         the prompt goes to the decode buffer's first columns, where a call's rows hold it (each row then
-        writes from `first_column` on). Returns the rows' attention bias over the decode buffer ([rows,
+        writes from the prompt's width on). Returns the rows' attention bias over the decode buffer ([rows,
         columns])."""
         prompt_len, decode = row_mask.shape[1], cache.decode_views
         for dst, src in zip(decode.buffers, home.buffers):
@@ -288,7 +280,7 @@ class PagedLayout(CopyLayout):
         if views is None or _storage(home) != _storage(views):
             return home
         buffers = tuple(b[..., :0, :].clone() if p else b.clone() for b, p in zip(home.buffers, pooled))
-        return KVViews(buffers, home.slots, home.states)
+        return KVViews(buffers, home.slots, home.state_slots)
 
     def decode_shape(
         self,

@@ -43,7 +43,7 @@ def segmented_mixers(adapter, cache) -> Iterator[None]:
 def _packed_mixer_forward(mixer: nn.Module, previous, rollout_cache, hidden_states: Tensor, **kwargs) -> Tensor:
     original = own_forward(mixer, previous)
     given = kwargs.pop("cache", None)
-    context = getattr(rollout_cache, "forward", None)
+    context = getattr(rollout_cache, "metadata", None)
     if given is not rollout_cache or not isinstance(context, PackedAttention):
         return original(hidden_states, cache=given, **kwargs)
     kwargs.pop("attention_mask", None)  # (every chunk token is real)

@@ -26,7 +26,7 @@ class DecodeShape:
     whether log-probabilities are recorded."""
 
     rows: int
-    mask_len: int
+    key_columns: int
     max_new_tokens: int
     dtype: torch.dtype
     prompts: int = 0
@@ -82,7 +82,7 @@ class DecodeState:
         _Field(
             "bias",
             "row",
-            lambda s: (s.rows, 1, 1, s.mask_len),
+            lambda s: (s.rows, 1, 1, s.key_columns),
             None,
             "additive bias over the decode buffer's keys: 0 where a row may attend, -inf elsewhere",
         ),
@@ -105,7 +105,7 @@ class DecodeState:
         _Field(
             "kv_blocks",
             "row",
-            lambda s: _if(s.kv_block > 0, (s.rows, s.mask_len // max(s.kv_block, 1))),
+            lambda s: _if(s.kv_block > 0, (s.rows, s.key_columns // max(s.kv_block, 1))),
             torch.int32,
             "paged layout: each row's block table in the KV pool, a block per kv_block columns (block 0, a "
             "scratch block no row holds, where it has none yet: an ended row's filler writes land there)",
@@ -117,7 +117,7 @@ class DecodeState:
             doc="paged layout: the pool slot the row writes this step (its table's block for `column`, set by the step)",
         ),
         _Field("finished", "row", lambda s: (s.rows,), torch.bool),
-        _Field("keys", "row", lambda s: (s.rows,), doc="per-row sampling keys"),
+        _Field("sample_keys", "row", lambda s: (s.rows,), doc="per-row sampling keys"),
         _Field(
             "nonfinite_step",
             "row",

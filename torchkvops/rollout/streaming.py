@@ -78,7 +78,7 @@ class Admission:
         self.prefill_chunk = chunk  # the most prompts prefilled in one forward (None: all a decision asks)
         self.layout, self.cache = batch.layout, batch.cache
         self.seed, self.row_ids, self.live = seed, row_ids, live
-        self.first_column = self.layout.first_column(prompt_mask.shape[1])  # where an admitted row writes first
+        self.write_start = prompt_mask.shape[1]  # where an admitted row writes first: after its prompt's columns
         # Prompts prefilled whose samples have not all started: where their KV waits, their first logits and
         # mask (until the scheduler releases them).
         self.pending: dict[int, tuple[object, Tensor, Tensor]] = {}
@@ -123,9 +123,9 @@ class Admission:
             new_rows,
             samples,
             logits.expand(len(rows), -1).contiguous(),
-            keys=row_keys(self.seed, self.row_ids[global_rows]),
+            sample_keys=row_keys(self.seed, self.row_ids[global_rows]),
             positions=row_mask.sum(dim=1),
-            columns=torch.full((len(rows),), self.first_column, dtype=torch.long),
+            columns=torch.full((len(rows),), self.write_start, dtype=torch.long),
             bias=bias,
             live=self.live[global_rows],
         )

@@ -40,7 +40,7 @@ class History:
     tokens: list[Tensor]  # per row: its history after the prompt (int64)
     generated: list[Tensor]  # per row: 1 where the model generated the token, 0 where it was appended
     logprobs: list[Tensor] | None  # per row: each token's log-probability (0 on appended tokens)
-    first_column: Tensor  # [rows] the decode buffer's first column of each row's own KV (after its prompt's)
+    own_kv_start: Tensor  # [rows] the decode buffer's first column of each row's own KV (after its prompt's)
     prompt_columns: Tensor | None  # [rows, W] bool: the columns before it that hold the row's prompt
     frontier: Tensor  # [rows] int64: the first decode-buffer column after each row's history's KV
     last_position: Tensor  # [rows] int64: the position of each row's last token (which has no KV)
@@ -69,7 +69,7 @@ class History:
         prompt's end up to the frontier."""
         frontier = self.frontier if frontier is None else frontier
         index = torch.arange(columns, device=frontier.device)
-        visible = (index >= self.first_column[:, None]) & (index < frontier[:, None])
+        visible = (index >= self.own_kv_start[:, None]) & (index < frontier[:, None])
         if self.prompt_columns is not None:
             width = min(columns, self.prompt_columns.shape[1])
             visible[:, :width] |= self.prompt_columns[:, :width]
@@ -85,7 +85,7 @@ def first_history(output, prompts: Prompts, samples: int, layout, seed: int, row
     tokens = [output.responses[r, :n].clone() for r, n in enumerate(counts)]
     generated = [output.response_mask[r, :n].clone() for r, n in enumerate(counts)]
     logprobs = None if output.logprobs is None else [output.logprobs[r, :n].clone() for r, n in enumerate(counts)]
-    first_column = layout.first_columns(prompts).repeat_interleave(samples)
+    own_kv_start = prompts.ends.repeat_interleave(samples)  # (after each prompt's KV)
     prompt_columns = layout.decode_visible(prompts.columns.repeat_interleave(samples, dim=0))
     last_position = prompts.lengths.repeat_interleave(samples) + lengths - 1
     return History(
@@ -95,9 +95,9 @@ def first_history(output, prompts: Prompts, samples: int, layout, seed: int, row
         tokens,
         generated,
         logprobs,
-        first_column,
+        own_kv_start,
         prompt_columns if prompt_columns.shape[1] else None,
-        first_column + lengths - 1,
+        own_kv_start + lengths - 1,
         last_position,
         seed,
         row_ids,
