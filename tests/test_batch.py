@@ -10,7 +10,7 @@ from torchkvops.rollout import compaction
 from torchkvops.rollout.batch import DecodeBatch, visible_bias
 from torchkvops.rollout.decode import DecodeStep
 from torchkvops.rollout.kv_cache import RolloutKVCache
-from torchkvops.rollout.layouts import CopyLayout
+from torchkvops.rollout.layouts import DenseLayout
 from torchkvops.rollout.sampling import SamplingParams
 from torchkvops.rollout.state import DecodeShape, DecodeState
 
@@ -18,10 +18,10 @@ PAD, VOCAB, ROWS, COLUMNS, NEW = 0, 11, 8, 16, 6
 
 
 def make_batch(keeps_left: bool = True, output=None):
-    """A greedy batch of ROWS rows (4 prompts x 2 samples) over a copy-layout cache whose row r's KV holds
+    """A greedy batch of ROWS rows (4 prompts x 2 samples) over a dense cache (DenseLayout) whose row r's KV holds
     the value r everywhere (so that a moved row shows where it came from)."""
     cache = RolloutKVCache(KVShape(2, 1, 4), torch.float32, torch.device("cpu"))
-    layout = CopyLayout(2)
+    layout = DenseLayout(2)
     cache.prepare(layout, 4, ROWS, (COLUMNS,))
     for r in range(ROWS):
         cache.groups[0].decode_kv[:, :, r] = float(r)

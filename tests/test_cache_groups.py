@@ -16,7 +16,7 @@ from torchkvops.models.adapter import FULL_ATTENTION, CacheSpec, GroupSpec, KVSh
 from torchkvops.rollout import attention
 from torchkvops.rollout.attention import DecodeAttention, PrefillForward, torchkvops_attention
 from torchkvops.rollout.kv_cache import RolloutKVCache
-from torchkvops.rollout.layouts import CopyLayout
+from torchkvops.rollout.layouts import DenseLayout
 
 SPEC = CacheSpec(
     (GroupSpec(FULL_ATTENTION, (0, 2), 2, 8), GroupSpec(FULL_ATTENTION, (1, 3), 1, 16)),
@@ -30,10 +30,10 @@ B, N, P = 2, 3, 5  # prompts, samples per prompt, prompt length
 ROWS = B * N
 
 
-def make() -> tuple[RolloutKVCache, CopyLayout]:
-    """The dense copy layout's buffers (the expanded baseline's; the pool's groups: tests/test_paged_layout.py)."""
+def make() -> tuple[RolloutKVCache, DenseLayout]:
+    """Dense buffers (DenseLayout: the moves a hybrid's recurrent states make; the pool's groups: tests/test_paged_layout.py)."""
     cache = RolloutKVCache(SPEC, torch.float32, torch.device("cpu"))
-    layout = CopyLayout(N)
+    layout = DenseLayout(N)
     cache.prepare(layout, B, ROWS, layout.kv_lengths(P, 6))
     return cache, layout
 

@@ -18,7 +18,7 @@ from torchkvops import Rollout, RolloutConfig
 from torchkvops.rollout import compaction
 from torchkvops.rollout.graphs import DecodeRunner
 from torchkvops.rollout.kv_cache import KVShape, RolloutKVCache
-from torchkvops.rollout.layouts import CopyLayout
+from torchkvops.rollout.layouts import DenseLayout
 
 LAYOUTS = ["copy", "prefix", "paged"]
 SAMPLING = {"greedy": dict(), "seeded": dict(temperature=1.0, seed=3)}
@@ -178,7 +178,7 @@ def test_kv_compaction_gathers_the_rows_and_keeps_every_row_at_home():
     are gathered from: every layer must still get its rows); after decode every row's KV, what it had
     before the compactions and what it wrote after, is in its home row (Rollout.extend reads it there)."""
     cache = RolloutKVCache(KVShape(layers=3, kv_heads=2, head_dim=4), torch.float32, torch.device("cpu"))
-    cache.prepare(CopyLayout(3), 4, 12, (10,))
+    cache.prepare(DenseLayout(3), 4, 12, (10,))
     (group,) = cache.groups  # every layer's KV: one group
     group.decode_kv.copy_(torch.randn(group.decode_kv.shape))
     home_decode, expected = group.decode_kv, group.decode_kv.clone()

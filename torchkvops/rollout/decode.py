@@ -465,7 +465,10 @@ class Decoder:
         self.step.bind(state)
         self.context.load(state, cache)
         dynamic = [(t, (0,)) for t in state.tensors()] + [(state.bias, (0, 3))]
-        dynamic += [(t, self.layout.decode_buffer_dims) for t in cache.decode_views.buffers]
+        # The decode buffers (the pools, a hybrid's states) by their addresses, no dim marked: a pool's blocks
+        # change only when it grows (a recompile then, after which Dynamo's automatic dynamic shapes take
+        # over), and a marked pool made the next call's prefill recompile.
+        dynamic += [(t, ()) for t in cache.decode_views.buffers]
         dynamic += self.layout.dynamic_tensors(state, cache)
         # Once per tensor, with every dim it was listed with (rows, and for some the key length).
         merged: dict[int, tuple[Tensor, set[int]]] = {}

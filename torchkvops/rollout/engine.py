@@ -35,7 +35,7 @@ from .config import RolloutConfig, RolloutOutput
 from .decode import FINISHED_CHECK_INTERVAL, Decoder, DecodeStep
 from .kv_budget import budget_blocks, call_blocks
 from .kv_cache import RolloutKVCache
-from .layouts import CopyLayout, layout_for
+from .layouts import DenseLayout, layout_for
 from .lm_head import Float32LMHead
 from .packed_states import segmented_mixers
 from .packing import pack
@@ -334,7 +334,7 @@ class Rollout:
         def prefill(prompts: list[int]) -> tuple[KVViews, Tensor, Tensor]:
             index = torch.tensor(prompts, device=self.device)
             ids, mask = input_ids[index], attention_mask[index]
-            scratch.prepare(CopyLayout(1), len(prompts), len(prompts), (prompt_len,))
+            scratch.prepare(DenseLayout(1), len(prompts), len(prompts), (prompt_len,))
             scratch.bind(self._scratch_prefill_kv.bind(scratch.prompt_views))
             positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
             cache_position = torch.arange(prompt_len, device=self.device)

@@ -1,7 +1,7 @@
 """The KV layouts (`RolloutConfig.kv_sharing`) as objects: everything that differs between them.
 
-- `CopyLayout`: one dense KV buffer of rows x (P + R - 1) positions, each row's prompt in its own row: what
-  a streaming batch's scratch cache prefills its prompts into, and what the layouts below share.
+- `DenseLayout`: one dense KV buffer of rows x positions, each row's prompt in its own row: what a streaming
+  batch's scratch cache prefills its prompts into, and what the layouts below share.
 - `PagedLayout` ("paged") and its two named ways of reading (`PagedCopyLayout`, "copy";
   `PagedPrefixLayout`, "prefix"): every full-attention group's KV in a pool of blocks taken as rows grow
   (`paged_store`), a prompt's whole blocks shared by its rows by reference; "copy" reads each row through
@@ -32,7 +32,7 @@ from .paged_store import KV_BLOCK_SIZE, SCRATCH_BLOCK
 from .state import DecodeShape
 
 __all__ = [
-    "CopyLayout",
+    "DenseLayout",
     "PagedLayout",
     "PagedCopyLayout",
     "PagedPrefixLayout",
@@ -56,13 +56,14 @@ def round_up(n: int, multiple: int = KV_LENGTH_MULTIPLE) -> int:
     return max(1, -(-n // multiple)) * multiple
 
 
-class CopyLayout:
-    """Every row holds its prompt's KV, then its own (module docstring)."""
+class DenseLayout:
+    """Each row's KV in dense rows of its own (module docstring): what a streaming batch's scratch cache
+    prefills its prompts into, and what the paged layouts share of a layout (`PagedLayout` holds all the
+    rest). The unit tests of the dense buffers' moves (expansion, compaction), which the recurrent groups'
+    states make as these do, use it alone."""
 
-    name = "copy"
-    needs_shared_prefill = False  # (the expanded baseline prefills every row's copy: this layout's own)
+    name = "dense"
     paged = False  # the KV in blocks taken as rows grow (PagedLayout)
-    decode_buffer_dims = (2, 4)  # the decode buffers' dims that vary between calls (rows, columns)
 
     def __init__(self, samples: int):
         self.samples = samples
@@ -97,50 +98,10 @@ class CopyLayout:
         """After a shared prefill of `batch` prompts: each prompt's KV in its N rows."""
         cache.expand_prompts(batch, self.samples, prompt_len)
 
-    def lay_out_prompts(self, cache, prompts: int, width: int, common: int = 0) -> None:
-        """Before `prompts` prompts of `width` columns (the first `common` a prefix common to all, written
-        already) are written: nothing here (PagedLayout places the blocks that a stacked read views)."""
-
-    def reserve(self, cache, rows: list[int] | Tensor, until: list[int] | Tensor) -> None:
-        """Before a forward writes rows `rows` of the decode buffer up to column `until[i]` (host ints, or
-        device tensors read only where blocks are taken): nothing here (every row has its buffer's columns;
-        PagedLayout takes blocks)."""
-
     # --- a call's first decode step ----------------------------------------------------------------
     def decode_visible(self, row_mask: Tensor) -> Tensor:
         """What each row sees of the decode buffer when decode starts ([rows, C] bool)."""
         return row_mask
-
-    def prompt_visible(self, prompt_mask: Tensor, cache) -> Tensor | None:
-        """What each prompt's shared KV shows ([prompts, prompt buffer length] bool), or None."""
-        return None
-
-    def decode_shape(
-        self,
-        cache,
-        rows: int,
-        prompts: int,
-        max_new_tokens: int,
-        dtype,
-        logprobs: bool,
-        slots: int = 0,
-        prompt_columns: int = 0,
-        common: int = 0,
-    ):
-        """The decode state's shape for `rows` rows; `prompts` (and their `slots` query slots, and
-        `prompt_columns`, the columns of their `prompt_visible`, the first `common` of them a prefix common to
-        every prompt): the prompts' KV read apart from the rows'."""
-        return DecodeShape(rows, cache.decode_views.tokens, max_new_tokens, dtype, logprobs=logprobs)
-
-    def batch_map(self, rows: int) -> BatchMap:
-        """The host-side map of a batch of `rows` rows as a call starts them (N rows per prompt)."""
-        return BatchMap(rows)
-
-    # --- decode ------------------------------------------------------------------------------------
-    def dynamic_tensors(self, state, cache) -> list[tuple[Tensor, tuple[int, ...]]]:
-        """The tensors a decode step reads whose dims vary between calls, besides the state's rows and
-        the decode buffer: (tensor, dims)."""
-        return []
 
     # --- a streaming batch (torchkvops.rollout.streaming) -----------------------------------------------
     def stream_map(self, rows: int) -> BatchMap:
@@ -155,33 +116,8 @@ class CopyLayout:
         wait)."""
         return [kv.narrow_rows(i, 1) for i in range(len(prompts))]
 
-    def keep_apart(self, home: KVViews, scratch) -> KVViews:
-        """A waiting prompt's KV, copied out of the scratch cache the next prefill overwrites (every
-        group's views lie in one allocation: the first group's tells)."""
-        views = scratch.prompt_views
-        if views is not None and _storage(home) == _storage(views):
-            return home.clone()
-        return home
-
-    def seat(self, batch, cache, home, row_mask: Tensor, rows: Tensor, samples: Tensor) -> Tensor:
-        """Give rows `rows` (device int64) the prompt at `home` (its samples `samples`): each row's copy of
-        the prompt goes to the decode buffer's first columns, where a call's rows hold it (each row then
-        writes from the prompt's width on). Returns the rows' attention bias over the decode buffer ([rows,
-        columns])."""
-        prompt_len, decode = row_mask.shape[1], cache.decode_views
-        for dst, src in zip(decode.buffers, home.buffers):
-            for layer in range(dst.shape[0]):
-                dst[layer][:, rows, :, :prompt_len] = src[layer].expand(-1, rows.numel(), -1, -1, -1)
-        visible = torch.full((rows.numel(), decode.tokens), float("-inf"), device=rows.device)
-        visible[:, :prompt_len] = torch.where(row_mask, 0.0, float("-inf"))
-        return visible
-
     def release_rows(self, batch, rows: list[int]) -> None:
         """Rows whose samples ended leave their prompt (nothing to do: each row held its own copy)."""
-
-    def drop_prompt(self, batch, prompt: int) -> None:
-        """A streaming batch no longer keeps prompt `prompt`'s KV for samples that wait (nothing here: the
-        admission drops its copy)."""
 
 
 def _storage(views: KVViews) -> int:
@@ -189,18 +125,15 @@ def _storage(views: KVViews) -> int:
     return views.buffers[0].untyped_storage().data_ptr()
 
 
-class PagedLayout(CopyLayout):
-    """The copy layout's rows (each row reads its prompt's KV, then its own, through one block table), their
-    KV in blocks of a pool taken as they grow (`paged_store`): a prompt's full blocks shared by its N rows
+class PagedLayout(DenseLayout):
+    """Each row reads its prompt's KV, then its own, through one block table, their KV in blocks of a pool
+    taken as they grow (`paged_store`): a prompt's full blocks shared by its N rows
     by reference, a row's memory what it holds, not the longest row's or the budget's (issue #52)."""
 
     name = "paged"
     needs_shared_prefill = True  # (a prompt's blocks are written once and shared)
     paged = True
     block_size = KV_BLOCK_SIZE
-    # None marked: a pool's blocks change only when it grows (a recompile then, after which Dynamo's
-    # automatic dynamic shapes take over), and a marked pool made the next call's prefill recompile.
-    decode_buffer_dims = ()
 
     # A call's rows read their prompt's whole blocks (which every row of the prompt names in its table, shared
     # by reference) once a step for the rows' stacked queries, when
@@ -342,7 +275,7 @@ class PagedPrefixLayout(PagedLayout):
 LAYOUTS = {layout.name: layout for layout in (PagedCopyLayout, PagedPrefixLayout, PagedLayout)}
 
 
-def layout_for(kv_sharing: str, samples: int, shared_prefill: bool = True) -> CopyLayout:
+def layout_for(kv_sharing: str, samples: int, shared_prefill: bool = True) -> PagedLayout:
     """The layout object of RolloutConfig.kv_sharing, for `samples` rows per prompt (the expanded baseline,
     without a shared prefill: "copy", on the pool too, so that it differs from the shared modes only by the
     prefill each row makes alone)."""

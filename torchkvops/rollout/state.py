@@ -33,7 +33,7 @@ class DecodeShape:
     prompt_len: int = 0
     logprobs: bool = False
     slots: int = 0
-    kv_block: int = 0  # the KV pool's block size (0: a dense buffer's state, CopyLayout's: no pool)
+    kv_block: int = 0  # the KV pool's block size (0: a dense buffer's state, DenseLayout's: no pool)
     # Prompts read stacked after a prefix common to every prompt: the columns of its whole blocks, read once a
     # step for every row's queries (the prompts' own part then starts there; 0: none).
     common_len: int = 0
