@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import argparse
 
-from .checks import device_name, int_in
-from .launch import add_threads_argument
-from .model import DTYPE_NAMES
+from .checks import CLIError, device_name, int_in
+from .launch import add_threads_argument, resolve_device, set_threads
+from .model import DTYPE_NAMES, resolve_dtype
 
 __all__ = [
     "MODEL_POSITIONS",
@@ -25,6 +25,8 @@ __all__ = [
     "MAX_SEED",
     "add_model_group",
     "add_shape_arguments",
+    "check_shape_positions",
+    "shape_device_and_dtype",
     "run_header",
 ]
 
@@ -105,6 +107,21 @@ def add_shape_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--device", type=device_name, default=None, help=DEVICE_HELP)
     p.add_argument("--dtype", choices=list(DTYPE_NAMES), default="fp32", help="the weights' dtype")
+
+
+def check_shape_positions(args: argparse.Namespace, longest: int, what: str) -> None:
+    """`what` (the flags whose sum it is) reaching `longest` tokens fits the --model-shape's positions."""
+    limit = MODEL_POSITIONS[args.model_shape]
+    if longest > limit:
+        raise CLIError(f"{what} reach {longest} tokens, more than the {args.model_shape} shape's {limit} positions")
+
+
+def shape_device_and_dtype(args: argparse.Namespace):
+    """A model-shape benchmark's set-up: --threads applied, then its (device, dtype)."""
+    set_threads(args)
+    device = resolve_device(args.device)
+    _, dtype = resolve_dtype(args.dtype, device)
+    return device, dtype
 
 
 def run_header(args: argparse.Namespace, device, notes: dict, **more) -> dict:

@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 from ..bench import op
 from ..bench.op import DTYPE_NAMES, ITEMSIZE, METHODS, MiB, format_table, peak_bytes, plan
+from .arguments import DEVICE_HELP
 from .checks import CLIError, available_memory_bytes, check_output_file, device_name, float_in, gib, int_in
 from .launch import add_threads_argument, resolve_device, set_threads
 
@@ -40,9 +41,7 @@ def methods_list(text: str) -> list[str]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--device", type=device_name, default=None, help="cpu, cuda or cuda:N (default: cuda when available, else cpu)"
-    )
+    p.add_argument("--device", type=device_name, default=None, help=DEVICE_HELP)
     p.add_argument("--dtype", choices=sorted(DTYPE_NAMES), default="fp16", help="the cache's element type")
     p.add_argument("--batch", type=int_in(1), default=8, help="prompts B (rows [0, B) hold them)")
     p.add_argument("--repeats", type=int_in(2), default=4, help="samples per prompt N (rows = B*N; 1 moves nothing)")

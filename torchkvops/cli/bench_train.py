@@ -7,10 +7,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .arguments import MODEL_POSITIONS, add_shape_arguments, run_header
-from .checks import CLIError, check_output_file, int_in
-from .launch import add_threads_argument, resolve_device, set_threads
-from .model import resolve_dtype
+from .arguments import add_shape_arguments, check_shape_positions, run_header, shape_device_and_dtype
+from .checks import check_output_file, int_in
+from .launch import add_threads_argument
 
 __all__ = ["NAME", "HELP", "DESCRIPTION", "EPILOG", "add_arguments", "check_args", "execute"]
 
@@ -45,13 +44,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def check_args(args) -> None:
     """The checks argparse cannot make one flag at a time, before any work (no torch needed)."""
-    limit = MODEL_POSITIONS[args.model_shape]
     longest = max(args.prompt_lengths) + max(args.completion_lengths)
-    if longest > limit:
-        raise CLIError(
-            f"--prompt-lengths + --completion-lengths reach {longest} tokens, more than the "
-            f"{args.model_shape} shape's {limit} positions"
-        )
+    check_shape_positions(args, longest, "--prompt-lengths + --completion-lengths")
     check_output_file(args.output, "--output")
 
 
@@ -61,9 +55,7 @@ def execute(args: argparse.Namespace) -> int:
     from ..bench.train import NOTES, cases, format_table, measure_case, train_model
     from .atomic_write import write_json_atomic
 
-    set_threads(args)
-    device = resolve_device(args.device)
-    _, dtype = resolve_dtype(args.dtype, device)
+    device, dtype = shape_device_and_dtype(args)
     model = train_model(args.model_shape, device, dtype, args.seed)
     header = run_header(args, device, NOTES)
     results = []

@@ -7,10 +7,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .arguments import MODEL_POSITIONS, add_shape_arguments, run_header
+from .arguments import add_shape_arguments, check_shape_positions, run_header, shape_device_and_dtype
 from .checks import CLIError, check_output_file, int_in
-from .launch import add_threads_argument, resolve_device, set_threads
-from .model import resolve_dtype
+from .launch import add_threads_argument
 
 __all__ = ["NAME", "HELP", "DESCRIPTION", "EPILOG", "add_arguments", "check_args", "execute"]
 
@@ -57,13 +56,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def check_args(args) -> None:
     """The checks argparse cannot make one flag at a time, before any work (no torch needed)."""
-    limit = MODEL_POSITIONS[args.model_shape]
     longest = args.prompt_length + args.turns * args.response_length + (args.turns - 1) * args.append_length
-    if longest > limit:
-        raise CLIError(
-            f"--prompt-length + --turns x --response-length + (--turns - 1) x --append-length reach {longest} "
-            f"tokens, more than the {args.model_shape} shape's {limit} positions"
-        )
+    check_shape_positions(
+        args, longest, "--prompt-length + --turns x --response-length + (--turns - 1) x --append-length"
+    )
     if not 0 <= args.temperature < float("inf"):
         raise CLIError(f"--temperature must be a finite number >= 0, got {args.temperature}")
     check_output_file(args.output, "--output")
@@ -76,9 +72,7 @@ def execute(args: argparse.Namespace) -> int:
     from ..models import build_model
     from .atomic_write import write_json_atomic
 
-    set_threads(args)
-    device = resolve_device(args.device)
-    _, dtype = resolve_dtype(args.dtype, device)
+    device, dtype = shape_device_and_dtype(args)
     model = build_model(args.model_shape, dtype, device, args.seed)
     case = TurnsCase(
         args.prompts,
