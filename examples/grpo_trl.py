@@ -7,7 +7,15 @@
 Everything else is a plain TRL script: a random-weight model of a named shape (saved to a temporary folder,
 from which TRL also loads the reference model; nothing is downloaded), a word-level tokenizer built in
 memory, an in-memory dataset of prompts and a toy reward (the share of a completion's words that are
-"lucky": a fixed quarter of the vocabulary, picked by hash). TRL's RepeatSampler puts the num_generations
+"lucky": a fixed quarter of the vocabulary, picked by hash).
+
+The shapes are an RL run's, where sharing the prompt matters: every prompt starts with one system prompt
+(--system-prompt-length words; computed once for all rows, wherever each row's left padding puts it), the
+prompts are long (--prompt-length) and the budget generous (--max-completion-length 256) while responses end
+at EOS at spread lengths: a random-weight model would never pick EOS, so its EOS logit is set to give each
+sampled token the probability 1 / --mean-completion-length of being EOS (torchkvops.bench.lengths'
+"eos-rate"; a real model, --model-path, ends its responses itself). After the table the script says how
+many generate calls torchkvops served and what they computed. TRL's RepeatSampler puts the num_generations
 copies of each prompt next to each other: the patched generate prefills each prompt once and decodes its
 samples from one expanded KV cache; the patched forward computes each prompt once in the old-policy and
 reference log-probability passes and in the loss's forward and backward.
@@ -27,7 +35,7 @@ then each setting's total over all steps and the speedups against "neither". Dro
 every setting (TRL's disable_dropout sets nn.Dropout to 0 but not the float OPT's layers pass to
 functional dropout; a shared forward cannot share dropout masks, and would fall back). On CPU:
 
-    .venv/bin/python examples/grpo_trl.py                    # tiny model, both and neither (about a minute)
+    .venv/bin/python examples/grpo_trl.py                    # tiny model, both and neither (about 2 minutes)
     .venv/bin/python examples/grpo_trl.py --model-shape opt-125m --prompt-length 512 --exact-prompt-length \
         --max-completion-length 64 --num-generations 8 --batch-size 8 --beta 0.04 --num-iterations 2 --steps 2
     .venv/bin/python examples/grpo_trl.py --settings both generate forward neither --steps 4
@@ -118,19 +126,21 @@ def build_tokenizer(config) -> PreTrainedTokenizerFast:
 
 
 def build_dataset(
-    num_prompts: int, prompt_length: int, seed: int = 0, exact: bool = False, chat: bool = False
+    num_prompts: int, prompt_length: int, seed: int = 0, exact: bool = False, chat: bool = False, system: int = 0
 ) -> Dataset:
     """Prompts of prompt_length // 2 to prompt_length words (so TRL left-pads them), or of exactly
-    prompt_length words; with `chat`, each as one user message (TRL applies the tokenizer's chat
-    template)."""
+    prompt_length words, each after the same system prompt of `system` words (0: none); with `chat`, a
+    system message and a user message (TRL applies the tokenizer's chat template)."""
     rng = random.Random(seed)
     shortest = prompt_length if exact else max(1, prompt_length // 2)
     prompts = [
         " ".join(rng.choice(WORDS) for _ in range(rng.randint(shortest, prompt_length))) for _ in range(num_prompts)
     ]
+    instructions = " ".join(random.Random(seed + 1).choice(WORDS) for _ in range(system))
     if chat:
-        return Dataset.from_dict({"prompt": [[{"role": "user", "content": p}] for p in prompts]})
-    return Dataset.from_dict({"prompt": prompts})
+        head = [{"role": "system", "content": instructions}] if system else []
+        return Dataset.from_dict({"prompt": [[*head, {"role": "user", "content": p}] for p in prompts]})
+    return Dataset.from_dict({"prompt": [f"{instructions} {p}" if system else p for p in prompts]})
 
 
 def is_lucky(word: str) -> bool:
@@ -167,6 +177,7 @@ class StepTimer(TrainerCallback):
         self._current = None
         self._optimizer_start = None
         self.stage: str | None = None  # the stage a backbone call belongs to
+        self.generate_calls: list = []  # each generate call's RolloutProfile when torchkvops served it, or None
 
     def record(self, what: str, ms: float) -> None:
         if self._current is not None:
@@ -175,6 +186,11 @@ class StepTimer(TrainerCallback):
     def record_call(self, rows: int, length: int) -> None:
         if self._current is not None and self.stage is not None:
             self.calls[-1].setdefault(self.stage, []).append((rows, length))
+
+    def generate_call(self, profile) -> None:
+        """A generate call ended: `profile` is torchkvops' profile of it when it served the call, else None
+        (HF's own generate ran it)."""
+        self.generate_calls.append(profile)
 
     def on_step_begin(self, args, state, control, **kwargs):
         self._current = {"generate": 0.0, "logprob": 0.0}
@@ -288,9 +304,11 @@ def run(setting: str, args, checkpoint: str, output_dir: str) -> dict:
     disable_dropout(model)  # see the docstring: the same in every setting
     if tokenizer is None:
         tokenizer = build_tokenizer(model.config)
-    forward_handles = []
+    if args.model_path is None and args.mean_completion_length:  # random weights: responses end at EOS (docstring)
+        ends_at_eos(model, args)
+    forward_handles, generate_handle = [], None
     if "generate" in patches:
-        torchkvops.patch_generate(model)  # <- the lines that differ from a plain TRL script
+        generate_handle = torchkvops.patch_generate(model)  # <- the lines that differ from a plain TRL script
     if "forward" in patches:
         forward_handles.append(torchkvops.patch_forward(model))
     timer = StepTimer()
@@ -319,6 +337,7 @@ def run(setting: str, args, checkpoint: str, output_dir: str) -> dict:
         seed=args.seed,
         exact=args.exact_prompt_length,
         chat=args.model_path is not None,
+        system=args.system_prompt_length,
     )
     trainer = GRPOTrainer(
         model=model,
@@ -330,11 +349,13 @@ def run(setting: str, args, checkpoint: str, output_dir: str) -> dict:
     )
     if trainer.ref_model is not None:
         disable_dropout(trainer.ref_model)
+        if args.model_path is None and args.mean_completion_length:
+            ends_at_eos(trainer.ref_model, args)  # (the policy's distribution, as the policy's own)
         if "forward" in patches:
             forward_handles.append(torchkvops.patch_forward(trainer.ref_model))
-    model.generate = timed(timer, "generate", model.generate)
+    model.generate = timed(timer, "generate", served_by(timer, generate_handle, model.generate))
     if args.continuous_batching:  # TRL then calls generate_batch (which patch_generate serves too)
-        model.generate_batch = timed(timer, "generate", model.generate_batch)
+        model.generate_batch = timed(timer, "generate", served_by(timer, generate_handle, model.generate_batch))
 
     def logprob_stage(pass_model, *args, **kwargs):  # TRL's calls: (model, input_ids, ...)
         if torch.is_grad_enabled():
@@ -359,6 +380,7 @@ def run(setting: str, args, checkpoint: str, output_dir: str) -> dict:
     rewards = [entry["reward"] for entry in trainer.state.log_history if "reward" in entry]
     shared = [h.stats for h in forward_handles]
     return {
+        "generate_calls": timer.generate_calls,
         "steps": timer.steps,
         "calls": timer.calls,
         "reward": rewards,
@@ -366,6 +388,50 @@ def run(setting: str, args, checkpoint: str, output_dir: str) -> dict:
         "shared_forward": shared,
         "weights": {n: p.detach().clone() for n, p in model.named_parameters()} if args.compare_weights else None,
     }
+
+
+def ends_at_eos(model, args) -> None:
+    """A random-weight model's responses end at EOS with probability about 1 / --mean-completion-length at
+    each sampled token (TRL samples at temperature 1.0), as a real model's end at spread lengths: its LM head
+    gets a bias, 0 but for EOS, whose logit it raises by log((V - 1) p / (1 - p)). (A random model's logits
+    are near-uniform, so EOS then takes about p of the softmax; the head stays an nn.Linear, which HF's
+    generate, torchkvops and TRL's fused log-prob head all read alike.)"""
+    import math
+
+    head = model.get_output_embeddings()
+    vocab = head.weight.shape[0]
+    p = 1.0 / args.mean_completion_length
+    biased = torch.nn.Linear(head.in_features, vocab, bias=True, dtype=head.weight.dtype)
+    biased.weight = head.weight  # (the same parameter: tied embeddings stay tied)
+    with torch.no_grad():
+        biased.bias.zero_()
+        biased.bias[model.config.eos_token_id] = math.log((vocab - 1) * p / (1 - p))
+    model.set_output_embeddings(biased)
+
+
+def served_by(timer: StepTimer, handle, generate):
+    """`generate`, telling the timer after each call whether torchkvops served it (its profile) or not."""
+
+    def wrapper(*args, **kwargs):
+        out = generate(*args, **kwargs)
+        timer.generate_call(None if handle is None else handle.last_profile())
+        return out
+
+    return wrapper
+
+
+def generate_summary(setting: str, calls: list) -> str:
+    """How many of a setting's generate calls torchkvops served, and what the served ones computed."""
+    served = [p for p in calls if p is not None]
+    if not served:
+        return f"generate ({setting}): {len(calls)} calls, none served by torchkvops (HF's generate ran them)"
+    rows = sum(p.batch_size * p.samples_per_prompt for p in served)
+    prompt_tokens = sum(p.batch_size * p.samples_per_prompt * p.prompt_length for p in served)
+    return (
+        f"generate ({setting}): {len(served)} of {len(calls)} calls served by torchkvops; {rows} rows, "
+        f"{sum(p.prefill_tokens for p in served)} prompt positions prefilled for their {prompt_tokens} "
+        f"(padded), {sum(p.generated_tokens for p in served)} tokens generated"
+    )
 
 
 def combine(runs: list[dict]) -> dict:
@@ -482,8 +548,23 @@ def main(argv=None) -> None:
         help="per-device train batch size, in completions (a multiple of --num-generations)",
     )
     parser.add_argument("--num-generations", type=int, default=8, help="completions per prompt")
-    parser.add_argument("--max-completion-length", type=int, default=64)
-    parser.add_argument("--prompt-length", type=int, default=128, help="longest prompt, in words (= tokens)")
+    parser.add_argument(
+        "--max-completion-length", type=int, default=256, help="the budget, in tokens (responses end sooner)"
+    )
+    parser.add_argument(
+        "--mean-completion-length",
+        type=int,
+        default=32,
+        help="--model-shape: the responses' mean length (EOS probability 1/this at every token; 0: the random\n"
+        "model's own, which never ends a response before the budget)",
+    )
+    parser.add_argument("--prompt-length", type=int, default=256, help="longest prompt, in words (= tokens)")
+    parser.add_argument(
+        "--system-prompt-length",
+        type=int,
+        default=64,
+        help="a system prompt of this many words before every prompt (0: none)",
+    )
     parser.add_argument(
         "--exact-prompt-length",
         action="store_true",
@@ -545,8 +626,14 @@ def main(argv=None) -> None:
     print()
     print(
         f"model {model_name}, {args.batch_size // args.num_generations} prompts x {args.num_generations} "
-        f"completions per step, prompts {'of' if args.exact_prompt_length else '<='} {args.prompt_length} tokens, "
-        f"<= {args.max_completion_length} new tokens, beta {args.beta}, num_iterations {args.num_iterations}, "
+        f"completions per step, a system prompt of {args.system_prompt_length} words, then prompts "
+        f"{'of' if args.exact_prompt_length else '<='} {args.prompt_length} words, <= {args.max_completion_length} "
+        + (
+            f"new tokens (EOS rate 1/{args.mean_completion_length} a token)"
+            if args.model_path is None and args.mean_completion_length
+            else "new tokens"
+        )
+        + f", beta {args.beta}, num_iterations {args.num_iterations}, "
         f"torch {torch.__version__}, {torch.get_num_threads()} threads"
         + (f", median of {args.rounds} interleaved rounds" if args.rounds > 1 else "")
     )
@@ -567,6 +654,7 @@ def main(argv=None) -> None:
     for setting, setting_runs in runs.items():
         last = setting_runs[-1]
         print(f"mean reward per step ({setting}): " + ", ".join(f"{r:.3f}" for r in last["reward"]))
+        print(generate_summary(setting, last["generate_calls"]))
         for stats in last["shared_forward"]:
             groups = ", ".join(f"{n} of {size}" for size, n in sorted(stats.group_sizes.items()))
             print(

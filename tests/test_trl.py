@@ -197,6 +197,10 @@ def test_example_script_prints_the_step_split_of_both_settings(tmp_path):
     assert "shared forward (both): 3 passes shared, 0 fell back" in result.stdout
     assert "shared forward (both): 1 passes shared, 0 fell back" in result.stdout
     assert "NOTE:" not in result.stdout  # nothing fell back to HF's generate or the plain forward
+    # Every generate call of the patched setting was served by torchkvops, none of the plain one's.
+    served = re.search(r"^generate \(both\): (\d+) of (\d+) calls served by torchkvops", result.stdout, re.M)
+    assert served and served[1] == served[2] and int(served[1]) >= 1, result.stdout[-2000:]
+    assert re.search(r"^generate \(neither\): \d+ calls, none served by torchkvops", result.stdout, re.M)
 
 
 CHECKPOINTING = {
