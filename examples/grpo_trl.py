@@ -312,38 +312,18 @@ def run(setting: str, args, checkpoint: str, output_dir: str) -> dict:
     if "forward" in patches:
         forward_handles.append(torchkvops.patch_forward(model))
     timer = StepTimer()
-    config = GRPOConfig(
-        output_dir=output_dir,
-        use_cpu=True,
-        bf16=False,
-        report_to="none",
-        seed=args.seed,
-        max_steps=args.steps,
-        per_device_train_batch_size=args.batch_size,
-        num_generations=args.num_generations,
-        max_completion_length=args.max_completion_length,
-        learning_rate=args.learning_rate,
-        beta=args.beta,
-        num_iterations=args.num_iterations,
-        logging_steps=1,
-        save_strategy="no",
-        disable_tqdm=True,
-        use_transformers_continuous_batching=args.continuous_batching,
-        **checkpointing(args.gradient_checkpointing),
-    )
-    dataset = build_dataset(
-        max(8, args.steps * args.batch_size),
-        args.prompt_length,
-        seed=args.seed,
-        exact=args.exact_prompt_length,
-        chat=args.model_path is not None,
-        system=args.system_prompt_length,
-    )
     trainer = GRPOTrainer(
         model=model,
         reward_funcs=lucky_word_reward,
-        args=config,
-        train_dataset=dataset,
+        args=grpo_config(args, output_dir),
+        train_dataset=build_dataset(
+            max(8, args.steps * args.batch_size),
+            args.prompt_length,
+            seed=args.seed,
+            exact=args.exact_prompt_length,
+            chat=args.model_path is not None,
+            system=args.system_prompt_length,
+        ),
         processing_class=tokenizer,
         callbacks=[timer],
     )
@@ -353,21 +333,7 @@ def run(setting: str, args, checkpoint: str, output_dir: str) -> dict:
             ends_at_eos(trainer.ref_model, args)  # (the policy's distribution, as the policy's own)
         if "forward" in patches:
             forward_handles.append(torchkvops.patch_forward(trainer.ref_model))
-    model.generate = timed(timer, "generate", served_by(timer, generate_handle, model.generate))
-    if args.continuous_batching:  # TRL then calls generate_batch (which patch_generate serves too)
-        model.generate_batch = timed(timer, "generate", served_by(timer, generate_handle, model.generate_batch))
-
-    def logprob_stage(pass_model, *args, **kwargs):  # TRL's calls: (model, input_ids, ...)
-        if torch.is_grad_enabled():
-            return "loss_forward"
-        ref = trainer.ref_model is not None and pass_model is trainer.ref_model
-        return "logprob", "logprob_ref" if ref else "logprob_old"
-
-    trainer._get_per_token_logps_and_entropies = timed(timer, logprob_stage, trainer._get_per_token_logps_and_entropies)
-    trainer.accelerator.backward = timed(timer, "backward", trainer.accelerator.backward)
-    for counted in (trainer.model, trainer.ref_model):
-        if counted is not None:
-            count_backbone_calls(timer, torchkvops_backbone(counted))
+    instrument(trainer, model, timer, generate_handle, args.continuous_batching)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", UserWarning)
         trainer.train()
@@ -388,6 +354,49 @@ def run(setting: str, args, checkpoint: str, output_dir: str) -> dict:
         "shared_forward": shared,
         "weights": {n: p.detach().clone() for n, p in model.named_parameters()} if args.compare_weights else None,
     }
+
+
+def grpo_config(args, output_dir: str) -> GRPOConfig:
+    """The same GRPO settings in every setting, on the CPU."""
+    return GRPOConfig(
+        output_dir=output_dir,
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        seed=args.seed,
+        max_steps=args.steps,
+        per_device_train_batch_size=args.batch_size,
+        num_generations=args.num_generations,
+        max_completion_length=args.max_completion_length,
+        learning_rate=args.learning_rate,
+        beta=args.beta,
+        num_iterations=args.num_iterations,
+        logging_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+        use_transformers_continuous_batching=args.continuous_batching,
+        **checkpointing(args.gradient_checkpointing),
+    )
+
+
+def instrument(trainer, model, timer: StepTimer, generate_handle, continuous_batching: bool) -> None:
+    """The timers of each stage TRL runs (module docstring), and the served-or-not record of each generate
+    call, wrapped around the calls TRL makes."""
+    model.generate = timed(timer, "generate", served_by(timer, generate_handle, model.generate))
+    if continuous_batching:  # TRL then calls generate_batch (which patch_generate serves too)
+        model.generate_batch = timed(timer, "generate", served_by(timer, generate_handle, model.generate_batch))
+
+    def logprob_stage(pass_model, *args, **kwargs):  # TRL's calls: (model, input_ids, ...)
+        if torch.is_grad_enabled():
+            return "loss_forward"
+        ref = trainer.ref_model is not None and pass_model is trainer.ref_model
+        return "logprob", "logprob_ref" if ref else "logprob_old"
+
+    trainer._get_per_token_logps_and_entropies = timed(timer, logprob_stage, trainer._get_per_token_logps_and_entropies)
+    trainer.accelerator.backward = timed(timer, "backward", trainer.accelerator.backward)
+    for counted in (trainer.model, trainer.ref_model):
+        if counted is not None:
+            count_backbone_calls(timer, torchkvops_backbone(counted))
 
 
 def ends_at_eos(model, args) -> None:
@@ -498,7 +507,7 @@ def speedups(results: dict) -> list[str]:
     return lines
 
 
-def main(argv=None) -> None:
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--model-shape", default="tiny", choices=list(MODEL_SHAPES))
     parser.add_argument(
@@ -534,6 +543,17 @@ def main(argv=None) -> None:
     )
     parser.add_argument("--no-patch-generate", action="store_true", help="turn patch_generate off in every setting")
     parser.add_argument("--no-patch-forward", action="store_true", help="turn patch_forward off in every setting")
+    add_shape_arguments(parser)
+    args = parser.parse_args(argv)
+    if args.batch_size % args.num_generations:
+        parser.error(
+            f"--batch-size ({args.batch_size}) must be a multiple of --num-generations ({args.num_generations})"
+        )
+    return args
+
+
+def add_shape_arguments(parser: argparse.ArgumentParser) -> None:
+    """The run's shapes: steps, rounds, batch, prompts, completions, GRPO's settings, seed and threads."""
     parser.add_argument("--steps", type=int, default=8, help="GRPO optimizer steps per setting")
     parser.add_argument(
         "--rounds",
@@ -591,11 +611,10 @@ def main(argv=None) -> None:
         help="torch CPU threads, 0 for torch's default (default 1: a small model's ops gain little\n"
         "from more, and on a busy machine OpenMP threads stall each op by milliseconds)",
     )
-    args = parser.parse_args(argv)
-    if args.batch_size % args.num_generations:
-        parser.error(
-            f"--batch-size ({args.batch_size}) must be a multiple of --num-generations ({args.num_generations})"
-        )
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore", category=FutureWarning)  # transformers' deprecation notes, from TRL's calls
@@ -622,6 +641,12 @@ def main(argv=None) -> None:
                     flush=True,
                 )
                 runs[setting].append(run(setting, args, checkpoint, os.path.join(tmp, f"{setting}{round_}")))
+    report(args, runs, model_name)
+
+
+def report(args, runs: dict[str, list[dict]], model_name: str) -> None:
+    """The table of each step's split per setting, the speedups, and what each setting's last round did."""
+    settings = list(runs)
     results = {setting: combine(setting_runs) for setting, setting_runs in runs.items()}
     print()
     print(

@@ -86,19 +86,44 @@ def worker(setting: str, out: str, ds3_gather: bool, peft: bool) -> None:
     rank = dist.get_rank()
     warnings.simplefilter("ignore")
     from transformers import AutoModelForCausalLM
-    from trl import GRPOConfig, GRPOTrainer
 
     import torchkvops
     from torchkvops.models import build_model
 
-    sys.path.insert(0, HERE)
-    import grpo_trl  # the offline tokenizer and in-memory dataset
+    sys.path.insert(0, HERE)  # (grpo_trl, which make_trainer imports)
 
     checkpoint = os.path.join(out, "model")
     if rank == 0 and not os.path.isdir(checkpoint):
         build_model("tiny", seed=0).save_pretrained(checkpoint)
     dist.barrier()
-    model = AutoModelForCausalLM.from_pretrained(checkpoint)
+    trainer = make_trainer(AutoModelForCausalLM.from_pretrained(checkpoint), setting, out, ds3_gather, peft)
+    patched = setting == "patched"
+    generate = torchkvops.patch_generate(trainer.model, gather_weights="auto" if patched else "per_step")
+    calls, fallbacks = record_calls(trainer, generate)
+    forward = torchkvops.patch_forward(trainer.model, min_shared_tokens=4) if patched else None
+    initial = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}  # not yet partitioned
+    trainer.train()
+    weights = full_weights(trainer.model)
+    result = {
+        "rank": rank,
+        # Per generate call: the bytes torchkvops gathered for it and the LoRA layers it merged; None: not served.
+        "calls": calls,
+        "fallbacks": len(fallbacks),
+        "forward": None if forward is None else [forward.stats.shared_calls, forward.stats.fallback_calls],
+        "update": max((weights[n] - t).abs().max().item() for n, t in initial.items()),
+        "trainable": sorted(n for n, p in trainer.model.named_parameters() if p.requires_grad),
+        "lora_layers": sum(type(m).__name__ == "Linear" and hasattr(m, "lora_A") for m in trainer.model.modules()),
+    }
+    torch.save({**result, "weights": weights}, os.path.join(out, f"{setting}_rank{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def make_trainer(model, setting: str, out: str, ds3_gather: bool, peft: bool):
+    """TRL's GRPOTrainer under ZeRO-3 (LoRA on every linear layer with `peft`), the same in both settings."""
+    import grpo_trl  # the offline tokenizer and in-memory dataset
+    from trl import GRPOConfig, GRPOTrainer
+
     peft_config = None
     if peft:
         from peft import LoraConfig
@@ -128,8 +153,12 @@ def worker(setting: str, out: str, ds3_gather: bool, peft: bool) -> None:
         processing_class=grpo_trl.build_tokenizer(model.config),
         peft_config=peft_config,
     )
-    patched = setting == "patched"
-    generate = torchkvops.patch_generate(trainer.model, gather_weights="auto" if patched else "per_step")
+    return trainer
+
+
+def record_calls(trainer, generate) -> tuple[list, list]:
+    """Each generate call's record, appended as it ends: [bytes gathered, LoRA layers merged] when torchkvops
+    served it, None when not; and one entry per call that went to HF's generate."""
     calls, fallbacks = [], []
     fallback = generate.session.original_generate
     generate.session.original_generate = lambda *a, **k: fallbacks.append(1) or fallback(*a, **k)
@@ -144,23 +173,7 @@ def worker(setting: str, out: str, ds3_gather: bool, peft: bool) -> None:
         return output
 
     trainer.model.generate = recorded
-    forward = torchkvops.patch_forward(trainer.model, min_shared_tokens=4) if patched else None
-    initial = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}  # not yet partitioned
-    trainer.train()
-    weights = full_weights(trainer.model)
-    result = {
-        "rank": rank,
-        # Per generate call: the bytes torchkvops gathered for it and the LoRA layers it merged; None: not served.
-        "calls": calls,
-        "fallbacks": len(fallbacks),
-        "forward": None if forward is None else [forward.stats.shared_calls, forward.stats.fallback_calls],
-        "update": max((weights[n] - t).abs().max().item() for n, t in initial.items()),
-        "trainable": sorted(n for n, p in trainer.model.named_parameters() if p.requires_grad),
-        "lora_layers": sum(type(m).__name__ == "Linear" and hasattr(m, "lora_A") for m in trainer.model.modules()),
-    }
-    torch.save({**result, "weights": weights}, os.path.join(out, f"{setting}_rank{rank}.pt"))
-    dist.barrier()
-    dist.destroy_process_group()
+    return calls, fallbacks
 
 
 def launch(setting: str, out: str, config: str, timeout: float) -> None:

@@ -149,7 +149,7 @@ def test_a_plan_always_makes_the_batch_smaller(monkeypatch):
     assert compaction.plan(finished, compaction.BatchMap(8)).size == 7
 
 
-def test_prefix_plan_gives_each_live_row_a_slot_of_its_prompt():
+def test_grouped_plan_gives_each_live_row_a_slot_of_its_prompt():
     g = torch.Generator().manual_seed(0)
     for trial in range(50):
         prompts_, samples = int(torch.randint(1, 9, (1,), generator=g)), int(torch.randint(1, 9, (1,), generator=g))

@@ -54,8 +54,8 @@ __all__ = [
     "DEFAULT_BENCH_ARGS",
 ]
 
-# The bare `torchkvops`: measured at 38 s on a shared 2-core CPU, model build included (5 iterations: 59 s);
-# with the four default modes (prefix added), 28 s on the same CPU, less loaded (2026-11-30).
+# The bare `torchkvops`: 45 s on this project's 2-core CPU with --threads 1 (threads_for_this_machine's
+# choice there), model build included (2026-12-07; the README says so).
 DEFAULT_BENCH_ARGS = [
     "--model-shape",
     "opt-125m",

@@ -118,11 +118,12 @@ def plan(finished: Tensor, batch: BatchMap, min_rows: int = 2) -> Plan | None:
     keep = torch.cat([live, ended[: size - live.numel()]])
     if batch.group is None:
         return Plan(keep)
-    return _prefix_plan(keep, live.numel(), batch, min_rows)
+    return _grouped_plan(keep, live.numel(), batch, min_rows)
 
 
-def _prefix_plan(keep: Tensor, n_live: int, batch: BatchMap, min_rows: int) -> Plan:
-    """The prompt groups and query slots of a compacted prefix-layout batch (see the module docstring)."""
+def _grouped_plan(keep: Tensor, n_live: int, batch: BatchMap, min_rows: int) -> Plan:
+    """The prompt groups and query slots of a compacted batch whose rows are grouped by prompt (the paged
+    layouts', which the stacked prompt reads use: see the module docstring)."""
     group = batch.group[keep]
     live_groups = group[:n_live].unique()  # sorted
     n_groups = min(batch.groups, max(bucket(live_groups.numel()), min_rows))

@@ -489,7 +489,8 @@ class RolloutKVCache(RecurrentStates, Cache):
     def is_compileable(self) -> bool:
         return True
 
-    # Per-layer kinds that transformers' mask builders read: every group is plain full attention.
+    # Per-layer kinds that transformers' mask builders read: none sliding, none built here (the rollout hands
+    # the model its own masks, a sliding window's included: ModelAdapter's masks).
     @property
     def is_sliding(self) -> list[bool]:
         return [False] * len(self)

@@ -16,6 +16,9 @@ import torch
 
 __all__ = ["RolloutProfile", "Clock", "StageTimer", "STAGES"]
 
+# A call's stages, in order. "prompt_expansion" is the stage before the prefill: the expanded baseline
+# repeats its prompts there, and a shared prefill finds a prefix common to every prompt (rollout.prompts);
+# its name is DeepSpeed's profile key (`prompt_expansion_ms`, which torchkvops.deepspeed reports), kept.
 STAGES = ("prompt_expansion", "prefill", "kv_expand", "decode", "post_processing")
 
 
