@@ -35,7 +35,7 @@ then each setting's total over all steps and the speedups against "neither". Dro
 every setting (TRL's disable_dropout sets nn.Dropout to 0 but not the float OPT's layers pass to
 functional dropout; a shared forward cannot share dropout masks, and would fall back). On CPU:
 
-    .venv/bin/python examples/grpo_trl.py                    # tiny model, both and neither (about 2 minutes)
+    .venv/bin/python examples/grpo_trl.py                    # tiny model, both and neither (2 min 12 s, 2-core CPU)
     .venv/bin/python examples/grpo_trl.py --model-shape opt-125m --prompt-length 512 --exact-prompt-length \
         --max-completion-length 64 --num-generations 8 --batch-size 8 --beta 0.04 --num-iterations 2 --steps 2
     .venv/bin/python examples/grpo_trl.py --settings both generate forward neither --steps 4

@@ -2,7 +2,7 @@
 generate call served from weights gathered once per call (not once per decode step), the training passes
 shared; the weights after two steps are those of a run with TRL's own training passes.
 
-    .venv/bin/python examples/grpo_trl_sharded.py                 # the matrix below, about 3 minutes on CPU
+    .venv/bin/python examples/grpo_trl_sharded.py                 # the matrix below, 2 min 16 s on a 2-core CPU (2026-12-07)
     .venv/bin/python examples/grpo_trl_sharded.py --configs zero3-nogather
 
 Each configuration runs twice under `torchrun --nproc-per-node 2` (gloo on 127.0.0.1, DeepSpeed's CPU

@@ -18,7 +18,7 @@ teacher a second seed of it; token ids synthetic. One process on the CPU: DeepSp
 stage `--zero-stage` (0 by default; 3 partitions every parameter, gathered once per rollout by torchkvops,
 per forward by HybridEngineRollout) over gloo on 127.0.0.1.
 
-    .venv/bin/python examples/opsd_deepspeed.py                       # tiny, both engines (under a minute)
+    .venv/bin/python examples/opsd_deepspeed.py                       # tiny, both engines (33 s on a 2-core CPU)
     .venv/bin/python examples/opsd_deepspeed.py --model-shape opt-125m --prompts 1 --samples 4 \
         --prompt-length 512 --max-new-tokens 32 --steps 3 --threads 2  # the seeds' shape
 """
