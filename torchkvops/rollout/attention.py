@@ -418,7 +418,7 @@ def torchkvops_attention(
     softcap = applied_softcap(kwargs.get("softcap"), _implementation)
     if isinstance(context, PackedAttention):
         return context.attend(module, query, key, value, scaling, window, sinks, softcap), None
-    attend = functools.partial(_attend, softcap=softcap)  # (the layer's: capped where the model caps)
+    attend = _attend if softcap is None else functools.partial(_attend, softcap=softcap)  # (the layer's)
     rows, heads, q_len, head_dim = query.shape
     kv_heads = key.shape[1]
     group = heads // kv_heads
