@@ -66,7 +66,7 @@ want="$sources $(sha1sum < pyproject.toml)"
 # A build of the same sources is kept outside the clone, keyed by everything it is compiled from (the
 # sources above, the Python, and the settings setup.py reads; not pyproject.toml, whose edit only installs
 # the same build again), as ccache keeps a compiler's: a fresh clone on a machine that built these sources
-# once installs the same library without compiling it again (5 minutes of a 2-core machine).
+# once installs the same library without compiling it again (2-5 minutes of a 2-core machine).
 # TORCHKVOPS_NO_BUILD_CACHE=1 always compiles; the cache is ${TORCHKVOPS_BUILD_CACHE:-~/.cache/torchkvops/builds},
 # one folder per key.
 build_key="$(printf '%s|%s|%s|%s|%s|%s' "$sources" "$("$py" -c 'import sys; print(sys.version)')" \
