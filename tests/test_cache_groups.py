@@ -12,7 +12,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from torchkvops.models.adapter import FULL_ATTENTION, CacheSpec, GroupSpec, KVShape
+from torchkvops.models.adapter import CacheSpec, GroupSpec, KVShape
+from torchkvops.models.families import FULL_ATTENTION
 from torchkvops.rollout import attention
 from torchkvops.rollout.attention import DecodeAttention, PrefillForward, torchkvops_attention
 from torchkvops.rollout.kv_cache import RolloutKVCache
@@ -172,7 +173,7 @@ def test_a_config_with_sliding_layers_gives_a_sliding_window_group_beside_the_fu
     kind, the window on the sliding one only, and the cache's groups of those kinds; a group whose kind
     and window disagree is refused."""
     from torchkvops.models import model_config
-    from torchkvops.models.adapter import SLIDING_WINDOW
+    from torchkvops.models.families import SLIDING_WINDOW
     from torchkvops.rollout.cache_groups import CacheGroup, SlidingWindowGroup
 
     spec = CacheSpec.from_config(model_config("gemma3-small"))

@@ -31,10 +31,6 @@ __all__ = [
     "KVShape",
     "GroupSpec",
     "CacheSpec",
-    "FULL_ATTENTION",
-    "SLIDING_WINDOW",
-    "RECURRENT",
-    "ATTENTION_KINDS",
     "model_state",
     "unwrap_model",
     "is_peft_model",
@@ -62,13 +58,6 @@ class KVShape:
 
     def buffer_shape(self, rows: int, tokens: int) -> tuple[int, ...]:
         return (self.layers, 2, rows, self.kv_heads, tokens, self.head_dim)
-
-
-# The kinds of cache group (`GroupSpec.kind`, as vLLM's KVCacheSpec kinds; `models.families`): what a
-# group's layers store, and so how its rows are expanded, gathered and extended
-# (`torchkvops.rollout.cache_groups`): attention layers' KV, every key (FULL_ATTENTION) or the keys of a
-# sliding window (SLIDING_WINDOW: a key `window` or more positions before the query is never read again,
-# so the paged layout gives its blocks back), or recurrent layers' fixed-size states (RECURRENT).
 
 
 @dataclasses.dataclass(frozen=True)

@@ -34,8 +34,11 @@ __all__ = [
     "REFUSED_ATTENTION_ARGUMENTS",
 ]
 
-# The kinds of cache group (`models.adapter.GroupSpec.kind`): keys and values kept whole, keys and values
-# read within a window, and recurrent layers' fixed-size states (a convolution window, a recurrent state).
+# The kinds of cache group (`models.adapter.GroupSpec.kind`, as vLLM's KVCacheSpec kinds): what a group's
+# layers store, and so how its rows are expanded, gathered and extended (`rollout.cache_groups`): attention
+# layers' KV, every key (FULL_ATTENTION) or the keys of a sliding window (SLIDING_WINDOW: a key `window` or
+# more positions before the query is never read again, so the paged layout gives its blocks back), or
+# recurrent layers' fixed-size states (RECURRENT: a convolution window, a recurrent state).
 FULL_ATTENTION = "full_attention"
 SLIDING_WINDOW = "sliding_window"
 RECURRENT = "recurrent"

@@ -22,7 +22,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from ..models.adapter import FULL_ATTENTION, RECURRENT, SLIDING_WINDOW, GroupSpec
+from ..models.adapter import GroupSpec
+from ..models.families import FULL_ATTENTION, RECURRENT, SLIDING_WINDOW
 from ..ops import repeat_kv_cache_
 
 __all__ = [

@@ -36,7 +36,8 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import Cache
 
-from ..models.adapter import ATTENTION_KINDS, RECURRENT, CacheSpec, KVShape
+from ..models.adapter import CacheSpec, KVShape
+from ..models.families import ATTENTION_KINDS, RECURRENT
 from ..models.recurrent import RecurrentStates, RowLayout, kept_window
 from .cache_groups import CacheGroup, KVViews, make_group
 from .compaction import COMPACT_FRACTION

@@ -25,7 +25,7 @@ import math
 import torch
 from torch import Tensor
 
-from ..models.adapter import ATTENTION_KINDS
+from ..models.families import ATTENTION_KINDS
 from .cache_groups import KVViews
 from .compaction import BatchMap
 from .paged_store import KV_BLOCK_SIZE, SCRATCH_BLOCK

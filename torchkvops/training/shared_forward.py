@@ -481,8 +481,9 @@ def position_numbering(backbone: nn.Module) -> str | None:
 def _unsupported_model(backbone: nn.Module) -> str | None:
     config = backbone.config
     model_type = getattr(config, "model_type", None)
-    if family_of(config).refused is not None:
-        return f"model type {model_type!r} is not supported: it {family_of(config).refused}"
+    refused = family_of(config).refused
+    if refused is not None:
+        return f"model type {model_type!r} is not supported: it {refused}"
     if position_numbering(backbone) is None:
         known = [name for name, family in FAMILIES.items() if family.refused is None and family.positions != "relative"]
         return (
